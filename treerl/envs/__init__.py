@@ -1,0 +1,1 @@
+"""Environments: the Gymnasium contract for multi-turn tool use, tools, parsers, verifiers."""

@@ -1,0 +1,1 @@
+"""treerl.rollout."""
