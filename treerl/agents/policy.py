@@ -1,0 +1,166 @@
+"""The policy interface: what the rollout engine asks of any generation backend.
+
+A policy turns token contexts into sampled continuations and reports, per sampled token,
+exactly what the learner needs to stay unbiased: the token id, the log-prob under the
+distribution it was actually drawn from (after temperature, top-k, top-p and min-p), the
+candidate set of that distribution, and the weights version that produced it.
+
+Backends: :class:`treerl.agents.transformers_policy.TransformersPolicy` (CPU and GPU,
+in-process) and :class:`treerl.agents.vllm_policy.VLLMPolicy` (the ``vllm`` extra).
+
+>>> params = SamplingParams(temperature=0.7, top_k=50, top_p=0.95, max_new_tokens=64)
+>>> request = GenerationRequest(prompt_ids=[1, 2, 3], params=params, seed=0, group="task-7")
+>>> request.params.top_k
+50
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+from torch import Tensor
+
+__all__ = ["SamplingParams", "GenerationRequest", "Generation", "FinishReason", "Policy"]
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to draw the next token from the model's logits.
+
+    The processing order is fixed and shared by every backend (it is vLLM's):
+    logits / temperature, then top-k, then min-p, then top-p on the renormalized survivors.
+    For greedy decoding use ``top_k=1`` (its log-probs are then 0, which is exact).
+
+    >>> SamplingParams(top_p=0.9)
+    Traceback (most recent call last):
+    ...
+    ValueError: SamplingParams.top_p=0.9 needs top_k: ...
+    """
+
+    temperature: float = 1.0
+    """Divides the logits before anything else; must be > 0 (greedy is ``top_k=1``)."""
+    top_k: int | None = None
+    """Keep the k most likely tokens; ``None`` keeps the whole vocabulary."""
+    top_p: float = 1.0
+    """Keep the smallest most-likely set whose probability mass reaches top_p (1.0: off)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` times the most likely one (0.0: off)."""
+    max_new_tokens: int = 256
+    """Stop with finish_reason "length" after this many sampled tokens."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop ids, added to the model's own end-of-turn ids."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature > 0):
+            raise ValueError(
+                f"SamplingParams.temperature={self.temperature!r} must be a finite number > 0: it divides "
+                "the logits. For greedy decoding set top_k=1 (with any temperature, e.g. 1.0)."
+            )
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 1):
+            raise ValueError(
+                f"SamplingParams.top_k={self.top_k!r} must be a positive int or None (the whole "
+                "vocabulary); set e.g. top_k=50, or top_k=None to turn it off."
+            )
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(
+                f"SamplingParams.top_p={self.top_p!r} must be in (0, 1]; 1.0 turns top-p off."
+            )
+        if not (0.0 <= self.min_p < 1.0):
+            raise ValueError(
+                f"SamplingParams.min_p={self.min_p!r} must be in [0, 1); 0.0 turns min-p off."
+            )
+        if self.top_k is None and (self.top_p < 1.0 or self.min_p > 0.0):
+            field = "top_p" if self.top_p < 1.0 else "min_p"
+            raise ValueError(
+                f"SamplingParams.{field}={getattr(self, field)!r} needs top_k: the candidate set of every "
+                "sampled token is recorded exactly so the learner can renormalize over it, and a top-p or "
+                "min-p set over the whole vocabulary is unbounded. Set a bound, e.g. top_k=50."
+            )
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise ValueError(
+                f"SamplingParams.max_new_tokens={self.max_new_tokens!r} must be an int >= 1; "
+                "it bounds the length of one turn, e.g. max_new_tokens=256."
+            )
+        # A list would make the dataclass unhashable, and backends key batches by params.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(
+                f"SamplingParams.stop_token_ids={self.stop_token_ids!r} must be non-negative token ids."
+            )
+
+
+@dataclass
+class GenerationRequest:
+    """One continuation to sample.
+
+    ``prompt_ids`` is the full token context (prompt and everything so far), never a delta:
+    backends that keep a cache find what is new themselves, so a caller cannot get it wrong.
+    """
+
+    prompt_ids: list[int]
+    """The full token context: prompt plus everything generated and observed so far."""
+    params: SamplingParams
+    """How to sample."""
+    seed: int | None = None
+    """Same seed and same context give the same tokens, whatever else is in the batch."""
+    group: str | None = None
+    """Requests of one group share a prompt (a GRPO group); backends prefill it once."""
+    session: str | None = None
+    """A multi-turn episode: continue from its cache when ``prompt_ids`` extends what it saw."""
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_ids) == 0:
+            raise ValueError(
+                "GenerationRequest.prompt_ids is empty: the model needs at least one token of context; "
+                "render the prompt (e.g. with a chat template) first."
+            )
+
+
+@dataclass
+class Generation:
+    """What a policy sampled for one request, token for token."""
+
+    token_ids: list[int]
+    """The sampled ids, including the stop token when finish_reason is "stop"."""
+    logprobs: list[float]
+    """Per token, its log-prob under the distribution it was drawn from (after all processing)."""
+    candidates: list[list[int]] | None
+    """Per token, the exact ids of that distribution's support; None: the whole vocabulary."""
+    finish_reason: FinishReason
+    """"stop" (an end-of-turn or stop id was sampled) or "length" (max_new_tokens reached)."""
+    policy_version: int
+    """The weights version that produced every token of this generation."""
+    num_prompt_tokens_processed: int
+    """Prompt tokens the model actually ran for this request (0 when shared or cached)."""
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A generation backend. ``version`` is the weights version stamped on generations."""
+
+    version: int
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        """Sample every request; results are in request order."""
+        ...
+
+    async def agenerate(self, request: GenerationRequest) -> Generation:
+        """Sample one request; concurrent awaiters are batched together."""
+        ...
+
+    def set_weights(self, weights: Mapping[str, Tensor] | str | os.PathLike, version: int) -> None:
+        """Load new weights (a state dict or a checkpoint path) and stamp ``version``."""
+        ...
+
+    def end_session(self, session: str) -> None:
+        """Forget a session's cache (a no-op for an unknown session)."""
+        ...

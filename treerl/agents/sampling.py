@@ -1,0 +1,154 @@
+"""The sampler: logits -> (token, log-prob, candidate set), pure functions shared by backends.
+
+The processing order is vLLM's, so that log-probs from either backend mean the same thing:
+``logits / temperature`` -> top-k -> min-p -> top-p (on the renormalized survivors). Every
+filter keeps a prefix of the tokens sorted by probability, so the support of the final
+distribution is "the first ``num_candidates`` of the top-k ids": cheap to store, exact to
+rebuild, and what the learner renormalizes over.
+
+Sampling is inverse-CDF with one uniform per row. The uniform comes from the request's own
+``torch.Generator``, so a row's tokens depend only on its seed and its context, never on
+which other rows share the batch.
+
+>>> import torch
+>>> from treerl.agents.policy import SamplingParams
+>>> logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+>>> processed = process_logits(logits, SamplingParams(top_k=2))
+>>> processed.candidate_ids.tolist(), processed.num_candidates.tolist()
+([[0, 1]], [2])
+>>> token_ids, logprobs = sample_processed(processed, torch.tensor([0.7]))
+>>> token_ids.tolist(), round(logprobs.item(), 4)  # 0.7 > 0.5/0.8 = 0.625: the second candidate
+([1], -0.9808)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from treerl.agents.policy import SamplingParams
+
+__all__ = [
+    "ProcessedLogits",
+    "SampledTokens",
+    "process_logits",
+    "sample_processed",
+    "candidate_lists",
+    "draw_uniforms",
+    "sample",
+]
+
+
+@dataclass(frozen=True)
+class ProcessedLogits:
+    """The distribution a token is drawn from, for a batch of rows."""
+
+    logprobs: Tensor
+    """(B, K) float32 log-probs; -inf outside the support."""
+    candidate_ids: Tensor | None
+    """(B, K) int64 vocabulary ids, most likely first; None: column j is token j (K = V)."""
+    num_candidates: Tensor | None
+    """(B,) int64 support size: the first ``num_candidates`` columns; None: the whole vocab."""
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    """One sampled token per row, with what the learner needs about its distribution."""
+
+    token_ids: Tensor
+    """(B,) int64."""
+    logprobs: Tensor
+    """(B,) float32, under the processed distribution."""
+    candidates: list[list[int]] | None
+    """Per row, the support's ids (most likely first); None: the whole vocabulary."""
+
+
+def process_logits(logits: Tensor, params: SamplingParams) -> ProcessedLogits:
+    """Apply temperature, top-k, min-p and top-p to ``logits`` (B, V); pure, float32.
+
+    >>> logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]]))
+    >>> p = process_logits(logits, SamplingParams(top_k=3, top_p=0.7))
+    >>> p.candidate_ids.tolist(), p.num_candidates.tolist()  # 0.6 < 0.7 <= 0.6 + 0.3
+    ([[1, 2, 0]], [2])
+    >>> [round(x, 4) for x in p.logprobs.exp().tolist()[0]]
+    [0.6667, 0.3333, 0.0]
+    """
+    z = logits.float() / params.temperature  # (B, V)
+    if params.top_k is None:
+        # SamplingParams guarantees top_p == 1 and min_p == 0 here.
+        return ProcessedLogits(torch.log_softmax(z, dim=-1), None, None)
+
+    k = min(params.top_k, z.shape[-1])
+    z_k, candidate_ids = torch.topk(z, k, dim=-1, sorted=True)  # (B, K) each, descending
+    keep = torch.ones_like(z_k, dtype=torch.bool)  # (B, K)
+    if params.min_p > 0.0:
+        # p_j >= min_p * p_max  <=>  z_j - z_max >= log(min_p): no softmax needed.
+        keep &= (z_k - z_k[:, :1]) >= math.log(params.min_p)
+    if params.top_p < 1.0:
+        probs = torch.softmax(z_k.masked_fill(~keep, -math.inf), dim=-1)  # (B, K)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        # Keep the smallest prefix whose mass reaches top_p; the first token always survives.
+        keep &= mass_before < params.top_p
+        keep[:, 0] = True
+    logprobs = torch.log_softmax(z_k.masked_fill(~keep, -math.inf), dim=-1)  # (B, K)
+    return ProcessedLogits(logprobs, candidate_ids, keep.sum(dim=-1))
+
+
+def sample_processed(processed: ProcessedLogits, uniforms: Tensor) -> tuple[Tensor, Tensor]:
+    """Inverse-CDF sample one token per row with ``uniforms`` (B,) in [0, 1).
+
+    Returns ``(token_ids (B,) int64, logprobs (B,) float32)``. A token outside the support
+    (probability 0) can never be drawn, whatever the rounding of the cumulative sum.
+    """
+    probs = processed.logprobs.exp()  # (B, K)
+    cdf = torch.cumsum(probs, dim=-1)  # (B, K)
+    total = cdf[:, -1:]  # (B, 1)
+    # Scaling by the total absorbs float32 error in the cumsum; capping just below it keeps a
+    # uniform that rounds up to the total from landing past the last positive-probability column.
+    target = torch.minimum(
+        uniforms.to(device=cdf.device, dtype=cdf.dtype).unsqueeze(-1) * total,
+        torch.nextafter(total, torch.zeros_like(total)),
+    )  # (B, 1)
+    columns = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)  # (B, 1)
+    logprobs = processed.logprobs.gather(-1, columns).squeeze(-1)  # (B,)
+    if processed.candidate_ids is None:
+        return columns.squeeze(-1), logprobs
+    return processed.candidate_ids.gather(-1, columns).squeeze(-1), logprobs
+
+
+def candidate_lists(processed: ProcessedLogits) -> list[list[int]] | None:
+    """The support of each row as a list of ids, most likely first; None for the whole vocab."""
+    if processed.candidate_ids is None:
+        return None
+    ids = processed.candidate_ids.tolist()
+    return [row[:n] for row, n in zip(ids, processed.num_candidates.tolist())]
+
+
+def draw_uniforms(generators: Sequence[torch.Generator], num: int = 1) -> Tensor:
+    """(B, num) float32 uniforms, row b from ``generators[b]`` (CPU generators).
+
+    Drawing on the CPU keeps a seed's stream identical on every device.
+    """
+    return torch.stack([torch.rand(num, generator=g, dtype=torch.float64) for g in generators]).float()
+
+
+def sample(logits: Tensor, params: SamplingParams, generators: Sequence[torch.Generator]) -> SampledTokens:
+    """Sample one token per row of ``logits`` (B, V), row b with ``generators[b]``.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> out = sample(torch.tensor([[0.0, 5.0, 0.0]]), SamplingParams(top_k=1), [g])
+    >>> out.token_ids.tolist(), out.logprobs.tolist(), out.candidates
+    ([1], [0.0], [[1]])
+    """
+    if len(generators) != logits.shape[0]:
+        raise ValueError(
+            f"sample got {logits.shape[0]} rows of logits but {len(generators)} generators; "
+            "pass one generator per row."
+        )
+    processed = process_logits(logits, params)
+    token_ids, logprobs = sample_processed(processed, draw_uniforms(generators)[:, 0])
+    return SampledTokens(token_ids, logprobs, candidate_lists(processed))
