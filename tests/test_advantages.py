@@ -1,0 +1,150 @@
+"""Advantages against loop-based references: group baselines, RLOO, scaling, several rewards."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from treerl.learners.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageConfig,
+    compute_advantages,
+    group_ids,
+    grpo_advantages,
+    rloo_advantages,
+)
+
+# Three groups with unsorted, non-contiguous labels; group 5 has zero variance and
+# group 9 a single episode.
+GROUP = [3, 5, 3, 3, 5, 9, 3, 5]
+REWARD = [1.0, 0.5, 0.0, 1.0, 0.5, 0.7, 0.25, 0.5]
+EPS = 1e-4
+
+
+def members(g):
+    return [i for i, x in enumerate(GROUP) if x == g]
+
+
+def sample_std(values):
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def reference(rewards, estimator, scale):
+    out = []
+    for i, g in enumerate(GROUP):
+        mine = [rewards[j] for j in members(g)]
+        if estimator == "grpo":
+            centered = rewards[i] - sum(mine) / len(mine)
+        else:
+            others = [rewards[j] for j in members(g) if j != i]
+            centered = rewards[i] - sum(others) / len(others) if others else 0.0
+        if scale == "group":
+            centered /= sample_std(mine) + EPS
+        elif scale == "batch":
+            centered /= sample_std(rewards) + EPS
+        out.append(centered)
+    return out
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("estimator", sorted(ADVANTAGE_ESTIMATORS))
+def test_matches_reference(estimator, scale):
+    cfg = AdvantageConfig(estimator=estimator, scale=scale, eps=EPS)
+    out = compute_advantages(torch.tensor(REWARD, dtype=torch.float64), torch.tensor(GROUP), cfg)
+    assert out.adv.tolist() == pytest.approx(reference(REWARD, estimator, scale), rel=1e-12, abs=1e-12)
+
+
+def test_rloo_is_the_leave_one_out_mean():
+    adv = rloo_advantages(torch.tensor([4.0, 1.0, 1.0, 2.0]), torch.tensor([0, 0, 0, 0]))
+    # 4 - mean(1, 1, 2), 1 - mean(4, 1, 2), ...
+    assert adv.tolist() == pytest.approx([4 - 4 / 3, 1 - 7 / 3, 1 - 7 / 3, 2 - 2.0])
+    # Sums to zero over a group, like the group-mean baseline, but larger by G / (G - 1).
+    grpo = grpo_advantages(torch.tensor([4.0, 1.0, 1.0, 2.0]), torch.tensor([0, 0, 0, 0]), scale="none")
+    torch.testing.assert_close(adv, grpo * 4 / 3)
+
+
+def test_singleton_group_gets_zero():
+    for estimator in sorted(ADVANTAGE_ESTIMATORS):
+        out = compute_advantages(torch.tensor([3.0]), torch.tensor([0]), AdvantageConfig(estimator=estimator))
+        assert out.adv.tolist() == [0.0]
+
+
+def test_zero_variance_groups_are_counted_and_get_zero_advantage():
+    out = compute_advantages(torch.tensor(REWARD), torch.tensor(GROUP), AdvantageConfig())
+    # Group 5 is constant; group 9 has one episode, so no variance either.
+    assert out.metrics["reward/num_zero_std_groups"].item() == 2.0
+    assert out.metrics["reward/zero_std_frac"].item() == pytest.approx(2 / 3)
+    for g in (5, 9):
+        assert all(out.adv[i].item() == 0.0 for i in members(g))
+    assert all(math.isfinite(a) for a in out.adv.tolist())
+    varied = compute_advantages(torch.tensor([0.0, 1.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]), AdvantageConfig())
+    assert varied.metrics["reward/num_zero_std_groups"].item() == 0.0
+
+
+def test_several_rewards_sum_then_normalize():
+    second = [0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    weights = [1.0, 0.5]
+    rewards = torch.tensor(list(zip(REWARD, second)), dtype=torch.float64)  # (E, 2)
+    out = compute_advantages(rewards, torch.tensor(GROUP), AdvantageConfig(eps=EPS), weights=weights)
+    combined = [weights[0] * a + weights[1] * b for a, b in zip(REWARD, second)]
+    assert out.adv.tolist() == pytest.approx(reference(combined, "grpo", "group"), rel=1e-12, abs=1e-12)
+    assert out.metrics["reward/mean"].item() == pytest.approx(sum(combined) / len(combined))
+    assert out.metrics["reward/1/mean"].item() == pytest.approx(sum(second) / len(second))
+    # Group 5's combined reward is no longer constant; only the singleton group is.
+    assert out.metrics["reward/num_zero_std_groups"].item() == 1.0
+
+
+def test_several_rewards_normalize_then_sum():
+    second = [0.0, 10.0, 100.0, 0.0, 30.0, 1.0, 100.0, 20.0]  # a much larger scale
+    weights = [1.0, 0.5]
+    rewards = torch.tensor(list(zip(REWARD, second)), dtype=torch.float64)
+    cfg = AdvantageConfig(multi_reward="normalize_then_sum", eps=EPS)
+    out = compute_advantages(rewards, torch.tensor(GROUP), cfg, weights=weights)
+    first_adv, second_adv = reference(REWARD, "grpo", "group"), reference(second, "grpo", "group")
+    expected = [weights[0] * a + weights[1] * b for a, b in zip(first_adv, second_adv)]
+    assert out.adv.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    # A group counts as zero-variance only if every reward is constant in it.
+    assert out.metrics["reward/num_zero_std_groups"].item() == 1.0
+
+
+def test_default_weights_are_ones():
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0]])
+    group = torch.tensor([0, 0, 0, 0])
+    default = compute_advantages(rewards, group, AdvantageConfig())
+    explicit = compute_advantages(rewards, group, AdvantageConfig(), weights=torch.tensor([1.0, 1.0]))
+    torch.testing.assert_close(default.adv, explicit.adv)
+
+
+def test_group_ids_are_dense():
+    ids, num_groups = group_ids(torch.tensor(GROUP))
+    assert num_groups == 3
+    assert ids.tolist() == [0, 1, 0, 0, 1, 2, 0, 1]
+
+
+def test_errors():
+    group = torch.tensor([0, 0])
+    with pytest.raises(ValueError, match="NaN"):
+        compute_advantages(torch.tensor([1.0, float("nan")]), group, AdvantageConfig())
+    with pytest.raises(ValueError, match="weights"):
+        compute_advantages(torch.ones(2, 3), group, AdvantageConfig(), weights=[1.0, 2.0])
+    with pytest.raises(ValueError, match="group"):
+        compute_advantages(torch.ones(3), group, AdvantageConfig())
+    with pytest.raises(ValueError, match="rewards"):
+        compute_advantages(torch.ones(2, 1, 1), group, AdvantageConfig())
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(estimator="ppo"), "estimator"),
+        (dict(scale="global"), "scale"),
+        (dict(multi_reward="max"), "multi_reward"),
+        (dict(eps=0.0), "eps"),
+    ],
+)
+def test_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        AdvantageConfig(**kwargs)
