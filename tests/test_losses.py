@@ -12,6 +12,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from treerl.learners.losses import (
     AGGREGATIONS,
@@ -474,3 +476,57 @@ def test_normalizer_errors():
     bad = LossNormalizer(num_tokens=3, num_sequences=2, episode_num_tokens=torch.tensor([2, 1, 0]))
     with pytest.raises(ValueError, match="episode_num_tokens"):
         compute_loss(inputs, LossConfig(policy_loss="grpo"), bad)
+
+
+# ---------------------------------------------------------------------------------------
+# Random batches and random splits (hypothesis): exactness is not an accident of the fixture.
+# ---------------------------------------------------------------------------------------
+
+
+@st.composite
+def batches(draw):
+    num_episodes = draw(st.integers(1, 4))
+    m = draw(st.integers(1, 12))
+    episode = draw(st.lists(st.integers(0, num_episodes - 1), min_size=m, max_size=m))
+    floats = st.floats(-2.0, 2.0, allow_nan=False)
+    logp = [-abs(x) - 0.01 for x in draw(st.lists(floats, min_size=m, max_size=m))]
+    delta = draw(st.lists(st.floats(-0.7, 0.7), min_size=m, max_size=m))
+    episode_adv = draw(st.lists(floats, min_size=num_episodes, max_size=num_episodes))
+    in_first = draw(st.lists(st.booleans(), min_size=m, max_size=m))
+    return num_episodes, episode, logp, delta, episode_adv, in_first
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=batches(), name=st.sampled_from(sorted(set(ALL_LOSSES) - SEQUENCE_LEVEL)))
+def test_any_split_of_token_level_losses_is_exact(batch, name):
+    num_episodes, episode, logp_values, delta, episode_adv, in_first = batch
+    cfg = make_config(name, beta=0.1)
+
+    def inputs_for(logp, idx):
+        lp = logp[idx]
+        return LossInputs(
+            logp=lp,
+            old_logp=lp.detach() + torch.tensor([delta[i] for i in idx], dtype=torch.float64),
+            sampler_logp=lp.detach(),
+            adv=torch.tensor([episode_adv[episode[i]] for i in idx], dtype=torch.float64),
+            episode=torch.tensor([episode[i] for i in idx], dtype=torch.long),
+            num_episodes=num_episodes,
+            ref_logp=lp.detach() - 0.1,
+        )
+
+    everything = list(range(len(episode)))
+    logp = torch.tensor(logp_values, dtype=torch.float64, requires_grad=True)
+    full = inputs_for(logp, everything)
+    expected = POLICY_LOSSES[name](full, cfg, LossNormalizer.from_inputs(full)).loss
+    expected.backward()
+
+    split_logp = torch.tensor(logp_values, dtype=torch.float64, requires_grad=True)
+    first = [i for i in everything if in_first[i]]
+    second = [i for i in everything if not in_first[i]]
+    parts = [inputs_for(split_logp, idx) for idx in (first, second)]  # one part may be empty
+    normalizer = LossNormalizer.from_micro_batches([p.episode for p in parts], num_episodes)
+    total = sum(POLICY_LOSSES[name](p, cfg, normalizer).loss for p in parts)
+    total.backward()
+
+    torch.testing.assert_close(total, expected, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(split_logp.grad, logp.grad, rtol=1e-9, atol=1e-12)
