@@ -436,10 +436,16 @@ def test_bridge_fields_are_consistent():
         Bridge(ids=[1], context_ids=[1])
 
 
-def test_assistant_message_carries_raw_text_only():
+def test_assistant_message_carries_raw_text_only(base_bpe):
     message = assistant_message(HERMES_CALL)
     assert message == {"role": "assistant", "content": HERMES_CALL}
-    assert json.loads(HERMES_CALL.split("\n")[1])["name"] == "multiply"
+    # Why no parsed tool_calls: the template renders them itself, so the call would appear
+    # twice and the rendering would no longer be the text the model wrote.
+    renderer, _ = make_renderer(base_bpe, "hermes")
+    call = json.loads(HERMES_CALL.split("\n")[1])
+    doubled = renderer.render([*QUESTION, {**message, "tool_calls": [{"type": "function", "function": call}]}])
+    assert doubled.count('"name": "multiply"') == 2
+    assert renderer.render([*QUESTION, message]).count('"name": "multiply"') == 1
 
 
 # -- the shipped tiny model's tokenizer ----------------------------------------------------
@@ -456,3 +462,12 @@ def test_tiny_model_tokenizer_is_append_only():
                                                 ("The answer is \\boxed{391}.", [{"role": "user", "content": "Thanks!"}])],
                       stop="<|im_end|>")
     assert path == renderer.prompt_ids(full)
+
+
+def test_module_doctests():
+    import doctest
+
+    import treerl.agents.chat as chat_module
+
+    result = doctest.testmod(chat_module)
+    assert result.attempted >= 5 and result.failed == 0
