@@ -1,0 +1,484 @@
+"""A generation backend on a transformers causal LM: batched KV-cache decoding on CPU or GPU.
+
+What it does beyond ``model.generate``:
+
+- **Shared prefill.** Requests with the same ``prompt_ids`` (a GRPO group) run the prompt
+  through the model once; its keys and values are then copied to every sample's row.
+- **Sessions.** A multi-turn episode keeps its cache between turns: the next request only
+  prefills the tokens after the longest prefix the session has already seen.
+- **Exact sampler records.** Every token comes with its processed log-prob and candidate
+  set (see :mod:`treerl.agents.sampling`), and a per-request seed makes it reproducible
+  whatever else shares the batch.
+
+Rows of different lengths share one left-padded :class:`~transformers.DynamicCache`; each
+row gets its own ``position_ids``, so padding never shifts a position and a row's keys and
+values are bit-for-bit what it would have alone (up to the padded attention's float order).
+
+>>> import torch
+>>> from transformers import Qwen3Config, Qwen3ForCausalLM
+>>> config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+...                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, eos_token_id=2)
+>>> policy = TransformersPolicy(Qwen3ForCausalLM(config), None)
+>>> params = SamplingParams(top_k=8, max_new_tokens=4)
+>>> [g] = policy.generate([GenerationRequest([5, 6, 7], params, seed=0)])
+>>> len(g.token_ids) == len(g.logprobs) == len(g.candidates), g.policy_version
+(True, 0)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from treerl.agents.policy import Generation, GenerationRequest, SamplingParams
+from treerl.agents.sampling import candidate_lists, process_logits, sample_processed
+
+__all__ = ["TransformersPolicy", "END_OF_TURN_TOKENS", "end_of_turn_ids", "load_state_dict"]
+
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+"""Chat-template end-of-turn tokens that stop a turn when the tokenizer's vocabulary has them."""
+
+# Per layer: (keys, values), each (rows, kv_heads, seq, head_dim).
+_KV = list[tuple[Tensor, Tensor]]
+
+
+def end_of_turn_ids(model, tokenizer=None) -> frozenset[int]:
+    """Every id that ends a turn: the generation config's eos (int or list), the tokenizer's
+    eos, and the template's end-of-turn tokens (:data:`END_OF_TURN_TOKENS`) it knows.
+
+    >>> from types import SimpleNamespace
+    >>> model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 9]))
+    >>> tokenizer = SimpleNamespace(eos_token_id=9, get_vocab=lambda: {"<|im_end|>": 4, "a": 5})
+    >>> sorted(end_of_turn_ids(model, tokenizer))
+    [4, 7, 9]
+    """
+    ids: set[int] = set()
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    ids.update([eos] if isinstance(eos, int) else (eos or []))
+    if tokenizer is not None:
+        if isinstance(getattr(tokenizer, "eos_token_id", None), int):
+            ids.add(tokenizer.eos_token_id)
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        ids.update(vocab[token] for token in END_OF_TURN_TOKENS if token in vocab)
+    return frozenset(int(i) for i in ids)
+
+
+def load_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
+    """Read a state dict from a safetensors file or a transformers checkpoint directory."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path), device="cpu")
+    if path.is_dir():
+        shards = sorted(path.glob("*.safetensors"))
+        if shards:
+            from safetensors.torch import load_file
+
+            return {k: v for shard in shards for k, v in load_file(str(shard), device="cpu").items()}
+        bins = sorted(path.glob("pytorch_model*.bin"))
+        if bins:
+            return {k: v for b in bins for k, v in torch.load(b, map_location="cpu", weights_only=True).items()}
+    raise FileNotFoundError(
+        f"set_weights: {str(path)!r} is neither a .safetensors file nor a checkpoint directory with "
+        "*.safetensors or pytorch_model*.bin files; save one with model.save_pretrained(dir) or pass a state dict."
+    )
+
+
+@dataclass
+class _Session:
+    token_ids: list[int]
+    """The tokens whose keys and values ``kv`` holds, in order."""
+    kv: _KV
+    """(1, kv_heads, len(token_ids), head_dim) per layer."""
+
+
+@dataclass
+class _Unit:
+    """One prefill: a context run through the model once and shared by ``rows``."""
+
+    prompt_ids: list[int]
+    past: _KV | None
+    """Keys and values of ``prompt_ids[:num_past]`` from a session, or None."""
+    num_past: int
+    rows: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Row:
+    index: int
+    """Position in the caller's request list."""
+    request: GenerationRequest
+    stop_ids: frozenset[int]
+    num_prompt_tokens_processed: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    candidates: list[list[int]] | None = None
+
+
+class TransformersPolicy:
+    """A :class:`~treerl.agents.policy.Policy` on a transformers causal LM.
+
+    Args:
+        model: a causal LM whose forward takes ``position_ids``, a 2D ``attention_mask``, a
+            ``DynamicCache`` and ``logits_to_keep`` (every decoder-only model in transformers).
+        tokenizer: used only to find end-of-turn ids; may be None.
+        device: where the model runs; the model is moved there.
+        max_batch_size: most rows decoded together; larger calls run in several batches.
+        version: the weights version stamped on generations.
+        max_sessions: sessions whose caches are kept; the least recently used is dropped
+            first (its next turn then prefills its whole context, which is correct, only slower).
+        batch_wait_s: how long ``agenerate`` waits for more requests before starting a batch.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        device: str | torch.device = "cpu",
+        max_batch_size: int = 64,
+        version: int = 0,
+        max_sessions: int = 1024,
+        batch_wait_s: float = 0.001,
+    ):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1, e.g. max_batch_size=64.")
+        if max_sessions < 0:
+            raise ValueError(f"max_sessions={max_sessions} must be >= 0 (0 keeps no session caches).")
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.max_sessions = max_sessions
+        self.batch_wait_s = batch_wait_s
+        self.version = version
+        self.stop_token_ids = end_of_turn_ids(model, tokenizer)
+        # transformers 5 renamed the forward's `past_key_values` to `cache`.
+        forward_params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        # One lock for the model: generate, set_weights and end_session never interleave.
+        self._lock = threading.RLock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._async_state: tuple[asyncio.AbstractEventLoop, list, asyncio.Task | None] | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        """Sample every request; results are in request order."""
+        sessions = [r.session for r in requests if r.session is not None]
+        if len(sessions) != len(set(sessions)):
+            raise ValueError(
+                "generate got two requests of the same session in one call; a session is one episode "
+                "with one next turn. Give each episode its own session id."
+            )
+        with self._lock, torch.inference_mode():
+            version = self.version
+            results: list[Generation | None] = [None] * len(requests)
+            for batch in self._batches(self._plan_units(requests)):
+                for row in self._run_batch(requests, batch):
+                    results[row.index] = Generation(
+                        token_ids=row.token_ids,
+                        logprobs=row.logprobs,
+                        candidates=row.candidates,
+                        finish_reason="stop" if row.token_ids[-1] in row.stop_ids else "length",
+                        policy_version=version,
+                        num_prompt_tokens_processed=row.num_prompt_tokens_processed,
+                    )
+        return results  # type: ignore[return-value]
+
+    async def agenerate(self, request: GenerationRequest) -> Generation:
+        """Sample one request. Requests awaited concurrently are decoded as one batch, in a
+        worker thread, so the event loop keeps running tools meanwhile."""
+        loop = asyncio.get_running_loop()
+        if self._async_state is None or self._async_state[0] is not loop:
+            self._async_state = (loop, [], None)
+        _, pending, task = self._async_state
+        future = loop.create_future()
+        pending.append((request, future))
+        if task is None or task.done():
+            self._async_state = (loop, pending, loop.create_task(self._batch_loop(loop, pending)))
+        return await future
+
+    def set_weights(self, weights: Mapping[str, Tensor] | str | os.PathLike, version: int) -> None:
+        """Load a state dict (or a checkpoint path, see :func:`load_state_dict`), set ``version``
+        and drop every session cache (it was computed with the old weights)."""
+        state_dict = weights if isinstance(weights, Mapping) else load_state_dict(weights)
+        with self._lock, torch.no_grad():
+            own = self.model.state_dict()
+            unexpected = [k for k in state_dict if k not in own]
+            if unexpected:
+                raise ValueError(
+                    f"set_weights: {len(unexpected)} keys are not in the model, e.g. {unexpected[:3]}; pass the "
+                    "state dict of the same architecture (for a PEFT model, merge the adapter first)."
+                )
+            # A missing key is fine only when it is tied to a loaded one (e.g. lm_head and embeddings).
+            loaded = {own[k].data_ptr() for k in state_dict}
+            missing = [k for k in own if k not in state_dict and own[k].data_ptr() not in loaded]
+            if missing:
+                raise ValueError(
+                    f"set_weights: {len(missing)} model weights are missing from the new weights, e.g. "
+                    f"{missing[:3]}; pass a full state dict (model.state_dict())."
+                )
+            self.model.load_state_dict(state_dict, strict=False)
+            self._sessions.clear()
+            self.version = int(version)
+
+    def end_session(self, session: str) -> None:
+        """Forget a session's cache (a no-op for an unknown session)."""
+        with self._lock:
+            self._sessions.pop(session, None)
+
+    # ------------------------------------------------------------------ planning
+
+    def _plan_units(self, requests: Sequence[GenerationRequest]) -> list[_Unit]:
+        """Group requests into prefills: one per continued session, one per distinct fresh prompt."""
+        units: list[_Unit] = []
+        by_prompt: dict[tuple[int, ...], _Unit] = {}
+        for i, request in enumerate(requests):
+            past = self._session_past(request)
+            if past is not None:
+                units.append(_Unit(list(request.prompt_ids), past[0], past[1], [i]))
+                continue
+            key = tuple(request.prompt_ids)
+            if key not in by_prompt:
+                by_prompt[key] = _Unit(list(request.prompt_ids), None, 0)
+                units.append(by_prompt[key])
+            by_prompt[key].rows.append(i)
+        return units
+
+    def _session_past(self, request: GenerationRequest) -> tuple[_KV, int] | None:
+        """The session's cached keys and values for the longest prefix it shares with the request."""
+        state = self._sessions.get(request.session) if request.session is not None else None
+        if state is None:
+            return None
+        self._sessions.move_to_end(request.session)
+        seen, prompt = state.token_ids, request.prompt_ids
+        if prompt[: len(seen)] == seen:
+            num_past = len(seen)
+        else:  # the context was edited (e.g. a template that is not append-only): reuse what still matches
+            num_past = next((j for j, (a, b) in enumerate(zip(seen, prompt)) if a != b), min(len(seen), len(prompt)))
+        # The last prompt token must run through the model: its logits give the first sample.
+        num_past = min(num_past, len(prompt) - 1)
+        if num_past == 0:
+            return None
+        return [(k[:, :, :num_past], v[:, :, :num_past]) for k, v in state.kv], num_past
+
+    def _batches(self, units: list[_Unit]) -> list[list[_Unit]]:
+        """Pack units into batches of at most max_batch_size rows, splitting a unit that is too big."""
+        batches: list[list[_Unit]] = [[]]
+        room = self.max_batch_size
+        for unit in units:
+            rows = unit.rows
+            while rows:
+                if room == 0:
+                    batches.append([])
+                    room = self.max_batch_size
+                take, rows = rows[:room], rows[room:]
+                batches[-1].append(_Unit(unit.prompt_ids, unit.past, unit.num_past, take))
+                room -= len(take)
+        return [b for b in batches if b]
+
+    # ------------------------------------------------------------------ model calls
+
+    def _forward(self, input_ids: Tensor, position_ids: Tensor, cache, attention_mask: Tensor | None) -> Tensor:
+        """Last-position logits (B, V) in float32."""
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        return out.logits[:, -1, :].float()
+
+    def _prefill(self, unit: _Unit) -> tuple[_KV, Tensor, int]:
+        """Run the unit's new tokens; returns its keys and values (one row), logits (1, V) and
+        the number of tokens run."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for layer_idx, (k, v) in enumerate(unit.past or []):
+            cache.update(k, v, layer_idx)
+        new_ids = unit.prompt_ids[unit.num_past:]
+        input_ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)  # (1, T)
+        position_ids = torch.arange(unit.num_past, len(unit.prompt_ids), device=self.device).unsqueeze(0)  # (1, T)
+        logits = self._forward(input_ids, position_ids, cache, None)
+        return [(layer.keys, layer.values) for layer in cache.layers], logits, len(new_ids)
+
+    # ------------------------------------------------------------------ one batch
+
+    def _run_batch(self, requests: Sequence[GenerationRequest], units: list[_Unit]) -> list[_Row]:
+        from transformers import DynamicCache
+
+        # 1. Prefill every unit once; its rows share the result.
+        prefilled = [self._prefill(unit) for unit in units]
+        rows: list[_Row] = []
+        prompt_lens: list[int] = []
+        for unit, (_, _, num_run) in zip(units, prefilled):
+            for j, i in enumerate(unit.rows):
+                request = requests[i]
+                rows.append(_Row(i, request, self.stop_token_ids | set(request.params.stop_token_ids),
+                                 num_run if j == 0 else 0))
+                prompt_lens.append(len(unit.prompt_ids))
+        num_rows, max_len = len(rows), max(prompt_lens)
+        max_steps = max(row.request.params.max_new_tokens for row in rows)
+
+        # 2. One left-padded batch cache: unit u's keys go to its rows' last L_u columns.
+        cache = DynamicCache()
+        num_layers = len(prefilled[0][0])
+        for layer_idx in range(num_layers):
+            k0, v0 = prefilled[0][0][layer_idx]
+            keys = k0.new_zeros(num_rows, k0.shape[1], max_len, k0.shape[3])  # (B, H, L, D)
+            values = v0.new_zeros(num_rows, v0.shape[1], max_len, v0.shape[3])
+            start = 0
+            for unit, (kv, _, _) in zip(units, prefilled):
+                stop, length = start + len(unit.rows), len(unit.prompt_ids)
+                keys[start:stop, :, max_len - length:] = kv[layer_idx][0]
+                values[start:stop, :, max_len - length:] = kv[layer_idx][1]
+                start = stop
+            cache.update(keys, values, layer_idx)
+        logits = torch.cat([lg.expand(len(u.rows), -1) for u, (_, lg, _) in zip(units, prefilled)])  # (B, V)
+        del prefilled
+
+        lengths = torch.tensor(prompt_lens, device=self.device)  # (B,)
+        padded = bool((lengths != max_len).any())
+        # Columns: max_len prompt slots, then one per fed token; zeros mark left padding.
+        mask = (torch.arange(max_len + max_steps, device=self.device) >= (max_len - lengths).unsqueeze(1)).long()
+        uniforms = self._uniforms(rows, max_steps)  # (B, max_steps)
+
+        # 3. Decode. `active[b]` is the index into `rows` of batch row b.
+        active = list(range(num_rows))
+        partitions = _partition([rows[i].request.params for i in active], self.device)
+        finished: list[_Row] = []
+        step = 0
+        while True:
+            token_ids, logprobs, candidates = self._sample_step(logits, partitions, uniforms[:, step])
+            token_list, logprob_list = token_ids.tolist(), logprobs.tolist()
+            keep: list[int] = []
+            for b, row_idx in enumerate(active):
+                row, token = rows[row_idx], token_list[b]
+                row.token_ids.append(token)
+                row.logprobs.append(logprob_list[b])
+                if candidates is not None and candidates[b] is not None:
+                    if row.candidates is None:
+                        row.candidates = []
+                    row.candidates.append(candidates[b])
+                if token in row.stop_ids or len(row.token_ids) >= row.request.params.max_new_tokens:
+                    # The cache holds the prompt and every sampled token but this last one.
+                    self._save_session(row, cache, b, max_len - prompt_lens[row_idx], max_len + step)
+                    finished.append(row)
+                else:
+                    keep.append(b)
+            if not keep:
+                break
+            if len(keep) < len(active):
+                index = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(index)
+                token_ids, lengths, mask, uniforms = token_ids[index], lengths[index], mask[index], uniforms[index]
+                active = [active[b] for b in keep]
+                partitions = _partition([rows[i].request.params for i in active], self.device)
+                # Columns a finished longer row needed may now be padding for every row left.
+                padded = bool((lengths != max_len).any())
+            position_ids = (lengths + step).unsqueeze(1)  # (B, 1)
+            attention_mask = mask[:, : max_len + step + 1] if padded else None
+            logits = self._forward(token_ids.unsqueeze(1), position_ids, cache, attention_mask)
+            step += 1
+        return finished
+
+    def _uniforms(self, rows: list[_Row], max_steps: int) -> Tensor:
+        """(B, max_steps) on the device: row b's stream from a generator seeded by its request.
+
+        Each row draws exactly max_new_tokens values, so its stream depends on nothing else.
+        """
+        out = torch.zeros(len(rows), max_steps, dtype=torch.float64)
+        for b, row in enumerate(rows):
+            seed = row.request.seed if row.request.seed is not None else secrets.randbits(63)
+            generator = torch.Generator().manual_seed(seed)
+            n = row.request.params.max_new_tokens
+            out[b, :n] = torch.rand(n, generator=generator, dtype=torch.float64)
+        return out.float().to(self.device)
+
+    @staticmethod
+    def _sample_step(logits: Tensor, partitions, uniforms: Tensor):
+        """Sample every batch row; returns (token_ids (B,), logprobs (B,), candidates or None)."""
+        if len(partitions) == 1:
+            params, _, _ = partitions[0]
+            processed = process_logits(logits, params)
+            token_ids, logprobs = sample_processed(processed, uniforms)
+            return token_ids, logprobs, candidate_lists(processed)
+        token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        logprobs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        candidates: list[list[int] | None] = [None] * logits.shape[0]
+        for params, index, index_list in partitions:
+            processed = process_logits(logits[index], params)
+            token_ids[index], logprobs[index] = sample_processed(processed, uniforms[index])
+            for b, c in zip(index_list, candidate_lists(processed) or [None] * len(index_list)):
+                candidates[b] = c
+        return token_ids, logprobs, candidates
+
+    def _save_session(self, row: _Row, cache, b: int, start: int, stop: int) -> None:
+        """Keep batch row b's cache columns [start, stop) as its session's state."""
+        session = row.request.session
+        if session is None or self.max_sessions == 0:
+            return
+        kv = [(layer.keys[b : b + 1, :, start:stop].clone(), layer.values[b : b + 1, :, start:stop].clone())
+              for layer in cache.layers]
+        self._sessions[session] = _Session(list(row.request.prompt_ids) + row.token_ids[:-1], kv)
+        self._sessions.move_to_end(session)
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+
+    # ------------------------------------------------------------------ async batching
+
+    async def _batch_loop(self, loop: asyncio.AbstractEventLoop, pending: list) -> None:
+        """Drain ``pending`` in batches; exits when it is empty (agenerate restarts it)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="treerl-policy")
+        while pending:
+            # Let requests started in the same tick (or within batch_wait_s) join this batch.
+            await asyncio.sleep(self.batch_wait_s)
+            batch = [(r, f) for r, f in pending[: self.max_batch_size] if not f.done()]
+            del pending[: self.max_batch_size]
+            if not batch:
+                continue
+            try:
+                generations = await loop.run_in_executor(self._executor, self.generate, [r for r, _ in batch])
+            except Exception as error:  # noqa: BLE001 - handed to every awaiter, not swallowed
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(error)
+                continue
+            for (_, future), generation in zip(batch, generations):
+                if not future.done():
+                    future.set_result(generation)
+
+    def close(self) -> None:
+        """Stop the worker thread used by ``agenerate``."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+def _partition(params: list[SamplingParams], device: torch.device) -> list[tuple[SamplingParams, Tensor, list[int]]]:
+    """Batch rows grouped by sampling params: [(params, row index tensor, row index list)]."""
+    groups: dict[SamplingParams, list[int]] = {}
+    for b, p in enumerate(params):
+        groups.setdefault(p, []).append(b)
+    return [(p, torch.tensor(idx, device=device), idx) for p, idx in groups.items()]
