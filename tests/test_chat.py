@@ -450,18 +450,34 @@ def test_assistant_message_carries_raw_text_only(base_bpe):
 
 # -- the shipped tiny model's tokenizer ----------------------------------------------------
 
+TINY_EPISODE = (
+    [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "What is 17 times 23?"}],
+    [(HERMES_CALL, [tool_msg("391")]),
+     ("The answer is \\boxed{391}.", [{"role": "user", "content": "Thanks!"}]),
+     ("You are welcome.", [tool_msg("1"), tool_msg("2")])],
+)
+
+
+def _check_append_only(tok):
+    renderer = ChatRenderer(tok, tools=[MULTIPLY])
+    messages, turns = TINY_EPISODE
+    path, full = play(renderer, tok, messages, turns, stop="<|im_end|>")
+    assert path == renderer.prompt_ids(full)
+    path, full = play(renderer, tok, messages, turns, canonical=False, stop="<|im_end|>")
+    assert path != renderer.prompt_ids(full) and decode(tok, path) == renderer.render(full)
+
+
+def test_tiny_model_template_and_tokenizer_recipe_are_append_only():
+    # The recipe the shipped tokenizer is built with, on a few sentences (no artifacts needed).
+    train_tiny = pytest.importorskip("treerl.models.train_tiny")
+    _check_append_only(train_tiny.train_tokenizer(CORPUS * 3, 500))
+
 
 @pytest.mark.skipif(not (TINY / "tokenizer.json").exists(), reason="the tiny model is not built yet")
-def test_tiny_model_tokenizer_is_append_only():
+def test_shipped_tiny_tokenizer_is_append_only():
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(TINY)
-    renderer = ChatRenderer(tok, tools=[MULTIPLY])
-    messages = [{"role": "user", "content": "What is 17 times 23?"}]
-    path, full = play(renderer, tok, messages, [(HERMES_CALL, [tool_msg("391")]),
-                                                ("The answer is \\boxed{391}.", [{"role": "user", "content": "Thanks!"}])],
-                      stop="<|im_end|>")
-    assert path == renderer.prompt_ids(full)
+    _check_append_only(AutoTokenizer.from_pretrained(TINY))
 
 
 def test_module_doctests():

@@ -202,7 +202,7 @@ class ChatRenderer:
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """The template's text for ``messages`` (with the tools and template variables)."""
-        text = self.tokenizer.apply_chat_template(
+        return self.tokenizer.apply_chat_template(
             list(messages),
             tools=self.tools,
             chat_template=self.chat_template,
@@ -210,7 +210,6 @@ class ChatRenderer:
             tokenize=False,
             **self.template_kwargs,
         )
-        return text
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text; no BOS/EOS added (the template writes its own)."""
