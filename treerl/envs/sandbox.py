@@ -59,7 +59,7 @@ interpreter as anything run after it and can tamper with it if it tries.
 
 Example:
     >>> result = run_python("print(input()[::-1])", stdin="abc\\n")  # doctest: +SKIP
-    >>> result.ok, result.stdout
+    >>> result.ok, result.stdout  # doctest: +SKIP
     (True, 'cba\\n')
 """
 

@@ -1,0 +1,495 @@
+"""Verifiers: turn a completion and a gold answer into a reward.
+
+Every reward function here returns a float and never raises for anything a model wrote
+(a bad rollout is data): unparsable text, pathological expressions, hangs and crashes
+all score 0.0. They raise ``ValueError`` only for the caller's own mistakes (no tests).
+
+- :func:`math_verify_reward` checks mathematical equivalence with math-verify (``1/2`` vs
+  ``0.5`` vs ``\\frac{1}{2}``). math-verify's own timeouts use ``signal.alarm``, which only
+  works in the main thread, so they are turned off (``parsing_timeout=None``,
+  ``timeout_seconds=None``) and the time limit is enforced from outside: parsing and
+  comparing run in a warm worker process (:class:`MathVerifier`) that is killed and
+  replaced when it overruns. That works from worker threads and event loops alike and
+  also bounds memory (sympy can try to build ``9^{9^{9^{9}}}``). Plain numbers skip the
+  worker: integer or decimal answers are compared in process, exactly.
+- :func:`exact_match_reward` and :func:`numeric_reward` are cheap string and number checks.
+- :func:`unit_test_reward` runs candidate code and assert-style tests in the sandbox.
+
+Costs measured on a 2-core CPU: the in-process fast path is a few microseconds; a worker
+round trip is about 1 ms on top of math-verify's own work; starting a worker (importing
+sympy) takes 1-2 s, paid once, and again after each timeout.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import re
+import secrets
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from fractions import Fraction
+
+from treerl.envs.sandbox import SandboxLimits, run_python
+
+__all__ = [
+    "extract_boxed",
+    "math_verify_reward",
+    "exact_match_reward",
+    "numeric_reward",
+    "unit_test_reward",
+    "MathVerifier",
+]
+
+
+# --- answer extraction ------------------------------------------------------------------
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def extract_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces and all.
+
+    Returns ``None`` when there is none whose braces close.
+
+    >>> extract_boxed(r"so $x = \\boxed{\\frac{1}{2}}$.")
+    '\\\\frac{1}{2}'
+    >>> extract_boxed(r"\\boxed{1} then \\boxed{ {2} }")
+    '{2}'
+    >>> extract_boxed("no box") is None
+    True
+    """
+    if not isinstance(text, str):
+        return None
+    for match in reversed(list(_BOXED.finditer(text))):
+        depth, i = 1, match.end()
+        while i < len(text):
+            ch = text[i]
+            if ch == "\\":
+                i += 2  # an escape: \{ and \} are literal braces, \\ is a line break
+                continue
+            if ch == "{":
+                depth += 1
+            elif ch == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[match.end() : i].strip()
+            i += 1
+    return None
+
+
+def _final_answer(text: str) -> str:
+    boxed = extract_boxed(text)
+    return boxed if boxed is not None else text
+
+
+# --- exact match ------------------------------------------------------------------------
+
+_TEXT_WRAPPER = re.compile(r"^\\(?:text|textbf|mathrm)\{(.*)\}$", re.DOTALL)
+
+
+def _normalize(answer: str) -> str:
+    answer = answer.strip().rstrip(".,;:!?").strip()
+    if len(answer) >= 2 and answer[0] == answer[-1] == "$":
+        answer = answer[1:-1].strip()
+    wrapped = _TEXT_WRAPPER.match(answer)
+    if wrapped:
+        answer = wrapped.group(1)
+    answer = " ".join(answer.split()).lower()
+    return answer.rstrip(".,;:!?").strip()
+
+
+def exact_match_reward(completion: str, gold: str, *, normalize: bool = True) -> float:
+    """1.0 when the answer equals the gold answer, else 0.0.
+
+    The answer is the last ``\\boxed{}`` when there is one, else the whole completion (the
+    same rule applies to ``gold``). ``normalize`` collapses whitespace, lowercases, and
+    drops surrounding ``$...$``, ``\\text{...}`` and trailing punctuation.
+
+    >>> exact_match_reward(r"The capital is \\boxed{Paris}.", "paris")
+    1.0
+    >>> exact_match_reward("  Paris. ", "Paris", normalize=False)
+    0.0
+    """
+    if not isinstance(completion, str) or not isinstance(gold, str):
+        return 0.0
+    answer, target = _final_answer(completion), _final_answer(gold)
+    if normalize:
+        answer, target = _normalize(answer), _normalize(target)
+    return 1.0 if answer == target else 0.0
+
+
+# --- numbers ----------------------------------------------------------------------------
+
+# Thousands separators only in groups of three, so "1,2,3" is three numbers, not 123.
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+(?:[eE][-+]?\d+)?")
+_FRAC = re.compile(r"^(-?)\\[dt]?frac\s*\{\s*([^{}]+?)\s*\}\s*\{\s*([^{}]+?)\s*\}$")
+_SLASH = re.compile(r"^([^/]+)/([^/]+)$")
+_DECORATION = re.compile(r"\\[,!;: ]|\\(?:left|right)|\\\$|\$|\\%|%|\\text\{[^{}]*\}|\s")
+
+
+def _parse_number(text: str) -> float | None:
+    """A number written as ``1,234.5``, ``-3``, ``1e-3``, ``1/2``, ``\\frac{1}{2}`` or ``50\\%``."""
+    cleaned = _DECORATION.sub("", text)
+    if not cleaned:
+        return None
+    frac = _FRAC.match(cleaned)
+    slash = _SLASH.match(cleaned)
+    try:
+        if frac:
+            num, den = _parse_number(frac.group(2)), _parse_number(frac.group(3))
+            value = num / den if num is not None and den else None
+            return -value if value is not None and frac.group(1) else value
+        if slash:
+            num, den = _parse_number(slash.group(1)), _parse_number(slash.group(2))
+            return num / den if num is not None and den else None
+        if _NUMBER.fullmatch(cleaned):
+            return float(cleaned.replace(",", ""))
+    except (ValueError, OverflowError, ZeroDivisionError):
+        return None
+    return None
+
+
+def _last_number(text: str) -> float | None:
+    found = _NUMBER.findall(text)
+    return _parse_number(found[-1]) if found else None
+
+
+def numeric_reward(completion: str, gold: float | str, *, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> float:
+    """1.0 when the answer is numerically close to ``gold``, else 0.0.
+
+    The answer is the ``\\boxed{}`` content parsed as a number (fractions, ``\\frac``,
+    thousands separators and ``%`` allowed), else the last number in the completion.
+
+    >>> numeric_reward("... so she pays 1,250 dollars.", 1250)
+    1.0
+    >>> numeric_reward(r"\\boxed{\\frac{1}{3}}", "0.3333333333")
+    1.0
+    """
+    try:
+        if isinstance(gold, str):
+            boxed = extract_boxed(gold)
+            target = _parse_number(boxed if boxed is not None else gold)
+            if target is None:
+                target = _last_number(gold)
+        else:
+            target = float(gold)
+        if not isinstance(completion, str) or target is None:
+            return 0.0
+        boxed = extract_boxed(completion)
+        answer = _parse_number(boxed) if boxed is not None else None
+        if answer is None:
+            answer = _last_number(boxed if boxed is not None else completion)
+        if answer is None or not (math.isfinite(answer) and math.isfinite(target)):
+            return 0.0
+        return 1.0 if math.isclose(answer, target, rel_tol=rel_tol, abs_tol=abs_tol) else 0.0
+    except (TypeError, ValueError, OverflowError):
+        return 0.0
+
+
+# --- math-verify --------------------------------------------------------------------------
+
+_INT = re.compile(r"[-+]?\d+")
+_DECIMAL = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)")
+
+
+def _fast_math_verdict(completion: str, gold: str) -> float | None:
+    """Decide plain-number cases in process; ``None`` means "ask math-verify".
+
+    Equal exact values always agree with math-verify. Unequal integers are always unequal
+    for it too; unequal decimals are not decided here, because math-verify rounds floats.
+    """
+    answer = extract_boxed(completion)
+    if answer is None:
+        answer = completion
+    target = extract_boxed(gold)
+    if target is None:
+        target = gold
+    answer, target = answer.strip().strip("$").strip(), target.strip().strip("$").strip()
+    if not (_DECIMAL.fullmatch(answer) and _DECIMAL.fullmatch(target)):
+        return None
+    if Fraction(answer) == Fraction(target):
+        return 1.0
+    if _INT.fullmatch(answer) and _INT.fullmatch(target):
+        return 0.0
+    return None
+
+
+# The worker: imports math-verify once, then answers one JSON request per line. Gold goes
+# first in verify(gold, answer): the comparison is not symmetric. A bare gold ("1<x<2")
+# is wrapped in $...$ so math-verify reads it as LaTeX instead of picking the first number.
+_WORKER = r'''
+import json, logging, resource, sys
+logging.disable(logging.CRITICAL)
+from math_verify import parse, verify
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+def parse_gold(gold):
+    if "$" in gold or "\\boxed" in gold or "\\(" in gold or "\\[" in gold:
+        return parse(gold, parsing_timeout=None)
+    return parse("$" + gold + "$", parsing_timeout=None) or parse(gold, parsing_timeout=None)
+
+out = sys.stdout
+out.write("ready\n"); out.flush()
+for line in sys.stdin:
+    try:
+        req = json.loads(line)
+        gold = parse_gold(req["gold"])
+        answer = parse(req["completion"], parsing_timeout=None)
+        ok = bool(gold) and bool(answer) and bool(verify(gold, answer, timeout_seconds=None))
+        out.write(json.dumps({"ok": ok}) + "\n")
+    except BaseException as e:  # MemoryError, RecursionError, anything sympy throws
+        out.write(json.dumps({"ok": False, "error": type(e).__name__}) + "\n")
+    out.flush()
+'''
+
+
+class MathVerifier:
+    """A warm math-verify worker process with a per-call time limit.
+
+    Calls are serialized (one worker); create several verifiers for parallel scoring.
+    A call that overruns kills the worker; the next call starts a fresh one. Safe to use
+    from any thread and after ``fork`` (a forked child starts its own worker).
+
+    math-verify evaluates extracted expressions with sympy's ``parse_expr`` (an ``eval``
+    behind a tokenizer). The worker is a separate ``python -I`` process with an
+    address-space limit and an empty environment, but it runs as the caller's user, not
+    under the sandbox's private uid.
+
+    >>> with MathVerifier() as verifier:  # doctest: +SKIP
+    ...     verifier.score(r"so \\boxed{\\frac{1}{2}}", "0.5")
+    1.0
+    """
+
+    def __init__(self, *, memory_mb: int = 2048, startup_timeout_s: float = 120.0):
+        if memory_mb < 256:
+            raise ValueError(
+                f"MathVerifier.memory_mb must be >= 256, got {memory_mb!r}: sympy alone needs "
+                "about 150 MiB of address space. Use e.g. memory_mb=2048."
+            )
+        self.memory_mb = memory_mb
+        """Address-space limit of the worker, so a huge expression fails instead of swapping."""
+        self.startup_timeout_s = startup_timeout_s
+        """How long a worker may take to import math-verify (not counted in a call's timeout)."""
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._owner_pid = os.getpid()
+        self.num_restarts = 0
+        """How many workers were killed for overrunning (or dying)."""
+
+    def score(self, completion: str, gold: str, *, timeout_s: float = 5.0) -> float:
+        """1.0 if math-verify finds ``completion``'s answer equivalent to ``gold``, else 0.0."""
+        if not isinstance(completion, str) or not isinstance(gold, str):
+            return 0.0
+        if "\x00" in completion or "\x00" in gold:
+            return 0.0
+        request = (json.dumps({"completion": completion, "gold": gold}) + "\n").encode()
+        with self._lock:
+            proc = self._ensure_worker()
+            if proc is None:
+                return 0.0
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write(request)
+                proc.stdin.flush()
+                line = self._read_line(proc, time.monotonic() + timeout_s)
+            except (OSError, ValueError):
+                line = None
+            if line is None:
+                self._kill_worker()
+                self.num_restarts += 1
+                return 0.0
+        try:
+            return 1.0 if json.loads(line).get("ok") is True else 0.0
+        except (ValueError, AttributeError):
+            return 0.0
+
+    def close(self) -> None:
+        """Stop the worker. The verifier can still be used; it starts a new one."""
+        with self._lock:
+            self._kill_worker()
+
+    def __enter__(self) -> MathVerifier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _ensure_worker(self) -> subprocess.Popen | None:
+        if self._owner_pid != os.getpid():
+            # Forked: the pipes belong to the parent's worker. Forget it, start our own.
+            self._proc, self._owner_pid = None, os.getpid()
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        if self._proc is not None:
+            self._kill_worker()
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-c", _WORKER, str(self.memory_mb * 1024 * 1024)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            start_new_session=True,  # so a kill takes anything it spawned with it
+        )
+        self._proc = proc
+        if self._read_line(proc, time.monotonic() + self.startup_timeout_s) != b"ready\n":
+            self._kill_worker()
+            return None
+        return proc
+
+    @staticmethod
+    def _read_line(proc: subprocess.Popen, deadline: float) -> bytes | None:
+        """One line from the worker, or ``None`` if it does not come before the deadline."""
+        assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        buf = b""
+        while not buf.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            ready, _, _ = select.select([fd], [], [], remaining)
+            if not ready:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            buf += chunk
+        return buf
+
+    def _kill_worker(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            pass
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+
+
+# One shared worker for the plain function: starting one costs seconds (sympy), scoring
+# then costs about a millisecond. Created on first use, stopped at interpreter exit.
+_default_verifier: MathVerifier | None = None
+_default_lock = threading.Lock()
+
+
+def _shared_verifier() -> MathVerifier:
+    global _default_verifier
+    with _default_lock:
+        if _default_verifier is None:
+            _default_verifier = MathVerifier()
+            atexit.register(_default_verifier.close)
+        return _default_verifier
+
+
+def math_verify_reward(completion: str, gold: str, *, timeout_s: float = 5.0) -> float:
+    """1.0 if the completion's final answer is mathematically equivalent to ``gold``, else 0.0.
+
+    Uses math-verify with the gold answer first (``verify(gold, answer)``; the comparison
+    is not symmetric). Plain integers and decimals are decided in process; everything else
+    goes to a shared warm worker (see :class:`MathVerifier`) that is killed and replaced
+    when it takes longer than ``timeout_s``. Never raises: hangs, crashes and garbage are 0.0.
+
+    >>> math_verify_reward(r"... so the answer is $\\boxed{\\frac{1}{2}}$.", "0.5")  # doctest: +SKIP
+    1.0
+    >>> math_verify_reward(r"\\boxed{42}", "42")
+    1.0
+    """
+    if not isinstance(completion, str) or not isinstance(gold, str):
+        return 0.0
+    fast = _fast_math_verdict(completion, gold)
+    if fast is not None:
+        return fast
+    return _shared_verifier().score(completion, gold, timeout_s=timeout_s)
+
+
+# --- unit tests -------------------------------------------------------------------------
+
+# Runs in the sandbox. The candidate's stdout goes to /dev/null so it cannot push the
+# results past the output limit; results go to the original stdout, one line per test,
+# tagged with a per-run nonce. Each test gets an equal share of the time that is left,
+# so one hanging test fails alone and the rest still run.
+_HARNESS = r'''
+import os, signal, sys, time
+_nonce, _code, _tests, _budget_s = {nonce!r}, {code!r}, {tests!r}, {budget_s!r}
+_deadline = time.monotonic() + _budget_s
+_out = os.dup(1)
+_null = os.open(os.devnull, os.O_WRONLY)
+os.dup2(_null, 1)
+
+class _TestTimeout(BaseException):
+    pass
+
+def _alarm(signum, frame):
+    raise _TestTimeout()
+
+signal.signal(signal.SIGALRM, _alarm)
+
+def _run(source, share):
+    signal.setitimer(signal.ITIMER_REAL, max(share, 0.001))
+    try:
+        exec(compile(source, "<candidate>", "exec"), _namespace)
+        return True
+    except BaseException:
+        return False
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+_namespace = {{"__name__": "__main__", "__builtins__": __builtins__}}
+if _run(_code, (_deadline - time.monotonic()) / 2):
+    for _i, _test in enumerate(_tests):
+        _share = (_deadline - time.monotonic()) / (len(_tests) - _i)
+        _passed = _run(_test, _share)
+        os.write(_out, ("%s %d %d\n" % (_nonce, _i, _passed)).encode())
+'''
+
+
+def unit_test_reward(code: str, tests: Sequence[str], *, limits: SandboxLimits = SandboxLimits()) -> float:
+    """The fraction of ``tests`` (assert statements or small snippets) that pass for ``code``.
+
+    Runs ``code`` once, then each test in the same namespace, in one sandboxed process
+    (:func:`~treerl.envs.sandbox.run_python`). A test passes when it runs without raising;
+    a failing, crashing or hanging test fails alone (each gets an equal share of the time
+    left under ``limits.timeout_s``). If ``code`` itself raises, every test fails.
+    The sandbox protects the machine, not the reward: code that sets out to fool its own
+    tests (e.g. objects whose ``__eq__`` is always true) is not detected.
+
+    >>> unit_test_reward("def add(a, b):\\n    return a + b",
+    ...                  ["assert add(1, 2) == 3", "assert add(2, 2) == 5"])  # doctest: +SKIP
+    0.5
+    """
+    if isinstance(tests, str) or not tests:
+        raise ValueError(
+            "unit_test_reward(tests=...) needs a non-empty sequence of test snippets, got "
+            f"{tests!r}. Pass a list such as ['assert add(1, 2) == 3']."
+        )
+    if not isinstance(code, str):
+        return 0.0
+    nonce = secrets.token_hex(16)
+    # Leave part of the wall clock for interpreter start-up and reporting.
+    budget_s = max(limits.timeout_s * 0.9 - 0.2, limits.timeout_s * 0.5)
+    harness = _HARNESS.format(nonce=nonce, code=code, tests=[str(t) for t in tests], budget_s=budget_s)
+    result = run_python(harness, limits=limits)
+    passed: set[int] = set()
+    for line in result.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == nonce and parts[2] == "1" and parts[1].isdigit():
+            passed.add(int(parts[1]))
+    return len(passed & set(range(len(tests)))) / len(tests)
