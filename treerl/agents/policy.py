@@ -16,15 +16,17 @@ in-process) and :class:`treerl.agents.vllm_policy.VLLMPolicy` (the ``vllm`` extr
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 from torch import Tensor
 
-__all__ = ["SamplingParams", "GenerationRequest", "Generation", "FinishReason", "Policy"]
+__all__ = ["SamplingParams", "GenerationRequest", "Generation", "FinishReason", "Policy", "AsyncBatcher"]
 
 FinishReason = Literal["stop", "length"]
 
@@ -164,3 +166,67 @@ class Policy(Protocol):
     def end_session(self, session: str) -> None:
         """Forget a session's cache (a no-op for an unknown session)."""
         ...
+
+
+class AsyncBatcher:
+    """Turns a blocking batched ``generate`` into an awaitable per-request call.
+
+    Requests awaited concurrently are collected into one batch (up to ``max_batch_size``),
+    and ``generate`` runs in a single worker thread, so the event loop keeps serving tool
+    calls while the model decodes. Requests arriving during a batch form the next one.
+
+    >>> batcher = AsyncBatcher(lambda requests: [r * 10 for r in requests], max_batch_size=8)
+    >>> async def main():
+    ...     return await asyncio.gather(*(batcher.submit(i) for i in range(3)))
+    >>> asyncio.run(main())
+    [0, 10, 20]
+    >>> batcher.close()
+    """
+
+    def __init__(self, generate: Callable[[list], list], *, max_batch_size: int, wait_s: float = 0.0):
+        self.generate = generate
+        self.max_batch_size = max_batch_size
+        self.wait_s = wait_s
+        self._executor: ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: list[tuple[object, asyncio.Future]] = []
+        self._task: asyncio.Task | None = None
+
+    async def submit(self, request):
+        """The result of ``generate`` for ``request``, computed in a batch with its neighbours."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # a new event loop (e.g. a second asyncio.run): start afresh
+            self._loop, self._pending, self._task = loop, [], None
+        future = loop.create_future()
+        self._pending.append((request, future))
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._drain(loop, self._pending))
+        return await future
+
+    async def _drain(self, loop: asyncio.AbstractEventLoop, pending: list) -> None:
+        # The task exits when nothing is pending, so no task outlives its event loop.
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="treerl-policy")
+        while pending:
+            # Let requests started in the same tick (or within wait_s) join this batch.
+            await asyncio.sleep(self.wait_s)
+            batch = [(r, f) for r, f in pending[: self.max_batch_size] if not f.done()]
+            del pending[: self.max_batch_size]
+            if not batch:
+                continue
+            try:
+                results = await loop.run_in_executor(self._executor, self.generate, [r for r, _ in batch])
+            except Exception as error:  # noqa: BLE001 - handed to every awaiter, not swallowed
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(error)
+                continue
+            for (_, future), result in zip(batch, results):
+                if not future.done():
+                    future.set_result(result)
+
+    def close(self) -> None:
+        """Stop the worker thread (a later ``submit`` starts a new one)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None

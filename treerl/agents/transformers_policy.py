@@ -27,21 +27,19 @@ values are bit-for-bit what it would have alone (up to the padded attention's fl
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import os
 import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from treerl.agents.policy import Generation, GenerationRequest, SamplingParams
+from treerl.agents.policy import AsyncBatcher, Generation, GenerationRequest, SamplingParams
 from treerl.agents.sampling import candidate_lists, process_logits, sample_processed
 
 __all__ = ["TransformersPolicy", "END_OF_TURN_TOKENS", "end_of_turn_ids", "load_state_dict"]
@@ -174,8 +172,9 @@ class TransformersPolicy:
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         # One lock for the model: generate, set_weights and end_session never interleave.
         self._lock = threading.RLock()
-        self._executor: ThreadPoolExecutor | None = None
-        self._async_state: tuple[asyncio.AbstractEventLoop, list, asyncio.Task | None] | None = None
+        # `self.generate` is looked up per batch, so a wrapped or patched generate is honoured.
+        self._batcher = AsyncBatcher(lambda requests: self.generate(requests), max_batch_size=max_batch_size,
+                                     wait_s=batch_wait_s)
 
     # ------------------------------------------------------------------ public API
 
@@ -205,15 +204,7 @@ class TransformersPolicy:
     async def agenerate(self, request: GenerationRequest) -> Generation:
         """Sample one request. Requests awaited concurrently are decoded as one batch, in a
         worker thread, so the event loop keeps running tools meanwhile."""
-        loop = asyncio.get_running_loop()
-        if self._async_state is None or self._async_state[0] is not loop:
-            self._async_state = (loop, [], None)
-        _, pending, task = self._async_state
-        future = loop.create_future()
-        pending.append((request, future))
-        if task is None or task.done():
-            self._async_state = (loop, pending, loop.create_task(self._batch_loop(loop, pending)))
-        return await future
+        return await self._batcher.submit(request)
 
     def set_weights(self, weights: Mapping[str, Tensor] | str | os.PathLike, version: int) -> None:
         """Load a state dict (or a checkpoint path, see :func:`load_state_dict`), set ``version``
@@ -445,35 +436,9 @@ class TransformersPolicy:
         while len(self._sessions) > self.max_sessions:
             self._sessions.popitem(last=False)
 
-    # ------------------------------------------------------------------ async batching
-
-    async def _batch_loop(self, loop: asyncio.AbstractEventLoop, pending: list) -> None:
-        """Drain ``pending`` in batches; exits when it is empty (agenerate restarts it)."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="treerl-policy")
-        while pending:
-            # Let requests started in the same tick (or within batch_wait_s) join this batch.
-            await asyncio.sleep(self.batch_wait_s)
-            batch = [(r, f) for r, f in pending[: self.max_batch_size] if not f.done()]
-            del pending[: self.max_batch_size]
-            if not batch:
-                continue
-            try:
-                generations = await loop.run_in_executor(self._executor, self.generate, [r for r, _ in batch])
-            except Exception as error:  # noqa: BLE001 - handed to every awaiter, not swallowed
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(error)
-                continue
-            for (_, future), generation in zip(batch, generations):
-                if not future.done():
-                    future.set_result(generation)
-
     def close(self) -> None:
         """Stop the worker thread used by ``agenerate``."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        self._batcher.close()
 
 
 def _partition(params: list[SamplingParams], device: torch.device) -> list[tuple[SamplingParams, Tensor, list[int]]]:
