@@ -1,11 +1,106 @@
-"""Placeholder; filled in by the environment layer."""
+"""The environment registry: ``treerl.register`` / ``treerl.make``, mirrored into Gymnasium.
 
-registry: dict = {}
+Every id registered here is also registered with Gymnasium, so after ``import treerl``
+``gymnasium.make("treerl/Calculator-v0")`` works too (Gymnasium wraps the environment in
+its usual checkers; ``treerl.make`` returns the bare environment with ``astep``/``fork``).
+
+>>> import treerl
+>>> env = treerl.make("treerl/Calculator-v0")
+>>> type(env).__name__
+'CalculatorEnv'
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import gymnasium
+
+__all__ = ["EnvSpec", "register", "make", "registry", "spec"]
 
 
-def register(*args, **kwargs):  # pragma: no cover - replaced shortly
-    raise NotImplementedError
+@dataclass(frozen=True)
+class EnvSpec:
+    """How to build a registered environment."""
+
+    id: str
+    entry_point: str | Callable[..., Any]
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    description: str | None = None
+
+    def load(self) -> Callable[..., Any]:
+        """The class or factory behind ``entry_point`` (``"module:attr"`` strings are imported)."""
+        if callable(self.entry_point):
+            return self.entry_point
+        module_name, _, attr = self.entry_point.partition(":")
+        if not attr:
+            raise ValueError(f"entry_point {self.entry_point!r} of {self.id!r} must look like 'package.module:ClassName'.")
+        return getattr(importlib.import_module(module_name), attr)
+
+    def make(self, **kwargs: Any):
+        return self.load()(**{**self.kwargs, **kwargs})
 
 
-def make(*args, **kwargs):  # pragma: no cover - replaced shortly
-    raise NotImplementedError
+_REGISTRY: dict[str, EnvSpec] = {}
+registry: Mapping[str, EnvSpec] = MappingProxyType(_REGISTRY)
+"""Read-only view of the registered environments, by id."""
+
+
+def register(
+    id: str,
+    entry_point: str | Callable[..., Any],
+    *,
+    description: str | None = None,
+    override: bool = False,
+    **kwargs: Any,
+) -> EnvSpec:
+    """Register an environment under ``id`` (``"namespace/Name-vN"``) here and with Gymnasium.
+
+    Args:
+        id: The environment id, e.g. ``"myproject/Shop-v0"``.
+        entry_point: A class/factory, or ``"package.module:ClassName"`` (imported lazily).
+        description: One line for ``treerl envs``; defaults to the class's ``description``.
+        override: Replace an existing registration instead of refusing.
+        **kwargs: Default keyword arguments for the constructor (``make`` can override them).
+    """
+    if id in _REGISTRY and not override:
+        raise ValueError(f"Environment {id!r} is already registered: pick another id or pass override=True.")
+    spec_ = EnvSpec(id=id, entry_point=entry_point, kwargs=dict(kwargs), description=description)
+    _REGISTRY[id] = spec_
+    if id in gymnasium.registry:
+        del gymnasium.registry[id]
+    gymnasium.register(id=id, entry_point=entry_point, kwargs=dict(kwargs))
+    return spec_
+
+
+def spec(id: str) -> EnvSpec:
+    """The registration of ``id``; the error lists close matches."""
+    try:
+        return _REGISTRY[id]
+    except KeyError:
+        import difflib
+
+        close = difflib.get_close_matches(id, list(_REGISTRY), n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise KeyError(
+            f"No environment registered as {id!r}.{hint} Run `treerl envs` to list them, "
+            "or register yours with treerl.register(id, entry_point)."
+        ) from None
+
+
+def make(id: str, **kwargs: Any):
+    """Build the registered environment ``id`` (bare, without Gymnasium's wrappers)."""
+    return spec(id).make(**kwargs)
+
+
+def description_of(spec_: EnvSpec) -> str:
+    """The one-line description: the registration's, else the class's, else its docstring's first line."""
+    if spec_.description:
+        return spec_.description
+    target = spec_.load()
+    text = getattr(target, "description", "") or (target.__doc__ or "").strip().splitlines()[0:1]
+    return text if isinstance(text, str) else (text[0] if text else "")

@@ -1,0 +1,281 @@
+"""The environment layer: the Gymnasium contract, the registry, ToolEnv's failure handling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import gymnasium
+import numpy as np
+import pytest
+
+import treerl
+from treerl.envs import ChatMessages, Completion, EnvError, Task, ToolCall, ToolEnv, check_env, tool
+from treerl.envs.errors import ToolErrorKind
+from treerl.envs.registry import EnvSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = str(ROOT / "examples" / "custom_env.py")
+
+ALL_IDS = sorted(treerl.registry)
+
+
+@pytest.mark.parametrize("env_id", ALL_IDS)
+def test_check_env_passes_for_every_registered_env(env_id):
+    env = gymnasium.make(env_id).unwrapped
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gymnasium.utils.env_checker.check_env(env, skip_render_check=True)
+    # Gymnasium's checker only warns for many problems: none may be about our env.
+    problems = [str(w.message) for w in caught if "gymnasium" in str(w.filename) or "Gymnasium" in str(w.message)]
+    assert problems == []
+    check_env(treerl.make(env_id))
+
+
+@pytest.mark.parametrize("env_id", ALL_IDS)
+def test_gymnasium_make_and_treerl_make_agree(env_id):
+    wrapped = gymnasium.make(env_id)
+    bare = treerl.make(env_id)
+    assert type(wrapped.unwrapped) is type(bare)
+    obs_a, _ = wrapped.reset(seed=3)
+    obs_b, _ = bare.reset(seed=3)
+    assert obs_a == obs_b
+
+
+@pytest.mark.parametrize("env_id", ALL_IDS)
+def test_validate_gold_answers_earn_full_reward(env_id):
+    report = treerl.make(env_id).validate(num_tasks=6, seed=11)
+    assert report.ok, report.failures
+
+
+def test_spaces_contain_and_sample():
+    space = ChatMessages(seed=0)
+    for _ in range(20):
+        assert space.sample() in space
+    assert [{"role": "user", "content": 1}] not in space
+    assert "not a list" not in space
+    assert [{"role": "tool", "content": "x", "name": 3}] not in space
+    action_space = Completion(max_length=16, seed=0)
+    assert "<tool_call>\u2603" in action_space  # any character is a valid completion
+    assert "x" * 17 not in action_space
+    assert all(action_space.sample() in action_space for _ in range(20))
+
+
+def test_calculator_episode_with_gold_and_seeded_tasks():
+    env = treerl.make("treerl/Calculator-v0")
+    obs, info = env.reset(seed=5)
+    assert [m["role"] for m in obs] == ["system", "user"]
+    assert info["tools"][0]["function"]["name"] == "calculator"
+    assert info["task_id"] == "seed-5"
+    expr = env.task.info["expression"]
+    obs, reward, terminated, truncated, info = env.step(
+        f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}\n</tool_call>'
+    )
+    assert (reward, terminated, truncated) == (0.0, False, False)
+    assert obs == [{"role": "tool", "name": "calculator", "content": env.task.answer}]
+    assert info["tool_calls"][0]["error"] is None
+    obs, reward, terminated, truncated, info = env.step(f"So \\boxed{{{env.task.answer}}}.")
+    assert (obs, reward, terminated, truncated) == ([], 1.0, True, False)
+    assert info["termination"] == "final_answer"
+    assert info["metrics"]["tool_calls/ok"] == 1
+    # Same seed, same task; other seeds give other tasks.
+    questions = {treerl.make("treerl/Calculator-v0").reset(seed=s)[0][1]["content"] for s in range(20)}
+    assert len(questions) > 10
+    assert treerl.make("treerl/Calculator-v0").reset(seed=5)[0] == treerl.make("treerl/Calculator-v0").reset(seed=5)[0]
+
+
+@pytest.mark.parametrize(
+    "action, kind",
+    [
+        ("I think it is big.", ToolErrorKind.NO_CALL),
+        ("<tool_call>\n{not json}\n</tool_call>", ToolErrorKind.MALFORMED),
+        ('<tool_call>\n{"name": "abacus", "arguments": {"expression": "1"}}\n</tool_call>', ToolErrorKind.UNKNOWN_TOOL),
+        ('<tool_call>\n{"name": "calculator", "arguments": {"expr": "1"}}\n</tool_call>', ToolErrorKind.INVALID_ARGUMENTS),
+        ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "import os"}}\n</tool_call>', ToolErrorKind.TOOL_ERROR),
+    ],
+)
+def test_every_failure_is_a_typed_observation(action, kind):
+    env = treerl.make("treerl/Calculator-v0")
+    env.reset(seed=0)
+    obs, reward, terminated, truncated, info = env.step(action)
+    assert not terminated and reward == 0.0
+    assert len(obs) == 1 and obs[0]["content"]  # the model is told what was wrong
+    assert [r["error"] for r in info["tool_calls"]] == [kind.value]
+    assert info["metrics"][f"tool_calls/{kind.value}"] == 1
+
+
+def test_timeout_is_a_typed_observation_and_bounded():
+    @tool(timeout=0.2)
+    async def slow(seconds: float) -> str:
+        """Sleep.
+
+        Args:
+            seconds: How long.
+        """
+        await asyncio.sleep(seconds)
+        return "done"
+
+    env = _EchoEnv(tools=[slow])
+    env.reset(seed=0)
+    start = time.monotonic()
+    obs, _, _, _, info = env.step('<tool_call>\n{"name": "slow", "arguments": {"seconds": 5}}\n</tool_call>')
+    assert time.monotonic() - start < 2.0
+    assert info["tool_calls"][0]["error"] == ToolErrorKind.TIMEOUT.value
+    assert obs[0]["role"] == "tool"
+
+
+class _EchoEnv(ToolEnv):
+    system_prompt = "test"
+
+    def sample_task(self, rng):
+        return Task(prompt=f"say {int(rng.integers(100))}", answer="ok")
+
+    def score(self, task, completion):
+        return float(completion.strip() == task.answer)
+
+
+def test_truncation_after_max_turns_and_step_after_end_raises():
+    env = treerl.make("treerl/Calculator-v0", max_turns=2)
+    env.reset(seed=0)
+    _, _, terminated, truncated, _ = env.step("hmm")
+    assert (terminated, truncated) == (False, False)
+    _, _, terminated, truncated, info = env.step("hmm")
+    assert (terminated, truncated) == (False, True) and info["termination"] == "max_turns"
+    with pytest.raises(EnvError, match="reset"):
+        env.step("again")
+
+
+def test_several_tool_calls_in_one_turn_run_concurrently():
+    @tool
+    async def wait(seconds: float) -> str:
+        """Wait a while.
+
+        Args:
+            seconds: Delay.
+        """
+        await asyncio.sleep(seconds)
+        return f"waited {seconds}"
+
+    env = _EchoEnv(tools=[wait])
+    env.reset(seed=0)
+    calls = "\n".join(f'<tool_call>\n{{"name": "wait", "arguments": {{"seconds": 0.3}}}}\n</tool_call>' for _ in range(4))
+    start = time.monotonic()
+    obs, *_ = env.step(calls)
+    assert time.monotonic() - start < 1.0  # four 0.3 s calls, not 1.2 s in a row
+    assert [m["content"] for m in obs] == ["waited 0.3"] * 4
+
+
+def test_async_steps_interleave_across_environments():
+    @tool
+    async def io(x: int) -> int:
+        """Pretend I/O.
+
+        Args:
+            x: A number.
+        """
+        await asyncio.sleep(0.3)
+        return x
+
+    async def episode(seed):
+        env = _EchoEnv(tools=[io])
+        await env.areset(seed=seed)
+        obs, *_ = await env.astep(f'<tool_call>\n{{"name": "io", "arguments": {{"x": {seed}}}}}\n</tool_call>')
+        return obs[0]["content"]
+
+    async def main():
+        return await asyncio.gather(*(episode(s) for s in range(8)))
+
+    start = time.monotonic()
+    assert asyncio.run(main()) == [str(s) for s in range(8)]
+    assert time.monotonic() - start < 1.5
+
+
+def test_fork_is_independent():
+    env = treerl.make("treerl/GuessNumber-v0")
+    env.reset(seed=1)
+    env.step("\\boxed{32}")
+    child = env.fork()
+    child.step("\\boxed{16}")
+    assert len(child.messages) == len(env.messages) + 2
+    assert env.turn == 1 and child.turn == 2
+    assert child.np_random is not env.np_random
+
+
+def test_guess_number_feedback_and_shaped_reward():
+    env = treerl.make("treerl/GuessNumber-v0", high=64)
+    env.reset(seed=0, options={"secret": 40})
+    obs, r1, term, _, info = env.step("\\boxed{32}")
+    assert obs == [{"role": "user", "content": "Higher."}] and not term
+    assert r1 == pytest.approx(0.1 * 32 / 64)
+    obs, r2, term, _, _ = env.step("I'll say \\boxed{48}")
+    assert obs[0]["content"] == "Lower." and r2 == pytest.approx(0.1 * 17 / 64)  # 33..64 narrowed to 33..47
+    obs, r3, _, _, info = env.step("no idea")
+    assert r3 == 0.0 and info["outcome"] == "invalid" and "between 33 and 47" in obs[0]["content"]
+    obs, r4, term, _, _ = env.step("\\boxed{40}")
+    assert (r4, term, obs) == (1.0, True, [])
+
+
+def test_math_verify_env_from_jsonl_and_dataset(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"problem": "1/2 + 1/4?", "solution": "3/4"}) + "\n")
+    env = treerl.make("treerl/MathVerify-v0", data_path=path, prompt_key="problem", answer_key="solution")
+    env.reset(seed=0)
+    assert env.step("\\boxed{0.75}")[1] == 1.0
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list([{"question": "2+2?", "answer": "4"}, {"question": "3*3?", "answer": "9"}])
+    env = treerl.make("treerl/MathVerify-v0", dataset=ds)
+    obs, info = env.reset(options={"task_index": 1})
+    assert obs[-1]["content"] == "3*3?" and info["task_id"] == "1"
+    assert env.step("\\boxed{9}")[1] == 1.0
+    with pytest.raises(ValueError, match="prompt_key"):
+        treerl.make("treerl/MathVerify-v0", dataset=[{"q": "x", "answer": "1"}])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        treerl.make("treerl/MathVerify-v0", data_path=bad)
+
+
+def test_code_sandbox_partial_credit_and_tool():
+    env = treerl.make("treerl/CodeSandbox-v0")
+    env.reset(options={"task_index": 0})  # add(a, b)
+    obs, *_ = env.step('<tool_call>\n{"name": "run_python", "arguments": {"code": "print(2 + 3)"}}\n</tool_call>')
+    assert obs[0]["content"].strip() == "5"
+    obs, reward, terminated, *_ = env.step("```python\ndef add(a, b):\n    return int(a) + int(b)\n```")
+    assert terminated and reward == pytest.approx(2 / 3)  # the float test fails
+
+
+def test_registry_errors_and_custom_registration():
+    with pytest.raises(KeyError, match="Calculator-v0"):
+        treerl.make("treerl/Calculater-v0")
+    spec = treerl.register("tests/Echo-v0", _EchoEnv, override=True, max_turns=2)
+    assert isinstance(spec, EnvSpec)
+    assert treerl.make("tests/Echo-v0").max_turns == 2
+    assert gymnasium.make("tests/Echo-v0").unwrapped.max_turns == 2
+    with pytest.raises(ValueError, match="already registered"):
+        treerl.register("tests/Echo-v0", _EchoEnv)
+
+
+def test_example_custom_env_is_listed_by_treerl_envs():
+    out = subprocess.run(
+        [sys.executable, "-m", "treerl.cli", "envs", "--json", "--import", EXAMPLE],
+        capture_output=True, text=True, check=True,
+    )
+    entries = {e["id"]: e for e in json.loads(out.stdout)}
+    assert set(ALL_IDS) <= set(entries)
+    shop = entries["examples/Shopping-v0"]
+    assert shop["tools"][0]["function"]["parameters"]["properties"]["item"]["type"] == "string"
+    assert shop["description"]
+    text = subprocess.run([sys.executable, "-m", "treerl.cli", "envs"], capture_output=True, text=True, check=True).stdout
+    assert "treerl/Calculator-v0" in text and "tool calculator" in text
+
+
+def test_custom_env_example_passes_check_env():
+    import runpy
+
+    runpy.run_path(EXAMPLE, run_name="not_main")
+    check_env(treerl.make("examples/Shopping-v0"))

@@ -1,0 +1,123 @@
+"""``treerl/CodeSandbox-v0``: write a Python function; hidden unit tests grade it.
+
+The model may try code with the ``run_python`` tool, which runs it in the sandbox
+(:mod:`treerl.envs.sandbox`: separate process, time/memory/process limits, private working
+directory, no network). Its final answer is a reply with a fenced ```python block and no
+tool call; the reward is the fraction of the task's hidden unit tests that pass.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from typing import Any
+
+from treerl.envs.builtin.math_verify import load_jsonl
+from treerl.envs.core import Task, ToolEnv
+from treerl.envs.errors import ToolCallError, ToolErrorKind, ToolTimeout
+from treerl.envs.parsers import ParseResult, ToolCall
+from treerl.envs.sandbox import SandboxErrorKind, SandboxLimits, run_python
+from treerl.envs.tools import Tool, tool
+from treerl.envs.verifiers import unit_test_reward
+
+__all__ = ["CodeSandboxEnv", "make_run_python_tool", "extract_code"]
+
+_CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(text: str) -> str | None:
+    """The last fenced code block of ``text``, or None."""
+    blocks = _CODE_BLOCK.findall(text)
+    return blocks[-1] if blocks else None
+
+
+def make_run_python_tool(limits: SandboxLimits) -> Tool:
+    """A ``run_python`` tool bound to ``limits``.
+
+    Outcomes other than a clean run become typed tool errors: the wall-clock limit is a
+    ``timeout``; memory, process-count and network violations and exceptions are ``tool_error``
+    with the captured output, so the model reads what went wrong.
+    """
+
+    def run_python_tool(code: str) -> str:
+        """Run Python code in a sandbox and return what it printed.
+
+        Args:
+            code: A complete Python program; use print() to see values.
+        """
+        result = run_python(code, limits=limits)
+        if result.error is None:
+            return result.stdout if result.stdout else "(no output)"
+        if result.error is SandboxErrorKind.TIMEOUT:
+            raise ToolTimeout(f"run_python: the program ran past {limits.timeout_s} s and was stopped.", tool_name="run_python")
+        detail = (result.stderr or result.stdout).strip()[-2000:]
+        raise ToolCallError(
+            ToolErrorKind.TOOL_ERROR,
+            f"run_python: {result.error.value}: {detail}" if detail else f"run_python: {result.error.value}",
+            tool_name="run_python",
+        )
+
+    # The tool's own timeout is a backstop: the sandbox enforces the real limit.
+    return tool(run_python_tool, name="run_python", timeout=limits.timeout_s + 10.0)
+
+
+class CodeSandboxEnv(ToolEnv):
+    """Write a function; hidden unit tests decide the reward.
+
+    Args:
+        data_path: JSONL of tasks with ``prompt``, ``tests`` (assert statements), optional
+            ``solution`` (for ``validate()``) and ``id``. Defaults to the shipped tasks.
+        dataset: Rows instead of a file.
+        limits: Sandbox limits for the tool and the hidden tests.
+    """
+
+    description = "Write a Python function; a sandboxed run_python tool; reward = fraction of hidden unit tests passed."
+    system_prompt = (
+        "Write the requested Python function. You can test code with the run_python tool. "
+        "When done, reply with the final code in a ```python block and no tool call."
+    )
+
+    def __init__(
+        self,
+        *,
+        data_path: str | os.PathLike | None = None,
+        dataset: Sequence[Mapping[str, Any]] | None = None,
+        limits: SandboxLimits | None = None,
+        **kwargs: Any,
+    ):
+        if data_path is not None and dataset is not None:
+            raise ValueError("Pass data_path or dataset, not both.")
+        if dataset is None:
+            if data_path is None:
+                data_path = resources.files("treerl.envs") / "data" / "code_tasks.jsonl"
+            dataset = load_jsonl(data_path)
+        self.limits = limits or SandboxLimits()
+        rows = [self._row(r, i) for i, r in enumerate(dataset)]
+        kwargs.setdefault("max_turns", 4)
+        super().__init__(tools=[make_run_python_tool(self.limits)], dataset=rows, **kwargs)
+
+    @staticmethod
+    def _row(row: Mapping[str, Any], index: int) -> Task:
+        if "prompt" not in row or "tests" not in row:
+            raise ValueError(f"Code task {index} needs 'prompt' and 'tests' fields; it has {sorted(row)}.")
+        info = {"tests": list(row["tests"]), "solution": row.get("solution")}
+        return Task(prompt=str(row["prompt"]), answer=None, info=info, id=str(row.get("id", index)))
+
+    def is_final(self, parsed: ParseResult) -> bool:
+        return extract_code(parsed.content) is not None
+
+    def no_call_message(self) -> str:
+        return "Reply with the final code in a ```python block, or call run_python to test code first."
+
+    def score(self, task: Task, completion: str) -> float:
+        code = extract_code(completion)
+        return 0.0 if code is None else unit_test_reward(code, task.info["tests"], limits=self.limits)
+
+    def gold_actions(self, task: Task) -> list[str]:
+        solution = task.info.get("solution")
+        if not solution:
+            raise ValueError(f"Task {task.id!r} has no 'solution', so it cannot be validated.")
+        probe = self.parser.render([ToolCall("run_python", {"code": solution + "\nprint('ok')"})])
+        return [probe, f"```python\n{solution}\n```"]

@@ -1,0 +1,80 @@
+"""``treerl/MathVerify-v0``: single-turn math, graded by math-verify.
+
+Tasks come from a local JSONL file (``data_path``), an in-memory dataset (``dataset``: a
+``datasets.Dataset`` or a list of dicts), or the small sample that ships with treerl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from typing import Any
+
+from treerl.envs.core import Task, ToolEnv
+from treerl.envs.verifiers import math_verify_reward
+
+__all__ = ["MathVerifyEnv", "load_jsonl"]
+
+
+def load_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Read a JSON Lines file into a list of dicts; the error names the bad line."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno} is not valid JSON ({exc.msg}): fix or remove that line.") from None
+    return rows
+
+
+class MathVerifyEnv(ToolEnv):
+    """Single-turn math: answer in \\boxed{}, checked by math-verify against the gold answer.
+
+    Args:
+        data_path: A JSONL file with one problem per line.
+        dataset: Rows (dicts or a ``datasets.Dataset``) instead of a file.
+        prompt_key: The column holding the problem text.
+        answer_key: The column holding the gold answer.
+    """
+
+    description = "Single-turn math answered in \\boxed{}, graded by math-verify (local JSONL or in-memory dataset)."
+    system_prompt = "Solve the problem. Put the final answer in \\boxed{}."
+
+    def __init__(
+        self,
+        *,
+        data_path: str | os.PathLike | None = None,
+        dataset: Sequence[Mapping[str, Any]] | None = None,
+        prompt_key: str = "question",
+        answer_key: str = "answer",
+        **kwargs: Any,
+    ):
+        if data_path is not None and dataset is not None:
+            raise ValueError("Pass data_path or dataset, not both.")
+        if dataset is None:
+            if data_path is None:
+                data_path = resources.files("treerl.envs") / "data" / "math_sample.jsonl"
+            dataset = load_jsonl(data_path)
+        rows = [self._row(r, prompt_key, answer_key, i) for i, r in enumerate(dataset)]
+        kwargs.setdefault("max_turns", 1)
+        super().__init__(dataset=rows, **kwargs)
+
+    @staticmethod
+    def _row(row: Mapping[str, Any], prompt_key: str, answer_key: str, index: int) -> Task:
+        missing = [k for k in (prompt_key, answer_key) if k not in row]
+        if missing:
+            raise ValueError(
+                f"Row {index} has no {missing} column (columns: {sorted(row)}): pass prompt_key=/answer_key= to match."
+            )
+        return Task(prompt=str(row[prompt_key]), answer=str(row[answer_key]), id=str(row.get("id", index)))
+
+    def score(self, task: Task, completion: str) -> float:
+        return math_verify_reward(completion, task.answer)
+
+    def gold_actions(self, task: Task) -> list[str]:
+        return [f"The answer is \\boxed{{{task.answer}}}."]

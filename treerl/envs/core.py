@@ -1,0 +1,385 @@
+"""The environment contract: Gymnasium's ``Env`` for multi-turn, tool-using chat.
+
+* ``reset(*, seed=None, options=None) -> (obs, info)`` where ``obs`` is the opening list of
+  chat messages (system prompt, user turn);
+* ``step(action) -> (obs, reward, terminated, truncated, info)`` where ``action`` is the
+  assistant's completion text and ``obs`` the new messages it caused (tool results, user
+  feedback), empty when the episode ends.
+
+Environments whose steps wait on I/O implement ``async def astep``; ``step`` then runs it on
+a private event loop. Environments that only implement ``step`` are run in a worker thread
+by ``astep``, so the rollout engine can always ``await env.astep(...)``.
+
+:class:`ToolEnv` is the class most environments subclass: it parses tool calls out of the
+completion, validates and runs them, and turns every failure into an observation and a
+metric (a bad rollout is data, not a crash). Override ``sample_task`` (or pass a dataset)
+and ``score``; ``gold_actions`` makes ``validate()`` prove that gold answers earn full reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import gymnasium
+import numpy as np
+
+from treerl.envs.errors import EnvError, ToolErrorKind
+from treerl.envs.parsers import ParseResult, ToolCall, ToolCallParser, get_parser
+from treerl.envs.spaces import ChatMessages, Completion
+from treerl.envs.tools import Tool, ToolResult, run_tool_call
+
+__all__ = ["Message", "Task", "Env", "ToolEnv", "ValidationReport", "run_sync"]
+
+Message = dict[str, Any]
+
+
+@dataclass
+class Task:
+    """One problem an environment poses.
+
+    Attributes:
+        prompt: The user's request, or the full opening messages (without the system prompt).
+        answer: The gold answer the verifier compares against.
+        info: Anything else the environment needs (hidden tests, a secret, metadata).
+        id: A stable identifier (recorded with trajectories; resumable rollouts key on it).
+    """
+
+    prompt: str | list[Message]
+    answer: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+    id: str | None = None
+
+
+@dataclass
+class ValidationReport:
+    """What ``Env.validate()`` found: gold answers must earn the full reward."""
+
+    num_tasks: int
+    num_passed: int
+    failures: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return self.num_passed == self.num_tasks
+
+
+def run_sync(coro):
+    """Run a coroutine to completion from synchronous code, even under a running loop.
+
+    A fresh event loop is used; if the calling thread already runs one (a notebook), the
+    coroutine runs on a helper thread instead of failing.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="treerl-run-sync")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class Env(gymnasium.Env[list[Message], str]):
+    """Base class of treerl environments: Gymnasium's contract with chat observations.
+
+    Subclasses implement ``reset`` and either ``step`` or ``astep``. ``fork()`` returns an
+    independent copy in the same state (branching rollouts fork after turn k).
+    """
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"]}
+    description: ClassVar[str] = ""
+    """One line shown by ``treerl envs``."""
+
+    def __init__(self, *, render_mode: str | None = None):
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(
+                f"render_mode={render_mode!r} is not supported: use one of {self.metadata['render_modes']} or None."
+            )
+        self.render_mode = render_mode
+        self.observation_space = ChatMessages()
+        self.action_space = Completion()
+        self.messages: list[Message] = []
+
+    # -- tools ---------------------------------------------------------------------------
+    @property
+    def tools(self) -> Sequence[Tool]:
+        """The tools the model may call (none by default)."""
+        return ()
+
+    @property
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """OpenAI-style schemas of :attr:`tools`, for ``apply_chat_template(..., tools=...)``."""
+        return [copy.deepcopy(t.schema) for t in self.tools]
+
+    # -- sync / async bridging ----------------------------------------------------------
+    def step(self, action: str):
+        if type(self).astep is Env.astep:
+            raise NotImplementedError(f"{type(self).__name__} must implement step() or astep().")
+        return run_sync(self.astep(action))
+
+    async def astep(self, action: str):
+        """Async step. By default runs the synchronous ``step`` in a worker thread."""
+        if type(self).step is Env.step:
+            raise NotImplementedError(f"{type(self).__name__} must implement step() or astep().")
+        return await asyncio.to_thread(self.step, action)
+
+    async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        """Async reset; resets are cheap, so this calls ``reset`` directly."""
+        return self.reset(seed=seed, options=options)
+
+    def fork(self) -> Env:
+        """An independent environment in the same state, random generator included."""
+        return copy.deepcopy(self)
+
+    def validate(self, num_tasks: int = 8, seed: int = 0) -> ValidationReport:
+        """Check that gold answers earn the full reward. Environments with gold answers override this."""
+        raise NotImplementedError(f"{type(self).__name__} has no gold answers to validate.")
+
+    def render(self) -> str | None:
+        if self.render_mode != "ansi":
+            return None
+        return "\n".join(f"[{m['role']}] {m['content']}" for m in self.messages)
+
+
+class ToolEnv(Env):
+    """A multi-turn environment in which the model calls tools and then answers.
+
+    Each step parses the completion for tool calls (format chosen by ``parser``). With calls,
+    each is validated against its tool's JSON Schema and run (with its timeout); results come
+    back as ``tool`` messages. A completion without calls is the final answer: the episode
+    terminates and ``score`` gives the reward. Failures never raise: they come back to the
+    model as messages that say what was wrong, and are counted in ``info["metrics"]``.
+
+    Subclasses set ``system_prompt`` and override :meth:`sample_task` (or pass ``dataset``),
+    :meth:`score`, and optionally :meth:`is_final`, :meth:`gold_actions`.
+
+    Args:
+        tools: Tools available to the model (default: the class attribute ``tool_list``).
+        dataset: Tasks to draw from instead of ``sample_task`` (a sequence of :class:`Task`
+            or of dicts with ``prompt``/``answer``/``info``/``id``, e.g. a ``datasets.Dataset``).
+        max_turns: Assistant turns before the episode is truncated.
+        parser: Tool-call format name (see ``treerl.envs.parsers.PARSERS``) or parser object.
+        system_prompt: Overrides the class's system prompt.
+    """
+
+    system_prompt: ClassVar[str] = ""
+    tool_list: ClassVar[Sequence[Tool]] = ()
+    max_reward: ClassVar[float] = 1.0
+    """The reward a gold answer earns; ``validate()`` checks it."""
+
+    def __init__(
+        self,
+        *,
+        tools: Sequence[Tool] | None = None,
+        dataset: Sequence[Task | Mapping[str, Any]] | None = None,
+        max_turns: int = 4,
+        parser: str | ToolCallParser = "hermes",
+        system_prompt: str | None = None,
+        render_mode: str | None = None,
+    ):
+        super().__init__(render_mode=render_mode)
+        if max_turns < 1:
+            raise ValueError(f"max_turns={max_turns} must be >= 1: the model needs at least one turn to answer.")
+        self._tools = list(self.tool_list if tools is None else tools)
+        names = [t.name for t in self._tools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Tool names must be unique, got {names}: rename one with @tool(name=...).")
+        self._tool_map = {t.name: t for t in self._tools}
+        self.dataset = dataset
+        if dataset is not None and len(dataset) == 0:
+            raise ValueError("dataset is empty: pass at least one task, or None to use sample_task().")
+        self.max_turns = max_turns
+        self.parser = get_parser(parser) if isinstance(parser, str) else parser
+        if system_prompt is not None:
+            self.system_prompt = system_prompt
+        self.task: Task | None = None
+        self.turn = 0
+        self.done = True
+        self.metrics: Counter[str] = Counter()
+
+    @property
+    def tools(self) -> Sequence[Tool]:
+        return tuple(self._tools)
+
+    # -- hooks ---------------------------------------------------------------------------
+    def sample_task(self, rng: np.random.Generator) -> Task:
+        """Draw a task. Override this, or pass ``dataset=``."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no tasks: override sample_task(rng) or pass dataset=[...]."
+        )
+
+    def score(self, task: Task, completion: str) -> float:
+        """The reward of the final answer ``completion`` for ``task``. Override this."""
+        raise NotImplementedError(f"{type(self).__name__} must override score(task, completion).")
+
+    def is_final(self, parsed: ParseResult) -> bool:
+        """Whether a turn without valid tool calls is a final answer (default: always).
+
+        Environments that expect a particular answer form (e.g. ``\\boxed{}``) override this;
+        a turn that is neither a call nor a final answer is then a ``no_call`` failure.
+        """
+        return True
+
+    def gold_actions(self, task: Task) -> list[str]:
+        """Completions that solve ``task`` (used by ``validate()``). Override to enable it."""
+        raise NotImplementedError(f"{type(self).__name__} has no gold actions: override gold_actions(task).")
+
+    def no_call_message(self) -> str:
+        """What the model is told when a turn has neither a tool call nor a final answer."""
+        example = self.parser.render([ToolCall(self._tools[0].name, {})]) if self._tools else ""
+        return (
+            "Your reply had no tool call and no final answer. "
+            + (f"Call a tool, for example:\n{example}\nor give the final answer." if example else "Give the final answer.")
+        )
+
+    # -- Gymnasium API --------------------------------------------------------------------
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        options = options or {}
+        self.task = self._select_task(options)
+        if self.task.id is None and seed is not None:
+            self.task.id = f"seed-{seed}"  # a generated task is named by the seed that drew it
+        self.turn = 0
+        self.done = False
+        self.metrics = Counter()
+        messages: list[Message] = []
+        if self.system_prompt:
+            messages.append({"role": "system", "content": self.system_prompt})
+        if isinstance(self.task.prompt, str):
+            messages.append({"role": "user", "content": self.task.prompt})
+        else:
+            messages.extend(copy.deepcopy(self.task.prompt))
+        self.messages = copy.deepcopy(messages)
+        info = {"task_id": self.task.id, "answer": copy.deepcopy(self.task.answer), "tools": self.tool_schemas}
+        return messages, info
+
+    async def astep(self, action: str):
+        if self.done or self.task is None:
+            raise EnvError("step() called on a finished or never-reset episode: call reset() first.")
+        if not isinstance(action, str):
+            raise EnvError(f"The action must be the completion text (str), got {type(action).__name__}.")
+        self.turn += 1
+        self.messages.append({"role": "assistant", "content": action})
+        parsed = self.parser.parse(action, {t.name: t.parameters for t in self._tools})
+        records: list[dict[str, Any]] = []
+        obs: list[Message] = []
+
+        for err in parsed.errors:  # calls the model attempted but wrote badly
+            records.append({"name": err.tool_name, "arguments": None, "error": err.kind.value, "message": err.message})
+            obs.append({"role": "tool", "content": err.message})
+        results: list[ToolResult] = await asyncio.gather(*(run_tool_call(c, self._tool_map) for c in parsed.calls))
+        for res in results:
+            records.append({
+                "name": res.call.name,
+                "arguments": copy.deepcopy(res.call.arguments),
+                "error": res.error.value if res.error else None,
+                "message": None if res.ok else res.content,
+            })
+            obs.append({"role": "tool", "name": res.call.name, "content": res.content})
+
+        reward, terminated, termination = 0.0, False, None
+        if not records:
+            if self.is_final(parsed):
+                reward, terminated, termination = float(self.score(self.task, action)), True, "final_answer"
+            else:
+                records.append({"name": None, "arguments": None, "error": ToolErrorKind.NO_CALL.value,
+                                "message": self.no_call_message()})
+                obs.append({"role": "user", "content": self.no_call_message()})
+        truncated = not terminated and self.turn >= self.max_turns
+        if truncated:
+            termination = "max_turns"
+        self.done = terminated or truncated
+
+        self._count(records, terminated, truncated)
+        if obs and not self.done:
+            self.messages.extend(copy.deepcopy(obs))
+        else:
+            obs = []  # the episode is over: there is no next turn to observe
+        info = {
+            "turn": self.turn,
+            "tool_calls": records,
+            "termination": termination,
+            "metrics": dict(self.metrics),
+        }
+        return obs, reward, terminated, truncated, info
+
+    # -- validation ----------------------------------------------------------------------
+    def validate(self, num_tasks: int = 8, seed: int = 0) -> ValidationReport:
+        """Play :meth:`gold_actions` on ``num_tasks`` tasks and check each earns ``max_reward``."""
+        failures = []
+        for i in range(num_tasks):
+            env = self.fork()
+            _, info = env.reset(seed=seed + i)
+            total, terminated, truncated = 0.0, False, False
+            for action in env.gold_actions(env.task):
+                if terminated or truncated:
+                    break
+                _, reward, terminated, truncated, info = env.step(action)
+                total += reward
+            if not terminated or not np.isclose(total, self.max_reward):
+                failures.append(
+                    f"task {info.get('task_id', i)!r}: gold actions earned {total} "
+                    f"(terminated={terminated}, truncated={truncated}), expected {self.max_reward}"
+                )
+        return ValidationReport(num_tasks, num_tasks - len(failures), failures)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _select_task(self, options: Mapping[str, Any]) -> Task:
+        if "task" in options:
+            return _as_task(options["task"], None)
+        if self.dataset is not None:
+            index = options.get("task_index")
+            if index is None:
+                index = int(self.np_random.integers(len(self.dataset)))
+            if not 0 <= index < len(self.dataset):
+                raise EnvError(f"task_index={index} is out of range: the dataset has {len(self.dataset)} tasks.")
+            return _as_task(self.dataset[index], index)
+        if "task_index" in options:
+            raise EnvError(f"{type(self).__name__} generates tasks; pass seed= instead of task_index.")
+        return self.sample_task(self.np_random)
+
+    def _count(self, records: list[dict[str, Any]], terminated: bool, truncated: bool) -> None:
+        m = self.metrics
+        m["turns"] = self.turn
+        for r in records:
+            m["tool_calls/total"] += 1
+            m[f"tool_calls/{r['error'] or 'ok'}"] += 1
+        if terminated:
+            m["episode/final_answer"] = 1
+        if truncated:
+            m["episode/max_turns"] = 1
+
+
+def _as_task(item: Task | Mapping[str, Any], index: int | None) -> Task:
+    if isinstance(item, Task):
+        task = copy.deepcopy(item)
+    elif isinstance(item, Mapping):
+        if "prompt" not in item:
+            raise EnvError(f"A dataset row needs a 'prompt' field; got keys {sorted(item)}.")
+        task = Task(
+            prompt=item["prompt"],
+            answer=item.get("answer"),
+            info=dict(item.get("info") or {}),
+            id=item.get("id"),
+        )
+    else:
+        raise EnvError(f"A task must be a Task or a mapping with 'prompt'; got {type(item).__name__}.")
+    if task.id is None and index is not None:
+        task.id = str(index)
+    return task
