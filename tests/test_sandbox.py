@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import threading
@@ -411,3 +412,36 @@ def test_error_kind_values_are_lowercase():
 def test_limits_are_validated_with_the_field_name(kwargs, field):
     with pytest.raises(ValueError, match=f"SandboxLimits.{field}"):
         SandboxLimits(**kwargs)
+
+
+def test_unprivileged_fallbacks_inside_the_sandbox():
+    """The non-root path, exercised by running the sandbox module inside a root sandbox run."""
+    if os.geteuid() != 0:
+        pytest.skip("already not root: the other tests exercise the unprivileged path directly")
+    import treerl.envs.sandbox as sandbox_module
+
+    with open(sandbox_module.__file__, encoding="utf-8") as f:
+        source = f.read()
+    inner = (
+        "import importlib.util, json, os, sys\n"
+        "spec = importlib.util.spec_from_file_location('sbx', 'sbx.py')\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['sbx'] = m; spec.loader.exec_module(m)\n"
+        "assert os.geteuid() != 0\n"
+        "limits = m.SandboxLimits(timeout_s=1.0, max_processes=4, memory_mb=128)\n"
+        "codes = {'ok': 'print(6 * 7)', 'loop': 'while True: pass', 'mem': 'x = bytearray(2 ** 31)',\n"
+        "         'bomb': 'import os\\nwhile True: os.fork()',\n"
+        "         'net': \"import socket\\nsocket.create_connection(('127.0.0.1', 9))\"}\n"
+        "out = {}\n"
+        "for name, code in codes.items():\n"
+        "    r = m.run_python(code, limits=limits)\n"
+        "    out[name] = [r.error.value if r.error else None, r.stdout, r.uid, r.enforced.get('user', '')]\n"
+        "print(json.dumps(out))\n"
+    )
+    result = run_python(inner, files={"sbx.py": source}, limits=SandboxLimits(timeout_s=30.0, max_processes=64, memory_mb=1024))
+    assert result.ok, result.stderr
+    out = json.loads(result.stdout)
+    assert out["ok"][:3] == [None, "42\n", None] and "not root" in out["ok"][3]
+    assert out["loop"][0] == "timeout"
+    assert out["mem"][0] == "memory"
+    assert out["bomb"][0] == "process_limit"
+    assert out["net"][0] == "network"

@@ -261,11 +261,19 @@ def _treerl_bootstrap():
     else:
         enforced["network_namespace"] = "off (network allowed)"
 
+    def lower(which, value):
+        # Only ever lower: a hard limit already below ours stays (raising it needs root).
+        hard = resource.getrlimit(which)[1]
+        if hard != resource.RLIM_INFINITY:
+            value = min(value, hard)
+        resource.setrlimit(which, (value, value))
+        return value
+
     mem = cfg["memory_bytes"]
-    for name in ("RLIMIT_AS", "RLIMIT_DATA"):
-        resource.setrlimit(getattr(resource, name), (mem, mem))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_NPROC, (cfg["nproc"], cfg["nproc"]))
+    for which in (resource.RLIMIT_AS, resource.RLIMIT_DATA):
+        mem = lower(which, mem)
+    lower(resource.RLIMIT_CORE, 0)
+    cfg["nproc"] = lower(resource.RLIMIT_NPROC, cfg["nproc"])
     enforced["memory"] = "RLIMIT_AS and RLIMIT_DATA = %d bytes" % mem
     if uid is not None:
         PR_SET_NO_NEW_PRIVS = 38
