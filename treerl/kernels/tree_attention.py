@@ -1,0 +1,478 @@
+"""Tree attention for any transformers causal LM, registered with ``AttentionInterface``.
+
+A tree-packed row holds each unique token of a group's prefix tree once (see
+:mod:`treerl.kernels.tree_layout`). This module makes a stock transformers model attend
+along the tree instead of along the row::
+
+    from treerl.kernels.tree_attention import enable_tree_attention
+    from treerl.kernels.tree_layout import TreeBatch, TreeLayout
+
+    choice = enable_tree_attention(model)          # impl="auto"; choice.reason says why
+    batch = TreeBatch([TreeLayout.from_parents([5, 3, 4], [-1, 0, 0])])
+    out = model(input_ids, position_ids=batch.position_ids(input_ids.device),
+                tree_layout=batch, use_cache=False)
+
+How it hooks in (transformers 5.x): the model's ``config._attn_implementation`` is set to
+one of our registered names, so every attention layer calls our function with its
+``**kwargs`` (where ``tree_layout`` rides along). Our names are deliberately *not*
+registered with ``AttentionMaskInterface``: transformers then builds no mask at all (no
+dense T x T mask, and no "packed sequence" guess from position ids, which would be wrong
+for tree depths). The function refuses any mask that still reaches it.
+
+Backends (one table, :data:`BACKENDS`):
+
+- ``reference``: SDPA with the dense tree mask, O(T^2) memory. Small inputs and tests.
+- ``segment``: each segment's queries against the gathered keys of its root-to-segment
+  path, segments of similar sizes batched into one SDPA call. Memory grows with the sum
+  over segments of (segment length x path length), not with T^2. CPU and GPU.
+- ``flex``: FlexAttention with a block mask from a ``mask_mod``, compiled on CUDA.
+  FlexAttention has no backward on CPU, so ``auto`` only picks it on CUDA.
+
+``impl="auto"`` walks :data:`AUTO_ORDER` and takes the first backend that can run on the
+model's device; the returned :class:`TreeAttentionChoice` (also logged) keeps the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from treerl.envs.errors import TreerlError
+from treerl.kernels.tree_layout import TreeBatch, TreeLayout
+
+__all__ = [
+    "TREE_KWARG",
+    "AUTO_ORDER",
+    "BACKENDS",
+    "TreeAttentionBackend",
+    "TreeAttentionChoice",
+    "TreeAttentionError",
+    "attn_implementation_name",
+    "check_model_supported",
+    "choose_backend",
+    "enable_tree_attention",
+    "flex_tree_attention",
+    "reference_tree_attention",
+    "register_tree_attention",
+    "segment_tree_attention",
+    "tree_mask_mod",
+]
+
+logger = logging.getLogger(__name__)
+
+TREE_KWARG = "tree_layout"
+"""Name of the model-call keyword that carries the :class:`TreeBatch` to the attention layers."""
+
+_ATTN_PREFIX = "treerl_tree_"
+
+# Layer kinds whose attention is plain softmax attention over the past, which the tree mask
+# can express. Anything else (linear attention, chunked attention, state-space layers) mixes
+# tokens in a way that ignores the tree, so packed rows would leak across branches.
+_SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+# Keywords that would change the attention math in a way the backends do not implement.
+_UNSUPPORTED_KWARGS = {
+    "softcap": "attention logit soft-capping",
+    "s_aux": "attention sinks",
+}
+
+
+class TreeAttentionError(TreerlError, ValueError):
+    """Tree attention was asked to do something it cannot do correctly."""
+
+
+# -- backends: pure functions on (B, H, T, D) tensors -------------------------------------------
+
+
+def reference_tree_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    batch: TreeBatch,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+) -> Tensor:
+    """SDPA with the dense tree mask. Returns (B, T, H, Dv), the layout transformers expects.
+
+    query: (B, H, T, D); key: (B, Hkv, T, D); value: (B, Hkv, T, Dv), H a multiple of Hkv.
+    """
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    mask = batch.dense_mask(query.device)  # (B, T, T)
+    if sliding_window is not None:
+        mask &= _window_mask(batch.position_ids(query.device), sliding_window)
+    # Plain head repetition keeps the reference obviously right; the fast paths avoid the copy.
+    key = key.repeat_interleave(num_heads // num_kv_heads, dim=1)  # (B, H, T, D)
+    value = value.repeat_interleave(num_heads // num_kv_heads, dim=1)  # (B, H, T, Dv)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask[:, None], dropout_p=dropout, scale=scaling
+    )  # (B, H, T, Dv)
+    return out.transpose(1, 2).contiguous()
+
+
+def segment_tree_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    batch: TreeBatch,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+) -> Tensor:
+    """Per-segment attention over gathered root-to-segment paths. Returns (B, T, H, Dv).
+
+    Segments whose (length, path length) round to the same bucket share one SDPA call, so a
+    hundred siblings of a prompt cost a few calls, not a hundred. GQA folds the query heads
+    of one key head into the query length, so keys and values are never repeated.
+    """
+    batch_size, num_heads, length, head_dim = query.shape
+    num_kv_heads, value_dim = key.shape[1], value.shape[-1]
+    n_rep = num_heads // num_kv_heads
+    plan = batch.segment_plan(query.device)
+    q_flat = query.transpose(1, 2).reshape(batch_size * length, num_heads, head_dim)  # (B*T, H, D)
+    k_flat = key.transpose(1, 2).reshape(batch_size * length, num_kv_heads, head_dim)  # (B*T, Hkv, D)
+    v_flat = value.transpose(1, 2).reshape(batch_size * length, num_kv_heads, value_dim)  # (B*T, Hkv, Dv)
+
+    outs = []
+    for bucket in plan.buckets:
+        n, q_len, k_len = bucket.num, bucket.q_len, bucket.k_len
+        q = q_flat.index_select(0, bucket.q_index).view(n, q_len, num_kv_heads, n_rep, head_dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, n_rep * q_len, head_dim)  # (N, Hkv, R*Lq, D)
+        k = k_flat.index_select(0, bucket.k_index).view(n, k_len, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_flat.index_select(0, bucket.k_index).view(n, k_len, num_kv_heads, value_dim).transpose(1, 2)
+        mask = bucket.mask(sliding_window)  # (N, Lq, Lk)
+        mask = mask[:, None, None].expand(n, 1, n_rep, q_len, k_len).reshape(n, 1, n_rep * q_len, k_len)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+        o = o.view(n, num_kv_heads, n_rep, q_len, value_dim).permute(0, 3, 1, 2, 4)  # (N, Lq, Hkv, R, Dv)
+        o = o.reshape(n * q_len, num_heads, value_dim)
+        outs.append(o.index_select(0, bucket.q_valid_rows))  # (V, H, Dv)
+    out = torch.cat(outs).index_select(0, plan.inverse_order)  # (B*T, H, Dv)
+    return out.view(batch_size, length, num_heads, value_dim)
+
+
+def tree_mask_mod(subtree_end: Tensor, depth: Tensor | None = None, sliding_window: int | None = None) -> Callable:
+    """The FlexAttention ``mask_mod`` of a tree batch.
+
+    subtree_end: (B, T) long, :meth:`TreeBatch.subtree_end_of_token`; depth: (B, T) long
+    position ids, needed only with a sliding window. In depth-first layout, key ``k`` is
+    visible from query ``q`` iff ``k <= q`` and ``q`` lies inside the subtree of ``k``'s
+    segment, one gather per pair.
+    """
+    if sliding_window is not None and depth is None:
+        raise TreeAttentionError("tree_mask_mod needs `depth` (the position ids) when a sliding window is set.")
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        visible = (kv_idx <= q_idx) & (q_idx < subtree_end[b, kv_idx])
+        if sliding_window is not None:
+            visible = visible & (depth[b, q_idx] - depth[b, kv_idx] < sliding_window)
+        return visible
+
+    return mask_mod
+
+
+def flex_tree_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    batch: TreeBatch,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+) -> Tensor:
+    """FlexAttention with the tree block mask. Returns (B, T, H, Dv).
+
+    Compiled on CUDA (the fused kernel, forward and backward); eager elsewhere, which runs
+    the forward only and materializes scores, useful to test the mask on CPU.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if dropout:
+        raise TreeAttentionError(
+            f"the flex tree-attention backend has no attention dropout (got dropout={dropout}); "
+            "set config.attention_dropout=0.0 or use impl='segment'."
+        )
+    batch_size, num_heads, length, _ = query.shape
+    device = query.device
+
+    def build_block_mask():
+        depth = batch.position_ids(device) if sliding_window is not None else None
+        mask_mod = tree_mask_mod(batch.subtree_end_of_token(device), depth, sliding_window)
+        # H=None: one mask for all heads, since the tree does not depend on the head.
+        return create_block_mask(mask_mod, batch_size, None, length, length, device=device)
+
+    # Every layer of a forward shares the block mask (one per sliding window size).
+    block_mask = batch.cached(("flex_block_mask", str(device), sliding_window), build_block_mask)
+    attend = _compiled_flex_attention() if device.type == "cuda" else flex_attention
+    out = attend(
+        query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=num_heads != key.shape[1]
+    )  # (B, H, T, Dv)
+    return out.transpose(1, 2).contiguous()
+
+
+@functools.cache
+def _compiled_flex_attention() -> Callable:
+    # Uncompiled FlexAttention materializes the full score matrix; compiling once per process
+    # gives the fused kernel. Cached so that every layer and step reuses the compiled graph.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def _window_mask(depth: Tensor, sliding_window: int) -> Tensor:
+    """(B, T, T) bool from (B, T) depths: transformers' ``kv > q - window``, in depths along the path."""
+    return depth[:, :, None] - depth[:, None, :] < sliding_window
+
+
+# -- the table ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeAttentionBackend:
+    """One way to compute tree attention, and when it can run."""
+
+    name: str
+    attend: Callable[..., Tensor]
+    """(query, key, value, batch, *, scaling, dropout, sliding_window) -> (B, T, H, Dv)."""
+    unavailable: Callable[[torch.device], str | None]
+    """Why it cannot serve a model on this device (forward and backward), or None if it can."""
+
+
+def _always_available(device: torch.device) -> str | None:
+    return None
+
+
+def _flex_unavailable(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"FlexAttention has no backward pass on {device.type}; it needs CUDA"
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs torch >= 2.5)"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "compiling FlexAttention needs triton, which is not installed"
+    return None
+
+
+BACKENDS: dict[str, TreeAttentionBackend] = {
+    # "triton": the fused tree-attention kernel plugs in here (and first in AUTO_ORDER), with
+    # an `unavailable` probe that says which of CUDA / triton / head size is missing.
+    "flex": TreeAttentionBackend("flex", flex_tree_attention, _flex_unavailable),
+    "segment": TreeAttentionBackend("segment", segment_tree_attention, _always_available),
+    "reference": TreeAttentionBackend("reference", reference_tree_attention, _always_available),
+}
+
+AUTO_ORDER: tuple[str, ...] = ("flex", "segment")
+"""Backends ``impl="auto"`` tries, fastest first; ``segment`` runs everywhere."""
+
+
+@dataclass(frozen=True)
+class TreeAttentionChoice:
+    """Which backend serves a model, and why."""
+
+    impl: str
+    """Key of :data:`BACKENDS`."""
+    attn_implementation: str
+    """The name registered with transformers' ``AttentionInterface`` and set on the model."""
+    reason: str
+    """Why this backend: requested explicitly, or what ``auto`` ruled out before it."""
+    previous: str | None = None
+    """The model's attention implementation before, to restore it with ``model.set_attn_implementation``."""
+
+
+def choose_backend(impl: str, device: torch.device | str) -> tuple[str, str]:
+    """Resolve ``impl`` ("auto" or a key of :data:`BACKENDS`) on ``device``: ``(name, reason)``.
+
+    >>> choose_backend("auto", "cpu")[0]
+    'segment'
+    """
+    device = torch.device(device)
+    if impl != "auto":
+        if impl not in BACKENDS:
+            raise ValueError(
+                f"impl={impl!r} is not a tree-attention backend; use 'auto' or one of {sorted(BACKENDS)}."
+            )
+        why_not = BACKENDS[impl].unavailable(device)
+        if why_not is None:
+            return impl, f"requested impl={impl!r}"
+        return impl, f"requested impl={impl!r} although {why_not}"
+    ruled_out = []
+    for name in AUTO_ORDER:
+        why_not = BACKENDS[name].unavailable(device)
+        if why_not is None:
+            reason = f"auto on {device.type}: {name}"
+            return name, reason + (f" ({'; '.join(ruled_out)})" if ruled_out else "")
+        ruled_out.append(f"not {name}: {why_not}")
+    raise TreeAttentionError(f"no tree-attention backend can run on {device}: {'; '.join(ruled_out)}.")
+
+
+def attn_implementation_name(impl: str) -> str:
+    """The ``AttentionInterface`` name of a backend, e.g. ``'treerl_tree_segment'``."""
+    return _ATTN_PREFIX + impl
+
+
+# -- the transformers side -----------------------------------------------------------------------
+
+
+def _make_attention_forward(impl: str) -> Callable:
+    backend = BACKENDS[impl]
+
+    def tree_attention_forward(
+        module: torch.nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        sliding_window: int | None = None,
+        **kwargs,
+    ) -> tuple[Tensor, None]:
+        """transformers' attention signature: (B, H, T, D) in, ((B, T, H, Dv), no weights) out."""
+        batch = _batch_from_kwargs(kwargs)
+        _check_call(module, query, key, attention_mask, batch, kwargs)
+        out = backend.attend(
+            query, key, value, batch, scaling=scaling, dropout=dropout, sliding_window=sliding_window
+        )
+        return out, None
+
+    tree_attention_forward.__name__ = f"tree_attention_forward_{impl}"
+    return tree_attention_forward
+
+
+def _batch_from_kwargs(kwargs: dict) -> TreeBatch:
+    batch = kwargs.get(TREE_KWARG)
+    if batch is None:
+        raise TreeAttentionError(
+            f"tree attention is enabled on this model but the call has no `{TREE_KWARG}`; pass "
+            f"model(input_ids, position_ids=batch.position_ids(), {TREE_KWARG}=batch) with a TreeBatch, "
+            "or restore ordinary attention with model.set_attn_implementation(choice.previous)."
+        )
+    if isinstance(batch, TreeBatch):
+        return batch
+    if isinstance(batch, Sequence) and batch and all(isinstance(layout, TreeLayout) for layout in batch):
+        # Works, but every layer rebuilds the index tensors: pass a TreeBatch to share them.
+        return TreeBatch(batch)
+    raise TreeAttentionError(
+        f"`{TREE_KWARG}` must be a TreeBatch (or a list of TreeLayout, one per row), got {type(batch).__name__}."
+    )
+
+
+def _check_call(
+    module: torch.nn.Module, query: Tensor, key: Tensor, attention_mask: Tensor | None, batch: TreeBatch, kwargs: dict
+) -> None:
+    if attention_mask is not None:
+        raise TreeAttentionError(
+            "tree attention got an attention_mask; the tree layout is the mask. Call the model with "
+            "attention_mask=None (padding is described by the TreeBatch, not by a mask)."
+        )
+    for name, what in _UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise TreeAttentionError(f"tree attention does not implement {what} (`{name}` was passed by the model).")
+    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        raise TreeAttentionError(
+            f"{type(module).__name__} is not causal; tree attention only serves causal self-attention."
+        )
+    batch_size, _, length, _ = query.shape
+    if key.shape[2] != length:
+        raise TreeAttentionError(
+            f"queries cover {length} tokens but keys cover {key.shape[2]}: a KV cache is in use. "
+            "Tree-packed forwards run without a cache: pass use_cache=False."
+        )
+    if (batch.batch_size, batch.length) != (batch_size, length):
+        raise TreeAttentionError(
+            f"the TreeBatch describes {batch.batch_size} rows of {batch.length} tokens but the input has "
+            f"{batch_size} rows of {length}; build it with TreeBatch(layouts, length=input_ids.shape[1])."
+        )
+    if query.shape[1] % key.shape[1]:
+        raise TreeAttentionError(
+            f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} key/value heads."
+        )
+
+
+def register_tree_attention() -> None:
+    """Register every backend with transformers' ``AttentionInterface`` (idempotent).
+
+    Only the attention functions are registered, never a mask function: that is what makes
+    transformers skip building its own mask (see the module docstring).
+    """
+    from transformers import AttentionInterface
+
+    for impl in BACKENDS:
+        name = attn_implementation_name(impl)
+        if name not in AttentionInterface._global_mapping:
+            AttentionInterface.register(name, _make_attention_forward(impl))
+
+
+def check_model_supported(model: torch.nn.Module) -> None:
+    """Raise :class:`TreeAttentionError` if tree attention cannot serve ``model`` exactly."""
+    from transformers import PreTrainedModel
+
+    name = type(model).__name__
+    if not isinstance(model, PreTrainedModel):
+        raise TreeAttentionError(f"{name} is not a transformers PreTrainedModel; tree attention hooks into those only.")
+    config = model.config.get_text_config()
+    if getattr(config, "is_causal", True) is False:
+        raise TreeAttentionError(f"{name} is configured as non-causal (config.is_causal=False).")
+    layer_types = getattr(config, "layer_types", None) or []
+    unsupported = sorted(set(layer_types) - _SUPPORTED_LAYER_TYPES)
+    if unsupported:
+        raise TreeAttentionError(
+            f"{name} has layers of type {unsupported}, which mix tokens without softmax attention over the "
+            "past (e.g. the linear-attention layers of Qwen3-Next / Qwen3.5); their state would flow across "
+            "branches of a packed tree. Train such models on unpacked sequences."
+        )
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise TreeAttentionError(
+            f"{name} uses attention logit soft-capping (config.attn_logit_softcapping="
+            f"{config.attn_logit_softcapping}), which the tree-attention backends do not implement."
+        )
+    # `is_backend_compatible` is transformers' own flag for "attention keywords reach the
+    # attention function", which is how the TreeBatch gets to every layer.
+    if not model._can_set_attn_implementation() or not model.is_backend_compatible():
+        raise TreeAttentionError(
+            f"{name} does not route its attention (and its call keywords) through transformers' "
+            "AttentionInterface, so tree attention cannot reach it; use a model family that does "
+            "(Llama, Qwen2/3, Mistral, Gemma 3, ...)."
+        )
+
+
+def enable_tree_attention(model: torch.nn.Module, impl: str = "auto") -> TreeAttentionChoice:
+    """Make ``model`` attend along the tree given by the ``tree_layout`` keyword of each call.
+
+    ``impl`` is ``"auto"`` (flex on CUDA when it can run there, else segment) or a key of
+    :data:`BACKENDS`. Refuses, with :class:`TreeAttentionError`, architectures it cannot
+    serve exactly (see :func:`check_model_supported`). Returns the choice and its reason,
+    which is also logged.
+    """
+    if impl != "auto" and impl not in BACKENDS:
+        raise ValueError(f"impl={impl!r} is not a tree-attention backend; use 'auto' or one of {sorted(BACKENDS)}.")
+    check_model_supported(model)
+    register_tree_attention()
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    chosen, reason = choose_backend(impl, device)
+    name = attn_implementation_name(chosen)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise TreeAttentionError(
+            f"{type(model).__name__} kept attn_implementation={model.config._attn_implementation!r} after "
+            f"set_attn_implementation({name!r}); it cannot be switched to tree attention."
+        )
+    choice = TreeAttentionChoice(impl=chosen, attn_implementation=name, reason=reason, previous=previous)
+    if BACKENDS[chosen].unavailable(device) is not None:
+        logger.warning("tree attention: %s; the backward pass will fail on %s", reason, device)
+    else:
+        logger.info("tree attention: %s", reason)
+    return choice
