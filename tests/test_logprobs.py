@@ -140,14 +140,14 @@ def test_gradients_match_reference_float32(coefs):
 @pytest.mark.parametrize("with_candidates", [True, False])
 def test_gradcheck_float64(with_bias, with_candidates):
     hidden, weight, bias, targets, candidates = make_inputs(
-        num_tokens=5, vocab=13, hidden_size=3, num_cand=4, dtype=torch.float64, bias=with_bias
+        num_tokens=4, vocab=9, hidden_size=2, num_cand=4, dtype=torch.float64, bias=with_bias
     )
     candidates = candidates if with_candidates else None
 
     def fn(h, w, *maybe_b):
         out = token_logprobs(
             h, w, targets, bias=maybe_b[0] if maybe_b else None, candidates=candidates,
-            temperature=0.7, chunk_tokens=2, chunk_vocab=4,
+            temperature=0.7, chunk_tokens=3, chunk_vocab=4,  # ragged tiles both ways
         )
         return tuple(o for o in outputs(out) if o is not None)
 
@@ -319,10 +319,10 @@ class LargestAllocation(TorchDispatchMode):
 
 @pytest.mark.parametrize("impl", ["chunked", "reference"])
 def test_no_tensor_larger_than_one_tile(impl):
-    # 64 tokens x 1000 vocab = 64,000 logits; one tile is 16 x 128 = 2,048. Weight-sized
+    # 32 tokens x 1000 vocab = 32,000 logits; one tile is 16 x 256 = 4,096. Weight-sized
     # tensors (the weight gradient, 1000 x 2) and hidden-sized ones stay below a tile, so
     # anything above the bound is a logits-shaped tensor.
-    num_tokens, vocab, chunk_tokens, chunk_vocab = 64, 1000, 16, 128
+    num_tokens, vocab, chunk_tokens, chunk_vocab = 32, 1000, 16, 256
     hidden, weight, bias, targets, candidates = make_inputs(num_tokens, vocab, hidden_size=2, num_cand=8)
     h, w, b = leaves(hidden, weight, bias)
     probe = LargestAllocation()
