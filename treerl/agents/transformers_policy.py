@@ -27,6 +27,7 @@ values are bit-for-bit what it would have alone (up to the padded attention's fl
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import secrets
@@ -331,20 +332,22 @@ class TransformersPolicy:
         num_rows, max_len = len(rows), max(prompt_lens)
         max_steps = max(row.request.params.max_new_tokens for row in rows)
 
-        # 2. One left-padded batch cache: unit u's keys go to its rows' last L_u columns.
+        # 2. One left-padded batch cache: unit u's keys go to its rows' last L_u columns. The
+        #    buffers have room for every step, so decoding writes in place instead of torch.cat.
         cache = DynamicCache()
-        num_layers = len(prefilled[0][0])
-        for layer_idx in range(num_layers):
+        growing_layer = _growing_layer_class()
+        for layer_idx in range(len(prefilled[0][0])):
             k0, v0 = prefilled[0][0][layer_idx]
-            keys = k0.new_zeros(num_rows, k0.shape[1], max_len, k0.shape[3])  # (B, H, L, D)
-            values = v0.new_zeros(num_rows, v0.shape[1], max_len, v0.shape[3])
+            capacity = max_len + max_steps
+            keys = k0.new_zeros(num_rows, k0.shape[1], capacity, k0.shape[3])  # (B, H, L + steps, D)
+            values = v0.new_zeros(num_rows, v0.shape[1], capacity, v0.shape[3])
             start = 0
             for unit, (kv, _, _) in zip(units, prefilled):
                 stop, length = start + len(unit.rows), len(unit.prompt_ids)
-                keys[start:stop, :, max_len - length:] = kv[layer_idx][0]
-                values[start:stop, :, max_len - length:] = kv[layer_idx][1]
+                keys[start:stop, :, max_len - length : max_len] = kv[layer_idx][0]
+                values[start:stop, :, max_len - length : max_len] = kv[layer_idx][1]
                 start = stop
-            cache.update(keys, values, layer_idx)
+            cache.layers.append(growing_layer(keys, values, max_len))
         logits = torch.cat([lg.expand(len(u.rows), -1) for u, (_, lg, _) in zip(units, prefilled)])  # (B, V)
         del prefilled
 
@@ -439,6 +442,43 @@ class TransformersPolicy:
     def close(self) -> None:
         """Stop the worker thread used by ``agenerate``."""
         self._batcher.close()
+
+
+@functools.cache
+def _growing_layer_class():
+    """A transformers ``DynamicLayer`` over a preallocated buffer (built lazily: importing
+    transformers is slow, and only generation needs it)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """Keys and values live in (B, H, capacity, D) buffers; ``keys``/``values`` are views of
+        the filled part, so appending a step costs one slice write rather than a full copy."""
+
+        def __init__(self, key_buffer: Tensor, value_buffer: Tensor, length: int):
+            super().__init__()
+            self._key_buffer, self._value_buffer, self._length = key_buffer, value_buffer, length
+            self.device, self.dtype, self.is_initialized = key_buffer.device, key_buffer.dtype, True
+            self._refresh()
+
+        def _refresh(self) -> None:
+            self.keys = self._key_buffer[:, :, : self._length]
+            self.values = self._value_buffer[:, :, : self._length]
+
+        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+            end = self._length + key_states.shape[-2]
+            if end > self._key_buffer.shape[-2]:
+                raise RuntimeError(f"GrowingLayer is full ({self._key_buffer.shape[-2]} positions); this is a bug.")
+            self._key_buffer[:, :, self._length : end] = key_states
+            self._value_buffer[:, :, self._length : end] = value_states
+            self._length = end
+            self._refresh()
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices: Tensor) -> None:
+            self._key_buffer, self._value_buffer = self._key_buffer[indices], self._value_buffer[indices]
+            self._refresh()
+
+    return GrowingLayer
 
 
 def _partition(params: list[SamplingParams], device: torch.device) -> list[tuple[SamplingParams, Tensor, list[int]]]:
