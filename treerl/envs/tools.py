@@ -368,7 +368,9 @@ class Tool:
                 "pass name=... to tool()"
             )
         if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout of tool {self.name!r} must be a positive number of seconds or None, got {timeout!r}")
+            raise ValueError(
+                f"timeout of tool {self.name!r} must be a positive number of seconds or None, got {timeout!r}"
+            )
         self.timeout = timeout
         self.isolate = isolate
         self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
@@ -397,8 +399,10 @@ class Tool:
                     "Schema; give the tool named, annotated parameters"
                 )
             if param.name not in hints:
-                raise TypeError(f"{where} has no type annotation; annotate it (e.g. `{param.name}: str`) so its "
-                                "JSON Schema can be built")
+                raise TypeError(
+                    f"{where} has no type annotation; annotate it (e.g. `{param.name}: str`) so that its "
+                    "JSON Schema can be built"
+                )
             _, annotated_description = _unwrap(hints[param.name])
             spec = _spec(hints[param.name], where)
             schema = dict(spec.schema)
@@ -624,7 +628,8 @@ async def run_tool_call(call: ToolCall, tools: Mapping[str, Tool]) -> ToolResult
     selected = tools.get(call.name)
     if selected is None:
         available = ", ".join(sorted(tools)) if tools else "none"
-        return ToolResult(call, f"Unknown tool {call.name!r}. Available tools: {available}.", ToolErrorKind.UNKNOWN_TOOL)
+        message = f"Unknown tool {call.name!r}. Available tools: {available}."
+        return ToolResult(call, message, ToolErrorKind.UNKNOWN_TOOL)
     try:
         return ToolResult(call, await selected.acall(call.arguments))
     except ToolCallError as exc:
@@ -668,8 +673,10 @@ def _to_text(value: Any, name: str) -> str:
     try:
         return json.dumps(value, ensure_ascii=False, default=_json_default)
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"tool {name!r} returned {type(value).__name__} data that cannot become text ({exc}); "
-                        "return a str or JSON-compatible data") from None
+        raise TypeError(
+            f"tool {name!r} returned {type(value).__name__} data that cannot become text ({exc}); "
+            "return a str or JSON-compatible data"
+        ) from None
 
 
 def _function_payload(fn: Callable[..., Any], name: str) -> tuple[str, Any]:

@@ -1,0 +1,544 @@
+"""@tool: JSON Schema from signatures, docstrings, validation, conversion, running, time limits."""
+
+import asyncio
+import doctest
+import enum
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, NotRequired, Optional, TypedDict, Union
+
+import jsonschema
+import pytest
+
+import treerl.envs.tools
+from treerl.envs.errors import ToolCallError, ToolErrorKind, ToolTimeout
+from treerl.envs.parsers import ToolCall
+from treerl.envs.tools import Tool, ToolResult, run_tool_call, tool
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def param_schema(annotation: Any) -> dict:
+    """The schema of one required parameter annotated with ``annotation``."""
+
+    def f(x):
+        return x
+
+    f.__annotations__ = {"x": annotation}
+    return tool(f).parameters["properties"]["x"]
+
+
+class Color(enum.Enum):
+    RED = "red"
+    GREEN = "green"
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+    HIGH = 2
+
+
+class Point(TypedDict):
+    x: float
+    y: float
+    label: NotRequired[str]
+
+
+@dataclass
+class Box:
+    corner: Point
+    size: int = 1
+    tags: list[str] = field(default_factory=list)
+
+
+# -- schema --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "annotation, schema",
+    [
+        (str, {"type": "string"}),
+        (int, {"type": "integer"}),
+        (float, {"type": "number"}),
+        (bool, {"type": "boolean"}),
+        (Any, {}),
+        (Literal["c", "f"], {"type": "string", "enum": ["c", "f"]}),
+        (Literal[1, "a"], {"enum": [1, "a"]}),
+        (Color, {"type": "string", "enum": ["red", "green"]}),
+        (Level, {"type": "integer", "enum": [1, 2]}),
+        (list[int], {"type": "array", "items": {"type": "integer"}}),
+        (Sequence[str], {"type": "array", "items": {"type": "string"}}),
+        (list, {"type": "array", "items": {}}),
+        (tuple[float, ...], {"type": "array", "items": {"type": "number"}}),
+        (
+            tuple[int, str],
+            {
+                "type": "array",
+                "prefixItems": [{"type": "integer"}, {"type": "string"}],
+                "items": False,
+                "minItems": 2,
+                "maxItems": 2,
+            },
+        ),
+        (dict[str, int], {"type": "object", "additionalProperties": {"type": "integer"}}),
+        (dict, {"type": "object"}),
+        (Optional[int], {"type": ["integer", "null"]}),
+        (str | None, {"type": ["string", "null"]}),
+        (Union[int, list[str]], {"anyOf": [{"type": "integer"}, {"type": "array", "items": {"type": "string"}}]}),
+        (Annotated[int, "How many."], {"type": "integer", "description": "How many."}),
+        (
+            Point,
+            {
+                "type": "object",
+                "properties": {"x": {"type": "number"}, "y": {"type": "number"}, "label": {"type": "string"}},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            },
+        ),
+    ],
+)
+def test_schema_of_each_supported_type(annotation, schema):
+    assert param_schema(annotation) == schema
+    jsonschema.Draft202012Validator.check_schema(schema)
+
+
+def test_nested_dataclass_schema_with_defaults():
+    schema = param_schema(Box)
+    assert schema == {
+        "type": "object",
+        "properties": {
+            "corner": param_schema(Point),
+            "size": {"type": "integer", "default": 1},
+            "tags": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["corner"],
+        "additionalProperties": False,
+    }
+
+
+def forecast(city: str, days: int = 3, unit: Literal["c", "f"] = "c", color: Color = Color.RED) -> str:
+    """Look up the weather forecast.
+
+    Uses the offline tables.
+
+    Args:
+        city (str): The city, in English,
+            without the country.
+        days: How many days ahead.
+
+    Returns:
+        A forecast.
+    """
+    return f"{city}:{days}:{unit}:{color.name}"
+
+
+def test_parameters_description_and_openai_schema():
+    t = tool(forecast)
+    assert t.name == "forecast"
+    assert t.description == "Look up the weather forecast.\n\nUses the offline tables."
+    assert t.parameters == {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "description": "The city, in English, without the country."},
+            "days": {"type": "integer", "description": "How many days ahead.", "default": 3},
+            "unit": {"type": "string", "enum": ["c", "f"], "default": "c"},
+            "color": {"type": "string", "enum": ["red", "green"], "default": "red"},
+        },
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    assert t.schema == {
+        "type": "function",
+        "function": {"name": "forecast", "description": t.description, "parameters": t.parameters},
+    }
+    jsonschema.Draft202012Validator.check_schema(t.parameters)
+
+
+def test_decorator_forms_and_overrides():
+    @tool
+    def plain(x: int) -> int:
+        return x
+
+    @tool(name="renamed", description="Custom.", timeout=None, isolate=False)
+    def other(x: int) -> int:
+        """Ignored summary."""
+        return -x
+
+    assert isinstance(plain, Tool) and isinstance(other, Tool)
+    assert (plain.name, plain.timeout) == ("plain", 10.0)
+    assert (other.name, other.description, other.timeout) == ("renamed", "Custom.", None)
+    assert plain(4) == 4 and other(x=4) == -4  # calling the tool calls the function unchanged
+    assert plain.__doc__ is None and other.__name__ == "other"
+
+
+def test_bound_methods_are_tools_without_self():
+    class Counter:
+        def __init__(self):
+            self.total = 0
+
+        def add(self, amount: int) -> int:
+            """Add to the total."""
+            self.total += amount
+            return self.total
+
+    counter = Counter()
+    t = tool(counter.add)
+    assert list(t.parameters["properties"]) == ["amount"]
+    assert run(t.acall({"amount": 2})) == "2" and counter.total == 2
+
+
+@pytest.mark.parametrize(
+    "source, match",
+    [
+        ("def f(x): pass", "parameter 'x' has no type annotation"),
+        ("def f(x: set) -> None: pass", "parameter 'x': type <class 'set'> is not supported"),
+        ("def f(x: object): pass", "parameter 'x': type <class 'object'> is not supported"),
+        ("def f(x: dict[int, str]): pass", "parameter 'x': dict keys must be str"),
+        ("def f(*args: int): pass", "parameter 'args'.*\\*args"),
+        ("def f(x: int, /): pass", "parameter 'x'.*positional-only"),
+        ("def f(x: 'Missing'): pass", "cannot read the type hints"),
+    ],
+)
+def test_unsupported_parameters_fail_at_decoration(source, match):
+    namespace: dict[str, Any] = {}
+    exec(source, namespace)
+    with pytest.raises(TypeError, match=match):
+        tool(namespace["f"])
+
+
+@dataclass
+class Node:
+    children: list["Node"]
+
+
+def test_recursive_dataclasses_are_refused():
+    with pytest.raises(TypeError, match="refers to itself"):
+
+        @tool
+        def f(root: Node) -> None: ...
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"name": "has space"}, "tool name 'has space'"), ({"timeout": 0}, "timeout"), ({"timeout": -1.0}, "timeout")],
+)
+def test_bad_name_or_timeout(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tool(forecast, **kwargs)
+    with pytest.raises(ValueError, match="pass name="):
+        tool(lambda x: x)
+
+
+# -- validation and conversion -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "arguments, needles",
+    [
+        ({}, ["missing required argument 'city'"]),
+        ({"city": 3}, ["argument 'city' must be string, got 3 (integer)"]),
+        ({"city": "P", "days": True}, ["argument 'days' must be integer, got true (boolean)"]),
+        ({"city": "P", "days": 2.5}, ["argument 'days' must be integer"]),
+        ({"city": "P", "unit": "k"}, ["argument 'unit' must be one of [\"c\", \"f\"]"]),
+        ({"city": "P", "extra": 1}, ["unexpected argument 'extra'", "known: city, days, unit, color"]),
+        ([1, 2], ["must be a JSON object, got [1, 2] (list)"]),
+        ("{not json", ["not a JSON object"]),
+    ],
+)
+def test_validation_errors_name_the_field(arguments, needles):
+    with pytest.raises(ToolCallError) as info:
+        tool(forecast).validate(arguments)
+    error = info.value
+    assert error.kind is ToolErrorKind.INVALID_ARGUMENTS and error.tool_name == "forecast"
+    for needle in needles:
+        assert needle in error.message
+    # The message shows the model what a valid call takes.
+    assert 'Expected: forecast(city: string, days: integer = 3, unit: one of ["c", "f"] = "c"' in error.message
+
+
+def test_nested_validation_error_paths():
+    @tool
+    def place(boxes: list[Box]) -> int:
+        return len(boxes)
+
+    with pytest.raises(ToolCallError, match=r"argument 'boxes\[1\]\.corner\.x' must be number"):
+        place.validate({"boxes": [{"corner": {"x": 1, "y": 2}}, {"corner": {"x": "1", "y": 2}}]})
+    with pytest.raises(ToolCallError, match=r"missing required argument 'y' of 'boxes\[0\]\.corner'"):
+        place.validate({"boxes": [{"corner": {"x": 1}}]})
+
+
+def test_conversion_to_annotated_types():
+    @tool
+    def everything(
+        n: int,
+        x: float,
+        color: Color,
+        level: Level,
+        mode: Literal["a", "b"],
+        pair: tuple[int, str],
+        many: tuple[float, ...],
+        box: Box,
+        boxes: list[Box],
+        maybe: Optional[Box],
+        mixed: Union[int, Point],
+        table: dict[str, Point],
+    ) -> None: ...
+
+    converted = everything.validate(
+        {
+            "n": 3.0,  # JSON does not tell 3 from 3.0: accepted, and converted
+            "x": 2,
+            "color": "green",
+            "level": 2,
+            "mode": "b",
+            "pair": [1, "a"],
+            "many": [1, 2.5],
+            "box": {"corner": {"x": 0, "y": 1.5}, "tags": ["t"]},
+            "boxes": [{"corner": {"x": 1, "y": 1, "label": "p"}, "size": 2}],
+            "maybe": None,
+            "mixed": {"x": 1, "y": 2},
+            "table": {"k": {"x": 1, "y": 2}},
+        }
+    )
+    assert converted == {
+        "n": 3,
+        "x": 2.0,
+        "color": Color.GREEN,
+        "level": Level.HIGH,
+        "mode": "b",
+        "pair": (1, "a"),
+        "many": (1.0, 2.5),
+        "box": Box(corner={"x": 0, "y": 1.5}, tags=["t"]),
+        "boxes": [Box(corner={"x": 1, "y": 1, "label": "p"}, size=2)],
+        "maybe": None,
+        "mixed": {"x": 1, "y": 2},
+        "table": {"k": {"x": 1, "y": 2}},
+    }
+    assert type(converted["n"]) is int and type(converted["x"]) is float
+    assert isinstance(converted["box"], Box) and isinstance(converted["boxes"][0], Box)
+
+
+def test_validate_accepts_a_json_string_and_none_means_no_arguments():
+    @tool
+    def f(a: int = 1) -> int:
+        return a
+
+    assert f.validate('{"a": 2}') == {"a": 2}
+    assert f.validate(None) == {} and f.validate("") == {}
+
+
+def test_dataclass_checks_become_invalid_arguments():
+    @dataclass
+    class Positive:
+        value: int
+
+        def __post_init__(self):
+            if self.value <= 0:
+                raise ValueError("value must be positive")
+
+    @tool
+    def f(p: Positive) -> int:
+        return p.value
+
+    with pytest.raises(ToolCallError, match="argument 'p': value must be positive") as info:
+        f.validate({"p": {"value": -1}})
+    assert info.value.kind is ToolErrorKind.INVALID_ARGUMENTS
+
+
+# -- running ---------------------------------------------------------------------------------
+
+
+def test_sync_and_async_tools_return_text():
+    @tool
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    @tool
+    async def greet(name: str) -> str:
+        await asyncio.sleep(0)
+        return f"hello {name}"
+
+    @tool
+    def summary(box: Box) -> Any:
+        return {"box": box, "color": Color.RED, "ids": (1, 2), "ünï": "ç"}
+
+    assert not add.is_async and greet.is_async
+    assert run(add.acall({"a": 2, "b": 3})) == "5"
+    assert run(greet.acall({"name": "Ada"})) == "hello Ada"
+    assert run(summary.acall({"box": {"corner": {"x": 1, "y": 2}}})) == (
+        '{"box": {"corner": {"x": 1.0, "y": 2.0}, "size": 1, "tags": []}, "color": "red", "ids": [1, 2], "ünï": "ç"}'
+    )
+
+
+def test_tool_exceptions_become_tool_errors():
+    @tool
+    def fails(x: int) -> int:
+        raise ValueError(f"bad x={x}")
+
+    @tool
+    async def fails_async() -> int:
+        raise TimeoutError("the upstream service timed out")  # the tool's own, not our time limit
+
+    @tool
+    def refuses(x: int) -> int:
+        raise ToolCallError(ToolErrorKind.INVALID_ARGUMENTS, "x must be even")
+
+    with pytest.raises(ToolCallError) as info:
+        run(fails.acall({"x": 3}))
+    assert (info.value.kind, info.value.message, info.value.tool_name) == (
+        ToolErrorKind.TOOL_ERROR,
+        "ValueError: bad x=3",
+        "fails",
+    )
+    with pytest.raises(ToolCallError) as info:
+        run(fails_async.acall({}))
+    assert not isinstance(info.value, ToolTimeout)
+    assert info.value.message == "TimeoutError: the upstream service timed out"
+    with pytest.raises(ToolCallError, match="x must be even") as info:
+        run(refuses.acall({"x": 1}))
+    assert info.value.kind is ToolErrorKind.INVALID_ARGUMENTS
+
+
+def test_unserializable_results_are_a_bug_not_a_model_fault():
+    @tool
+    def leaky() -> Any:
+        return object()
+
+    with pytest.raises(TypeError, match="tool 'leaky' returned object"):
+        run(leaky.acall({}))
+
+
+def test_sync_timeout_returns_at_the_limit():
+    release = threading.Event()
+
+    @tool(timeout=0.2)
+    def hangs() -> str:
+        release.wait(30)
+        return "late"
+
+    async def call() -> float:
+        start = time.monotonic()
+        with pytest.raises(ToolTimeout) as info:
+            await hangs.acall({})
+        assert info.value.kind is ToolErrorKind.TIMEOUT and "0.2 s" in info.value.message
+        elapsed = time.monotonic() - start
+        release.set()  # the thread cannot be killed: let it finish so the loop can close
+        return elapsed
+
+    assert run(call()) < 5
+
+
+def test_async_timeout_cancels_the_tool():
+    cancelled = []
+
+    @tool(timeout=0.1)
+    async def sleeps() -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        return "late"
+
+    start = time.monotonic()
+    with pytest.raises(ToolTimeout):
+        run(sleeps.acall({}))
+    assert time.monotonic() - start < 5 and cancelled == [True]
+
+
+# Isolated tools run in another process, which finds them by module and name.
+
+
+@tool(isolate=True, timeout=30)
+def isolated_square(x: int, box: Box) -> dict:
+    return {"square": x * x, "pid": os.getpid(), "size": box.size}
+
+
+@tool(isolate=True, timeout=30)
+def isolated_fails(message: str) -> str:
+    raise ValueError(message)
+
+
+@tool(isolate=True, timeout=30)
+def isolated_crashes() -> str:
+    os._exit(3)
+
+
+@tool(isolate=True, timeout=0.5)
+def isolated_hangs(pid_file: str) -> str:
+    with open(pid_file, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(60)
+    return "late"
+
+
+def test_isolated_tools_run_in_another_process():
+    async def calls():
+        return await asyncio.gather(
+            isolated_square.acall({"x": 7, "box": {"corner": {"x": 0, "y": 0}, "size": 4}}),
+            run_tool_call(ToolCall("isolated_fails", {"message": "nope"}), {"isolated_fails": isolated_fails}),
+            run_tool_call(ToolCall("isolated_crashes", {}), {"isolated_crashes": isolated_crashes}),
+        )
+
+    square, failed, crashed = run(calls())
+    assert '"square": 49' in square and '"size": 4' in square
+    assert f'"pid": {os.getpid()}' not in square
+    assert (failed.error, failed.content) == (ToolErrorKind.TOOL_ERROR, "ValueError: nope")
+    assert crashed.error is ToolErrorKind.TOOL_ERROR and "crashed" in crashed.content
+
+
+def test_isolated_timeout_kills_the_process(tmp_path):
+    pid_file = tmp_path / "pid"
+    start = time.monotonic()
+    with pytest.raises(ToolTimeout):
+        run(isolated_hangs.acall({"pid_file": str(pid_file)}))
+    assert time.monotonic() - start < 30  # the tool sleeps 60 s: it was stopped, not waited for
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # killed and reaped, not left sleeping
+
+
+def test_isolate_needs_an_importable_or_picklable_function():
+    def local(x: int) -> int:
+        return x
+
+    with pytest.raises(TypeError, match="define it at module level"):
+        tool(local, isolate=True)
+
+
+# -- run_tool_call -----------------------------------------------------------------------------
+
+
+def test_run_tool_call_turns_model_faults_into_results():
+    @tool(timeout=0.1)
+    async def slow() -> str:
+        await asyncio.sleep(30)
+        return "late"
+
+    tools = {"forecast": tool(forecast), "slow": slow}
+
+    async def calls():
+        return await asyncio.gather(
+            run_tool_call(ToolCall("forecast", {"city": "Oslo", "unit": "f"}), tools),
+            run_tool_call(ToolCall("forcast", {"city": "Oslo"}), tools),
+            run_tool_call(ToolCall("forecast", {"city": 1}), tools),
+            run_tool_call(ToolCall("slow", {}), tools),
+        )
+
+    ok, unknown, invalid, timed_out = run(calls())
+    assert ok == ToolResult(ToolCall("forecast", {"city": "Oslo", "unit": "f"}), "Oslo:3:f:RED")
+    assert ok.ok and not unknown.ok
+    assert unknown.error is ToolErrorKind.UNKNOWN_TOOL
+    assert unknown.content == "Unknown tool 'forcast'. Available tools: forecast, slow."
+    assert invalid.error is ToolErrorKind.INVALID_ARGUMENTS and "argument 'city'" in invalid.content
+    assert timed_out.error is ToolErrorKind.TIMEOUT
+    assert run(run_tool_call(ToolCall("x", {}), {})).content == "Unknown tool 'x'. Available tools: none."
+
+
+def test_docstring_examples():
+    assert doctest.testmod(treerl.envs.tools, raise_on_error=True).attempted > 0
