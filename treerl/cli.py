@@ -4,6 +4,8 @@
         list registered environments, their tools and JSON Schemas
     treerl eval --env ID [--model PATH] [--num-episodes N] ...
         play a model in an environment; print success rate, rewards and tool-call outcomes
+    treerl rollout --env ID --num-tasks N --group-size G --out FILE [...]
+        record prefix-tree trajectories as JSON Lines (resumable)
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from treerl.agents.transformers_policy import TransformersPolicy
     from treerl.config import config_from_args
     from treerl.envs.registry import spec as env_spec
-    from treerl.rollout.evaluate import EvalConfig, evaluate, stop_token_ids
+    from treerl.rollout.evaluate import EvalConfig, evaluate
 
     import_user_modules(args.imports)
     cfg = config_from_args(EvalConfig, args)
@@ -114,7 +116,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     report = evaluate(
         cfg.env, policy, tokenizer, num_episodes=cfg.num_episodes, seed=cfg.seed, params=cfg.sampling(),
         max_concurrency=cfg.max_concurrency, success_threshold=cfg.success_threshold,
-        stop_ids=stop_token_ids(tokenizer, model.config, getattr(model, "generation_config", None)),
     )
     if cfg.json:
         json.dump(report.summary(), sys.stdout, indent=2)
@@ -143,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     p_eval.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE_OR_FILE",
                         help="Import a module or run a .py file that registers environments (repeatable).")
     p_eval.set_defaults(func=cmd_eval)
+
+    from treerl.rollout.cli import RolloutConfig, cmd_rollout
+
+    p_roll = sub.add_parser("rollout", help="Play a model in an environment; store prefix-tree trajectories (JSON Lines).")
+    add_dataclass_arguments(p_roll, RolloutConfig)
+    p_roll.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE_OR_FILE",
+                        help="Import a module or run a .py file that registers environments (repeatable).")
+    p_roll.set_defaults(func=cmd_rollout)
     return parser
 
 

@@ -18,10 +18,11 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from treerl.agents.chat import ChatRenderer
 from treerl.agents.policy import GenerationRequest, Policy, SamplingParams
 from treerl.config import field_help
 
-__all__ = ["EvalConfig", "EpisodeResult", "EvalReport", "evaluate", "aevaluate", "completion_text"]
+__all__ = ["EvalConfig", "EpisodeResult", "EvalReport", "evaluate", "aevaluate"]
 
 
 @dataclass
@@ -105,54 +106,24 @@ class EvalReport:
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def completion_text(tokenizer, token_ids: list[int], stop_ids: set[int]) -> str:
-    """The assistant text of a completion: the sampled ids without the final stop token.
-
-    Special tokens inside the completion (``<tool_call>`` may be one) are kept, since the
-    parser needs them.
-    """
-    ids = token_ids[:-1] if token_ids and token_ids[-1] in stop_ids else token_ids
-    return tokenizer.decode(ids, skip_special_tokens=False)
-
-
-def stop_token_ids(tokenizer, model_config=None, generation_config=None) -> set[int]:
-    """Every end-of-turn id the model declares (generation config, tokenizer, template)."""
-    ids: set[int] = set()
-    for src in (generation_config, model_config):
-        eos = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif eos:
-            ids.update(int(i) for i in eos)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    for token in ("<|im_end|>", "<|eot_id|>", "<|end|>", "</s>"):
-        tid = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None and tid >= 0:
-            if tokenizer.convert_ids_to_tokens(tid) == token:
-                ids.add(tid)
-    return ids
-
-
 async def _episode(env_factory, policy: Policy, tokenizer, params: SamplingParams, seed: int,
-                   stop_ids: set[int], slots: asyncio.Semaphore) -> EpisodeResult:
+                   slots: asyncio.Semaphore) -> EpisodeResult:
     async with slots:
         env = env_factory()
         try:
             obs, info = await env.areset(seed=seed)
             messages = list(obs)
-            tools = env.tool_schemas or None
+            renderer = ChatRenderer(tokenizer, tools=env.tool_schemas or None)
             result = EpisodeResult(seed=seed, task_id=info.get("task_id"), total_reward=0.0, final_reward=0.0,
                                    turns=0, termination=None)
             session = f"eval-{seed}-{id(env)}"
             terminated = truncated = False
             while not (terminated or truncated):
-                prompt_ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                           tokenize=True, return_dict=False)
-                gen = await policy.agenerate(GenerationRequest(prompt_ids=list(prompt_ids), params=params,
+                prompt_ids = renderer.prompt_ids(messages)
+                gen = await policy.agenerate(GenerationRequest(prompt_ids=prompt_ids, params=params,
                                                                seed=seed * 1000 + result.turns, session=session))
                 result.completion_tokens += len(gen.token_ids)
-                text = completion_text(tokenizer, gen.token_ids, stop_ids)
+                text = renderer.completion_text(gen.token_ids)
                 obs, reward, terminated, truncated, info = await env.astep(text)
                 messages.append({"role": "assistant", "content": text})
                 messages.extend(obs)
@@ -171,14 +142,13 @@ async def _episode(env_factory, policy: Policy, tokenizer, params: SamplingParam
 
 async def aevaluate(env_factory, policy: Policy, tokenizer, *, env_id: str = "", num_episodes: int = 64,
                     seed: int = 10_000, params: SamplingParams | None = None, max_concurrency: int = 32,
-                    success_threshold: float = 1.0, stop_ids: set[int] | None = None) -> EvalReport:
+                    success_threshold: float = 1.0) -> EvalReport:
     """Play ``num_episodes`` episodes (task seeds ``seed..seed+N-1``) concurrently; see :func:`evaluate`."""
     params = params or SamplingParams(max_new_tokens=96)
-    stop_ids = stop_ids if stop_ids is not None else stop_token_ids(tokenizer)
     sem = asyncio.Semaphore(max_concurrency)
     start = time.perf_counter()
     results = await asyncio.gather(*(
-        _episode(env_factory, policy, tokenizer, params, seed + i, stop_ids, sem) for i in range(num_episodes)
+        _episode(env_factory, policy, tokenizer, params, seed + i, sem) for i in range(num_episodes)
     ))
     wall = time.perf_counter() - start
     rewards = [r.total_reward for r in results]

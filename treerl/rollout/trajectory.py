@@ -1,0 +1,351 @@
+"""Prefix-tree trajectories: the data structure everything else reads.
+
+A **segment** is a run of token ids with one origin: ``prompt`` (the rendered task),
+``sampled`` (the policy produced it; per-token sampler log-probs, candidate sets and the
+policy version come with it) or ``env`` (tool results, user turns, template glue). Segments
+link child to parent; a root-to-leaf path is exactly the token sequence the model saw.
+
+An **episode** is a leaf plus what the environment said (rewards, tool-call records,
+termination, metrics). A **group** is all episodes of one task: its generations share the
+prompt segment, and branches forked mid-episode share more.
+
+Groups are stored as JSON Lines, one group per line (see :data:`SCHEMA_VERSION` and
+:meth:`Group.to_json`). :func:`read_groups` yields them back.
+
+>>> g = Group(task_key="seed-0", env_id="demo")
+>>> root = g.add_segment("prompt", [1, 2, 3])
+>>> a = g.add_segment("sampled", [4, 5], parent=root, logprobs=[-0.1, -0.2], policy_version=0)
+>>> b = g.add_segment("sampled", [6], parent=root, logprobs=[-0.3], policy_version=0)
+>>> e = g.add_episode(leaf=a, reward=1.0)
+>>> _ = g.add_episode(leaf=b, reward=0.0)
+>>> e.token_ids, e.sampled_mask
+([1, 2, 3, 4, 5], [False, False, False, True, True])
+>>> round(g.packing_ratio, 3)   # (5 + 4) tokens on paths / 6 unique tokens
+1.5
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Segment",
+    "Episode",
+    "Group",
+    "read_groups",
+    "GroupWriter",
+    "to_flat_records",
+]
+
+SCHEMA_VERSION = 1
+"""Version of the JSON Lines schema written by :meth:`Group.to_json`."""
+
+SegmentKind = Literal["prompt", "sampled", "env"]
+
+
+@dataclass
+class Segment:
+    """A run of tokens with one origin; ``parent`` indexes the group's segment list."""
+
+    kind: SegmentKind
+    token_ids: list[int]
+    parent: int | None = None
+    logprobs: list[float] | None = None
+    """Sampled segments: the sampler's log-prob of each token, after temperature/top-k/top-p/min-p."""
+    candidates: list[list[int]] | None = None
+    """Sampled segments: the ids each token was drawn from; None means the full vocabulary."""
+    policy_version: int | None = None
+    finish_reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"kind": self.kind, "parent": self.parent, "token_ids": self.token_ids}
+        if self.kind == "sampled":
+            d.update(logprobs=self.logprobs, candidates=self.candidates, policy_version=self.policy_version,
+                     finish_reason=self.finish_reason)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Segment:
+        return cls(kind=d["kind"], token_ids=list(d["token_ids"]), parent=d.get("parent"),
+                   logprobs=d.get("logprobs"), candidates=d.get("candidates"),
+                   policy_version=d.get("policy_version"), finish_reason=d.get("finish_reason"))
+
+
+@dataclass
+class Episode:
+    """One generation of a task: a leaf of the group's tree plus the environment's verdict.
+
+    ``extra_leaves`` holds the ends of earlier contexts of the same episode when a chat
+    template was not append-only and the episode continued on a re-rendered branch: those
+    tokens were sampled too and are trained on with the same reward.
+    """
+
+    leaf: int
+    reward: float
+    rewards: list[float] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    termination: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    extra_leaves: list[int] = field(default_factory=list)
+    group: Group | None = field(default=None, repr=False, compare=False)
+
+    # -- views along the root-to-leaf path --------------------------------------------------
+    def path(self, leaf: int | None = None) -> list[Segment]:
+        assert self.group is not None, "an Episode must belong to a Group"
+        return self.group.path(self.leaf if leaf is None else leaf)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token the model saw and produced, root to leaf."""
+        return [t for s in self.path() for t in s.token_ids]
+
+    @property
+    def sampled_mask(self) -> list[bool]:
+        """True where the policy sampled the token (the loss positions)."""
+        return [s.kind == "sampled" for s in self.path() for _ in s.token_ids]
+
+    @property
+    def sampler_logprobs(self) -> list[float]:
+        """The sampler's log-prob of each token; 0.0 where the token was not sampled."""
+        out: list[float] = []
+        for s in self.path():
+            out.extend(s.logprobs if s.kind == "sampled" and s.logprobs is not None else [0.0] * len(s.token_ids))
+        return out
+
+    @property
+    def candidates(self) -> list[list[int] | None]:
+        """Per token: its candidate set (sampled tokens with a bounded support), else None."""
+        out: list[list[int] | None] = []
+        for s in self.path():
+            if s.kind == "sampled" and s.candidates is not None:
+                out.extend(s.candidates)
+            else:
+                out.extend([None] * len(s.token_ids))
+        return out
+
+    @property
+    def policy_versions(self) -> list[int | None]:
+        return [s.policy_version if s.kind == "sampled" else None for s in self.path() for _ in s.token_ids]
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        return sum(len(s.token_ids) for leaf in [self.leaf, *self.extra_leaves]
+                   for s in self.path(leaf) if s.kind == "sampled")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "leaf": self.leaf, "reward": self.reward, "rewards": self.rewards, "messages": self.messages,
+            "tool_calls": self.tool_calls, "termination": self.termination, "metrics": self.metrics,
+            "extra_leaves": self.extra_leaves,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Episode:
+        return cls(leaf=d["leaf"], reward=d["reward"], rewards=list(d.get("rewards", [])),
+                   messages=list(d.get("messages", [])), tool_calls=list(d.get("tool_calls", [])),
+                   termination=d.get("termination"), metrics=dict(d.get("metrics", {})),
+                   extra_leaves=list(d.get("extra_leaves", [])))
+
+
+@dataclass
+class Group:
+    """All episodes of one task, as one prefix tree."""
+
+    task_key: str
+    env_id: str
+    segments: list[Segment] = field(default_factory=list)
+    episodes: list[Episode] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def add_segment(self, kind: SegmentKind, token_ids: Sequence[int], *, parent: int | None = None,
+                    logprobs: Sequence[float] | None = None, candidates: Sequence[Sequence[int]] | None = None,
+                    policy_version: int | None = None, finish_reason: str | None = None) -> int:
+        """Append a segment and return its index (parents must already exist)."""
+        if parent is not None and not 0 <= parent < len(self.segments):
+            raise ValueError(f"parent={parent} does not name an existing segment (have {len(self.segments)}).")
+        if kind == "sampled":
+            if logprobs is None or len(logprobs) != len(token_ids):
+                raise ValueError("A sampled segment needs one sampler log-prob per token.")
+            if candidates is not None and len(candidates) != len(token_ids):
+                raise ValueError("A sampled segment needs one candidate set per token (or None for the full vocab).")
+        self.segments.append(Segment(
+            kind=kind, token_ids=[int(t) for t in token_ids], parent=parent,
+            logprobs=[float(x) for x in logprobs] if logprobs is not None else None,
+            candidates=[[int(c) for c in cs] for cs in candidates] if candidates is not None else None,
+            policy_version=policy_version, finish_reason=finish_reason,
+        ))
+        return len(self.segments) - 1
+
+    def add_episode(self, leaf: int, reward: float, **kwargs: Any) -> Episode:
+        episode = Episode(leaf=leaf, reward=float(reward), group=self, **kwargs)
+        self.episodes.append(episode)
+        return episode
+
+    def path(self, leaf: int) -> list[Segment]:
+        """Segments from the root to ``leaf``."""
+        out = []
+        node: int | None = leaf
+        while node is not None:
+            out.append(self.segments[node])
+            node = self.segments[node].parent
+        return out[::-1]
+
+    @property
+    def num_unique_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.segments)
+
+    @property
+    def packing_ratio(self) -> float:
+        """Tokens over all root-to-leaf paths divided by unique tokens in the tree (>= 1)."""
+        leaves = [leaf for e in self.episodes for leaf in [e.leaf, *e.extra_leaves]]
+        on_paths = sum(len(s.token_ids) for leaf in leaves for s in self.path(leaf))
+        unique = self.num_unique_tokens
+        return on_paths / unique if unique else 1.0
+
+    @property
+    def rewards(self) -> list[float]:
+        return [e.reward for e in self.episodes]
+
+    # -- storage ---------------------------------------------------------------------------
+    def to_json(self) -> str:
+        """One JSON line (no newline)."""
+        return json.dumps({
+            "schema_version": SCHEMA_VERSION,
+            "task_key": self.task_key,
+            "env_id": self.env_id,
+            "info": self.info,
+            "segments": [s.to_dict() for s in self.segments],
+            "episodes": [e.to_dict() for e in self.episodes],
+        }, separators=(",", ":"), allow_nan=False, default=_json_default)
+
+    @classmethod
+    def from_json(cls, line: str) -> Group:
+        d = json.loads(line)
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"Trajectory schema_version {version!r} is not supported (this treerl reads {SCHEMA_VERSION}).")
+        group = cls(task_key=d["task_key"], env_id=d["env_id"], info=d.get("info", {}),
+                    segments=[Segment.from_dict(s) for s in d["segments"]])
+        for e in d["episodes"]:
+            episode = Episode.from_dict(e)
+            episode.group = group
+            group.episodes.append(episode)
+        return group
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item"):  # numpy / torch scalars
+        return obj.item()
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def read_groups(path: str | os.PathLike) -> Iterator[Group]:
+    """Yield the groups stored in a JSON Lines file.
+
+    A torn last line (the writer was killed mid-write) is skipped; any other bad line raises
+    with its line number.
+    """
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if not line.endswith("\n") and lineno == len(lines):
+            try:
+                yield Group.from_json(line)
+            except json.JSONDecodeError:
+                return  # torn final line: the group it held was in flight
+            continue
+        try:
+            yield Group.from_json(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{lineno}: not a valid trajectory line ({exc.msg}).") from None
+
+
+class GroupWriter:
+    """Appends groups to a JSON Lines file, one flushed line per group.
+
+    Opening an existing file cuts off a torn last line (left by a killed writer), so a
+    resumed run appends after the last complete group and never leaves a broken line.
+
+    Args:
+        path: The output file; created with its parent directories.
+        fsync: Also ``os.fsync`` after each group (survives a machine crash, not only a
+            killed process).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fsync = fsync
+        _truncate_torn_tail(self.path)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def finished_keys(self) -> set[str]:
+        return {g.task_key for g in read_groups(self.path)} if self.path.exists() else set()
+
+    def write(self, group: Group) -> None:
+        data = (group.to_json() + "\n").encode("utf-8")
+        # One write() call per line on an O_APPEND descriptor: a kill leaves at most a torn tail.
+        written = 0
+        while written < len(data):
+            written += os.write(self._fd, data[written:])
+        if self.fsync:
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> GroupWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _truncate_torn_tail(path: Path) -> None:
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return
+        cut = data.rfind(b"\n") + 1  # 0 when the only line is torn
+        f.truncate(cut)
+
+
+def to_flat_records(groups: Sequence[Group] | Iterator[Group]) -> Iterator[dict[str, Any]]:
+    """Per-episode flat records for trainers that do not read trees (TRL-style fields).
+
+    ``prompt_ids`` is the root segment; ``completion_ids`` the rest of the path, with
+    ``completion_mask`` marking sampled tokens and ``sampler_logprobs`` their log-probs
+    (0.0 elsewhere).
+    """
+    for g in groups:
+        for i, e in enumerate(g.episodes):
+            path = e.path()
+            n_prompt = len(path[0].token_ids)
+            ids, mask, logps = e.token_ids, e.sampled_mask, e.sampler_logprobs
+            yield {
+                "task_key": g.task_key,
+                "env_id": g.env_id,
+                "episode": i,
+                "prompt_ids": ids[:n_prompt],
+                "completion_ids": ids[n_prompt:],
+                "completion_mask": [int(m) for m in mask[n_prompt:]],
+                "sampler_logprobs": logps[n_prompt:],
+                "reward": e.reward,
+                "messages": e.messages,
+                "termination": e.termination,
+            }
