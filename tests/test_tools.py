@@ -246,7 +246,7 @@ def test_bad_name_or_timeout(kwargs, match):
         ({"city": "P", "days": 2.5}, ["argument 'days' must be integer"]),
         ({"city": "P", "unit": "k"}, ["argument 'unit' must be one of [\"c\", \"f\"]"]),
         ({"city": "P", "extra": 1}, ["unexpected argument 'extra'", "known: city, days, unit, color"]),
-        ([1, 2], ["must be a JSON object, got [1, 2] (list)"]),
+        ([1, 2], ["must be a JSON object, got [1, 2] (array)"]),
         ("{not json", ["not a JSON object"]),
     ],
 )

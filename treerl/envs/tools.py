@@ -336,7 +336,8 @@ class Tool:
 
     Build one with :func:`tool`. Calling the tool object calls the function unchanged;
     :meth:`acall` is the model's way in: validate, convert, run under the time limit,
-    return text.
+    return text. Methods become tools once bound (``tool(counter.add)``): in a class body
+    ``self`` has no annotation and is refused.
 
     Attributes:
         name: The name the model calls it by.
@@ -755,9 +756,11 @@ async def _receive(conn: Any, timeout: float | None) -> tuple[str, Any] | None:
 
 
 def _describe(value: Any) -> str:
+    """A model's value in JSON words, cut short: ``[1, 2] (array)``."""
     text = json.dumps(value, ensure_ascii=False, default=repr)
     text = text if len(text) <= 60 else text[:57] + "..."
-    return f"{text} ({_json_type(value) or type(value).__name__})"
+    kind = "array" if isinstance(value, list) else "object" if isinstance(value, dict) else _json_type(value)
+    return f"{text} ({kind or type(value).__name__})"
 
 
 def _schema_name(schema: Mapping[str, Any]) -> str:
