@@ -6,6 +6,7 @@ the format's own markers), and ``parse(render(calls))`` gives the calls back.
 
 from __future__ import annotations
 
+import doctest
 import json
 import keyword
 import string
@@ -14,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+import treerl.envs.parsers
 from treerl.envs.errors import ToolCallError, ToolErrorKind
 from treerl.envs.parsers import (
     PARSERS,
@@ -426,3 +428,7 @@ def test_qwen3_coder_render_then_parse_with_schemas(calls):
     result = parser.parse(parser.render(calls), schemas)
     assert only_calls(result) == calls
     assert result.content == ""
+
+
+def test_docstring_examples():
+    assert doctest.testmod(treerl.envs.parsers, raise_on_error=True).attempted > 0
