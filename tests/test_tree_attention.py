@@ -78,12 +78,14 @@ def _depth_first(lens: list[int], parents: list[int]) -> TreeLayout:
         order.append(node)
         stack.extend(reversed(children[node]))
     new = {old: i for i, old in enumerate(order)}
-    return TreeLayout.from_parents([lens[o] for o in order], [-1 if parents[o] == -1 else new[parents[o]] for o in order])
+    new_parents = [-1 if parents[o] == -1 else new[parents[o]] for o in order]
+    return TreeLayout.from_parents([lens[o] for o in order], new_parents)
 
 
 def many_siblings(num_children: int = 100, prompt_len: int = 6, seed: int = 0) -> TreeLayout:
     rng = random.Random(seed)
-    return TreeLayout.from_parents([prompt_len] + [rng.randint(1, 5) for _ in range(num_children)], [-1] + [0] * num_children)
+    lens = [prompt_len] + [rng.randint(1, 5) for _ in range(num_children)]
+    return TreeLayout.from_parents(lens, [-1] + [0] * num_children)
 
 
 def single_tokens() -> TreeLayout:
@@ -250,6 +252,21 @@ def test_flex_forward_matches_reference_on_cpu(case):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the GPU paths run on GPU machines only")
+@pytest.mark.parametrize("impl", ["flex", "segment"])
+def test_cuda_backend_matches_reference_outputs_and_grads(impl):
+    reason = BACKENDS[impl].unavailable(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    batch = TreeBatch(CASES["padded_rows"]() + [deep_fork(), many_siblings(100)])
+    q, k, v = (x.detach().cuda().requires_grad_() for x in random_qkv(batch, head_dim=16))
+    want, want_grads = grads_of(reference_tree_attention, batch, q, k, v, scaling=0.25, sliding_window=None)
+    got, got_grads = grads_of(BACKENDS[impl].attend, batch, q, k, v, scaling=0.25, sliding_window=None)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, atol=2e-4, rtol=2e-4)
+
+
 def test_flex_refuses_dropout():
     batch = TreeBatch([single_tokens()])
     q, k, v = random_qkv(batch)
@@ -316,7 +333,7 @@ def path_losses(logits_of_path, batch, input_ids):
     ``logits_of_path(b, idx)`` gives the (P, V) logits of the path whose row offsets are ``idx``;
     tokens shared by several paths are counted once per path, as the unpacked batch does.
     """
-    total = torch.zeros(())
+    total = torch.zeros((), device=input_ids.device)
     n = 0
     for b, layout in enumerate(batch.layouts):
         for path in layout.leaf_paths():
@@ -346,7 +363,7 @@ def unpacked(model, batch, input_ids):
 def packed(model, batch, input_ids):
     model.zero_grad()
     logits = model(
-        input_ids, position_ids=batch.position_ids(), use_cache=False, **{TREE_KWARG: batch}
+        input_ids, position_ids=batch.position_ids(input_ids.device), use_cache=False, **{TREE_KWARG: batch}
     ).logits  # (B, T, V)
     path_losses(lambda b, idx: logits[b, idx], batch, input_ids).backward()
     return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -371,11 +388,30 @@ def test_packed_model_equals_unpacked_paths(kind, impl):
         torch.testing.assert_close(got_logits[b, list(idx)], logits, atol=1e-5, rtol=1e-5)
     assert set(got_grads) == set(want_grads)
     for name in want_grads:
-        torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            got_grads[name], want_grads[name], atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
     # The unpacked model is back with the previous implementation.
     model.set_attn_implementation(choice.previous)
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the GPU paths run on GPU machines only")
+def test_packed_model_equals_unpacked_paths_on_cuda_auto():
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 parity, as on CPU
+    model = tiny_model("qwen3").cuda()
+    batch, input_ids = packed_inputs()
+    input_ids = input_ids.cuda()
+    want_logits, want_grads = unpacked(model, batch, input_ids)
+    choice = enable_tree_attention(model)
+    got_logits, got_grads = packed(model, batch, input_ids)
+    for (b, idx), logits in want_logits.items():
+        torch.testing.assert_close(got_logits[b, list(idx)], logits, atol=1e-4, rtol=1e-4)
+    for name in want_grads:
+        torch.testing.assert_close(
+            got_grads[name], want_grads[name], atol=1e-4, rtol=1e-3, msg=lambda m, n=name: f"{n} ({choice.impl}): {m}"
+        )
 
 
 def test_transformers_builds_no_mask_of_its_own():
@@ -427,7 +463,8 @@ def test_flex_model_forward_on_cpu():
         want = model(input_ids, position_ids=batch.position_ids(), use_cache=False, tree_layout=batch).logits
     enable_tree_attention(model, impl="flex")
     with torch.no_grad():
-        got = model(input_ids, position_ids=batch.position_ids(), use_cache=False, tree_layout=TreeBatch(batch.layouts, batch.length)).logits
+        fresh = TreeBatch(batch.layouts, batch.length)  # nothing cached by the other backend
+        got = model(input_ids, position_ids=batch.position_ids(), use_cache=False, tree_layout=fresh).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -461,7 +498,8 @@ def test_refuses_linear_attention_hybrids():
         vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
         linear_key_head_dim=8, linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"],
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention"],
     )
     model = Qwen3NextForCausalLM(config)
     with pytest.raises(TreeAttentionError, match="linear_attention"):

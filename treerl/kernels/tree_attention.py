@@ -17,7 +17,9 @@ one of our registered names, so every attention layer calls our function with it
 ``**kwargs`` (where ``tree_layout`` rides along). Our names are deliberately *not*
 registered with ``AttentionMaskInterface``: transformers then builds no mask at all (no
 dense T x T mask, and no "packed sequence" guess from position ids, which would be wrong
-for tree depths). The function refuses any mask that still reaches it.
+for tree depths). The function refuses any mask that still reaches it. Note that for such
+names transformers also drops a 2-D ``attention_mask`` the caller passes: padding is
+described by the :class:`TreeBatch` (rows shorter than the batch), never by a mask.
 
 Backends (one table, :data:`BACKENDS`):
 
@@ -206,12 +208,18 @@ def flex_tree_attention(
     def build_block_mask():
         depth = batch.position_ids(device) if sliding_window is not None else None
         mask_mod = tree_mask_mod(batch.subtree_end_of_token(device), depth, sliding_window)
-        # H=None: one mask for all heads, since the tree does not depend on the head.
-        return create_block_mask(mask_mod, batch_size, None, length, length, device=device)
+        # H=None: one mask for all heads, since the tree does not depend on the head. Compiled
+        # mask building works block by block instead of materializing (B, T, T) on the GPU.
+        return create_block_mask(
+            mask_mod, batch_size, None, length, length, device=device, _compile=device.type == "cuda"
+        )
 
     # Every layer of a forward shares the block mask (one per sliding window size).
     block_mask = batch.cached(("flex_block_mask", str(device), sliding_window), build_block_mask)
-    attend = _compiled_flex_attention() if device.type == "cuda" else flex_attention
+    if torch.compiler.is_compiling() or device.type != "cuda":
+        attend = flex_attention  # inside a compiled model dynamo fuses it; eager on CPU (forward only)
+    else:
+        attend = _compiled_flex_attention()
     out = attend(
         query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=num_heads != key.shape[1]
     )  # (B, H, T, Dv)
