@@ -452,6 +452,12 @@ def test_packed_model_catches_a_wrong_tree():
         flat = TreeBatch([TreeLayout.from_parents([layout.num_tokens], [-1]) for layout in batch.layouts], batch.length)
         wrong = model(input_ids, position_ids=batch.position_ids(), use_cache=False, tree_layout=flat).logits
     assert (right - wrong).abs().max() > 1e-3
+    # A plain list of layouts works too (each layer then rebuilds its index tensors).
+    with torch.no_grad():
+        from_list = model(
+            input_ids, position_ids=batch.position_ids(), use_cache=False, tree_layout=list(batch.layouts)
+        ).logits
+    torch.testing.assert_close(from_list, right, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

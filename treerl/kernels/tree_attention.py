@@ -347,7 +347,7 @@ def _make_attention_forward(impl: str) -> Callable:
         **kwargs,
     ) -> tuple[Tensor, None]:
         """transformers' attention signature: (B, H, T, D) in, ((B, T, H, Dv), no weights) out."""
-        batch = _batch_from_kwargs(kwargs)
+        batch = _batch_from_kwargs(kwargs, length=query.shape[2])
         _check_call(module, query, key, attention_mask, batch, kwargs)
         out = backend.attend(
             query, key, value, batch, scaling=scaling, dropout=dropout, sliding_window=sliding_window
@@ -358,7 +358,7 @@ def _make_attention_forward(impl: str) -> Callable:
     return tree_attention_forward
 
 
-def _batch_from_kwargs(kwargs: dict) -> TreeBatch:
+def _batch_from_kwargs(kwargs: dict, length: int) -> TreeBatch:
     batch = kwargs.get(TREE_KWARG)
     if batch is None:
         raise TreeAttentionError(
@@ -370,7 +370,7 @@ def _batch_from_kwargs(kwargs: dict) -> TreeBatch:
         return batch
     if isinstance(batch, Sequence) and batch and all(isinstance(layout, TreeLayout) for layout in batch):
         # Works, but every layer rebuilds the index tensors: pass a TreeBatch to share them.
-        return TreeBatch(batch)
+        return TreeBatch(batch, length=max(length, max(layout.num_tokens for layout in batch)))
     raise TreeAttentionError(
         f"`{TREE_KWARG}` must be a TreeBatch (or a list of TreeLayout, one per row), got {type(batch).__name__}."
     )
