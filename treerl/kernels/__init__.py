@@ -8,5 +8,14 @@ from treerl.kernels.logprobs import (
     select_impl,
     token_logprobs,
 )
+from treerl.kernels.tree_attention import (
+    TREE_KWARG,
+    TreeAttentionChoice,
+    TreeAttentionError,
+    enable_tree_attention,
+)
+from treerl.kernels.tree_layout import TreeBatch, TreeLayout
 
-__all__ = ["token_logprobs", "reference_token_logprobs", "TokenLogprobs", "ImplChoice", "select_impl", "IMPLS"]
+__all__ = [
+    "TreeLayout", "TreeBatch", "enable_tree_attention", "TreeAttentionChoice", "TreeAttentionError", "TREE_KWARG",
+"token_logprobs", "reference_token_logprobs", "TokenLogprobs", "ImplChoice", "select_impl", "IMPLS"]
