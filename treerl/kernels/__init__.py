@@ -18,4 +18,5 @@ from treerl.kernels.tree_layout import TreeBatch, TreeLayout
 
 __all__ = [
     "TreeLayout", "TreeBatch", "enable_tree_attention", "TreeAttentionChoice", "TreeAttentionError", "TREE_KWARG",
-"token_logprobs", "reference_token_logprobs", "TokenLogprobs", "ImplChoice", "select_impl", "IMPLS"]
+    "token_logprobs", "reference_token_logprobs", "TokenLogprobs", "ImplChoice", "select_impl", "IMPLS",
+]
