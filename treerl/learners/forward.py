@@ -1,0 +1,238 @@
+"""The packed forward pass: hidden states of packed rows, log-probs at loss positions, the loss.
+
+Three steps, each a small function a learner calls in order::
+
+    batches = pack_groups(groups, adv, PackingConfig(max_tokens_per_row=4096))
+    normalizer = window_normalizer(batches)            # counts over the whole window
+    for batch in batches:
+        batch = batch.to(device)
+        out = packed_logprobs(model, batch, temperature=0.8)         # (M,) per term
+        inputs = loss_inputs(batch, out, old_logp=old[batch_index])  # LossInputs
+        compute_loss(inputs, loss_cfg, normalizer).loss.backward()
+
+:func:`packed_logprobs` runs the decoder (``model.get_decoder()``, the causal LM without
+its head) on the packed rows with tree attention, gathers the hidden states at the loss
+positions, and calls :func:`treerl.kernels.logprobs.token_logprobs` with the LM-head
+weight, so the ``(tokens x vocab)`` logits are never built. The head runs once per loss
+position; the per-term values are a gather, whose gradient sums the terms that share a
+position. That is why the loss and every parameter gradient equal those of the same
+episodes trained unpacked (one padded row per episode), which
+``tests/test_packed_equals_unpacked.py`` checks for every policy loss.
+
+The trained log-prob of a term is renormalized over the sampler's candidate set where the
+sampler recorded one (DESIGN.md, principle 4), and over the full vocabulary elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from treerl.envs.errors import TreerlError
+from treerl.kernels.logprobs import ImplChoice, token_logprobs
+from treerl.kernels.tree_attention import BACKENDS, TREE_KWARG, attn_implementation_name
+from treerl.learners.losses import LossConfig, LossInputs, LossNormalizer, LossOutput, compute_loss
+from treerl.learners.packing import PackedBatch
+
+__all__ = [
+    "PackedForwardError",
+    "PackedLogprobs",
+    "loss_inputs",
+    "packed_hidden_states",
+    "packed_logprobs",
+    "packed_loss",
+    "uses_tree_attention",
+    "window_normalizer",
+]
+
+
+class PackedForwardError(TreerlError, ValueError):
+    """The model cannot run a packed batch exactly as asked."""
+
+
+@dataclass
+class PackedLogprobs:
+    """Per-term outputs of :func:`packed_logprobs`, all ``(M,)`` float32."""
+
+    logp: Tensor
+    """Log-prob of each term's target, over the sampler's candidate set where it recorded
+    one and over the full vocabulary elsewhere: the log-prob the losses train."""
+    entropy: Tensor
+    """Entropy of the full tempered distribution at the term's position."""
+    logp_vocab: Tensor
+    """Log-prob over the full vocabulary (equals ``logp`` where no candidate set was recorded)."""
+    choice: ImplChoice | None = None
+    """Which log-prob implementation ran, and why."""
+
+
+def uses_tree_attention(model: torch.nn.Module) -> bool:
+    """Whether :func:`treerl.kernels.tree_attention.enable_tree_attention` switched ``model`` over."""
+    names = {attn_implementation_name(impl) for impl in BACKENDS}
+    return getattr(model.config, "_attn_implementation", None) in names
+
+
+def _check_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The LM head, if it is a plain linear layer that :func:`token_logprobs` reproduces exactly."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    name = type(model).__name__
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        raise PackedForwardError(
+            f"{name} soft-caps its logits (config.final_logit_softcapping={config.final_logit_softcapping}), "
+            "which the fused log-prob head does not implement; train it with full logits instead."
+        )
+    for attr in ("logit_scale", "logits_scaling"):
+        value = getattr(config, attr, None)
+        if value is not None and float(value) != 1.0:
+            raise PackedForwardError(
+                f"{name} scales its logits (config.{attr}={value}), which the fused log-prob head does not "
+                "implement; train it with full logits instead."
+            )
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise PackedForwardError(
+            f"{name}.get_output_embeddings() is {type(head).__name__}, not a torch.nn.Linear; the fused "
+            "log-prob head needs the LM head's weight (and bias)."
+        )
+    return head
+
+
+def packed_hidden_states(model: torch.nn.Module, batch: PackedBatch) -> Tensor:
+    """(B, T, H) final hidden states of the packed rows (the decoder only, no LM head).
+
+    With tree attention enabled the rows attend along their trees. Without it, only rows
+    that are single root-to-leaf chains (``PackingConfig(mode="padded")``) are exact, since
+    plain causal attention over a right-padded chain is the tree mask; anything else is
+    refused rather than silently attended across branches.
+    """
+    kwargs = {}
+    if uses_tree_attention(model):
+        kwargs[TREE_KWARG] = batch.layouts
+    elif any(layout.num_segments != 1 for layout in batch.layouts.layouts):
+        raise PackedForwardError(
+            f"this batch was packed with mode={batch.mode!r}: its rows hold trees or several episodes, but "
+            f"{type(model).__name__} uses attn_implementation={model.config._attn_implementation!r}, which would "
+            "attend across branches. Call treerl.kernels.tree_attention.enable_tree_attention(model) first, or "
+            "pack with PackingConfig(mode='padded') for a model tree attention cannot serve."
+        )
+    decoder = model.get_decoder()
+    out = decoder(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        attention_mask=None,
+        use_cache=False,
+        **kwargs,
+    )
+    return out.last_hidden_state
+
+
+def packed_logprobs(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    *,
+    temperature: float = 1.0,
+    impl: str = "auto",
+    chunk_tokens: int = 1024,
+    chunk_vocab: int = 8192,
+) -> PackedLogprobs:
+    """Log-probs, entropies and candidate-renormalized log-probs of every term of ``batch``.
+
+    Args:
+        model: a transformers causal LM, with tree attention enabled for ``tree``/``flat``
+            batches (any causal LM for ``padded`` ones).
+        batch: one micro-batch from :func:`treerl.learners.packing.pack_groups`, on the
+            model's device (``batch.to(device)``).
+        temperature: the sampler's temperature; logits are divided by it.
+        impl, chunk_tokens, chunk_vocab: passed to :func:`token_logprobs`.
+
+    The LM head runs once per loss position (``N``), not per term (``M``): episodes that
+    share a sampled token share its head computation, and the gather's gradient adds their
+    terms up.
+    """
+    head = _check_head(model)
+    hidden = packed_hidden_states(model, batch)  # (B, T, H)
+    batch_size, length, width = hidden.shape
+    flat_index = batch.loss_row * length + batch.loss_pos  # (N,)
+    hidden_at_loss = hidden.reshape(batch_size * length, width).index_select(0, flat_index)  # (N, H)
+    out = token_logprobs(
+        hidden_at_loss.to(head.weight.dtype),
+        head.weight,
+        batch.loss_target,
+        bias=head.bias,
+        temperature=temperature,
+        candidates=batch.loss_candidates,
+        chunk_tokens=chunk_tokens,
+        chunk_vocab=chunk_vocab,
+        impl=impl,
+    )
+    logp = out.logp  # (N,)
+    if out.logp_candidates is not None:
+        logp = torch.where(batch.loss_has_candidates, out.logp_candidates, out.logp)
+    return PackedLogprobs(
+        logp=logp[batch.term_loss],  # (M,)
+        entropy=out.entropy[batch.term_loss],
+        logp_vocab=out.logp[batch.term_loss],
+        choice=out.choice,
+    )
+
+
+def window_normalizer(batches: Sequence[PackedBatch]) -> LossNormalizer:
+    """The normalizer of a window made of these micro-batches (one :func:`pack_groups` call).
+
+    Counts terms per episode exactly as an unpacked batch would: ``num_tokens`` is the
+    number of (token, episode) terms, ``num_sequences`` the episodes with at least one.
+    """
+    if not batches:
+        raise ValueError("window_normalizer needs at least one PackedBatch; there is nothing to train on.")
+    return LossNormalizer.from_micro_batches([b.term_episode for b in batches], batches[0].num_episodes)
+
+
+def loss_inputs(
+    batch: PackedBatch,
+    logprobs: PackedLogprobs,
+    *,
+    old_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    is_weight: Tensor | None = None,
+    is_mask: Tensor | None = None,
+) -> LossInputs:
+    """The :class:`LossInputs` of one packed micro-batch.
+
+    ``old_logp`` (M,) defaults to ``logprobs.logp.detach()``: on-policy, one update per
+    batch, the PPO ratio is exactly 1. Recompute it with :func:`packed_logprobs` under
+    ``torch.no_grad()`` before the first update when a batch is trained several times.
+    """
+    logp = logprobs.logp
+    return LossInputs(
+        logp=logp,
+        old_logp=logp.detach() if old_logp is None else old_logp,
+        sampler_logp=batch.term_sampler_logp.to(logp.device),
+        adv=batch.term_adv.to(logp.device),
+        episode=batch.term_episode.to(logp.device),
+        num_episodes=batch.num_episodes,
+        ref_logp=ref_logp,
+        entropy=logprobs.entropy,
+        is_weight=is_weight,
+        is_mask=is_mask,
+    )
+
+
+def packed_loss(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    cfg: LossConfig,
+    normalizer: LossNormalizer,
+    *,
+    temperature: float = 1.0,
+    old_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    is_weight: Tensor | None = None,
+    is_mask: Tensor | None = None,
+    impl: str = "auto",
+) -> tuple[LossOutput, PackedLogprobs]:
+    """Forward, log-probs and the policy loss of one micro-batch; call ``.loss.backward()`` on it."""
+    logprobs = packed_logprobs(model, batch, temperature=temperature, impl=impl)
+    inputs = loss_inputs(batch, logprobs, old_logp=old_logp, ref_logp=ref_logp, is_weight=is_weight, is_mask=is_mask)
+    return compute_loss(inputs, cfg, normalizer), logprobs

@@ -1,0 +1,700 @@
+"""Tree packing: groups of trajectory trees laid into rows, and the flat list of loss terms.
+
+A group's episodes share their prompt, and branched rollouts share more. Packing lays the
+**unique** tokens of each group's tree into a row, depth first, so the forward pass runs
+each shared token once (:mod:`treerl.kernels.tree_layout` says who attends to whom). The
+loss is never deduplicated (DESIGN.md, principle 3): every (sampled token, episode) pair
+is one **loss term**, exactly as in an unpacked batch with one row per episode.
+
+What a :class:`PackedBatch` holds
+---------------------------------
+- ``input_ids`` and ``position_ids`` ``(B, T)``: the rows; a token's position id is its
+  depth, the index it has in every root-to-leaf path that contains it, so RoPE sees what
+  the sampler saw.
+- ``layouts``: the :class:`~treerl.kernels.tree_layout.TreeBatch` for tree attention.
+- **Loss positions** ``(N,)``, one per packed sampled token: ``loss_row``/``loss_pos``
+  locate the hidden state that predicts it (the token before it on its path; for the
+  first token of a segment, the last token of its parent), ``loss_target`` is its id,
+  with its sampler log-prob and candidate set. A parent's last position predicts the first
+  token of each of its children, so one position may appear several times with different
+  targets.
+- **Terms** ``(M,)``: ``term_loss`` indexes the loss positions, ``term_episode`` and
+  ``term_adv`` say whose term it is. A sampled token shared by ``k`` episodes (a nested
+  fork) is one loss position and ``k`` terms; the LM head runs once for it and the
+  gradient of the gather sums the ``k`` terms, which is the gradient of the unpacked batch.
+- ``episode_num_tokens`` ``(E,)``: each episode's term count over everything packed in
+  one call, for :class:`~treerl.learners.losses.LossNormalizer`.
+
+Modes
+-----
+- ``tree``: each group's tree once (chains of single-child segments become one layout
+  segment). A group stays in one row; a group larger than the row budget alone is split
+  by episodes (shared prefixes then appear once per piece); an episode larger than the
+  budget raises :class:`PackingError`.
+- ``flat``: each root-to-leaf path its own root segment, no sharing; rows packed the same
+  way. For comparison (benchmarks), and to check the tree path.
+- ``padded``: one path per row, the classic padded batch. Rows are plain causal
+  sequences, so any causal LM runs them with its own attention: the mode for models tree
+  attention cannot serve (linear-attention hybrids, soft-capping).
+
+Token-identical sibling segments (two samples with the same text) are packed twice, not
+merged into a trie: merging would save little and each keeps its own sampler log-probs.
+
+Rows are balanced by attention work
+-----------------------------------
+A query token attends to its ancestors' tokens and to the earlier tokens of its segment,
+so a piece's attention work is ``sum_s len_s * depth_s + len_s * (len_s + 1) / 2`` key-query
+pairs over its layout segments (``depth_s`` = tokens of the segment's ancestors). A shallow
+bushy tree costs less than a chain of the same length. The packer opens as many rows as
+first-fit-decreasing by tokens needs, then places pieces largest work first into the row
+with the least work that still has room (opening a row only when none has), so rows carry
+similar attention work, not merely similar lengths.
+
+Example:
+    >>> from treerl.rollout.trajectory import Group
+    >>> g = Group(task_key="t", env_id="demo")
+    >>> root = g.add_segment("prompt", [5, 6, 7])
+    >>> a = g.add_segment("sampled", [8, 9], parent=root, logprobs=[-0.1, -0.2])
+    >>> b = g.add_segment("sampled", [10], parent=root, logprobs=[-0.3])
+    >>> _ = g.add_episode(leaf=a, reward=1.0); _ = g.add_episode(leaf=b, reward=0.0)
+    >>> [batch] = pack_groups([g], [0.5, -0.5], PackingConfig(max_tokens_per_row=16))
+    >>> batch.input_ids.tolist(), batch.position_ids.tolist()
+    ([[5, 6, 7, 8, 9, 10]], [[0, 1, 2, 3, 4, 3]])
+    >>> batch.loss_pos.tolist(), batch.loss_target.tolist()   # position 2 predicts 8 and 10
+    ([2, 3, 2], [8, 9, 10])
+    >>> batch.term_episode.tolist(), batch.term_adv.tolist()
+    ([0, 0, 1], [0.5, 0.5, -0.5])
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from treerl.envs.errors import TreerlError
+from treerl.kernels.tree_layout import TreeBatch, TreeLayout
+from treerl.rollout.trajectory import Group
+
+__all__ = [
+    "PACK_MODES",
+    "PackedBatch",
+    "PackingConfig",
+    "PackingError",
+    "attention_work",
+    "pack_groups",
+    "packing_metrics",
+]
+
+PackMode = Literal["tree", "flat", "padded"]
+PACK_MODES: tuple[str, ...] = ("tree", "flat", "padded")
+
+
+class PackingError(TreerlError, ValueError):
+    """The groups cannot be packed as asked (an episode over the budget, a malformed tree)."""
+
+
+@dataclass
+class PackingConfig:
+    """How groups become rows and micro-batches."""
+
+    max_tokens_per_row: int = 4096
+    """Most real tokens in one row. A group's tree stays in one row unless it alone is longer."""
+    mode: str = "tree"
+    """``tree`` (shared prefixes once), ``flat`` (each path its own segment, rows packed) or
+    ``padded`` (one path per row, for models tree attention cannot serve)."""
+    rows_per_batch: int = 1
+    """Rows per micro-batch (padded to the longest of them). An episode is never split
+    across micro-batches, so ``padded`` may exceed it for an episode with several paths."""
+    pad_token_id: int = 0
+    """Id written into padding slots; no real token attends to them, any valid id works."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens_per_row, int) or self.max_tokens_per_row < 1:
+            raise ValueError(
+                f"PackingConfig.max_tokens_per_row is {self.max_tokens_per_row!r}; it is the row budget in "
+                "tokens and must be an int >= 1 (e.g. 4096, or the longest episode for mode='padded')."
+            )
+        if self.mode not in PACK_MODES:
+            raise ValueError(
+                f"PackingConfig.mode is {self.mode!r}; choose one of {PACK_MODES} ('tree' shares prefixes, "
+                "'padded' serves models that tree attention cannot)."
+            )
+        if not isinstance(self.rows_per_batch, int) or self.rows_per_batch < 1:
+            raise ValueError(
+                f"PackingConfig.rows_per_batch is {self.rows_per_batch!r}; it counts rows per micro-batch "
+                "and must be an int >= 1."
+            )
+        if not isinstance(self.pad_token_id, int) or self.pad_token_id < 0:
+            raise ValueError(
+                f"PackingConfig.pad_token_id is {self.pad_token_id!r}; use a valid token id >= 0 "
+                "(the tokenizer's pad id, or 0)."
+            )
+
+
+@dataclass(frozen=True, eq=False)
+class PackedBatch:
+    """One micro-batch of packed rows and its flat loss terms (see the module docstring).
+
+    ``N`` counts loss positions (packed sampled tokens), ``M`` counts terms ((token,
+    episode) pairs), ``E`` counts the episodes of the whole :func:`pack_groups` call.
+    """
+
+    mode: str
+    """The :data:`PACK_MODES` entry these rows were packed with."""
+    input_ids: Tensor
+    """(B, T) long: the rows, padded with ``PackingConfig.pad_token_id``."""
+    position_ids: Tensor
+    """(B, T) long: each token's depth in its tree; 0 for padding."""
+    layouts: TreeBatch
+    """The rows' tree layouts, to pass to the model as ``tree_layout``."""
+    loss_row: Tensor
+    """(N,) long: row of the hidden state that predicts each loss position's target."""
+    loss_pos: Tensor
+    """(N,) long: offset of that hidden state in its row (the target's predecessor)."""
+    loss_target_pos: Tensor
+    """(N,) long: offset of the target token itself in the same row."""
+    loss_target: Tensor
+    """(N,) long: the sampled token id."""
+    loss_sampler_logp: Tensor
+    """(N,) float32: the sampler's log-prob of the target (after its truncation)."""
+    loss_candidates: Tensor | None
+    """(N, K) long: the sampler's candidate set, padded with -1; rows without one hold
+    only the target (see ``loss_has_candidates``). None when no position has one."""
+    loss_has_candidates: Tensor
+    """(N,) bool: True where the sampler recorded a bounded candidate set."""
+    term_loss: Tensor
+    """(M,) long: the loss position of each term."""
+    term_episode: Tensor
+    """(M,) long: the episode of each term, in ``[0, num_episodes)`` over the whole pack call."""
+    term_adv: Tensor
+    """(M,) float: the advantage of the term's episode."""
+    num_episodes: int
+    """``E``: episodes of the whole pack call (groups in order, episodes in group order)."""
+    episode_num_tokens: Tensor
+    """(E,) long: each episode's number of terms over the whole pack call."""
+    row_work: tuple[int, ...]
+    """Attention work of each row (key-query pairs, see :func:`attention_work`)."""
+    num_path_tokens: int
+    """Tokens these episodes would take unpacked (sum of their root-to-leaf path lengths)."""
+
+    # -- sizes --------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens of the rows."""
+        return sum(layout.num_tokens for layout in self.layouts.layouts)
+
+    @property
+    def num_terms(self) -> int:
+        return self.term_loss.shape[0]
+
+    # -- per-term views -----------------------------------------------------------------------
+    @property
+    def term_target(self) -> Tensor:
+        """(M,) long: each term's target id."""
+        return self.loss_target[self.term_loss]
+
+    @property
+    def term_sampler_logp(self) -> Tensor:
+        """(M,) float32: each term's sampler log-prob."""
+        return self.loss_sampler_logp[self.term_loss]
+
+    @property
+    def term_row(self) -> Tensor:
+        return self.loss_row[self.term_loss]
+
+    @property
+    def term_pos(self) -> Tensor:
+        return self.loss_pos[self.term_loss]
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """The same batch with its tensors on ``device`` (the layouts build theirs per device)."""
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), Tensor)
+        }
+        return replace(self, **moved)
+
+
+# -- pieces: the trees that go into rows ------------------------------------------------------
+
+
+@dataclass
+class _Piece:
+    """Tokens that must sit whole in one row: one tree, or a forest of root segments."""
+
+    token_ids: list[int]
+    seg_len: list[int]
+    """Layout segments (chains of single-child tree segments merged)."""
+    seg_parent: list[int]
+    pred: list[int]
+    """Per token, the index of the token whose hidden state predicts it; -1 for a root's first."""
+    work: int = 0
+
+
+@dataclass
+class _Unit:
+    """Episodes that stay together (one micro-batch), their pieces and their loss terms."""
+
+    pieces: list[_Piece]
+    targets: list[tuple[int, int, float, list[int] | None]]
+    """Loss positions: (piece, token index, sampler log-prob, candidate set or None)."""
+    terms: list[tuple[int, int]]
+    """(index into ``targets``, global episode)."""
+    num_path_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.pieces)
+
+
+def attention_work(seg_len: Sequence[int], seg_parent: Sequence[int]) -> int:
+    """Key-query pairs of tree attention over a depth-first layout.
+
+    Each token of segment ``s`` sees the ``depth_s`` tokens of its ancestors and the tokens
+    of ``s`` up to itself.
+
+    >>> attention_work([4], [-1])          # a chain of 4: 1 + 2 + 3 + 4
+    10
+    >>> attention_work([2, 1, 1], [-1, 0, 0])   # 3 pairs, then 3 for each child
+    9
+    """
+    depth: list[int] = []
+    work = 0
+    for length, parent in zip(seg_len, seg_parent):
+        d = 0 if parent == -1 else depth[parent] + seg_len[parent]
+        depth.append(d)
+        work += length * d + length * (length + 1) // 2
+    return work
+
+
+def _path_indices(group: Group, leaf: int) -> list[int]:
+    """Segment indices from the root to ``leaf``."""
+    out = []
+    node: int | None = leaf
+    while node is not None:
+        out.append(node)
+        node = group.segments[node].parent
+    return out[::-1]
+
+
+def _check_group(group: Group, g: int) -> None:
+    num = len(group.segments)
+    for s, seg in enumerate(group.segments):
+        if seg.parent is not None and not 0 <= seg.parent < s:
+            raise PackingError(
+                f"group {g} ({group.task_key!r}) segment {s} has parent {seg.parent}; parents must be earlier "
+                "segments. Build groups with Group.add_segment, which enforces it."
+            )
+        if seg.kind == "sampled":
+            if seg.logprobs is None or len(seg.logprobs) != len(seg.token_ids):
+                raise PackingError(
+                    f"group {g} ({group.task_key!r}) sampled segment {s} has no sampler log-prob per token; "
+                    "the rollout must record them (Group.add_segment(..., logprobs=...))."
+                )
+            if seg.candidates is not None and len(seg.candidates) != len(seg.token_ids):
+                raise PackingError(
+                    f"group {g} ({group.task_key!r}) sampled segment {s} has {len(seg.candidates)} candidate "
+                    f"sets for {len(seg.token_ids)} tokens; record one per token, or None for the full vocab."
+                )
+    for i, episode in enumerate(group.episodes):
+        for leaf in (episode.leaf, *episode.extra_leaves):
+            if not 0 <= leaf < num:
+                raise PackingError(
+                    f"group {g} ({group.task_key!r}) episode {i} names leaf {leaf}, but the group has {num} "
+                    "segments."
+                )
+
+
+def _tree_piece(group: Group, leaves: Sequence[int]) -> tuple[_Piece, dict[tuple[int, int], int]]:
+    """The union of the paths to ``leaves`` as one depth-first tree; and where each source token went."""
+    needed: set[int] = set()
+    for leaf in leaves:
+        needed.update(_path_indices(group, leaf))
+    children: dict[int, list[int]] = {s: [] for s in needed}
+    roots: list[int] = []
+    for s in sorted(needed):
+        parent = group.segments[s].parent
+        (roots if parent is None else children[parent]).append(s)
+    order: list[int] = []
+    stack = roots[::-1]
+    while stack:
+        s = stack.pop()
+        order.append(s)
+        stack.extend(reversed(children[s]))
+
+    # Empty segments are skipped: their children hang from the nearest non-empty ancestor.
+    def effective_parent(s: int) -> int | None:
+        parent = group.segments[s].parent
+        while parent is not None and not group.segments[parent].token_ids:
+            parent = group.segments[parent].parent
+        return parent
+
+    nonempty = [s for s in order if group.segments[s].token_ids]
+    parent_of = {s: effective_parent(s) for s in nonempty}
+    num_children = Counter(p for p in parent_of.values() if p is not None)
+
+    piece = _Piece(token_ids=[], seg_len=[], seg_parent=[], pred=[])
+    start: dict[int, int] = {}
+    layout_seg: dict[int, int] = {}
+    for s in nonempty:
+        tokens = group.segments[s].token_ids
+        parent = parent_of[s]
+        begin = start[s] = len(piece.token_ids)
+        piece.token_ids.extend(tokens)
+        first_pred = -1 if parent is None else start[parent] + len(group.segments[parent].token_ids) - 1
+        piece.pred.extend([first_pred, *range(begin, begin + len(tokens) - 1)])
+        if parent is not None and num_children[parent] == 1:
+            # The only child follows its parent's tokens in depth-first order: one longer segment.
+            layout_seg[s] = layout_seg[parent]
+            piece.seg_len[layout_seg[s]] += len(tokens)
+        else:
+            layout_seg[s] = len(piece.seg_len)
+            piece.seg_len.append(len(tokens))
+            piece.seg_parent.append(-1 if parent is None else layout_seg[parent])
+    piece.work = attention_work(piece.seg_len, piece.seg_parent)
+    where = {(s, off): start[s] + off for s in nonempty for off in range(len(group.segments[s].token_ids))}
+    return piece, where
+
+
+def _flat_pieces(
+    group: Group, leaves: Sequence[int], one_per_row: bool
+) -> tuple[list[_Piece], dict[tuple[int, int], tuple[int, int]]]:
+    """Each non-empty path to a leaf as its own root segment; ``one_per_row``: one piece per path."""
+    pieces: list[_Piece] = []
+    where: dict[tuple[int, int], tuple[int, int]] = {}
+    for leaf in leaves:
+        sources = [(s, off) for s in _path_indices(group, leaf) for off in range(len(group.segments[s].token_ids))]
+        if not sources:
+            continue
+        if one_per_row or not pieces:
+            pieces.append(_Piece(token_ids=[], seg_len=[], seg_parent=[], pred=[]))
+        piece = pieces[-1]
+        begin = len(piece.token_ids)
+        for s, off in sources:
+            # An episode's extra leaves may share tokens with its main path: the first copy is the loss position.
+            where.setdefault((s, off), (len(pieces) - 1, len(piece.token_ids)))
+            piece.token_ids.append(group.segments[s].token_ids[off])
+        piece.pred.extend([-1, *range(begin, begin + len(sources) - 1)])
+        piece.seg_len.append(len(sources))
+        piece.seg_parent.append(-1)
+    for piece in pieces:
+        piece.work = attention_work(piece.seg_len, piece.seg_parent)
+    return pieces, where
+
+
+def _episode_leaves(group: Group, episodes: Sequence[int]) -> list[int]:
+    leaves: list[int] = []
+    for i in episodes:
+        for leaf in (group.episodes[i].leaf, *group.episodes[i].extra_leaves):
+            if leaf not in leaves:
+                leaves.append(leaf)
+    return leaves
+
+
+def _unit(
+    group: Group,
+    episodes: Sequence[int],
+    first_episode: int,
+    mode: str,
+) -> _Unit:
+    """Pack ``episodes`` (local indices) of ``group`` and list their loss terms."""
+    leaves = _episode_leaves(group, episodes)
+    if mode == "tree":
+        piece, where_tree = _tree_piece(group, leaves)
+        pieces = [piece]
+        where = {key: (0, index) for key, index in where_tree.items()}
+    else:
+        pieces, where = _flat_pieces(group, leaves, one_per_row=mode == "padded")
+    unit = _Unit(pieces=pieces, targets=[], terms=[], num_path_tokens=0)
+    target_of: dict[tuple[int, int], int] = {}
+    for i in episodes:
+        episode = group.episodes[i]
+        seen: set[tuple[int, int]] = set()
+        for leaf in (episode.leaf, *episode.extra_leaves):
+            path = _path_indices(group, leaf)
+            unit.num_path_tokens += sum(len(group.segments[s].token_ids) for s in path)
+            for s in path:
+                seg = group.segments[s]
+                if seg.kind != "sampled":
+                    continue
+                for off in range(len(seg.token_ids)):
+                    # A token on several of one episode's paths is one term of that episode.
+                    if (s, off) in seen:
+                        continue
+                    seen.add((s, off))
+                    p, index = where[(s, off)]
+                    if unit.pieces[p].pred[index] == -1:
+                        continue  # the first token of a tree has no context that predicts it
+                    if (p, index) not in target_of:
+                        target_of[(p, index)] = len(unit.targets)
+                        candidates = None if seg.candidates is None else seg.candidates[off]
+                        unit.targets.append((p, index, float(seg.logprobs[off]), candidates))
+                    unit.terms.append((target_of[(p, index)], first_episode + i))
+    return unit
+
+
+def _group_units(group: Group, g: int, first_episode: int, cfg: PackingConfig) -> list[_Unit]:
+    """The units of one group: the whole tree, or (tree mode, too big) episode chunks; one per episode otherwise."""
+    budget = cfg.max_tokens_per_row
+    if cfg.mode != "tree":
+        units = [_unit(group, [i], first_episode, cfg.mode) for i in range(len(group.episodes))]
+        for i, unit in enumerate(units):
+            longest = max((len(p.token_ids) for p in unit.pieces), default=0)
+            if longest > budget:
+                raise PackingError(
+                    f"group {g} ({group.task_key!r}) episode {i} needs {longest} tokens in one row but "
+                    f"PackingConfig.max_tokens_per_row is {budget}; raise max_tokens_per_row to at least {longest}."
+                )
+        return units
+    everything = _unit(group, range(len(group.episodes)), first_episode, "tree")
+    if everything.num_tokens <= budget:
+        return [everything]
+    # Too big for one row: split by episodes, in depth-first order of their leaves so that
+    # neighbours share prefixes; each chunk repeats the prefixes it needs.
+    piece, where = _tree_piece(group, _episode_leaves(group, range(len(group.episodes))))
+    order = sorted(range(len(group.episodes)), key=lambda i: _leaf_rank(group, i, where))
+    chunks: list[list[int]] = []
+    needed: set[int] = set()
+    for i in order:
+        own = {s for leaf in _episode_leaves(group, [i]) for s in _path_indices(group, leaf)}
+        own_tokens = sum(len(group.segments[s].token_ids) for s in own)
+        if own_tokens > budget:
+            raise PackingError(
+                f"group {g} ({group.task_key!r}) episode {i} alone has {own_tokens} tokens but "
+                f"PackingConfig.max_tokens_per_row is {budget}; an episode must fit in one row. Raise "
+                f"max_tokens_per_row to at least {own_tokens}."
+            )
+        merged = needed | own
+        if chunks and sum(len(group.segments[s].token_ids) for s in merged) <= budget:
+            chunks[-1].append(i)
+            needed = merged
+        else:
+            chunks.append([i])
+            needed = own
+    return [_unit(group, chunk, first_episode, "tree") for chunk in chunks]
+
+
+def _leaf_rank(group: Group, i: int, where: dict[tuple[int, int], int]) -> int:
+    """Depth-first rank of an episode's main leaf (its last token, or its nearest non-empty ancestor's)."""
+    for s in reversed(_path_indices(group, group.episodes[i].leaf)):
+        if group.segments[s].token_ids:
+            return where[(s, 0)]
+    return -1
+
+
+# -- rows and micro-batches -------------------------------------------------------------------
+
+
+def _fill_rows(sizes: list[tuple[int, int]], budget: int) -> list[list[int]]:
+    """Place items of ``(tokens, work)`` into rows of at most ``budget`` tokens, balancing work.
+
+    First-fit decreasing by tokens gives a number of rows; then items go largest work first
+    into the fitting row with the least work, opening a row only when none fits.
+    """
+    free: list[int] = []
+    for tokens, _ in sorted(sizes, key=lambda size: -size[0]):
+        for r, room in enumerate(free):
+            if tokens <= room:
+                free[r] -= tokens
+                break
+        else:
+            free.append(budget - tokens)
+    rows: list[list[int]] = [[] for _ in free]
+    row_tokens = [0] * len(rows)
+    row_work = [0] * len(rows)
+    for item in sorted(range(len(sizes)), key=lambda i: (-sizes[i][1], -sizes[i][0], i)):
+        tokens, work = sizes[item]
+        fitting = [r for r in range(len(rows)) if row_tokens[r] + tokens <= budget]
+        if fitting:
+            r = min(fitting, key=lambda r: (row_work[r], row_tokens[r], r))
+        else:
+            rows.append([])
+            row_tokens.append(0)
+            row_work.append(0)
+            r = len(rows) - 1
+        rows[r].append(item)
+        row_tokens[r] += tokens
+        row_work[r] += work
+    return [row for row in rows if row]
+
+
+def pack_groups(
+    groups: Sequence[Group],
+    advantages: Tensor | Sequence[float],
+    cfg: PackingConfig,
+) -> list[PackedBatch]:
+    """Pack groups into micro-batches of rows, with their loss terms.
+
+    Args:
+        groups: the groups of one optimizer step (or accumulation window).
+        advantages: (E,) one advantage per episode, groups in order and episodes in group
+            order (the order of ``compute_advantages`` over ``[e for g in groups for e in
+            g.episodes]``).
+        cfg: the row budget, the mode and the rows per micro-batch.
+
+    Returns:
+        Micro-batches, longest rows first. Every episode's terms are in one micro-batch,
+        and ``term_episode`` indexes the episodes of the whole call, so
+        :func:`treerl.learners.forward.window_normalizer` over the list normalizes exactly
+        as the unpacked batch would.
+    """
+    num_episodes = sum(len(g.episodes) for g in groups)
+    adv = torch.as_tensor(advantages)
+    if not adv.is_floating_point():
+        adv = adv.float()
+    if tuple(adv.shape) != (num_episodes,):
+        raise ValueError(
+            f"advantages has shape {tuple(adv.shape)} but the groups hold {num_episodes} episodes; pass one "
+            "advantage per episode, groups in order and episodes in group order."
+        )
+    units: list[_Unit] = []
+    first = 0
+    for g, group in enumerate(groups):
+        _check_group(group, g)
+        units.extend(_group_units(group, g, first, cfg))
+        first += len(group.episodes)
+    units = [u for u in units if u.num_tokens > 0]
+
+    # Rows are lists of (unit, piece); a bundle is rows that must share a micro-batch.
+    bundles: list[list[list[tuple[int, int]]]]
+    if cfg.mode == "padded":
+        bundles = [[[(u, p)] for p in range(len(unit.pieces))] for u, unit in enumerate(units)]
+    else:
+        sizes = [(unit.num_tokens, unit.pieces[0].work) for unit in units]
+        bundles = [[[(u, 0) for u in row]] for row in _fill_rows(sizes, cfg.max_tokens_per_row)]
+
+    def row_tokens(row: list[tuple[int, int]]) -> int:
+        return sum(len(units[u].pieces[p].token_ids) for u, p in row)
+
+    bundles.sort(key=lambda bundle: -max(row_tokens(row) for row in bundle))
+    batches_rows: list[list[list[tuple[int, int]]]] = []
+    for bundle in bundles:
+        if batches_rows and len(batches_rows[-1]) + len(bundle) <= cfg.rows_per_batch:
+            batches_rows[-1].extend(bundle)
+        else:
+            batches_rows.append(list(bundle))
+
+    episode_num_tokens = torch.zeros(num_episodes, dtype=torch.long)
+    for unit in units:
+        for _, episode in unit.terms:
+            episode_num_tokens[episode] += 1
+    return [_assemble(rows, units, adv, num_episodes, episode_num_tokens, cfg) for rows in batches_rows]
+
+
+def _assemble(
+    rows: list[list[tuple[int, int]]],
+    units: list[_Unit],
+    adv: Tensor,
+    num_episodes: int,
+    episode_num_tokens: Tensor,
+    cfg: PackingConfig,
+) -> PackedBatch:
+    layouts: list[TreeLayout] = []
+    row_ids: list[list[int]] = []
+    row_work: list[int] = []
+    base: dict[tuple[int, int], tuple[int, int]] = {}  # (unit, piece) -> (row, token offset)
+    unit_order: list[int] = []
+    for r, row in enumerate(rows):
+        ids: list[int] = []
+        seg_len: list[int] = []
+        seg_parent: list[int] = []
+        for u, p in row:
+            piece = units[u].pieces[p]
+            base[(u, p)] = (r, len(ids))
+            shift = len(seg_len)
+            ids.extend(piece.token_ids)
+            seg_len.extend(piece.seg_len)
+            seg_parent.extend(-1 if parent == -1 else parent + shift for parent in piece.seg_parent)
+            if u not in unit_order:
+                unit_order.append(u)
+        layouts.append(TreeLayout.from_parents(seg_len, seg_parent))
+        row_ids.append(ids)
+        row_work.append(sum(units[u].pieces[p].work for u, p in row))
+    tree_batch = TreeBatch(layouts)
+    input_ids = torch.full((len(rows), tree_batch.length), cfg.pad_token_id, dtype=torch.long)  # (B, T)
+    for r, ids in enumerate(row_ids):
+        input_ids[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+
+    loss_row, loss_pos, loss_target_pos, loss_target, sampler_logp = [], [], [], [], []
+    candidates: list[list[int] | None] = []
+    term_loss, term_episode = [], []
+    num_path_tokens = 0
+    for u in unit_order:
+        unit = units[u]
+        offset = len(loss_row)
+        for p, index, logp, cands in unit.targets:
+            r, start = base[(u, p)]
+            piece = unit.pieces[p]
+            loss_row.append(r)
+            loss_pos.append(start + piece.pred[index])
+            loss_target_pos.append(start + index)
+            loss_target.append(piece.token_ids[index])
+            sampler_logp.append(logp)
+            candidates.append(cands)
+        for target, episode in unit.terms:
+            term_loss.append(offset + target)
+            term_episode.append(episode)
+        num_path_tokens += unit.num_path_tokens
+
+    target_t = torch.tensor(loss_target, dtype=torch.long)
+    has_candidates = torch.tensor([c is not None for c in candidates], dtype=torch.bool)
+    candidates_t = None
+    if any(c is not None for c in candidates):
+        width = max(len(c) for c in candidates if c is not None)
+        candidates_t = torch.full((len(candidates), width), -1, dtype=torch.long)  # (N, K)
+        for n, cands in enumerate(candidates):
+            row = cands if cands is not None else [loss_target[n]]
+            candidates_t[n, : len(row)] = torch.tensor(row, dtype=torch.long)
+    episode_t = torch.tensor(term_episode, dtype=torch.long)
+    return PackedBatch(
+        mode=cfg.mode,
+        input_ids=input_ids,
+        position_ids=tree_batch.position_ids(),
+        layouts=tree_batch,
+        loss_row=torch.tensor(loss_row, dtype=torch.long),
+        loss_pos=torch.tensor(loss_pos, dtype=torch.long),
+        loss_target_pos=torch.tensor(loss_target_pos, dtype=torch.long),
+        loss_target=target_t,
+        loss_sampler_logp=torch.tensor(sampler_logp, dtype=torch.float32),
+        loss_candidates=candidates_t,
+        loss_has_candidates=has_candidates,
+        term_loss=torch.tensor(term_loss, dtype=torch.long),
+        term_episode=episode_t,
+        term_adv=adv[episode_t],
+        num_episodes=num_episodes,
+        episode_num_tokens=episode_num_tokens,
+        row_work=tuple(row_work),
+        num_path_tokens=num_path_tokens,
+    )
+
+
+def packing_metrics(batches: Sequence[PackedBatch]) -> dict[str, float]:
+    """Namespaced packing metrics of one window: ``tree/packing_ratio`` and friends.
+
+    ``tree/packing_ratio`` is unpacked tokens over packed tokens; ``tree/fill`` is real
+    tokens over row slots (padding wastes the rest); ``tree/work_imbalance`` is the most
+    attention work of a row over the mean (1.0 is perfectly balanced).
+    """
+    real = sum(b.num_tokens for b in batches)
+    slots = sum(b.batch_size * b.length for b in batches)
+    works = [w for b in batches for w in b.row_work]
+    return {
+        "tree/packing_ratio": sum(b.num_path_tokens for b in batches) / real if real else 1.0,
+        "tree/fill": real / slots if slots else 1.0,
+        "tree/rows": float(len(works)),
+        "tree/work_imbalance": max(works) / (sum(works) / len(works)) if works and sum(works) else 1.0,
+    }
