@@ -424,7 +424,7 @@ def _unit(
     for i in episodes:
         episode = group.episodes[i]
         seen: set[tuple[int, int]] = set()
-        for leaf in (episode.leaf, *episode.extra_leaves):
+        for leaf in _episode_leaves(group, [i]):
             path = _path_indices(group, leaf)
             unit.num_path_tokens += sum(len(group.segments[s].token_ids) for s in path)
             for s in path:
