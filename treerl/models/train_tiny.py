@@ -83,9 +83,9 @@ class TrainTinyConfig:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 1024
 
-    steps: int = 320
+    steps: int = 900
     """Optimizer steps (each on ``batch_size`` freshly generated episodes)."""
-    batch_size: int = 32
+    batch_size: int = 16
     lr: float = 3e-3
     """Peak AdamW learning rate (linear warmup, cosine decay to a tenth)."""
     warmup_steps: int = 30
