@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import treerl.kernels.triton_logprobs as module
-from treerl.kernels.logprobs import reference_token_logprobs, select_impl, token_logprobs
+from treerl.kernels.logprobs import IMPLS, reference_token_logprobs, select_impl, token_logprobs
 from treerl.kernels.triton_logprobs import (
     TritonUnavailableError,
     triton_logprobs_unavailable,
@@ -329,13 +329,26 @@ def test_no_logits_sized_tensor():
 # --------------------------------------------------------------------------- dispatch
 
 
-def test_auto_on_cpu_picks_the_torch_path_and_says_why():
+def test_auto_on_cpu_picks_the_torch_path_and_says_why(caplog):
+    # Even where the interpreter could run the kernel on CPU, it is far too slow to pick.
     hidden, weight, _, targets, _ = make_inputs()
-    cpu = torch.zeros(1, 1)
-    choice = select_impl("auto", cpu)
+    choice = select_impl("auto", torch.zeros(1, 1))
     assert choice.name == "chunked" and "cpu" in choice.reason
-    out = token_logprobs(hidden.cpu(), weight.cpu(), targets.cpu(), impl="auto")
+    with caplog.at_level("DEBUG", logger="treerl.kernels.logprobs"):
+        out = token_logprobs(hidden.cpu(), weight.cpu(), targets.cpu(), impl="auto")
     assert out.choice.name == "chunked"
+    assert "impl=chunked (hidden is on cpu" in caplog.text
+
+
+@needs_kernel
+def test_impl_triton_forces_the_kernel():
+    if "triton" not in IMPLS:
+        pytest.skip("the Triton kernel is not registered in treerl.kernels.logprobs.IMPLS yet")
+    hidden, weight, bias, targets, candidates = make_inputs(num_tokens=5, vocab=30)
+    kwargs = dict(bias=bias, candidates=candidates, temperature=0.7, chunk_vocab=8)
+    out = token_logprobs(hidden, weight, targets, impl="triton", **kwargs)
+    assert out.choice.name == "triton"
+    assert_outputs_close(out, token_logprobs(hidden, weight, targets, impl="chunked", **kwargs), atol=1e-5, rtol=1e-5)
 
 
 def test_probe_names_what_is_missing():

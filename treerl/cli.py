@@ -76,7 +76,7 @@ def cmd_envs(args: argparse.Namespace) -> int:
 
 def load_model(path: str | None, device: str = "cpu"):
     """Load a transformers causal LM and its tokenizer (default: the shipped tiny model), offline."""
-    from treerl.models import default_model_path, load_default_model
+    from treerl.models import DEFAULT_MODEL_PATH, load_default_model
 
     if path is None:
         return load_default_model(device=device)
@@ -86,7 +86,7 @@ def load_model(path: str | None, device: str = "cpu"):
         raise SystemExit(
             f"treerl: --model {path}: not a directory. Pass a local transformers model directory "
             "(config.json, weights, tokenizer), or omit --model to use the shipped tiny model "
-            f"({default_model_path()})."
+            f"({DEFAULT_MODEL_PATH})."
         )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,0 +1,214 @@
+"""The rollout engine on the shipped tiny model: token-exact trees, branching, limits, storage, resume."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import treerl
+from treerl.agents import ChatRenderer, SamplingParams, TransformersPolicy
+from treerl.envs import Task, ToolEnv
+from treerl.rollout.engine import RolloutEngine
+from treerl.rollout.trajectory import Group, GroupWriter, read_groups, to_flat_records
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)  # small ops on a shared 2-core machine are faster on one thread
+    from treerl.models import load_default_model
+
+    return load_default_model()
+
+
+def run(engine: RolloutEngine, env_id: str, num_tasks: int, group_size: int, **env_kwargs):
+    return asyncio.run(engine.run(lambda: treerl.make(env_id, **env_kwargs), env_id, range(num_tasks), group_size))
+
+
+def test_paths_are_exactly_what_the_model_saw(tiny):
+    model, tok = tiny
+    engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=SamplingParams(max_new_tokens=48), seed=1)
+    groups, stats = run(engine, "treerl/Calculator-v0", num_tasks=3, group_size=3)
+    assert [len(g.episodes) for g in groups] == [3, 3, 3]
+    renderer = ChatRenderer(tok, tools=treerl.make("treerl/Calculator-v0").tool_schemas)
+    for g in groups:
+        prompt = g.segments[0]
+        assert prompt.kind == "prompt"
+        for e in g.episodes:
+            path = e.path()
+            assert path[0] is prompt  # every generation hangs off the one shared prompt
+            assert [s.kind for s in path[1:]] == ["sampled", "env"] * (len(path) // 2 - 1) + ["sampled"]
+            assert not e.extra_leaves  # the tiny model's template is append-only
+            # The whole path, decoded, is the conversation rendered by the template, turn after turn.
+            history, last = e.messages[:-1], e.messages[-1]
+            text = renderer.render(history, add_generation_prompt=True) + last["content"]
+            stop = path[-1].finish_reason == "stop"
+            assert tok.decode(e.token_ids, skip_special_tokens=False) == text + ("<|im_end|>" if stop else "")
+            # The prompt is tokenized exactly as the template renders it, with no re-tokenization after.
+            assert prompt.token_ids == renderer.prompt_ids(history[:2])
+            assert len(e.sampler_logprobs) == len(e.token_ids) == len(e.sampled_mask)
+            assert all(lp <= 0 for lp, m in zip(e.sampler_logprobs, e.sampled_mask) if m)
+            assert {v for v in e.policy_versions if v is not None} == {0}
+    assert stats.summary()["tree/packing_ratio"] > 1.5  # 3 generations share each prompt
+
+
+def test_prompt_is_prefilled_once_per_group(tiny):
+    model, tok = tiny
+    processed = []
+    handle = model.register_forward_pre_hook(
+        lambda mod, args, kwargs: processed.append(int((kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[-1])),
+        with_kwargs=True,
+    )
+    try:
+        engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=SamplingParams(max_new_tokens=8), seed=0)
+        groups, _ = run(engine, "treerl/MathVerify-v0", num_tasks=1, group_size=4)
+    finally:
+        handle.remove()
+    prompt_len = len(groups[0].segments[0].token_ids)
+    prefill = sum(n for n in processed if n > 1)
+    assert prefill == prompt_len  # 4 samples, one prefill of the shared prompt
+
+
+def test_branching_forks_episodes_after_turn_k(tiny):
+    model, tok = tiny
+    params = SamplingParams(max_new_tokens=12)
+    plain = RolloutEngine(TransformersPolicy(model, tok), tok, params=params, seed=3)
+    branched = RolloutEngine(TransformersPolicy(model, tok), tok, params=params, seed=3, branch_at_turn=1, branch_factor=3)
+    (g0,), _ = run(plain, "treerl/GuessNumber-v0", num_tasks=1, group_size=2, max_turns=3)
+    (g1,), _ = run(branched, "treerl/GuessNumber-v0", num_tasks=1, group_size=2, max_turns=3)
+    assert len(g0.episodes) == 2
+    survived = [e for e in g0.episodes if e.metrics["turns"] > 1]
+    assert len(g1.episodes) == 2 + 2 * len(survived)
+    forked = [e for e in g1.episodes if len(e.metrics["generation"]) == 2]
+    assert len(forked) == 3 * len(survived)
+    for e in forked:  # siblings share everything up to the fork: prompt, first completion, its bridge
+        siblings = [s for s in forked if s.metrics["generation"][0] == e.metrics["generation"][0]]
+        shared = {tuple(id(seg) for seg in s.path()[:3]) for s in siblings}
+        assert len(shared) == 1
+    assert g1.packing_ratio > g0.packing_ratio
+
+
+def test_episode_limits_are_recorded(tiny):
+    model, tok = tiny
+    engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=SamplingParams(max_new_tokens=64),
+                           max_episode_tokens=120, seed=0)
+    groups, stats = run(engine, "treerl/GuessNumber-v0", num_tasks=2, group_size=2, max_turns=20)
+    assert stats.terminations  # every episode has a reason
+    for g in groups:
+        for e in g.episodes:
+            assert len(e.token_ids) <= 120
+            assert e.termination in {"max_tokens", "correct", "max_turns"}
+
+
+class _BrokenEnv(ToolEnv):
+    system_prompt = "Say anything."
+
+    def sample_task(self, rng):
+        return Task(prompt="hello", answer="x")
+
+    def score(self, task, completion):
+        return 0.0
+
+    async def astep(self, action):
+        raise RuntimeError("verifier bug")
+
+
+def test_environment_failure_is_recorded_not_raised(tiny):
+    model, tok = tiny
+    engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=SamplingParams(max_new_tokens=4), seed=0)
+    (group,), stats = asyncio.run(engine.run(lambda: _BrokenEnv(max_turns=1), "tests/Broken-v0", range(1), 2))
+    assert [e.termination for e in group.episodes] == ["env_error", "env_error"]
+    assert "verifier bug" in group.episodes[0].metrics["env_error"]
+
+
+def test_storage_roundtrip_and_flat_records(tiny, tmp_path):
+    model, tok = tiny
+    engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=SamplingParams(max_new_tokens=24, top_k=20), seed=0)
+    groups, _ = run(engine, "treerl/Calculator-v0", num_tasks=2, group_size=2)
+    path = tmp_path / "r.jsonl"
+    with GroupWriter(path) as writer:
+        for g in groups:
+            writer.write(g)
+    back = list(read_groups(path))
+    assert [g.to_json() for g in back] == [g.to_json() for g in groups]
+    first = json.loads(path.read_text().splitlines()[0])
+    assert first["schema_version"] == 1
+    e = back[0].episodes[0]
+    sampled = [c for c, m in zip(e.candidates, e.sampled_mask) if m]
+    assert all(c is not None and 1 <= len(c) <= 20 for c in sampled)  # top_k bounds the recorded support
+    records = list(to_flat_records(back))
+    assert len(records) == 4
+    r = records[0]
+    assert r["prompt_ids"] + r["completion_ids"] == e.token_ids
+    assert sum(r["completion_mask"]) == sum(e.sampled_mask)
+    # A torn tail (a writer killed mid-line) is skipped by readers and cut by the next writer.
+    with open(path, "a") as f:
+        f.write('{"schema_version": 1, "task_key": "seed-9", "segm')
+    assert len(list(read_groups(path))) == 2
+    GroupWriter(path).close()
+    assert path.read_text().endswith("\n") and len(path.read_text().splitlines()) == 2
+
+
+def test_same_seed_same_trajectories(tiny):
+    model, tok = tiny
+
+    def tokens(seed):
+        engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=SamplingParams(max_new_tokens=24), seed=seed)
+        groups, _ = run(engine, "treerl/Calculator-v0", num_tasks=2, group_size=2)
+        return [e.token_ids for g in groups for e in g.episodes]
+
+    assert tokens(5) == tokens(5)
+    assert tokens(5) != tokens(6)
+
+
+def _cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "treerl.cli", *args], capture_output=True, text=True, **kwargs)
+
+
+def test_rollout_cli_bad_input_exits_with_a_message(tmp_path):
+    r = _cli("rollout", "--env", "treerl/Calculater-v0", "--out", str(tmp_path / "x.jsonl"))
+    assert r.returncode != 0 and "Calculator-v0" in r.stderr
+    r = _cli("rollout", "--out", str(tmp_path / "x.jsonl"), "--top-p", "0.9")
+    assert r.returncode != 0 and "top_k" in r.stderr
+    r = _cli("rollout", "--out", str(tmp_path / "x.jsonl"), "--model", str(tmp_path / "nope"))
+    assert r.returncode != 0 and "--model" in r.stderr
+    r = _cli("rollout", "--num-tasks", "3")
+    assert r.returncode != 0 and "--out" in r.stderr
+    r = _cli("rollout", "--out", "x.jsonl", "--group-size", "many")
+    assert r.returncode != 0 and "group-size" in r.stderr
+
+
+def test_rollout_killed_with_sigkill_resumes_without_duplicates(tmp_path):
+    out = tmp_path / "r.jsonl"
+    args = ["rollout", "--num-tasks", "6", "--group-size", "2", "--out", str(out), "--max-concurrency", "2",
+            "--max-new-tokens", "24", "--progress", "false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "treerl.cli", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:  # kill once a group is on disk
+        if out.exists() and out.read_text().count("\n") >= 1:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, f"the rollout ended before it could be killed: {proc.stderr.read()}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    written = out.read_text().count("\n")
+    assert 1 <= written < 6, "the run should have been killed mid-way"
+    done = _cli(*args, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = out.read_text().splitlines()
+    groups = [Group.from_json(line) for line in lines]  # every line parses
+    keys = [g.task_key for g in groups]
+    assert sorted(keys) == sorted(f"seed-{i}" for i in range(6))  # every task exactly once
+    assert all(len(g.episodes) == 2 for g in groups)

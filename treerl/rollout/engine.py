@@ -1,0 +1,356 @@
+"""The rollout engine: many multi-turn episodes at once, recorded as prefix trees.
+
+For each task the engine resets one environment, renders the prompt once, and plays
+``group_size`` generations from forks of that environment. Every generation is a chain of
+``sampled`` segments (the policy's exact ids, log-probs, candidate sets, version) and ``env``
+segments (the bridge tokens of :class:`~treerl.agents.chat.ChatRenderer`), all hanging off the
+shared ``prompt`` segment; with branching, an episode forks its environment after turn k
+and continues ``branch_factor`` times from there, so siblings share that prefix too.
+
+Episodes run as asyncio tasks under one concurrency bound: while some wait on tools,
+the policy batches the others' generation requests. Limits per episode: turns (the
+environment's), tokens (``max_episode_tokens``) and wall clock (``max_episode_seconds``);
+the reason an episode ended is recorded. An environment that raises is recorded as an
+``env_error`` termination, never a crashed run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import math
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from treerl.agents.chat import ChatRenderer, assistant_message
+from treerl.agents.policy import GenerationRequest, Policy, SamplingParams
+from treerl.rollout.trajectory import Group, GroupWriter
+
+__all__ = ["RolloutEngine", "RolloutStats", "task_options"]
+
+logger = logging.getLogger(__name__)
+
+
+def task_options(env: Any, index: int) -> dict[str, Any] | None:
+    """Reset options that pick task ``index``: dataset-backed environments take it by index."""
+    dataset = getattr(env, "dataset", None)
+    return {"task_index": index % len(dataset)} if dataset is not None else None
+
+
+def request_seed(*parts: int) -> int:
+    """A per-request sampling seed derived from (run seed, task, generation, turn)."""
+    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0])
+
+
+@dataclass
+class _EpisodeState:
+    """What one in-flight episode carries between turns (copied when it branches)."""
+
+    env: Any
+    messages: list[dict[str, Any]]
+    context_ids: list[int]
+    parent: int
+    path: tuple[int, ...]
+    """Generation index, then the branch index at each fork: names the episode and seeds it."""
+    turn: int = 0
+    rewards: list[float] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    extra_leaves: list[int] = field(default_factory=list)
+    branched: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def name(self) -> str:
+        return ".".join(map(str, self.path))
+
+    def fork(self, branch: int) -> _EpisodeState:
+        child = copy.copy(self)
+        child.env = self.env.fork()
+        child.path = (*self.path, branch)
+        for name in ("messages", "context_ids", "rewards", "tool_calls", "metrics", "extra_leaves"):
+            setattr(child, name, copy.deepcopy(getattr(self, name)))
+        return child
+
+
+@dataclass
+class RolloutStats:
+    """Totals over a run, for the summary table."""
+
+    num_groups: int = 0
+    num_episodes: int = 0
+    rewards: list[float] = field(default_factory=list)
+    final_rewards: list[float] = field(default_factory=list)
+    tool_calls: Counter = field(default_factory=Counter)
+    terminations: Counter = field(default_factory=Counter)
+    sampled_tokens: int = 0
+    packing_ratios: list[float] = field(default_factory=list)
+    branches: int = 0
+    wall_s: float = 0.0
+
+    def add(self, group: Group) -> None:
+        self.num_groups += 1
+        self.packing_ratios.append(group.packing_ratio)
+        for e in group.episodes:
+            self.num_episodes += 1
+            self.rewards.append(e.reward)
+            self.final_rewards.append(e.rewards[-1] if e.rewards else 0.0)
+            self.terminations[str(e.termination)] += 1
+            self.sampled_tokens += e.num_sampled_tokens
+            self.branches += len(e.extra_leaves)
+            for r in e.tool_calls:
+                self.tool_calls[r.get("error") or "ok"] += 1
+
+    def summary(self, success_threshold: float = 1.0) -> dict[str, Any]:
+        n = max(len(self.rewards), 1)
+        mean = sum(self.rewards) / n
+        return {
+            "groups": self.num_groups,
+            "episodes": self.num_episodes,
+            "reward/mean": mean,
+            "reward/std": math.sqrt(sum((r - mean) ** 2 for r in self.rewards) / n),
+            "success_rate": sum(r >= success_threshold for r in self.final_rewards) / n,
+            "tool_calls": dict(self.tool_calls),
+            "terminations": dict(self.terminations),
+            "perf/tokens_per_s": self.sampled_tokens / self.wall_s if self.wall_s > 0 else 0.0,
+            "tree/packing_ratio": sum(self.packing_ratios) / max(len(self.packing_ratios), 1),
+            "template/branches": self.branches,
+            "wall_s": self.wall_s,
+        }
+
+
+class RolloutEngine:
+    """Plays a policy in environments and returns trajectory trees.
+
+    Args:
+        policy: Anything with ``agenerate`` (see :class:`~treerl.agents.policy.Policy`).
+        tokenizer: The policy's tokenizer, with its chat template.
+        params: Sampling parameters (``max_new_tokens`` is per assistant turn).
+        max_concurrency: Episodes in flight at once, over all groups.
+        max_episode_tokens: An episode whose context reaches this many tokens is truncated.
+        max_episode_seconds: Wall-clock limit of one episode.
+        branch_at_turn: Fork each episode's environment after this many turns ...
+        branch_factor: ... into this many continuations (1: no branching).
+        seed: Seeds every request (with the task, generation and turn), so runs repeat.
+        chat_template: Overrides the tokenizer's template.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        tokenizer: Any,
+        *,
+        params: SamplingParams | None = None,
+        max_concurrency: int = 32,
+        max_episode_tokens: int = 4096,
+        max_episode_seconds: float = 300.0,
+        branch_at_turn: int | None = None,
+        branch_factor: int = 1,
+        seed: int = 0,
+        chat_template: str | None = None,
+    ):
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency={max_concurrency} must be >= 1.")
+        if branch_factor < 1:
+            raise ValueError(f"branch_factor={branch_factor} must be >= 1 (1 means no branching).")
+        if branch_factor > 1 and (branch_at_turn is None or branch_at_turn < 1):
+            raise ValueError("branch_factor > 1 needs branch_at_turn >= 1: the turn after which episodes fork.")
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.params = params or SamplingParams()
+        self.max_concurrency = max_concurrency
+        self.max_episode_tokens = max_episode_tokens
+        self.max_episode_seconds = max_episode_seconds
+        self.branch_at_turn = branch_at_turn
+        self.branch_factor = branch_factor
+        self.seed = seed
+        self.chat_template = chat_template
+        self._slots: asyncio.Semaphore | None = None
+        self._slots_loop: asyncio.AbstractEventLoop | None = None
+
+    def _ensure_slots(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots_loop is not loop:
+            self._slots, self._slots_loop = asyncio.Semaphore(self.max_concurrency), loop
+
+    # -- one group -------------------------------------------------------------------------
+    async def run_group(self, env: Any, env_id: str, task_seed: int, group_size: int,
+                        options: dict[str, Any] | None = None) -> Group:
+        """Reset ``env`` on one task and play ``group_size`` generations of it."""
+        obs, info = await env.areset(seed=task_seed, options=options)
+        renderer = ChatRenderer(self.tokenizer, tools=env.tool_schemas or None, chat_template=self.chat_template)
+        messages = list(obs)
+        prompt_ids = renderer.prompt_ids(messages)
+        group = Group(task_key=f"seed-{task_seed}", env_id=env_id,
+                      info={"task_seed": task_seed, "task_id": info.get("task_id"), "options": options,
+                            "sampling": _params_dict(self.params)})
+        root = group.add_segment("prompt", prompt_ids)
+        states = [
+            _EpisodeState(env=env.fork(), messages=copy.deepcopy(messages), context_ids=list(prompt_ids),
+                          parent=root, path=(g,))
+            for g in range(group_size)
+        ]
+        self._ensure_slots()
+        await asyncio.gather(*(self._play(s, group, renderer, task_seed, shared=f"{group.task_key}/prompt")
+                               for s in states))
+        # Generations finish in any order; store them in generation order so files repeat.
+        group.episodes.sort(key=lambda e: e.metrics["generation"])
+        return group
+
+    async def _play(self, state: _EpisodeState, group: Group, renderer: ChatRenderer, task_seed: int,
+                    shared: str | None) -> None:
+        assert self._slots is not None
+        session = f"{group.task_key}/{state.name}"
+        continuations: list[_EpisodeState] = []
+        try:
+            # The slot is held for the episode's turns only: a branching episode gives it back
+            # before its continuations queue for slots, so branching can never deadlock.
+            async with self._slots:
+                continuations = await self._turns(state, group, renderer, task_seed, shared, session)
+        finally:
+            end_session = getattr(self.policy, "end_session", None)
+            if end_session is not None:
+                end_session(session)
+        if continuations:
+            # Siblings continue from the same context: the policy prefills it once for all.
+            point = f"{session}/turn{state.turn}"
+            await asyncio.gather(*(self._play(c, group, renderer, task_seed, shared=point) for c in continuations))
+
+    async def _turns(self, state: _EpisodeState, group: Group, renderer: ChatRenderer, task_seed: int,
+                     shared: str | None, session: str) -> list[_EpisodeState]:
+        """Play turns until the episode ends (returns []) or branches (returns the continuations)."""
+        while True:
+            budget = self.max_episode_tokens - len(state.context_ids)
+            if budget <= 0:
+                return self._finish(state, group, state.parent, "max_tokens")
+            if time.monotonic() - state.started >= self.max_episode_seconds:
+                return self._finish(state, group, state.parent, "timeout")
+            params = self.params
+            if budget < params.max_new_tokens:
+                params = replace(params, max_new_tokens=budget)
+            request = GenerationRequest(
+                prompt_ids=list(state.context_ids), params=params,
+                seed=request_seed(self.seed, task_seed, *state.path, state.turn),
+                group=shared, session=session,
+            )
+            gen = await self.policy.agenerate(request)
+            shared = None  # only a context's first request shares its prefill with siblings
+            leaf = group.add_segment(
+                "sampled", gen.token_ids, parent=state.parent, logprobs=gen.logprobs, candidates=gen.candidates,
+                policy_version=gen.policy_version, finish_reason=gen.finish_reason,
+            )
+            text = renderer.completion_text(gen.token_ids)
+            before = state.messages  # the conversation the context was rendered from
+            state.messages = [*before, assistant_message(text)]
+            remaining = self.max_episode_seconds - (time.monotonic() - state.started)
+            try:
+                obs, reward, terminated, truncated, info = await asyncio.wait_for(
+                    state.env.astep(text), timeout=max(remaining, 1e-3)
+                )
+            except asyncio.TimeoutError:
+                return self._finish(state, group, leaf, "timeout")
+            except Exception as exc:  # an environment bug: recorded as data, the run goes on
+                logger.warning("environment %s raised in step(): %s", group.env_id,
+                               "".join(traceback.format_exception_only(exc)).strip())
+                state.metrics["env_error"] = f"{type(exc).__name__}: {exc}"
+                return self._finish(state, group, leaf, "env_error")
+            state.turn += 1
+            state.rewards.append(float(reward))
+            state.tool_calls.extend(info.get("tool_calls", []))
+            state.metrics.update(info.get("metrics", {}))
+            if terminated or truncated:
+                termination = info.get("termination") or ("max_turns" if truncated else "terminated")
+                return self._finish(state, group, leaf, termination)
+
+            bridge = renderer.bridge(before, gen.token_ids, text, obs)
+            state.messages = [*state.messages, *copy.deepcopy(obs)]
+            # End here, at the sampled leaf, when the next turn could not start: no dangling bridge.
+            next_len = len(bridge.context_ids or []) if bridge.branch else len(state.context_ids) + len(gen.token_ids) + len(bridge.ids)
+            if next_len >= self.max_episode_tokens:
+                return self._finish(state, group, leaf, "max_tokens")
+            if time.monotonic() - state.started >= self.max_episode_seconds:
+                return self._finish(state, group, leaf, "timeout")
+            if bridge.branch:
+                # The template renders an earlier turn differently now: continue from what it
+                # renders, as a new root, and keep the old path as an extra leaf.
+                state.extra_leaves.append(leaf)
+                state.context_ids = list(bridge.context_ids or [])
+                state.parent = group.add_segment("env", state.context_ids, parent=None)
+                state.metrics["template/branch_reason"] = bridge.reason
+                end_session = getattr(self.policy, "end_session", None)
+                if end_session is not None:
+                    end_session(session)
+            else:
+                state.parent = group.add_segment("env", bridge.ids, parent=leaf)
+                state.context_ids = [*state.context_ids, *gen.token_ids, *bridge.ids]
+
+            if self.branch_factor > 1 and not state.branched and state.turn == self.branch_at_turn:
+                state.branched = True
+                children = [state.fork(b) for b in range(self.branch_factor)]
+                state.env.close()
+                return children
+
+    def _finish(self, state: _EpisodeState, group: Group, leaf: int, termination: str) -> list[_EpisodeState]:
+        metrics = dict(state.metrics)
+        metrics.update({"generation": list(state.path), "turns": state.turn,
+                        "wall_s": round(time.monotonic() - state.started, 3)})
+        group.add_episode(
+            leaf=leaf, reward=sum(state.rewards), rewards=list(state.rewards), messages=state.messages,
+            tool_calls=state.tool_calls, termination=termination, metrics=metrics,
+            extra_leaves=list(state.extra_leaves),
+        )
+        state.env.close()
+        return []
+
+    # -- many groups -----------------------------------------------------------------------
+    async def run(
+        self,
+        env_factory: Callable[[], Any],
+        env_id: str,
+        tasks: Iterable[int],
+        group_size: int,
+        *,
+        writer: GroupWriter | None = None,
+        on_group: Callable[[Group], None] | None = None,
+    ) -> tuple[list[Group], RolloutStats]:
+        """Play every task in ``tasks`` (indices; task ``i`` is reset with seed ``seed + i``).
+
+        Groups are written (and passed to ``on_group``) as they finish.
+        """
+        self._ensure_slots()
+        # Bound the groups in flight too, so a long task list does not build every
+        # environment up front: enough groups to keep all episode slots busy, plus one.
+        group_slots = asyncio.Semaphore(-(-self.max_concurrency // max(group_size, 1)) + 1)
+        stats = RolloutStats()
+        groups: list[Group] = []
+        start = time.monotonic()
+
+        async def one(index: int) -> None:
+            async with group_slots:
+                env = env_factory()
+                try:
+                    group = await self.run_group(env, env_id, self.seed + index, group_size, task_options(env, index))
+                finally:
+                    env.close()
+            if writer is not None:
+                writer.write(group)
+            groups.append(group)
+            stats.add(group)
+            if on_group is not None:
+                on_group(group)
+
+        await asyncio.gather(*(one(i) for i in tasks))
+        stats.wall_s = time.monotonic() - start
+        groups.sort(key=lambda g: g.info["task_seed"])
+        return groups, stats
+
+
+def _params_dict(params: SamplingParams) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(params).items()}
