@@ -252,46 +252,84 @@ def bench_tree_attention(args: argparse.Namespace) -> str | None:
 
 
 def bench_logprobs(args: argparse.Namespace) -> str | None:
-    """Time and peak memory of the Triton log-probs against the chunked torch path; None if it cannot run."""
-    try:
-        from treerl.kernels.triton_logprobs import triton_token_logprobs
-    except ImportError as error:
-        print(f"bench_logprobs: skipped, treerl.kernels.triton_logprobs.triton_token_logprobs is not available ({error}).")
-        return None
-    if _needs_gpu("bench_logprobs", torch.device("cuda")):
-        return None
-    from treerl.kernels.logprobs import chunked_token_logprobs
+    """Time and peak memory of the Triton log-probs against the chunked torch path and full logits; None without a GPU.
 
-    device = torch.device("cuda")
+    Vocabularies of 32k (Llama-like) and ``--lp-vocab`` (152k, Qwen-like), ``--lp-tokens``
+    loss positions, a 64-token candidate set per position (the renormalized path the
+    learners use), temperature 0.8; gradients of all three outputs wrt hidden and weight.
+    ``--device cpu`` (under TRITON_INTERPRET=1) is a smoke run at toy sizes that writes nothing.
+    """
+    device = torch.device(args.device)
+    if _needs_gpu("bench_logprobs", device):
+        return None
+    from treerl.kernels.logprobs import chunked_token_logprobs, reference_token_logprobs
+    from treerl.kernels.triton_logprobs import triton_logprobs_unavailable, triton_token_logprobs
+
+    smoke = device.type != "cuda"
     dtype = getattr(torch, args.dtype)
-    tokens, vocab, hidden_size = args.lp_tokens, args.lp_vocab, args.lp_hidden
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    hidden = (torch.randn(tokens, hidden_size, generator=gen) / hidden_size**0.5).to(device, dtype).requires_grad_()
-    weight = torch.randn(vocab, hidden_size, generator=gen).to(device, dtype).requires_grad_()
-    targets = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
-
+    tokens, hidden_size, num_cand = args.lp_tokens, args.lp_hidden, 64
+    vocabs = sorted({32_000, args.lp_vocab})
+    if smoke:  # the interpreter runs each kernel program in Python
+        tokens, hidden_size, num_cand, vocabs = min(tokens, 48), min(hidden_size, 32), 8, [320, 1000]
+    why_not = triton_logprobs_unavailable(device, dtype)
+    paths: dict[str, Callable | str] = {
+        "triton": triton_token_logprobs if why_not is None else f"unavailable: {why_not}",
+        "chunked (torch)": chunked_token_logprobs,
+        "full logits": reference_token_logprobs,
+    }
     lines = [
-        f"{tokens:,} tokens, vocab {vocab:,}, hidden {hidden_size}, {args.dtype}; forward + backward of "
-        f"`logp.sum() - 0.01 * entropy.sum()` with respect to hidden and weight. Time: median of {args.runs} "
-        "calls after warm-up; peak: `torch.cuda.max_memory_allocated` during one call, above the inputs.",
+        f"{tokens:,} loss positions, hidden {hidden_size}, {num_cand} candidates per position, {args.dtype}, "
+        "temperature 0.8; forward + backward of `logp.sum() - 0.01 * entropy.sum() + logp_candidates.sum()` "
+        f"with respect to hidden and weight. Time: median of {args.runs} calls after warm-up (Triton's "
+        "autotuning happens there); peak: `torch.cuda.max_memory_allocated` during one call, above the inputs. "
+        "Max |Δ|: largest `logp` difference from the first path measured.",
         "",
-        "| path | fwd+bwd | peak memory |",
-        "|---|---:|---:|",
+        "| vocab | path | fwd+bwd | peak memory | max \\|Δ\\| |",
+        "|---:|---|---:|---:|---:|",
     ]
-    for name, fn in (("triton", triton_token_logprobs), ("chunked (torch)", chunked_token_logprobs)):
+    for vocab in vocabs:
+        gen = torch.Generator(device=device).manual_seed(0)
+        hidden = torch.randn(tokens, hidden_size, device=device, generator=gen) / hidden_size**0.5
+        hidden = hidden.to(dtype).requires_grad_()
+        weight = torch.randn(vocab, hidden_size, device=device, generator=gen).to(dtype).requires_grad_()
+        targets = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
+        # The target plus distinct nonzero offsets from it: a valid candidate set in every row.
+        offsets = torch.randperm(vocab - 1, device=device, generator=gen)[: num_cand - 1] + 1
+        candidates = (targets[:, None] + torch.cat([offsets.new_zeros(1), offsets])) % vocab  # (N, K)
+        first_logp = None
+        for name, fn in paths.items():
+            if isinstance(fn, str):
+                lines.append(f"| {vocab:,} | {name} | {fn} | | |")
+                continue
 
-        def step(fn=fn):
-            out = fn(hidden, weight, targets, temperature=0.8)
-            torch.autograd.grad(out.logp.sum() - 0.01 * out.entropy.sum(), (hidden, weight))
+            def step(fn=fn):
+                out = fn(hidden, weight, targets, temperature=0.8, candidates=candidates)
+                loss = out.logp.sum() - 0.01 * out.entropy.sum() + out.logp_candidates.sum()
+                torch.autograd.grad(loss, (hidden, weight))
+                return out
 
-        try:
-            median, peak = _measure(step, args.runs, device)
-        except Exception as error:  # one path failing should not hide the other's figures
-            lines.append(f"| {name} | failed: {_failure(error)} | |")
-            continue
-        lines.append(f"| {name} | {median * 1e3:,.2f} ms | {_mib(peak)} |")
+            try:
+                median, peak = _measure(step, args.runs, device)
+                logp = step().logp.detach()
+            except Exception as error:  # one path failing (full logits: out of memory) should not hide the others
+                lines.append(f"| {vocab:,} | {name} | failed: {_failure(error)} | | |")
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            if first_logp is None:
+                first_logp, diff = logp, "-"
+            else:
+                diff = f"{(logp - first_logp).abs().max().item():.2e}"
+            lines.append(f"| {vocab:,} | {name} | {median * 1e3:,.2f} ms | {_mib(peak)} | {diff} |")
+            del logp
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        del hidden, weight, targets, candidates, first_logp
+        print(f"bench_logprobs: vocab {vocab:,} done", file=sys.stderr, flush=True)
     table = "\n".join(lines)
     print(table)
+    if smoke:
+        return None  # figures from the interpreter say nothing about the kernel
     return f"{_provenance('python benchmarks/bench_kernels.py')}\n\n{table}\n"
 
 
