@@ -52,6 +52,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from treerl.kernels.triton_logprobs import triton_logprobs_unavailable, triton_token_logprobs
+
 __all__ = [
     "TokenLogprobs",
     "ImplChoice",
@@ -413,9 +415,9 @@ def chunked_token_logprobs(
 # --------------------------------------------------------------------------- dispatch
 
 IMPLS: dict[str, Callable[..., TokenLogprobs]] = {
+    "triton": triton_token_logprobs,
     "chunked": chunked_token_logprobs,
     "reference": reference_token_logprobs,
-    # "triton": the fused GPU kernel registers here; `select_impl` then prefers it on CUDA.
 }
 """Implementations by name; every entry takes the arguments of :func:`token_logprobs` (less ``impl``)."""
 
@@ -434,9 +436,10 @@ def select_impl(impl: str, hidden: Tensor) -> ImplChoice:
         return ImplChoice(impl, "requested")
     if hidden.device.type != "cuda":
         return ImplChoice("chunked", f"hidden is on {hidden.device.type}; the tiled torch path is the CPU path")
-    if "triton" not in IMPLS:
-        return ImplChoice("chunked", "no Triton kernel is registered yet; using the tiled torch path")
-    return ImplChoice("triton", "CUDA tensors and a registered Triton kernel")
+    why_not = triton_logprobs_unavailable(hidden.device, hidden.dtype)
+    if why_not is not None:
+        return ImplChoice("chunked", f"not triton: {why_not}")
+    return ImplChoice("triton", "CUDA tensors and the Triton kernel can run")
 
 
 def token_logprobs(
@@ -462,7 +465,7 @@ def token_logprobs(
         candidates: (N, K) long, the sampler's candidate set per position padded with -1;
             the target must be a member and ids must not repeat.
         chunk_tokens, chunk_vocab: the tile size; memory is bounded by one tile of logits.
-        impl: "auto", "chunked" or "reference" (full logits). The choice and its reason are
+        impl: "auto", "triton", "chunked" or "reference" (full logits). The choice and its reason are
             returned in ``.choice`` and logged at DEBUG level.
 
     Gradients flow to ``hidden``, ``weight`` and ``bias`` from all three outputs. Outputs
