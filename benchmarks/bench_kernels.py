@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="print the tables without updating BENCHMARKS.md")
     parser.add_argument("--scale", type=int, default=1, help="divide every segment length by this (quicker runs)")
     parser.add_argument(
-        "--device", default="cuda", help="'cpu' smoke-tests the tree-attention part under TRITON_INTERPRET=1 (no figures)"
+        "--device", default="cuda", help="'cpu': smoke-test the tree-attention code with TRITON_INTERPRET=1, no figures"
     )
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)

@@ -82,7 +82,8 @@ def depth_first(lens: list[int], parents: list[int]) -> TreeLayout:
         order.append(node)
         stack.extend(reversed(children[node]))
     new = {old: i for i, old in enumerate(order)}
-    return TreeLayout.from_parents([lens[o] for o in order], [-1 if parents[o] == -1 else new[parents[o]] for o in order])
+    new_parents = [-1 if parents[o] == -1 else new[parents[o]] for o in order]
+    return TreeLayout.from_parents([lens[o] for o in order], new_parents)
 
 
 def random_tree(seed: int, num_segments: int, max_len: int = 6) -> TreeLayout:
@@ -238,7 +239,8 @@ def test_block_mask_is_exactly_the_blocks_of_the_dense_mask(seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_block_mask_with_window_keeps_every_needed_block(seed):
     # The 64-token chain has blocks deeper than the window from each other, so something is pruned.
-    batch = TreeBatch([random_tree(seed, 25, max_len=8), siblings(30, 20, 5, seed), TreeLayout.from_parents([64], [-1])])
+    chain = TreeLayout.from_parents([64], [-1])
+    batch = TreeBatch([random_tree(seed, 25, max_len=8), siblings(30, 20, 5, seed), chain])
     depth = batch.position_ids()
     windowed = batch.dense_mask() & (depth[:, :, None] - depth[:, None, :] < 6)
     need = dense_block_mask(windowed, 16, 16)
@@ -347,7 +349,7 @@ def packed_loss_and_grads(impl: str, batch: TreeBatch, input_ids: torch.Tensor):
 def test_forced_triton_runs_a_model_like_segment(triton_in_table):
     # impl="triton" through transformers' attention registration, forward and backward,
     # against the torch `segment` backend on the same tree batch.
-    batch = make_batch("padding_rows")
+    batch = make_batch("long_segment")
     input_ids = torch.randint(0, VOCAB, (batch.batch_size, batch.length), generator=torch.Generator().manual_seed(0))
     input_ids = input_ids.to(DEVICE)
     want_logits, want_grads = packed_loss_and_grads("segment", TreeBatch(batch.layouts, batch.length), input_ids)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -87,9 +88,19 @@ MAX_HEAD_DIM = 256
 
 _LOG2E = 1.4426950408889634  # the kernels use exp2, which is what the hardware has
 
-# Whether the kernels below were defined for Triton's interpreter. @triton.jit reads
-# TRITON_INTERPRET when it decorates, so this is fixed for the life of the module.
-_INTERPRETED: bool = bool(triton is not None and triton.knobs.runtime.interpret)
+
+def _interpret_flag() -> bool:
+    """Whether @triton.jit will hand out interpreted kernels (it decides when it decorates)."""
+    if triton is None:
+        return False
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.3; older releases read the variable directly
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# Fixed for the life of the module: the kernels below are defined once, at import.
+_INTERPRETED: bool = _interpret_flag()
 
 
 def interpreting() -> bool:
@@ -109,6 +120,8 @@ def triton_unavailable(device: torch.device) -> str | None:
     device = torch.device(device)
     if _TRITON_MISSING is not None:
         return _TRITON_MISSING
+    if int(triton.__version__.split(".")[0]) < 3:
+        return f"the Triton tree-attention kernel needs triton >= 3.0, this is {triton.__version__}"
     if device.type != "cuda":
         return f"the Triton tree-attention kernel needs CUDA (device is {device.type})"
     if _INTERPRETED:
@@ -215,7 +228,12 @@ def tree_block_sparsity(
     mask = tree_block_mask(batch, block_m, block_n, device, sliding_window)  # (B, NQB, NKB)
     kv_blocks, num_kv_blocks = _lists(mask)
     q_blocks, num_q_blocks = _lists(mask.transpose(1, 2))
-    return TreeBlockSparsity(block_m, block_n, kv_blocks, num_kv_blocks, q_blocks, num_q_blocks)
+    sparsity = TreeBlockSparsity(block_m, block_n, kv_blocks, num_kv_blocks, q_blocks, num_q_blocks)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "tree attention: %d x %d tiles, %.1f%% of block pairs visited", block_m, block_n, 100 * sparsity.density()
+        )
+    return sparsity
 
 
 def _lists(mask: Tensor) -> tuple[Tensor, Tensor]:
