@@ -395,3 +395,22 @@ def test_logit_soft_capping_is_refused():
     [batch] = pack_groups([fork_group(3, [2])], [1.0], PackingConfig(16, mode="padded"))
     with pytest.raises(PackedForwardError, match="final_logit_softcapping"):
         packed_logprobs(model, batch)
+
+
+def test_old_logp_rides_with_the_batch_into_the_loss_inputs():
+    from treerl.learners.forward import PackedLogprobs, loss_inputs
+
+    [batch] = pack_groups([fork_group(3, [2, 2])], [1.0, -1.0], PackingConfig(16))
+    logp = torch.tensor([-1.0, -2.0, -3.0, -4.0], requires_grad=True)
+    out = PackedLogprobs(logp=logp, entropy=torch.zeros(4), logp_vocab=logp)
+    assert torch.equal(loss_inputs(batch, out).old_logp, logp.detach())  # on-policy default
+    with pytest.raises(ValueError, match="old_logp has shape \\(3,\\) but the batch has 4 terms"):
+        batch.with_old_logp(torch.zeros(3))
+    stale = batch.with_old_logp(torch.full((4,), -0.5, requires_grad=True))
+    assert not stale.term_old_logp.requires_grad and batch.term_old_logp is None
+    inputs = loss_inputs(stale, out)
+    assert inputs.old_logp.tolist() == [-0.5] * 4
+    assert inputs.sampler_logp.tolist() == [-0.5] * 4 and inputs.adv.tolist() == [1.0, 1.0, -1.0, -1.0]
+    assert loss_inputs(stale, out, old_logp=torch.zeros(4)).old_logp.tolist() == [0.0] * 4
+    assert stale.to("meta").term_old_logp.device.type == "meta"
+    assert stale.term_candidates is None and stale.term_target.tolist() == batch.loss_target.tolist()

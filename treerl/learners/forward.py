@@ -200,14 +200,18 @@ def loss_inputs(
 ) -> LossInputs:
     """The :class:`LossInputs` of one packed micro-batch.
 
-    ``old_logp`` (M,) defaults to ``logprobs.logp.detach()``: on-policy, one update per
-    batch, the PPO ratio is exactly 1. Recompute it with :func:`packed_logprobs` under
-    ``torch.no_grad()`` before the first update when a batch is trained several times.
+    ``old_logp`` (M,) defaults to ``batch.term_old_logp`` (see
+    :meth:`~treerl.learners.packing.PackedBatch.with_old_logp`), else to
+    ``logprobs.logp.detach()``: on-policy with one update per batch, the PPO ratio is then
+    exactly 1. When a batch is trained several times, compute the old log-probs once with
+    :func:`packed_logprobs` under ``torch.no_grad()`` before the first update.
     """
     logp = logprobs.logp
+    if old_logp is None:
+        old_logp = batch.term_old_logp.to(logp.device) if batch.term_old_logp is not None else logp.detach()
     return LossInputs(
         logp=logp,
-        old_logp=logp.detach() if old_logp is None else old_logp,
+        old_logp=old_logp,
         sampler_logp=batch.term_sampler_logp.to(logp.device),
         adv=batch.term_adv.to(logp.device),
         episode=batch.term_episode.to(logp.device),

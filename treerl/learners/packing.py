@@ -181,6 +181,9 @@ class PackedBatch:
     """Attention work of each row (key-query pairs, see :func:`attention_work`)."""
     num_path_tokens: int
     """Tokens these episodes would take unpacked (sum of their root-to-leaf path lengths)."""
+    term_old_logp: Tensor | None = None
+    """(M,) detached log-prob under the policy that defines the trust region, once the
+    learner has computed it (:meth:`with_old_logp`); None until then."""
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -212,12 +215,30 @@ class PackedBatch:
         return self.loss_sampler_logp[self.term_loss]
 
     @property
+    def term_candidates(self) -> Tensor | None:
+        """(M, K) long: each term's candidate set padded with -1 (see ``loss_has_candidates``), or None."""
+        return None if self.loss_candidates is None else self.loss_candidates[self.term_loss]
+
+    @property
     def term_row(self) -> Tensor:
         return self.loss_row[self.term_loss]
 
     @property
     def term_pos(self) -> Tensor:
         return self.loss_pos[self.term_loss]
+
+    def with_old_logp(self, old_logp: Tensor) -> PackedBatch:
+        """The same batch carrying ``old_logp`` (M,), detached, for every update on it.
+
+        Compute it once before the first update, e.g.
+        ``batch.with_old_logp(packed_logprobs(model, batch).logp)`` under ``torch.no_grad()``.
+        """
+        if tuple(old_logp.shape) != (self.num_terms,):
+            raise ValueError(
+                f"old_logp has shape {tuple(old_logp.shape)} but the batch has {self.num_terms} terms; pass one "
+                "log-prob per term, as packed_logprobs(model, batch).logp returns them."
+            )
+        return replace(self, term_old_logp=old_logp.detach())
 
     def to(self, device: torch.device | str) -> PackedBatch:
         """The same batch with its tensors on ``device`` (the layouts build theirs per device)."""
@@ -465,7 +486,7 @@ def _group_units(group: Group, g: int, first_episode: int, cfg: PackingConfig) -
         return [everything]
     # Too big for one row: split by episodes, in depth-first order of their leaves so that
     # neighbours share prefixes; each chunk repeats the prefixes it needs.
-    piece, where = _tree_piece(group, _episode_leaves(group, range(len(group.episodes))))
+    _, where = _tree_piece(group, _episode_leaves(group, range(len(group.episodes))))
     order = sorted(range(len(group.episodes)), key=lambda i: _leaf_rank(group, i, where))
     chunks: list[list[int]] = []
     needed: set[int] = set()
