@@ -263,6 +263,8 @@ class _Piece:
     seg_parent: list[int]
     pred: list[int]
     """Per token, the index of the token whose hidden state predicts it; -1 for a root's first."""
+    depth: list[int]
+    """Per token, its position in every path that contains it (its position id)."""
     work: int = 0
 
 
@@ -368,7 +370,7 @@ def _tree_piece(group: Group, leaves: Sequence[int]) -> tuple[_Piece, dict[tuple
     parent_of = {s: effective_parent(s) for s in nonempty}
     num_children = Counter(p for p in parent_of.values() if p is not None)
 
-    piece = _Piece(token_ids=[], seg_len=[], seg_parent=[], pred=[])
+    piece = _Piece(token_ids=[], seg_len=[], seg_parent=[], pred=[], depth=[])
     start: dict[int, int] = {}
     layout_seg: dict[int, int] = {}
     for s in nonempty:
@@ -378,6 +380,8 @@ def _tree_piece(group: Group, leaves: Sequence[int]) -> tuple[_Piece, dict[tuple
         piece.token_ids.extend(tokens)
         first_pred = -1 if parent is None else start[parent] + len(group.segments[parent].token_ids) - 1
         piece.pred.extend([first_pred, *range(begin, begin + len(tokens) - 1)])
+        first_depth = 0 if parent is None else piece.depth[first_pred] + 1
+        piece.depth.extend(range(first_depth, first_depth + len(tokens)))
         if parent is not None and num_children[parent] == 1:
             # The only child follows its parent's tokens in depth-first order: one longer segment.
             layout_seg[s] = layout_seg[parent]
@@ -402,7 +406,7 @@ def _flat_pieces(
         if not sources:
             continue
         if one_per_row or not pieces:
-            pieces.append(_Piece(token_ids=[], seg_len=[], seg_parent=[], pred=[]))
+            pieces.append(_Piece(token_ids=[], seg_len=[], seg_parent=[], pred=[], depth=[]))
         piece = pieces[-1]
         begin = len(piece.token_ids)
         for s, off in sources:
@@ -410,6 +414,7 @@ def _flat_pieces(
             where.setdefault((s, off), (len(pieces) - 1, len(piece.token_ids)))
             piece.token_ids.append(group.segments[s].token_ids[off])
         piece.pred.extend([-1, *range(begin, begin + len(sources) - 1)])
+        piece.depth.extend(range(len(sources)))
         piece.seg_len.append(len(sources))
         piece.seg_parent.append(-1)
     for piece in pieces:
@@ -609,10 +614,8 @@ def pack_groups(
         else:
             batches_rows.append(list(bundle))
 
-    episode_num_tokens = torch.zeros(num_episodes, dtype=torch.long)
-    for unit in units:
-        for _, episode in unit.terms:
-            episode_num_tokens[episode] += 1
+    all_episodes = [episode for unit in units for _, episode in unit.terms]
+    episode_num_tokens = torch.bincount(torch.tensor(all_episodes, dtype=torch.long), minlength=num_episodes)
     return [_assemble(rows, units, adv, num_episodes, episode_num_tokens, cfg) for rows in batches_rows]
 
 
@@ -626,11 +629,13 @@ def _assemble(
 ) -> PackedBatch:
     layouts: list[TreeLayout] = []
     row_ids: list[list[int]] = []
+    row_depth: list[list[int]] = []
     row_work: list[int] = []
     base: dict[tuple[int, int], tuple[int, int]] = {}  # (unit, piece) -> (row, token offset)
     unit_order: list[int] = []
     for r, row in enumerate(rows):
         ids: list[int] = []
+        depth: list[int] = []
         seg_len: list[int] = []
         seg_parent: list[int] = []
         for u, p in row:
@@ -638,17 +643,21 @@ def _assemble(
             base[(u, p)] = (r, len(ids))
             shift = len(seg_len)
             ids.extend(piece.token_ids)
+            depth.extend(piece.depth)
             seg_len.extend(piece.seg_len)
             seg_parent.extend(-1 if parent == -1 else parent + shift for parent in piece.seg_parent)
             if u not in unit_order:
                 unit_order.append(u)
         layouts.append(TreeLayout.from_parents(seg_len, seg_parent))
         row_ids.append(ids)
+        row_depth.append(depth)
         row_work.append(sum(units[u].pieces[p].work for u, p in row))
     tree_batch = TreeBatch(layouts)
     input_ids = torch.full((len(rows), tree_batch.length), cfg.pad_token_id, dtype=torch.long)  # (B, T)
-    for r, ids in enumerate(row_ids):
+    position_ids = torch.zeros((len(rows), tree_batch.length), dtype=torch.long)  # (B, T)
+    for r, (ids, depth) in enumerate(zip(row_ids, row_depth)):
         input_ids[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        position_ids[r, : len(depth)] = torch.tensor(depth, dtype=torch.long)
 
     loss_row, loss_pos, loss_target_pos, loss_target, sampler_logp = [], [], [], [], []
     candidates: list[list[int] | None] = []
@@ -684,7 +693,7 @@ def _assemble(
     return PackedBatch(
         mode=cfg.mode,
         input_ids=input_ids,
-        position_ids=tree_batch.position_ids(),
+        position_ids=position_ids,
         layouts=tree_batch,
         loss_row=torch.tensor(loss_row, dtype=torch.long),
         loss_pos=torch.tensor(loss_pos, dtype=torch.long),
