@@ -29,6 +29,8 @@ Backends (one table, :data:`BACKENDS`):
   over segments of (segment length x path length), not with T^2. CPU and GPU.
 - ``flex``: FlexAttention with a block mask from a ``mask_mod``, compiled on CUDA.
   FlexAttention has no backward on CPU, so ``auto`` only picks it on CUDA.
+- ``triton``: treerl's block-sparse Triton kernel (forward and backward,
+  :mod:`treerl.kernels.triton_tree_attention`); ``auto`` picks it first on CUDA.
 
 ``impl="auto"`` walks :data:`AUTO_ORDER` and takes the first backend that can run on the
 model's device; the returned :class:`TreeAttentionChoice` (also logged) keeps the reason.
@@ -47,6 +49,7 @@ from torch import Tensor
 
 from treerl.envs.errors import TreerlError
 from treerl.kernels.tree_layout import TreeBatch, TreeLayout
+from treerl.kernels.triton_tree_attention import triton_tree_attention, triton_unavailable
 
 __all__ = [
     "TREE_KWARG",
@@ -273,14 +276,13 @@ def _flex_unavailable(device: torch.device) -> str | None:
 
 
 BACKENDS: dict[str, TreeAttentionBackend] = {
-    # "triton": the fused tree-attention kernel plugs in here (and first in AUTO_ORDER), with
-    # an `unavailable` probe that says which of CUDA / triton / head size is missing.
+    "triton": TreeAttentionBackend("triton", triton_tree_attention, triton_unavailable),
     "flex": TreeAttentionBackend("flex", flex_tree_attention, _flex_unavailable),
     "segment": TreeAttentionBackend("segment", segment_tree_attention, _always_available),
     "reference": TreeAttentionBackend("reference", reference_tree_attention, _always_available),
 }
 
-AUTO_ORDER: tuple[str, ...] = ("flex", "segment")
+AUTO_ORDER: tuple[str, ...] = ("triton", "flex", "segment")
 """Backends ``impl="auto"`` tries, fastest first; ``segment`` runs everywhere."""
 
 
@@ -458,7 +460,7 @@ def check_model_supported(model: torch.nn.Module) -> None:
 def enable_tree_attention(model: torch.nn.Module, impl: str = "auto") -> TreeAttentionChoice:
     """Make ``model`` attend along the tree given by the ``tree_layout`` keyword of each call.
 
-    ``impl`` is ``"auto"`` (flex on CUDA when it can run there, else segment) or a key of
+    ``impl`` is ``"auto"`` (triton, then flex, on CUDA when they can run there, else segment) or a key of
     :data:`BACKENDS`. Refuses, with :class:`TreeAttentionError`, architectures it cannot
     serve exactly (see :func:`check_model_supported`). Returns the choice and its reason,
     which is also logged.
