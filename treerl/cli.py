@@ -6,6 +6,8 @@
         play a model in an environment; print success rate, rewards and tool-call outcomes
     treerl rollout --env ID --num-tasks N --group-size G --out FILE [...]
         record prefix-tree trajectories as JSON Lines (resumable)
+    treerl learn --env ID --output-dir DIR [--steps N] [--loss dapo] [--config FILE] ...
+        train with GRPO on trajectory trees; prints the held-out success rate at start and end
 """
 
 from __future__ import annotations
@@ -152,6 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
     p_roll.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE_OR_FILE",
                         help="Import a module or run a .py file that registers environments (repeatable).")
     p_roll.set_defaults(func=cmd_rollout)
+
+    from treerl.learners.grpo import GRPOConfig, cmd_learn
+
+    p_learn = sub.add_parser("learn", help="Train a model with GRPO (and its loss variants) on an environment.")
+    add_dataclass_arguments(p_learn, GRPOConfig)
+    p_learn.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE_OR_FILE",
+                         help="Import a module or run a .py file that registers environments (repeatable).")
+    p_learn.set_defaults(func=cmd_learn)
     return parser
 
 

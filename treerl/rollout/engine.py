@@ -190,6 +190,7 @@ class RolloutEngine:
         prompt_ids = renderer.prompt_ids(messages)
         group = Group(task_key=f"seed-{task_seed}", env_id=env_id,
                       info={"task_seed": task_seed, "task_id": info.get("task_id"), "options": options,
+                            "answer": info.get("answer"), "num_prompt_messages": len(messages),
                             "sampling": _params_dict(self.params)})
         root = group.add_segment("prompt", prompt_ids)
         states = [
