@@ -27,16 +27,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import random
-import re
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_section  # noqa: E402
+
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 TREE_SECTION = "## Tree attention: Triton kernel vs torch backends (GPU)"
 LOGPROBS_SECTION = "## Fused LM-head log-probs: Triton vs chunked torch (GPU)"
 
@@ -90,18 +91,6 @@ def _mib(num_bytes: float) -> str:
 def _failure(error: BaseException) -> str:
     text = f"{type(error).__name__}: {error}".splitlines()[0]
     return text[:100]
-
-
-def write_section(path: Path, section: str, body: str) -> None:
-    """Replace (or append) one section of BENCHMARKS.md, leaving every other section as it was."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{section}\n\n{body.rstrip()}\n"
-    pattern = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: block + "\n", text, count=1).rstrip() + "\n"
-    else:
-        text = text.rstrip() + "\n\n" + block
-    path.write_text(text)
 
 
 def _provenance(command: str) -> str:
@@ -364,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         sections[LOGPROBS_SECTION] = bench_logprobs(args)
     for section, body in sections.items():
         if body is not None and not args.no_write:
-            write_section(ROOT / "BENCHMARKS.md", section, body)
+            write_section(section, body)
     return 0
 
 

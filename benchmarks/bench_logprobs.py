@@ -26,8 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_section  # noqa: E402
+
 SECTION = "## Log-probs without full logits"
-ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("reference", "chunked")
 
 
@@ -108,18 +110,6 @@ def _mib(num_bytes: float) -> str:
     return f"{num_bytes / 2**20:,.0f} MiB"
 
 
-def write_section(path: Path, body: str) -> None:
-    """Replace (or append) our section of BENCHMARKS.md, leaving every other section as it was."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = f"{SECTION}\n\n{body.rstrip()}\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip() + "\n"
-    else:
-        text = text.rstrip() + "\n\n" + section
-    path.write_text(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=32768)
@@ -176,7 +166,7 @@ def main() -> None:
             f"Command: `python benchmarks/bench_logprobs.py` (run {datetime.date.today().isoformat()}, "
             f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, {cpu}).\n\n{table}\n"
         )
-        write_section(ROOT / "BENCHMARKS.md", body)
+        write_section(SECTION, body)
 
 
 if __name__ == "__main__":
