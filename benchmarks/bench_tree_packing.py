@@ -100,7 +100,8 @@ def build_model(args: argparse.Namespace):
     torch.manual_seed(0)
     config = Qwen3Config(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 128),
+        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 128),
         head_dim=64, max_position_embeddings=1024, attention_dropout=0.0, tie_word_embeddings=False,
     )
     model = Qwen3ForCausalLM(config).to(args.device)
@@ -312,7 +313,7 @@ def main() -> None:
         help="torch threads in the measuring process (default: 1 on CPU, where the process CPU time is then "
         "the measure least disturbed by other load; torch's default on CUDA)",
     )
-    parser.add_argument("--runs", type=int, default=3, help="timed steps per variant after the warm-up and memory steps")
+    parser.add_argument("--runs", type=int, default=3, help="timed steps per mode after the warm-up")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--layout", help=argparse.SUPPRESS)  # set in the child process
@@ -355,7 +356,9 @@ def main() -> None:
         import torch
 
         cpu = platform.processor() or platform.machine()
-        command = "python benchmarks/bench_tree_packing.py" + ("" if args.device == "cpu" else f" --device {args.device}")
+        command = "python benchmarks/bench_tree_packing.py"
+        if args.device != "cpu":
+            command += f" --device {args.device}"
         body = (
             f"Command: `{command}` (run {datetime.date.today().isoformat()}, torch {torch.__version__}, "
             f"{os.cpu_count()} CPU cores, {cpu}; {wall / 60:.1f} min wall time for the whole script).\n\n{table}\n"

@@ -190,7 +190,9 @@ def reference_normalizer(episode: torch.Tensor, num_episodes: int) -> LossNormal
     counts = torch.zeros(num_episodes, dtype=torch.long)
     for e in episode.tolist():
         counts[e] += 1
-    return LossNormalizer(num_tokens=int(counts.sum()), num_sequences=int((counts > 0).sum()), episode_num_tokens=counts)
+    return LossNormalizer(
+        num_tokens=int(counts.sum()), num_sequences=int((counts > 0).sum()), episode_num_tokens=counts
+    )
 
 
 def loss_config(name: str) -> LossConfig:

@@ -310,7 +310,8 @@ def test_rows_are_balanced_by_attention_work_not_only_length():
     bushy = [fork_group(2, [2] * 14, start=i) for i in range(4)]
     groups = chains + bushy
     assert {g.num_unique_tokens for g in groups} == {30}
-    batches = pack_groups(groups, torch.zeros(sum(len(g.episodes) for g in groups)), PackingConfig(60, rows_per_batch=8))
+    adv = torch.zeros(sum(len(g.episodes) for g in groups))
+    batches = pack_groups(groups, adv, PackingConfig(60, rows_per_batch=8))
     [batch] = batches
     assert batch.batch_size == 4
     assert attention_work([30], [-1]) + attention_work([2] + [2] * 14, [-1] + [0] * 14) == batch.row_work[0]

@@ -71,8 +71,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Literal
-
 import torch
 from torch import Tensor
 
@@ -90,7 +88,6 @@ __all__ = [
     "packing_metrics",
 ]
 
-PackMode = Literal["tree", "flat", "padded"]
 PACK_MODES: tuple[str, ...] = ("tree", "flat", "padded")
 
 
