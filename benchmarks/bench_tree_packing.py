@@ -43,8 +43,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_section  # noqa: E402
+
 SECTION = "## Tree packing"
-ROOT = Path(__file__).resolve().parents[1]
 MODES = ("tree", "flat", "padded")
 LAYOUTS = ("ratio-1.0", "ratio-2.3", "ratio-3.4", "nested-3.5")
 ROW_BUDGET = 2048
@@ -218,18 +220,6 @@ def _mib(num_bytes: float) -> str:
     return f"{num_bytes / 2**20:,.0f} MiB"
 
 
-def write_section(path: Path, body: str) -> None:
-    """Replace (or append) our section of BENCHMARKS.md, leaving every other section as it was."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = f"{SECTION}\n\n{body.rstrip()}\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip() + "\n"
-    else:
-        text = text.rstrip() + "\n\n" + section
-    path.write_text(text)
-
-
 def render(results: dict, args: argparse.Namespace) -> str:
     any_result = next(iter(results.values()))
     on_cpu = not args.device.startswith("cuda")
@@ -363,7 +353,7 @@ def main() -> None:
             f"Command: `{command}` (run {datetime.date.today().isoformat()}, torch {torch.__version__}, "
             f"{os.cpu_count()} CPU cores, {cpu}; {wall / 60:.1f} min wall time for the whole script).\n\n{table}\n"
         )
-        write_section(ROOT / "BENCHMARKS.md", body)
+        write_section(SECTION, body)
 
 
 if __name__ == "__main__":

@@ -135,9 +135,16 @@ class Episode:
         return [s.policy_version if s.kind == "sampled" else None for s in self.path() for _ in s.token_ids]
 
     @property
+    def leaves(self) -> list[int]:
+        """The leaf of every context of this episode, each once (the main leaf first)."""
+        return list(dict.fromkeys([self.leaf, *self.extra_leaves]))
+
+    @property
     def num_sampled_tokens(self) -> int:
-        return sum(len(s.token_ids) for leaf in [self.leaf, *self.extra_leaves]
-                   for s in self.path(leaf) if s.kind == "sampled")
+        """Sampled tokens over all of the episode's contexts, each segment counted once."""
+        assert self.group is not None, "an Episode must belong to a Group"
+        segments = {i for leaf in self.leaves for i in self.group.path_indices(leaf)}
+        return sum(len(self.group.segments[i].token_ids) for i in segments if self.group.segments[i].kind == "sampled")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -188,14 +195,18 @@ class Group:
         self.episodes.append(episode)
         return episode
 
-    def path(self, leaf: int) -> list[Segment]:
-        """Segments from the root to ``leaf``."""
+    def path_indices(self, leaf: int) -> list[int]:
+        """Indices of the segments from the root to ``leaf``."""
         out = []
         node: int | None = leaf
         while node is not None:
-            out.append(self.segments[node])
+            out.append(node)
             node = self.segments[node].parent
         return out[::-1]
+
+    def path(self, leaf: int) -> list[Segment]:
+        """Segments from the root to ``leaf``."""
+        return [self.segments[i] for i in self.path_indices(leaf)]
 
     @property
     def num_unique_tokens(self) -> int:
@@ -204,7 +215,7 @@ class Group:
     @property
     def packing_ratio(self) -> float:
         """Tokens over all root-to-leaf paths divided by unique tokens in the tree (>= 1)."""
-        leaves = [leaf for e in self.episodes for leaf in [e.leaf, *e.extra_leaves]]
+        leaves = [leaf for e in self.episodes for leaf in e.leaves]
         on_paths = sum(len(s.token_ids) for leaf in leaves for s in self.path(leaf))
         unique = self.num_unique_tokens
         return on_paths / unique if unique else 1.0
