@@ -100,19 +100,25 @@ def load_model(path: str | None, device: str = "cpu"):
     return model.eval(), tokenizer
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    import treerl
-    from treerl.agents.transformers_policy import TransformersPolicy
+def config_for_command(cls: type, args: argparse.Namespace):
+    """The command's config from flags and ``--config``, after ``--import``; the environment must exist."""
     from treerl.config import config_from_args
     from treerl.envs.registry import spec as env_spec
-    from treerl.rollout.evaluate import EvalConfig, evaluate
 
     import_user_modules(args.imports)
-    cfg = config_from_args(EvalConfig, args)
+    cfg = config_from_args(cls, args)
     try:
         env_spec(cfg.env)
     except KeyError as exc:
         raise SystemExit(f"treerl: {exc.args[0]}") from None
+    return cfg
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from treerl.agents.transformers_policy import TransformersPolicy
+    from treerl.rollout.evaluate import EvalConfig, evaluate
+
+    cfg = config_for_command(EvalConfig, args)
     model, tokenizer = load_model(cfg.model, cfg.device)
     policy = TransformersPolicy(model, tokenizer, device=cfg.device)
     report = evaluate(
@@ -127,41 +133,37 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_imports(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE_OR_FILE",
+                   help="Import a module or run a .py file that registers environments (repeatable).")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from treerl.config import add_dataclass_arguments
+    from treerl.learners.grpo import GRPOConfig, cmd_learn
+    from treerl.rollout.cli import RolloutConfig, cmd_rollout
+    from treerl.rollout.evaluate import EvalConfig
+
     parser = argparse.ArgumentParser(prog="treerl", description="Agentic RL with tool-use environments and prefix-tree trajectories.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
     p_envs = sub.add_parser("envs", help="List registered environments with their tools and JSON Schemas.")
     p_envs.add_argument("--json", action="store_true", help="Print machine-readable JSON instead of text.")
-    p_envs.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE_OR_FILE",
-                        help="Import a module or run a .py file that registers environments (repeatable).")
+    _add_imports(p_envs)
     p_envs.set_defaults(func=cmd_envs)
 
-    from treerl.config import add_dataclass_arguments
-    from treerl.rollout.evaluate import EvalConfig
-
-    p_eval = sub.add_parser("eval", help="Evaluate a model (default: the shipped tiny model) in an environment.")
-    add_dataclass_arguments(p_eval, EvalConfig)
-    p_eval.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE_OR_FILE",
-                        help="Import a module or run a .py file that registers environments (repeatable).")
-    p_eval.set_defaults(func=cmd_eval)
-
-    from treerl.rollout.cli import RolloutConfig, cmd_rollout
-
-    p_roll = sub.add_parser("rollout", help="Play a model in an environment; store prefix-tree trajectories (JSON Lines).")
-    add_dataclass_arguments(p_roll, RolloutConfig)
-    p_roll.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE_OR_FILE",
-                        help="Import a module or run a .py file that registers environments (repeatable).")
-    p_roll.set_defaults(func=cmd_rollout)
-
-    from treerl.learners.grpo import GRPOConfig, cmd_learn
-
-    p_learn = sub.add_parser("learn", help="Train a model with GRPO (and its loss variants) on an environment.")
-    add_dataclass_arguments(p_learn, GRPOConfig)
-    p_learn.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE_OR_FILE",
-                         help="Import a module or run a .py file that registers environments (repeatable).")
-    p_learn.set_defaults(func=cmd_learn)
+    commands = [
+        ("eval", "Evaluate a model (default: the shipped tiny model) in an environment.", EvalConfig, cmd_eval),
+        ("rollout", "Play a model in an environment; store prefix-tree trajectories (JSON Lines).", RolloutConfig,
+         cmd_rollout),
+        ("learn", "Train a model with GRPO (and its loss variants) on an environment.", GRPOConfig, cmd_learn),
+    ]
+    for name, help_text, cls, func in commands:
+        p = sub.add_parser(name, help=help_text)
+        add_dataclass_arguments(p, cls)  # flags generated from the config dataclass
+        _add_imports(p)
+        p.set_defaults(func=func)
     return parser
 
 

@@ -532,16 +532,9 @@ def _length_limit_frac(groups: Sequence[Group]) -> float:
 
 
 def cmd_learn(args) -> int:
-    from treerl.cli import import_user_modules
-    from treerl.config import config_from_args
-    from treerl.envs.registry import spec as env_spec
+    from treerl.cli import config_for_command
 
-    import_user_modules(args.imports)
-    cfg = config_from_args(GRPOConfig, args)
-    try:
-        env_spec(cfg.env)
-    except KeyError as exc:
-        raise SystemExit(f"treerl: {exc.args[0]}") from None
+    cfg = config_for_command(GRPOConfig, args)
     result = train(cfg)
     start = result.eval_start["success_rate"] if result.eval_start else float("nan")
     end = result.eval_end["success_rate"] if result.eval_end else float("nan")

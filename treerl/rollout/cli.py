@@ -117,16 +117,9 @@ def run_rollout(cfg: RolloutConfig, model, tokenizer) -> dict[str, Any]:
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from treerl.cli import import_user_modules, load_model
-    from treerl.config import config_from_args
-    from treerl.envs.registry import spec as env_spec
+    from treerl.cli import config_for_command, load_model
 
-    import_user_modules(args.imports)
-    cfg = config_from_args(RolloutConfig, args)
-    try:
-        env_spec(cfg.env)
-    except KeyError as exc:
-        raise SystemExit(f"treerl: {exc.args[0]}") from None
+    cfg = config_for_command(RolloutConfig, args)
     model, tokenizer = load_model(cfg.model, cfg.device)
     summary = run_rollout(cfg, model, tokenizer)
     print(format_summary(summary))
