@@ -1,8 +1,10 @@
-"""Shared by the benchmark scripts: writing their section of BENCHMARKS.md."""
+"""Shared by the benchmark scripts: their section of BENCHMARKS.md, and peak-memory readings on CPU."""
 
 from __future__ import annotations
 
 import re
+import resource
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,3 +21,37 @@ def write_section(section: str, body: str, path: Path = BENCHMARKS_MD) -> None:
     else:
         text = text.rstrip() + "\n\n" + block
     path.write_text(text)
+
+
+def _proc_status_kib(field: str) -> int:
+    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    return int(match.group(1))
+
+
+def _ru_maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def reset_rss_peak() -> int:
+    """Restart the resident-set high-water mark at the current RSS and return it, in bytes.
+
+    On Linux, writing 5 to /proc/self/clear_refs resets VmHWM to VmRSS. Elsewhere the
+    peak cannot be reset; ru_maxrss (KiB on Linux, bytes on macOS) is the fallback.
+    """
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return _proc_status_kib("VmRSS") * 1024
+    except OSError:
+        return _ru_maxrss_bytes()
+
+
+def rss_peak() -> int:
+    """The resident-set high-water mark in bytes (see :func:`reset_rss_peak`)."""
+    try:
+        return _proc_status_kib("VmHWM") * 1024
+    except OSError:
+        return _ru_maxrss_bytes()
+
+
+def mib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:,.0f} MiB"

@@ -18,8 +18,6 @@ import argparse
 import datetime
 import json
 import platform
-import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -27,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_section  # noqa: E402
+from _common import mib, reset_rss_peak, rss_peak, write_section  # noqa: E402
 
 SECTION = "## Log-probs without full logits"
 VARIANTS = ("reference", "chunked")
@@ -69,45 +67,15 @@ def run_variant(args: argparse.Namespace) -> dict:
         # Warm up on a few tokens first so one-time allocations (thread pools, BLAS
         # buffers) are not charged to the call, then restart the high-water mark.
         token_logprobs(hidden[:8].detach(), weight.detach(), targets[:8], candidates=candidates[:8], impl=args.impl)
-        base = _reset_rss_peak()
+        base = reset_rss_peak()
         step()
-        peak_bytes = _rss_peak() - base
+        peak_bytes = rss_peak() - base
     times = []
     for _ in range(args.runs):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
     return {"impl": args.impl, "peak_bytes": peak_bytes, "median_s": statistics.median(times), "times_s": times}
-
-
-def _proc_status_kib(field: str) -> int:
-    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
-    return int(match.group(1))
-
-
-def _reset_rss_peak() -> int:
-    """Restart the resident-set high-water mark at the current RSS and return it, in bytes.
-
-    On Linux, writing 5 to /proc/self/clear_refs resets VmHWM to VmRSS. Elsewhere the
-    peak cannot be reset; ru_maxrss (KiB on Linux, bytes on macOS) is the fallback.
-    """
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return _proc_status_kib("VmRSS") * 1024
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-
-
-def _rss_peak() -> int:
-    """The resident-set high-water mark in bytes (see :func:`_reset_rss_peak`)."""
-    try:
-        return _proc_status_kib("VmHWM") * 1024
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-
-
-def _mib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**20:,.0f} MiB"
 
 
 def main() -> None:
@@ -140,7 +108,7 @@ def main() -> None:
     lines = [
         f"vocab {args.vocab:,}, {args.tokens:,} tokens, hidden {args.hidden}, {args.dtype} on {args.device}, "
         f"top-64 candidates, forward + backward wrt hidden and weight (one float32 logits tensor "
-        f"is {_mib(logits_bytes)}). Peak = growth of "
+        f"is {mib(logits_bytes)}). Peak = growth of "
         + ("`torch.cuda.max_memory_allocated`" if args.device.startswith("cuda") else "the process RSS high-water mark")
         + f" over one call; time = median of {args.runs} calls.",
         "",
@@ -150,7 +118,7 @@ def main() -> None:
     for name, label in (("reference", "full logits (reference)"), ("chunked", "chunked (1024 x 8192 tiles)")):
         r = results[name]
         lines.append(
-            f"| {label} | {_mib(r['peak_bytes'])} | {r['median_s']:.2f} s | {r['median_s'] / ref['median_s']:.2f}x |"
+            f"| {label} | {mib(r['peak_bytes'])} | {r['median_s']:.2f} s | {r['median_s'] / ref['median_s']:.2f}x |"
         )
     lines += [
         "",

@@ -35,8 +35,6 @@ import datetime
 import json
 import os
 import platform
-import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -44,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_section  # noqa: E402
+from _common import mib, reset_rss_peak, rss_peak, write_section  # noqa: E402
 
 SECTION = "## Tree packing"
 MODES = ("tree", "flat", "padded")
@@ -176,12 +174,12 @@ def run_layout(args: argparse.Namespace) -> dict:
                     torch.cuda.reset_peak_memory_stats()
                     base = torch.cuda.memory_allocated()
                 else:
-                    base = _reset_rss_peak()
+                    base = reset_rss_peak()
             wall, cpu = time.perf_counter(), time.process_time()
             step(mode, batches)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             if measure_memory:
-                peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _rss_peak()
+                peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else rss_peak()
                 result["modes"][mode]["peak_bytes"] = peak - base
             result["modes"][mode]["times_s"].append(wall)
             result["modes"][mode]["cpu_s"].append(cpu)
@@ -189,35 +187,6 @@ def run_layout(args: argparse.Namespace) -> dict:
         stats["median_s"] = statistics.median(stats["times_s"])
         stats["median_cpu_s"] = statistics.median(stats["cpu_s"])
     return result
-
-
-def _proc_status_kib(field: str) -> int:
-    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
-    return int(match.group(1))
-
-
-def _reset_rss_peak() -> int:
-    """Restart the resident-set high-water mark at the current RSS and return it, in bytes.
-
-    On Linux, writing 5 to /proc/self/clear_refs resets VmHWM to VmRSS. Elsewhere the
-    peak cannot be reset; ru_maxrss (KiB on Linux, bytes on macOS) is the fallback.
-    """
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return _proc_status_kib("VmRSS") * 1024
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-
-
-def _rss_peak() -> int:
-    try:
-        return _proc_status_kib("VmHWM") * 1024
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-
-
-def _mib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**20:,.0f} MiB"
 
 
 def render(results: dict, args: argparse.Namespace) -> str:
@@ -256,7 +225,7 @@ def render(results: dict, args: argparse.Namespace) -> str:
             return f"{r[k]:.2f} s" if r else "-"
 
         def m(r):
-            return _mib(r["peak_bytes"]) if r else "-"
+            return mib(r["peak_bytes"]) if r else "-"
 
         def x(r, k=key):
             return f"{r[k] / tree[k]:.2f}x" if r else "-"
@@ -336,7 +305,7 @@ def main() -> None:
             times = ", ".join(f"{x:.2f}" for x in r["times_s"])
             cpu = ", ".join(f"{x:.2f}" for x in r["cpu_s"])
             print(
-                f"  {mode}: wall [{times}] s, cpu [{cpu}] s, {_mib(r['peak_bytes'])}, rows {r['shapes']}",
+                f"  {mode}: wall [{times}] s, cpu [{cpu}] s, {mib(r['peak_bytes'])}, rows {r['shapes']}",
                 file=sys.stderr, flush=True,
             )
     wall = time.perf_counter() - wall
