@@ -91,7 +91,9 @@ def load_model(path: str | None, device: str = "cpu"):
             f"({DEFAULT_MODEL_PATH})."
         )
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).to(device)

@@ -49,7 +49,9 @@ def load_default_model(device: Any = "cpu") -> tuple["PreTrainedModel", "PreTrai
     ``device`` is anything ``torch`` accepts (``"cpu"``, ``"cuda:0"``, a ``torch.device``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a 46-tensor model needs no "Loading weights" bar
     path = default_model_path()
     # local_files_only: a path never needs the Hub, and this keeps it so even if the
     # directory were mistaken for a repo id.
