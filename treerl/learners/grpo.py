@@ -15,6 +15,13 @@ The policy that samples holds its own copy of the weights (generation runs the m
 ordinary attention, training with tree attention) and receives them after every step with a
 new version. With ``lora_r > 0`` the trainer trains a peft LoRA adapter and the policy
 receives the merged weights.
+
+Under ``accelerate launch`` (or ``torchrun``) each process plays every ``R``-th task of the
+step, the loss normalizers and the gradients are summed over the ``R`` processes, and every
+process takes the single-process optimizer step; rank 0 logs, checkpoints, saves and
+evaluates (:mod:`treerl.learners.distributed`)::
+
+    accelerate launch --multi_gpu --num_processes 2 -m treerl.cli learn --env ID --output-dir runs/x
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ from treerl.agents.policy import SamplingParams
 from treerl.config import field_help
 from treerl.learners.advantages import AdvantageConfig, compute_advantages
 from treerl.learners.diagnostics import Diagnostics
-from treerl.learners.forward import loss_inputs, packed_logprobs, window_normalizer
+from treerl.learners.distributed import Ranks, is_main_process
+from treerl.learners.forward import loss_inputs, packed_logprobs
 from treerl.learners.importance import ImportanceConfig, importance_weights
 from treerl.learners.losses import POLICY_LOSSES, LossConfig, compute_loss
 from treerl.learners.packing import PackingConfig, pack_groups, packing_metrics
@@ -202,11 +210,11 @@ def policy_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # -- the stages -----------------------------------------------------------------------------------
 
 
-def rollout(engine, cfg: GRPOConfig, step: int) -> tuple[list[Group], Any]:
+def rollout(engine, cfg: GRPOConfig, step: int, ranks: Ranks = Ranks()) -> tuple[list[Group], Any]:
     import treerl
 
     first = step * cfg.tasks_per_step
-    tasks = range(first, first + cfg.tasks_per_step)
+    tasks = ranks.shard(range(first, first + cfg.tasks_per_step))  # this rank's share of the step
     return asyncio.run(engine.run(lambda: treerl.make(cfg.env), cfg.env, tasks, cfg.group_size))
 
 
@@ -255,18 +263,24 @@ def score(groups: Sequence[Group], reward_funcs: Sequence[RewardFunc], tokenizer
 
 
 def advantages(groups: Sequence[Group], rewards: torch.Tensor, weights: Sequence[float],
-               cfg: GRPOConfig, metrics: dict[str, float]) -> torch.Tensor:
+               cfg: GRPOConfig, metrics: dict[str, float], ranks: Ranks = Ranks()) -> torch.Tensor:
     group_ids = torch.tensor([g_idx for g_idx, g in enumerate(groups) for _ in g.episodes])
-    out = compute_advantages(rewards, group_ids, cfg.advantage_config(), weights=torch.tensor(weights))
+    # Every rank's rewards, so that scale="batch" and the metrics see the whole step.
+    all_rewards, all_group_ids, own = ranks.gather_episodes(rewards, group_ids)
+    out = compute_advantages(all_rewards, all_group_ids, cfg.advantage_config(), weights=torch.tensor(weights))
     metrics.update({k: float(v) for k, v in out.metrics.items()})
-    return out.adv
+    return out.adv[own]
 
 
 def optimize(model, optimizer, scheduler, batches, cfg: GRPOConfig, device: str,
-             metrics: dict[str, float]) -> None:
-    """One optimizer step over all micro-batches of the step (one accumulation window)."""
+             metrics: dict[str, float], ranks: Ranks = Ranks()) -> None:
+    """One optimizer step over all micro-batches of the step (one accumulation window).
+
+    With several ranks the window is every rank's micro-batches: the normalizer counts them
+    all, and the gradients are summed over ranks before clipping.
+    """
     loss_cfg, is_cfg = cfg.loss_config(), cfg.importance_config()
-    normalizer = window_normalizer(batches)
+    normalizer = ranks.normalizer(batches)
     totals: dict[str, float] = {}
     model.train()
     for batch in batches:
@@ -285,10 +299,12 @@ def optimize(model, optimizer, scheduler, batches, cfg: GRPOConfig, device: str,
             totals[k] = totals.get(k, 0.0) + float(v) * (1.0 if k.startswith("loss/") else n)
         totals["_terms"] = totals.get("_terms", 0.0) + n
         totals["entropy/mean"] = totals.get("entropy/mean", 0.0) + float(out.entropy.detach().sum())
+    totals = ranks.sum_dicts(totals)
     terms = max(totals.pop("_terms", 1.0), 1.0)
     for k, v in totals.items():
         metrics[k] = v if k.startswith("loss/") else v / terms
     params = [p for p in model.parameters() if p.requires_grad]
+    ranks.all_reduce_gradients(params)  # each rank's loss is its share of the global one: sum them
     if cfg.max_grad_norm > 0:
         metrics["grad/norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
     optimizer.step()
@@ -394,7 +410,14 @@ def evaluate_policy(policy, tokenizer, cfg: GRPOConfig) -> dict[str, Any]:
 
 def train(cfg: GRPOConfig, *, reward_funcs: Sequence[RewardFunc] = (), reward_weights: Sequence[float] | None = None,
           model=None, tokenizer=None) -> TrainResult:
-    """Train with GRPO on ``cfg.env``; see the module docstring for the loop."""
+    """Train with GRPO on ``cfg.env``; see the module docstring for the loop.
+
+    Under ``accelerate launch --multi_gpu --num_processes R -m treerl.cli learn ...`` (or
+    ``torchrun``), or in processes that initialized a ``torch.distributed`` group, the ``R``
+    processes split each step's tasks and take together the step one process would take on
+    all of them; only rank 0 writes to ``output_dir`` and evaluates, and every rank returns
+    once the model is saved.
+    """
     from transformers import get_scheduler
 
     from treerl.agents.transformers_policy import TransformersPolicy
@@ -407,19 +430,27 @@ def train(cfg: GRPOConfig, *, reward_funcs: Sequence[RewardFunc] = (), reward_we
     if len(weights) != 1 + len(reward_funcs):
         raise ValueError(f"reward_weights has {len(weights)} entries; pass one for the environment reward and one "
                          f"per reward function ({1 + len(reward_funcs)}).")
+    ranks = Ranks.from_env(cfg.device)
+    if cfg.tasks_per_step < ranks.world_size:
+        raise ValueError(f"tasks_per_step={cfg.tasks_per_step} is fewer than the {ranks.world_size} processes, so "
+                         f"some would have no task; use --tasks-per-step {ranks.world_size} or more, or fewer "
+                         f"processes.")
+    device = ranks.device(cfg.device)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     set_seed(cfg.seed)
 
     # Models: the trainer's (tree attention, maybe LoRA) and the sampler's own copy.
     if model is None:
-        model, tokenizer = load_model_and_tokenizer(cfg.model, cfg.device)
+        model, tokenizer = load_model_and_tokenizer(cfg.model, device)
+    ranks.broadcast_parameters(model)  # every rank starts from rank 0's weights
     policy_model = copy.deepcopy(model).eval()
     if cfg.lora_r > 0:
         model = apply_lora(model, cfg)
+        ranks.broadcast_parameters(model)
     choice = enable_tree_attention(model.get_base_model() if cfg.lora_r > 0 else model,
                                    impl=cfg.attention_impl) if cfg.pack_mode != "padded" else None
-    policy = TransformersPolicy(policy_model, tokenizer, device=cfg.device)
+    policy = TransformersPolicy(policy_model, tokenizer, device=device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                   weight_decay=cfg.weight_decay)
     scheduler = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=cfg.warmup_steps)
@@ -431,26 +462,30 @@ def train(cfg: GRPOConfig, *, reward_funcs: Sequence[RewardFunc] = (), reward_we
     if cfg.resume and (ckpt := latest_checkpoint(out_dir)) is not None:
         start_step, version = load_checkpoint(ckpt, model, optimizer, scheduler)
         policy.set_weights(policy_state_dict(model), version=version)
-        print(f"resumed from {ckpt} at step {start_step}", file=sys.stderr)
-        _truncate_metrics(out_dir / "metrics.jsonl", start_step)
-    (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    log = MetricsLogger(out_dir, cfg.report_to, asdict(cfg))
-    diagnostics = Diagnostics(out_dir / "diagnostics.jsonl")
+        if ranks.is_main:
+            print(f"resumed from {ckpt} at step {start_step}", file=sys.stderr)
+            _truncate_metrics(out_dir / "metrics.jsonl", start_step)
+    log = diagnostics = None
+    if ranks.is_main:  # the other ranks write nothing
+        (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        log = MetricsLogger(out_dir, cfg.report_to, asdict(cfg))
+        diagnostics = Diagnostics(out_dir / "diagnostics.jsonl")
     if choice is not None:
         logger.info("tree attention: %s (%s)", choice.impl, choice.reason)
 
     eval_start = None
     summary_path = out_dir / "summary.json"
-    if start_step == 0 and cfg.eval_episodes > 0:
+    # Only rank 0 evaluates; the others wait for it at the first step's collectives.
+    if ranks.is_main and start_step == 0 and cfg.eval_episodes > 0:
         eval_start = evaluate_policy(policy, tokenizer, cfg)
         print(f"eval at start: success rate {eval_start['success_rate']:.1%} over {cfg.eval_episodes} held-out "
               f"episodes", file=sys.stderr)
         (out_dir / "eval_start.json").write_text(json.dumps(eval_start, indent=2))
-    elif (out_dir / "eval_start.json").exists():
+    elif ranks.is_main and (out_dir / "eval_start.json").exists():
         eval_start = json.loads((out_dir / "eval_start.json").read_text())
 
     bar = None
-    if cfg.progress:
+    if cfg.progress and ranks.is_main:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start_step, desc="learn", unit="step", file=sys.stderr, dynamic_ncols=True)
@@ -458,55 +493,64 @@ def train(cfg: GRPOConfig, *, reward_funcs: Sequence[RewardFunc] = (), reward_we
         for step in range(start_step, cfg.steps):
             t0 = time.perf_counter()
             metrics: dict[str, float] = {}
-            groups, stats = rollout(engine, cfg, step)
+            groups, stats = rollout(engine, cfg, step, ranks)
             t_rollout = time.perf_counter() - t0
             rewards = score(groups, reward_funcs, tokenizer, metrics)
-            adv = advantages(groups, rewards, weights, cfg, metrics)
+            adv = advantages(groups, rewards, weights, cfg, metrics, ranks)
             batches = pack_groups(groups, adv, cfg.packing_config())
-            optimize(model, optimizer, scheduler, batches, cfg, cfg.device, metrics)
+            optimize(model, optimizer, scheduler, batches, cfg, device, metrics, ranks)
             version += 1
             policy.set_weights(policy_state_dict(model), version=version)
             step_time = time.perf_counter() - t0
 
-            summary = stats.summary()
+            summary = ranks.merge_stats(stats).summary()
             tool_total = sum(summary["tool_calls"].values())
+            local = {  # this rank's own: averaged over ranks by episodes (times: the slowest rank)
+                **{k: v for k, v in metrics.items() if k.startswith("reward_fn/")},
+                "episode/length_limit_frac": _length_limit_frac(groups),
+                "perf/rollout_s": t_rollout,
+                "perf/step_s": step_time,
+                **{k: float(v) for k, v in packing_metrics(batches).items()},
+            }
             metrics.update({
                 "reward/mean": summary["reward/mean"],
                 "reward/std": summary["reward/std"],
                 "reward/success_rate": summary["success_rate"],
                 "tools/invalid_rate": (tool_total - summary["tool_calls"].get("ok", 0)) / tool_total if tool_total else 0.0,
-                "episode/length_limit_frac": _length_limit_frac(groups),
                 "tree/packing_ratio": summary["tree/packing_ratio"],
                 "perf/tokens_per_s": summary["perf/tokens_per_s"],
-                "perf/rollout_s": t_rollout,
-                "perf/step_s": step_time,
                 "policy/version": version,
-                **{k: float(v) for k, v in packing_metrics(batches).items()},
+                **ranks.mean_metrics(local, weight=len(adv)),
             })
-            metrics.update(diagnostics.check(step + 1, metrics))
-            log.log(step + 1, metrics)
+            if ranks.is_main:
+                metrics.update(diagnostics.check(step + 1, metrics))
+                log.log(step + 1, metrics)
             if bar is not None:
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{step_time:.1f}")
                 bar.update(1)
-            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+            if ranks.is_main and cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
                 save_checkpoint(out_dir / "checkpoints" / f"step-{step + 1}", model, optimizer, scheduler,
                                 step + 1, version, next_task=(step + 1) * cfg.tasks_per_step)
     finally:
         if bar is not None:
             bar.close()
-        log.close()
+        if log is not None:
+            log.close()
 
-    save_checkpoint(out_dir / "checkpoints" / f"step-{cfg.steps}", model, optimizer, scheduler, cfg.steps, version,
-                    next_task=cfg.steps * cfg.tasks_per_step)
     model_dir = out_dir / "model"
-    final = policy_model
-    final.load_state_dict(policy_state_dict(model))
-    final.save_pretrained(model_dir, safe_serialization=True)
-    tokenizer.save_pretrained(model_dir)
-    eval_end = evaluate_policy(policy, tokenizer, cfg) if cfg.eval_episodes > 0 else None
-    result = {"steps": cfg.steps, "policy_version": version, "eval_start": eval_start, "eval_end": eval_end,
-              "model_dir": str(model_dir)}
-    summary_path.write_text(json.dumps(result, indent=2))
+    eval_end = None
+    if ranks.is_main:
+        save_checkpoint(out_dir / "checkpoints" / f"step-{cfg.steps}", model, optimizer, scheduler, cfg.steps,
+                        version, next_task=cfg.steps * cfg.tasks_per_step)
+        final = policy_model
+        final.load_state_dict(policy_state_dict(model))
+        final.save_pretrained(model_dir, safe_serialization=True)
+        tokenizer.save_pretrained(model_dir)
+        eval_end = evaluate_policy(policy, tokenizer, cfg) if cfg.eval_episodes > 0 else None
+        result = {"steps": cfg.steps, "policy_version": version, "eval_start": eval_start, "eval_end": eval_end,
+                  "model_dir": str(model_dir)}
+        summary_path.write_text(json.dumps(result, indent=2))
+    ranks.barrier()  # every rank returns once the model is saved
     policy.close()
     return TrainResult(out_dir, cfg.steps, version, eval_start, eval_end, model_dir)
 
@@ -536,6 +580,8 @@ def cmd_learn(args) -> int:
 
     cfg = config_for_command(GRPOConfig, args)
     result = train(cfg)
+    if not is_main_process():  # under accelerate launch, rank 0 reports
+        return 0
     start = result.eval_start["success_rate"] if result.eval_start else float("nan")
     end = result.eval_end["success_rate"] if result.eval_end else float("nan")
     print(f"held-out success rate: start {start:.1%} -> end {end:.1%} "
