@@ -154,3 +154,31 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
         assert torch.equal(a[k], b[k]), k
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) == [1, 2, 3, 4, 5, 6]  # lines past the checkpoint were replayed, not doubled
+
+
+def test_kl_to_a_reference_model_when_beta_is_set(tmp_path):
+    model, tok = _load()
+    train(GRPOConfig(output_dir=str(tmp_path), beta=0.1, learning_rate=5e-3, **{**SMALL, "steps": 2}),
+          model=model, tokenizer=tok)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["loss/kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
+    assert lines[1]["loss/kl"] > 0  # after one update the two differ
+
+
+def test_diagnostics_fire_with_kind_value_threshold_and_action(tmp_path):
+    from treerl.learners.diagnostics import CHECKS, Diagnostics
+
+    d = Diagnostics(tmp_path / "d.jsonl")
+    bad = {"reward/zero_std_frac": 1.0, "episode/length_limit_frac": 1.0, "is/ratio_max": 50.0,
+           "clip/region_frac": 0.9, "entropy/mean": 0.001}
+    fired = d.check(1, bad)
+    assert set(fired) == {f"diag/{c.kind}" for c in CHECKS}
+    good = {"reward/zero_std_frac": 0.1, "episode/length_limit_frac": 0.0, "is/ratio_max": 1.1,
+            "clip/region_frac": 0.01, "entropy/mean": 0.5}
+    assert d.check(2, good) == {}
+    for step, rate in enumerate([0.0] * 5 + [0.5] * 5, start=3):
+        fired = d.check(step, {"tools/invalid_rate": rate})
+    assert fired == {"diag/tool_errors_rising": 1.0}
+    records = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert {"step", "kind", "value", "threshold", "action"} <= set(records[0])
+    assert records[-1]["kind"] == "tool_errors_rising"

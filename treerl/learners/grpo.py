@@ -272,8 +272,18 @@ def advantages(groups: Sequence[Group], rewards: torch.Tensor, weights: Sequence
     return out.adv[own]
 
 
+def reference_model(model: torch.nn.Module, cfg: GRPOConfig) -> torch.nn.Module:
+    """A frozen copy of the starting weights with tree attention, for the k3 KL term."""
+    from treerl.kernels.tree_attention import enable_tree_attention
+
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    if cfg.pack_mode != "padded":
+        enable_tree_attention(ref, impl=cfg.attention_impl)
+    return ref
+
+
 def optimize(model, optimizer, scheduler, batches, cfg: GRPOConfig, device: str,
-             metrics: dict[str, float], ranks: Ranks = Ranks()) -> None:
+             metrics: dict[str, float], ranks: Ranks = Ranks(), ref_model: torch.nn.Module | None = None) -> None:
     """One optimizer step over all micro-batches of the step (one accumulation window).
 
     With several ranks the window is every rank's micro-batches: the normalizer counts them
@@ -291,7 +301,11 @@ def optimize(model, optimizer, scheduler, batches, cfg: GRPOConfig, device: str,
         iw = importance_weights(out.logp.detach(), batch.term_sampler_logp.to(out.logp.device),
                                 batch.term_episode.to(out.logp.device), batch.num_episodes, is_cfg,
                                 adv=batch.term_adv.to(out.logp.device))
-        inputs = loss_inputs(batch, out, is_weight=iw.weight, is_mask=iw.mask)
+        ref_logp = None
+        if ref_model is not None:
+            with torch.no_grad():
+                ref_logp = packed_logprobs(ref_model, batch, temperature=cfg.temperature, impl="auto").logp
+        inputs = loss_inputs(batch, out, ref_logp=ref_logp, is_weight=iw.weight, is_mask=iw.mask)
         result = compute_loss(inputs, loss_cfg, normalizer)
         result.loss.backward()
         n = batch.num_terms
@@ -445,6 +459,8 @@ def train(cfg: GRPOConfig, *, reward_funcs: Sequence[RewardFunc] = (), reward_we
         model, tokenizer = load_model_and_tokenizer(cfg.model, device)
     ranks.broadcast_parameters(model)  # every rank starts from rank 0's weights
     policy_model = copy.deepcopy(model).eval()
+    # The KL term's reference is the starting policy, frozen; with beta == 0 none is kept.
+    ref_model = reference_model(model, cfg) if cfg.beta > 0 else None
     if cfg.lora_r > 0:
         model = apply_lora(model, cfg)
         ranks.broadcast_parameters(model)
@@ -498,7 +514,7 @@ def train(cfg: GRPOConfig, *, reward_funcs: Sequence[RewardFunc] = (), reward_we
             rewards = score(groups, reward_funcs, tokenizer, metrics)
             adv = advantages(groups, rewards, weights, cfg, metrics, ranks)
             batches = pack_groups(groups, adv, cfg.packing_config())
-            optimize(model, optimizer, scheduler, batches, cfg, device, metrics, ranks)
+            optimize(model, optimizer, scheduler, batches, cfg, device, metrics, ranks, ref_model=ref_model)
             version += 1
             policy.set_weights(policy_state_dict(model), version=version)
             step_time = time.perf_counter() - t0
