@@ -279,3 +279,21 @@ def test_custom_env_example_passes_check_env():
 
     runpy.run_path(EXAMPLE, run_name="not_main")
     check_env(treerl.make("examples/Shopping-v0"))
+
+
+def test_parser_follows_the_policys_template_unless_given():
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")))
+    tok.chat_template = "{% for m in messages %}[INST]{{ m.content }}[/INST]{% endfor %}[TOOL_CALLS]"
+    env = treerl.make("treerl/Calculator-v0")
+    assert env.parser.name == "hermes"  # alone: Hermes
+    env.use_parser_of(tok)
+    assert env.parser.name == "mistral"
+    env.reset(seed=0)
+    _, _, _, _, info = env.step('[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "2 + 2"}}]')
+    assert info["tool_calls"][0]["error"] is None
+    fixed = treerl.make("treerl/Calculator-v0", parser="pythonic")
+    fixed.use_parser_of(tok)
+    assert fixed.parser.name == "pythonic"  # an explicit choice wins

@@ -175,6 +175,9 @@ class ToolEnv(Env):
             or of dicts with ``prompt``/``answer``/``info``/``id``, e.g. a ``datasets.Dataset``).
         max_turns: Assistant turns before the episode is truncated.
         parser: Tool-call format name (see ``treerl.envs.parsers.PARSERS``) or parser object.
+            ``None`` (the default) means "the policy's": the rollout engine and ``treerl eval``
+            pick it from the tokenizer's chat template (:meth:`use_parser_of`); alone, the
+            environment parses Hermes ``<tool_call>`` JSON.
         system_prompt: Overrides the class's system prompt.
     """
 
@@ -189,7 +192,7 @@ class ToolEnv(Env):
         tools: Sequence[Tool] | None = None,
         dataset: Sequence[Task | Mapping[str, Any]] | None = None,
         max_turns: int = 4,
-        parser: str | ToolCallParser = "hermes",
+        parser: str | ToolCallParser | None = None,
         system_prompt: str | None = None,
         render_mode: str | None = None,
     ):
@@ -205,7 +208,8 @@ class ToolEnv(Env):
         if dataset is not None and len(dataset) == 0:
             raise ValueError("dataset is empty: pass at least one task, or None to use sample_task().")
         self.max_turns = max_turns
-        self.parser = get_parser(parser) if isinstance(parser, str) else parser
+        self.parser_from_policy = parser is None
+        self.parser = get_parser(parser) if isinstance(parser, str) or parser is None else parser
         if system_prompt is not None:
             self.system_prompt = system_prompt
         self.task: Task | None = None
@@ -216,6 +220,11 @@ class ToolEnv(Env):
     @property
     def tools(self) -> Sequence[Tool]:
         return tuple(self._tools)
+
+    def use_parser_of(self, tokenizer: Any) -> None:
+        """Parse tool calls in the format of ``tokenizer``'s chat template, unless a parser was given."""
+        if self.parser_from_policy:
+            self.parser = get_parser(tokenizer=tokenizer)
 
     # -- hooks ---------------------------------------------------------------------------
     def sample_task(self, rng: np.random.Generator) -> Task:

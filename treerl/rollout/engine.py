@@ -184,6 +184,8 @@ class RolloutEngine:
     async def run_group(self, env: Any, env_id: str, task_seed: int, group_size: int,
                         options: dict[str, Any] | None = None) -> Group:
         """Reset ``env`` on one task and play ``group_size`` generations of it."""
+        if hasattr(env, "use_parser_of"):
+            env.use_parser_of(self.tokenizer)  # tool calls in the format this model writes
         obs, info = await env.areset(seed=task_seed, options=options)
         renderer = ChatRenderer(self.tokenizer, tools=env.tool_schemas or None, chat_template=self.chat_template)
         messages = list(obs)

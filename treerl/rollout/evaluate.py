@@ -111,6 +111,8 @@ async def _episode(env_factory, policy: Policy, tokenizer, params: SamplingParam
     async with slots:
         env = env_factory()
         try:
+            if hasattr(env, "use_parser_of"):
+                env.use_parser_of(tokenizer)
             obs, info = await env.areset(seed=seed)
             messages = list(obs)
             renderer = ChatRenderer(tokenizer, tools=env.tool_schemas or None)
