@@ -18,7 +18,7 @@ import treerl
 from treerl.agents import ChatRenderer, SamplingParams, TransformersPolicy
 from treerl.envs import Task, ToolEnv
 from treerl.rollout.engine import RolloutEngine
-from treerl.rollout.trajectory import Group, GroupWriter, read_groups, to_flat_records
+from treerl.rollout import Group, GroupWriter, read_groups, to_flat_records
 
 ROOT = Path(__file__).resolve().parents[1]
 
