@@ -24,7 +24,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
-__all__ = ["field_help", "add_dataclass_arguments", "config_from_args", "load_config_file"]
+__all__ = ["field_help", "SamplingOptions", "add_dataclass_arguments", "config_from_args", "load_config_file"]
 
 T = TypeVar("T")
 
@@ -35,6 +35,24 @@ def field_help(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any
     if default is dataclasses.MISSING:
         return dataclasses.field(metadata=metadata, **kwargs)
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
+
+
+@dataclasses.dataclass
+class SamplingOptions:
+    """The sampling options every command that generates shares (a base of its config)."""
+
+    temperature: float = field_help(1.0, "Sampling temperature (a trainer applies the same).")
+    top_k: int | None = field_help(None, "Sample from the k most likely tokens (required with top_p < 1 or min_p > 0).")
+    top_p: float = field_help(1.0, "Nucleus sampling mass (needs top_k).")
+    min_p: float = field_help(0.0, "Min-p threshold (needs top_k).")
+    max_new_tokens: int = field_help(96, "Token limit of each assistant turn.")
+
+    def sampling(self, **overrides: Any):
+        """These options as :class:`~treerl.agents.policy.SamplingParams` (which validates them)."""
+        from treerl.agents.policy import SamplingParams
+
+        values = {f: getattr(self, f) for f in ("temperature", "top_k", "top_p", "min_p", "max_new_tokens")}
+        return SamplingParams(**{**values, **overrides})
 
 
 def _flag(name: str) -> str:

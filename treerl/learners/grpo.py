@@ -43,8 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from treerl.agents.policy import SamplingParams
-from treerl.config import field_help
+from treerl.config import SamplingOptions, field_help
 from treerl.learners.advantages import AdvantageConfig, compute_advantages
 from treerl.learners.diagnostics import Diagnostics
 from treerl.learners.distributed import Ranks, is_main_process
@@ -63,7 +62,7 @@ RewardFunc = Callable[..., Sequence[float | None]]
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(SamplingOptions):
     """Options of ``treerl learn`` (GRPO and its loss variants on trajectory trees)."""
 
     env: str = field_help("treerl/Calculator-v0", "Registered environment id (see `treerl envs`).")
@@ -87,11 +86,7 @@ class GRPOConfig:
     is_level: str = field_help("token", "Importance sampling between sampler and trainer: token or sequence.")
     is_mode: str = field_help("truncate", "truncate, mask or off.")
     is_ratio_high: float = field_help(2.0, "Upper bound of the sampler/trainer ratio.")
-    temperature: float = field_help(1.0, "Sampling temperature (the trainer applies the same).")
-    top_k: int | None = field_help(None, "Sample from the k most likely tokens (the trainer renormalizes over them).")
-    top_p: float = field_help(1.0, "Nucleus sampling mass (needs top_k).")
-    min_p: float = field_help(0.0, "Min-p threshold (needs top_k).")
-    max_new_tokens: int = field_help(64, "Token limit of each assistant turn.")
+    max_new_tokens: int = field_help(64, "Token limit of each assistant turn (shorter than eval's: faster steps).")
     max_episode_tokens: int = field_help(1024, "Context limit of one episode.")
     max_concurrency: int = field_help(64, "Episodes in flight during rollout.")
     branch_at_turn: int | None = field_help(None, "Fork episodes after this many turns (deeper trees).")
@@ -137,9 +132,6 @@ class GRPOConfig:
         self.importance_config()
         self.packing_config()
 
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                              max_new_tokens=self.max_new_tokens)
 
     def loss_config(self) -> LossConfig:
         return LossConfig(policy_loss=self.loss, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
@@ -415,8 +407,7 @@ class MetricsLogger:
 def evaluate_policy(policy, tokenizer, cfg: GRPOConfig) -> dict[str, Any]:
     from treerl.rollout.evaluate import evaluate
 
-    params = SamplingParams(temperature=cfg.eval_temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
-                            max_new_tokens=cfg.max_new_tokens)
+    params = cfg.sampling(temperature=cfg.eval_temperature)
     report = evaluate(cfg.env, policy, tokenizer, num_episodes=cfg.eval_episodes, seed=cfg.eval_seed,
                       params=params, max_concurrency=cfg.max_concurrency)
     return report.summary()

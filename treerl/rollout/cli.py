@@ -9,14 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from treerl.agents.policy import SamplingParams
-from treerl.config import field_help
+from treerl.config import SamplingOptions, field_help
 
 __all__ = ["RolloutConfig", "run_rollout", "format_summary"]
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(SamplingOptions):
     """Options of ``treerl rollout``."""
 
     env: str = field_help("treerl/Calculator-v0", "Registered environment id (see `treerl envs`).")
@@ -26,11 +25,6 @@ class RolloutConfig:
     group_size: int = field_help(4, "Generations per task (GRPO's group).")
     max_concurrency: int = field_help(32, "Episodes in flight at once.")
     seed: int = field_help(0, "Seeds the tasks and every sampling request.")
-    temperature: float = field_help(1.0, "Sampling temperature.")
-    top_k: int | None = field_help(None, "Sample from the k most likely tokens (required with top_p < 1 or min_p > 0).")
-    top_p: float = field_help(1.0, "Nucleus sampling mass (needs top_k).")
-    min_p: float = field_help(0.0, "Min-p threshold (needs top_k).")
-    max_new_tokens: int = field_help(96, "Token limit of each assistant turn.")
     max_episode_tokens: int = field_help(2048, "An episode whose context reaches this many tokens is truncated.")
     max_episode_seconds: float = field_help(300.0, "Wall-clock limit of one episode.")
     branch_at_turn: int | None = field_help(None, "Fork each episode's environment after this many turns.")
@@ -51,9 +45,6 @@ class RolloutConfig:
             raise ValueError(f"--max-episode-seconds={self.max_episode_seconds} must be > 0.")
         self.sampling()
 
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              min_p=self.min_p, max_new_tokens=self.max_new_tokens)
 
 
 def format_summary(summary: dict[str, Any]) -> str:

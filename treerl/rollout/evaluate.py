@@ -20,24 +20,19 @@ from typing import Any
 
 from treerl.agents.chat import ChatRenderer
 from treerl.agents.policy import GenerationRequest, Policy, SamplingParams
-from treerl.config import field_help
+from treerl.config import SamplingOptions, field_help
 
 __all__ = ["EvalConfig", "EpisodeResult", "EvalReport", "evaluate", "aevaluate"]
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(SamplingOptions):
     """Options of ``treerl eval``."""
 
     env: str = field_help("treerl/Calculator-v0", "Registered environment id (see `treerl envs`).")
     model: str | None = field_help(None, "A transformers model directory; default: the shipped tiny model.")
     num_episodes: int = field_help(64, "How many episodes (one task each, seeds seed..seed+N-1).")
     seed: int = field_help(10_000, "First task seed; the default keeps evaluation tasks apart from small training seeds.")
-    temperature: float = field_help(1.0, "Sampling temperature.")
-    top_k: int | None = field_help(None, "Sample from the k most likely tokens (required with top_p < 1 or min_p > 0).")
-    top_p: float = field_help(1.0, "Nucleus sampling mass (needs top_k).")
-    min_p: float = field_help(0.0, "Min-p sampling threshold (needs top_k).")
-    max_new_tokens: int = field_help(96, "Token limit of each assistant turn.")
     max_concurrency: int = field_help(32, "Episodes in flight at once.")
     success_threshold: float = field_help(1.0, "Final reward at or above which an episode counts as solved.")
     device: str = field_help("cpu", "Torch device of the policy.")
@@ -51,12 +46,6 @@ class EvalConfig:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1.")
         self.sampling()  # validates the sampling options with SamplingParams' own messages
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-            max_new_tokens=self.max_new_tokens,
-        )
 
 
 @dataclass
