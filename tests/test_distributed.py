@@ -24,8 +24,10 @@ from treerl.learners.distributed import Ranks
 from treerl.learners.grpo import GRPOConfig, train
 
 # Two steps, so that step 2's rollouts run on the weights each rank computed in step 1.
+# Several processes never skip zero-advantage groups; the single-process reference must not either,
+# so that its logged metrics cover the same terms.
 CONFIG = dict(steps=2, tasks_per_step=4, group_size=4, max_new_tokens=32, eval_episodes=0, progress=False,
-              num_threads=1, learning_rate=2e-4)
+              num_threads=1, learning_rate=2e-4, skip_zero_advantage=False)
 
 
 def _load():

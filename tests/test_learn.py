@@ -38,9 +38,12 @@ def test_learner_end_to_end(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
-        for key in ("reward/mean", "loss/policy", "is/ratio_mean", "tree/packing_ratio", "perf/tokens_per_s",
-                    "tools/invalid_rate", "entropy/mean"):
+        for key in ("reward/mean", "loss/policy", "tree/packing_ratio", "perf/tokens_per_s", "tools/invalid_rate"):
             assert math.isfinite(m[key]), key
+    trained = [m for m in lines if m["train/skipped_groups_frac"] < 1.0]
+    assert trained, "at least one step must train on something"
+    for m in trained:  # metrics of trained terms exist when something was trained
+        assert math.isfinite(m["entropy/mean"]) and math.isfinite(m["is/ratio_mean"])
         # The sampler and the trainer compute the same distribution: importance ratios ~ 1.
         assert abs(m["is/ratio_mean"] - 1.0) < 1e-3
     assert lines[-1]["policy/version"] == 2
@@ -182,3 +185,46 @@ def test_diagnostics_fire_with_kind_value_threshold_and_action(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
     assert {"step", "kind", "value", "threshold", "action"} <= set(records[0])
     assert records[-1]["kind"] == "tool_errors_rising"
+
+
+def test_skipping_zero_advantage_groups_gives_the_same_update():
+    import asyncio
+    import copy
+
+    import treerl
+    from treerl.agents import TransformersPolicy
+    from treerl.kernels.tree_attention import enable_tree_attention
+    from treerl.learners.distributed import Ranks
+    from treerl.learners.grpo import optimize, without_zero_advantage_groups
+    from treerl.learners.packing import pack_groups
+    from treerl.rollout.engine import RolloutEngine
+
+    torch.set_num_threads(1)
+    model, tok = _load()
+    cfg = GRPOConfig(output_dir="unused", learning_rate=1e-2, max_new_tokens=24)
+    engine = RolloutEngine(TransformersPolicy(copy.deepcopy(model), tok), tok, params=cfg.sampling(), seed=0)
+    groups, _ = asyncio.run(engine.run(lambda: treerl.make(cfg.env), cfg.env, range(3), 4))
+    adv = torch.tensor([0.5, -0.5, 1.0, -1.0] + [0.0] * 4 + [0.3, 0.0, -0.3, 0.0])  # group 1 contributes nothing
+
+    def step(skip: bool, adv: torch.Tensor):
+        m = copy.deepcopy(model)
+        enable_tree_attention(m, impl="segment")
+        # SGD with momentum: Adam's g/|g| would turn float noise in near-zero gradients into
+        # lr-sized differences, hiding what is compared here (the gradients).
+        opt = torch.optim.SGD(m.parameters(), lr=cfg.learning_rate, momentum=0.9)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+        for _ in range(2):  # two steps, so AdamW's moments carry over as in training
+            batches = pack_groups(groups, adv, cfg.packing_config())
+            normalizer = Ranks().normalizer(batches)
+            metrics: dict = {}
+            if skip:
+                batches = without_zero_advantage_groups(groups, adv, batches, cfg, metrics)
+            optimize(m, opt, sched, batches, cfg, "cpu", metrics, normalizer=normalizer)
+            adv = torch.zeros_like(adv)  # the second step has nothing to learn: momentum alone moves weights
+        return m.state_dict(), metrics
+
+    full, _ = step(False, adv)
+    skipped, metrics = step(True, adv)
+    assert metrics["train/skipped_groups_frac"] == 1.0
+    for k in full:
+        assert torch.allclose(full[k], skipped[k], atol=1e-6, rtol=1e-5), k

@@ -92,6 +92,8 @@ class GRPOConfig(SamplingOptions):
     branch_at_turn: int | None = field_help(None, "Fork episodes after this many turns (deeper trees).")
     branch_factor: int = field_help(1, "Continuations per fork.")
     max_tokens_per_row: int = field_help(4096, "Token budget of one packed row.")
+    skip_zero_advantage: bool = field_help(True, "Leave groups whose advantages are all 0 out of the forward pass "
+                                                 "(the same update when beta and entropy_coef are 0; one process).")
     pack_mode: str = field_help("tree", "tree (shared prefixes once), flat, or padded.")
     attention_impl: str = field_help("auto", "Tree attention backend: auto, segment, flex, triton, reference.")
     lora_r: int = field_help(0, "LoRA rank; 0 trains all weights.")
@@ -274,15 +276,52 @@ def reference_model(model: torch.nn.Module, cfg: GRPOConfig) -> torch.nn.Module:
     return ref
 
 
+def skips_zero_advantage_groups(cfg: GRPOConfig, ranks: Ranks) -> bool:
+    """Whether groups whose advantages are all exactly 0 can be left out of the forward pass.
+
+    Every policy loss multiplies by the advantage, so such a group's gradient is exactly 0
+    unless a KL or entropy term is on; the normalizer still counts its tokens, so the update
+    is the same as training on it. (One process only: ranks must all run the same collectives.)
+    """
+    return cfg.skip_zero_advantage and cfg.beta == 0 and cfg.entropy_coef == 0 and not ranks.enabled
+
+
+def without_zero_advantage_groups(groups: Sequence[Group], adv: torch.Tensor, batches, cfg: GRPOConfig,
+                                  metrics: dict[str, float]):
+    """The step's micro-batches repacked without the groups whose advantages are all exactly 0.
+
+    Episode indices keep referring to the whole step, so the normalizer built from the full
+    packing applies unchanged.
+    """
+    import dataclasses
+
+    starts = np.cumsum([0] + [len(g.episodes) for g in groups])
+    keep = [i for i in range(len(groups)) if bool((adv[starts[i]:starts[i + 1]] != 0).any())]
+    metrics["train/skipped_groups_frac"] = 1.0 - len(keep) / max(len(groups), 1)
+    if len(keep) == len(groups):
+        return batches
+    if not keep:
+        return []
+    full_index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in keep])  # kept -> whole-step episode
+    kept_adv = torch.cat([adv[starts[i]:starts[i + 1]] for i in keep])
+    sub = pack_groups([groups[i] for i in keep], kept_adv, cfg.packing_config())
+    full = batches[0]
+    return [dataclasses.replace(b, term_episode=full_index[b.term_episode], num_episodes=full.num_episodes,
+                                episode_num_tokens=full.episode_num_tokens) for b in sub]
+
+
 def optimize(model, optimizer, scheduler, batches, cfg: GRPOConfig, device: str,
-             metrics: dict[str, float], ranks: Ranks = Ranks(), ref_model: torch.nn.Module | None = None) -> None:
+             metrics: dict[str, float], ranks: Ranks = Ranks(), ref_model: torch.nn.Module | None = None,
+             normalizer=None) -> None:
     """One optimizer step over all micro-batches of the step (one accumulation window).
 
     With several ranks the window is every rank's micro-batches: the normalizer counts them
-    all, and the gradients are summed over ranks before clipping.
+    all, and the gradients are summed over ranks before clipping. ``normalizer`` defaults to
+    the one of ``batches``; pass the full window's when some batches were left out.
     """
     loss_cfg, is_cfg = cfg.loss_config(), cfg.importance_config()
-    normalizer = ranks.normalizer(batches)
+    if normalizer is None:
+        normalizer = ranks.normalizer(batches)
     totals: dict[str, float] = {}
     model.train()
     for batch in batches:
@@ -306,10 +345,14 @@ def optimize(model, optimizer, scheduler, batches, cfg: GRPOConfig, device: str,
         totals["_terms"] = totals.get("_terms", 0.0) + n
         totals["entropy/mean"] = totals.get("entropy/mean", 0.0) + float(out.entropy.detach().sum())
     totals = ranks.sum_dicts(totals)
+    totals.setdefault("loss/policy", 0.0)  # a step that trained on nothing (every group skipped)
     terms = max(totals.pop("_terms", 1.0), 1.0)
     for k, v in totals.items():
         metrics[k] = v if k.startswith("loss/") else v / terms
     params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:  # nothing was trained on (all groups skipped): a zero gradient, as training would give
+            p.grad = torch.zeros_like(p)
     ranks.all_reduce_gradients(params)  # each rank's loss is its share of the global one: sum them
     if cfg.max_grad_norm > 0:
         metrics["grad/norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
@@ -505,7 +548,11 @@ def train(cfg: GRPOConfig, *, reward_funcs: Sequence[RewardFunc] = (), reward_we
             rewards = score(groups, reward_funcs, tokenizer, metrics)
             adv = advantages(groups, rewards, weights, cfg, metrics, ranks)
             batches = pack_groups(groups, adv, cfg.packing_config())
-            optimize(model, optimizer, scheduler, batches, cfg, device, metrics, ranks, ref_model=ref_model)
+            normalizer = ranks.normalizer(batches)  # counts every episode, trained or skipped
+            if skips_zero_advantage_groups(cfg, ranks):
+                batches = without_zero_advantage_groups(groups, adv, batches, cfg, metrics)
+            optimize(model, optimizer, scheduler, batches, cfg, device, metrics, ranks, ref_model=ref_model,
+                     normalizer=normalizer)
             version += 1
             policy.set_weights(policy_state_dict(model), version=version)
             step_time = time.perf_counter() - t0
