@@ -301,16 +301,6 @@ def attention_work(seg_len: Sequence[int], seg_parent: Sequence[int]) -> int:
     return work
 
 
-def _path_indices(group: Group, leaf: int) -> list[int]:
-    """Segment indices from the root to ``leaf``."""
-    out = []
-    node: int | None = leaf
-    while node is not None:
-        out.append(node)
-        node = group.segments[node].parent
-    return out[::-1]
-
-
 def _check_group(group: Group, g: int) -> None:
     num = len(group.segments)
     for s, seg in enumerate(group.segments):
@@ -343,7 +333,7 @@ def _tree_piece(group: Group, leaves: Sequence[int]) -> tuple[_Piece, dict[tuple
     """The union of the paths to ``leaves`` as one depth-first tree; and where each source token went."""
     needed: set[int] = set()
     for leaf in leaves:
-        needed.update(_path_indices(group, leaf))
+        needed.update(group.path_indices(leaf))
     children: dict[int, list[int]] = {s: [] for s in needed}
     roots: list[int] = []
     for s in sorted(needed):
@@ -399,7 +389,7 @@ def _flat_pieces(
     pieces: list[_Piece] = []
     where: dict[tuple[int, int], tuple[int, int]] = {}
     for leaf in leaves:
-        sources = [(s, off) for s in _path_indices(group, leaf) for off in range(len(group.segments[s].token_ids))]
+        sources = [(s, off) for s in group.path_indices(leaf) for off in range(len(group.segments[s].token_ids))]
         if not sources:
             continue
         if one_per_row or not pieces:
@@ -448,7 +438,7 @@ def _unit(
         episode = group.episodes[i]
         seen: set[tuple[int, int]] = set()
         for leaf in _episode_leaves(group, [i]):
-            path = _path_indices(group, leaf)
+            path = group.path_indices(leaf)
             unit.num_path_tokens += sum(len(group.segments[s].token_ids) for s in path)
             for s in path:
                 seg = group.segments[s]
@@ -493,7 +483,7 @@ def _group_units(group: Group, g: int, first_episode: int, cfg: PackingConfig) -
     chunks: list[list[int]] = []
     needed: set[int] = set()
     for i in order:
-        own = {s for leaf in _episode_leaves(group, [i]) for s in _path_indices(group, leaf)}
+        own = {s for leaf in _episode_leaves(group, [i]) for s in group.path_indices(leaf)}
         own_tokens = sum(len(group.segments[s].token_ids) for s in own)
         if own_tokens > budget:
             raise PackingError(
@@ -513,7 +503,7 @@ def _group_units(group: Group, g: int, first_episode: int, cfg: PackingConfig) -
 
 def _leaf_rank(group: Group, i: int, where: dict[tuple[int, int], int]) -> int:
     """Depth-first rank of an episode's main leaf (its last token, or its nearest non-empty ancestor's)."""
-    for s in reversed(_path_indices(group, group.episodes[i].leaf)):
+    for s in reversed(group.path_indices(group.episodes[i].leaf)):
         if group.segments[s].token_ids:
             return where[(s, 0)]
     return -1

@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
-from importlib import resources
 from typing import Any
 
-from treerl.envs.builtin.math_verify import load_jsonl
+from treerl.envs.builtin.math_verify import load_rows
 from treerl.envs.core import Task, ToolEnv
 from treerl.envs.errors import ToolCallError, ToolErrorKind, ToolTimeout
 from treerl.envs.parsers import ParseResult, ToolCall
@@ -87,12 +86,7 @@ class CodeSandboxEnv(ToolEnv):
         limits: SandboxLimits | None = None,
         **kwargs: Any,
     ):
-        if data_path is not None and dataset is not None:
-            raise ValueError("Pass data_path or dataset, not both.")
-        if dataset is None:
-            if data_path is None:
-                data_path = resources.files("treerl.envs") / "data" / "code_tasks.jsonl"
-            dataset = load_jsonl(data_path)
+        dataset = load_rows(data_path, dataset, "code_tasks.jsonl")
         self.limits = limits or SandboxLimits()
         rows = [self._row(r, i) for i, r in enumerate(dataset)]
         kwargs.setdefault("max_turns", 4)

@@ -15,7 +15,7 @@ from typing import Any
 from treerl.envs.core import Task, ToolEnv
 from treerl.envs.verifiers import math_verify_reward
 
-__all__ = ["MathVerifyEnv", "load_jsonl"]
+__all__ = ["MathVerifyEnv", "load_jsonl", "load_rows"]
 
 
 def load_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -30,6 +30,19 @@ def load_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno} is not valid JSON ({exc.msg}): fix or remove that line.") from None
     return rows
+
+
+def load_rows(
+    data_path: str | os.PathLike | None, dataset: Sequence[Mapping[str, Any]] | None, default_file: str
+) -> Sequence[Mapping[str, Any]]:
+    """Task rows from ``dataset``, else the JSONL file ``data_path``, else the shipped ``default_file``."""
+    if data_path is not None and dataset is not None:
+        raise ValueError("Pass data_path or dataset, not both.")
+    if dataset is not None:
+        return dataset
+    if data_path is None:
+        data_path = resources.files("treerl.envs") / "data" / default_file
+    return load_jsonl(data_path)
 
 
 class MathVerifyEnv(ToolEnv):
@@ -54,12 +67,7 @@ class MathVerifyEnv(ToolEnv):
         answer_key: str = "answer",
         **kwargs: Any,
     ):
-        if data_path is not None and dataset is not None:
-            raise ValueError("Pass data_path or dataset, not both.")
-        if dataset is None:
-            if data_path is None:
-                data_path = resources.files("treerl.envs") / "data" / "math_sample.jsonl"
-            dataset = load_jsonl(data_path)
+        dataset = load_rows(data_path, dataset, "math_sample.jsonl")
         rows = [self._row(r, prompt_key, answer_key, i) for i, r in enumerate(dataset)]
         kwargs.setdefault("max_turns", 1)
         super().__init__(dataset=rows, **kwargs)
