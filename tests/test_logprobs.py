@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
+from _helpers import LargestAllocation
 
 from treerl.kernels.logprobs import (
     IMPLS,
@@ -299,22 +299,6 @@ def test_shape_and_dtype_errors():
 
 
 # --------------------------------------------------------------------------- memory
-
-
-class LargestAllocation(TorchDispatchMode):
-    """Records the largest tensor any ATen op produces (forward and backward)."""
-
-    def __init__(self):
-        super().__init__()
-        self.max_numel = 0
-        self.worst_op = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        for t in result if isinstance(result, (tuple, list)) else (result,):
-            if isinstance(t, torch.Tensor) and t.numel() > self.max_numel:
-                self.max_numel, self.worst_op = t.numel(), str(func)
-        return result
 
 
 @pytest.mark.parametrize("impl", ["chunked", "reference"])

@@ -30,6 +30,8 @@ from treerl.kernels.tree_attention import (
 )
 from treerl.kernels.tree_layout import TreeBatch, TreeLayout
 
+from _helpers import depth_first
+
 # -- trees -----------------------------------------------------------------------------------------
 
 
@@ -64,22 +66,7 @@ def deep_fork() -> TreeLayout:
         spine = len(lens) - 1
         lens.append(1)  # a one-token leaf hanging off it
         parents.append(spine)
-    return _depth_first(lens, parents)
-
-
-def _depth_first(lens: list[int], parents: list[int]) -> TreeLayout:
-    children: dict[int, list[int]] = {s: [] for s in range(len(lens))}
-    for s, p in enumerate(parents):
-        if p != -1:
-            children[p].append(s)
-    order, stack = [], [s for s in range(len(lens)) if parents[s] == -1][::-1]
-    while stack:
-        node = stack.pop()
-        order.append(node)
-        stack.extend(reversed(children[node]))
-    new = {old: i for i, old in enumerate(order)}
-    new_parents = [-1 if parents[o] == -1 else new[parents[o]] for o in order]
-    return TreeLayout.from_parents([lens[o] for o in order], new_parents)
+    return depth_first(lens, parents)
 
 
 def many_siblings(num_children: int = 100, prompt_len: int = 6, seed: int = 0) -> TreeLayout:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
+from _helpers import LargestAllocation
 
 import treerl.kernels.triton_logprobs as module
 from treerl.kernels.logprobs import IMPLS, reference_token_logprobs, select_impl, token_logprobs
@@ -291,22 +291,6 @@ def test_empty_batch():
     assert out.logp.shape == out.entropy.shape == (0,)
     (out.logp.sum() + out.entropy.sum()).backward()
     assert h.grad.shape == (0, 4) and not w.grad.any()
-
-
-class LargestAllocation(TorchDispatchMode):
-    """Records the largest tensor any ATen op produces (forward and backward)."""
-
-    def __init__(self):
-        super().__init__()
-        self.max_numel = 0
-        self.worst_op = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        for t in result if isinstance(result, (tuple, list)) else (result,):
-            if isinstance(t, torch.Tensor) and t.numel() > self.max_numel:
-                self.max_numel, self.worst_op = t.numel(), str(func)
-        return result
 
 
 @needs_kernel

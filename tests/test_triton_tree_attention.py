@@ -36,6 +36,7 @@ from treerl.kernels.tree_attention import (
     reference_tree_attention,
 )
 from treerl.kernels.tree_layout import TreeBatch, TreeLayout
+from _helpers import depth_first
 from treerl.kernels.triton_tree_attention import (
     MAX_HEAD_DIM,
     compile_for_gpu,
@@ -68,22 +69,6 @@ needs_cuda = pytest.mark.skipif(
 )
 
 # -- trees ------------------------------------------------------------------------------------------
-
-
-def depth_first(lens: list[int], parents: list[int]) -> TreeLayout:
-    """Any parent list (parents before children) reordered depth first."""
-    children: dict[int, list[int]] = {s: [] for s in range(len(lens))}
-    for s, p in enumerate(parents):
-        if p != -1:
-            children[p].append(s)
-    order, stack = [], [s for s in range(len(lens)) if parents[s] == -1][::-1]
-    while stack:
-        node = stack.pop()
-        order.append(node)
-        stack.extend(reversed(children[node]))
-    new = {old: i for i, old in enumerate(order)}
-    new_parents = [-1 if parents[o] == -1 else new[parents[o]] for o in order]
-    return TreeLayout.from_parents([lens[o] for o in order], new_parents)
 
 
 def random_tree(seed: int, num_segments: int, max_len: int = 6) -> TreeLayout:

@@ -1,0 +1,40 @@
+"""Test helpers shared by several test modules (importable because pytest puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from treerl.kernels.tree_layout import TreeLayout
+
+
+def depth_first(lens: list[int], parents: list[int]) -> TreeLayout:
+    """Any parent list (parents before children) reordered depth first."""
+    children: dict[int, list[int]] = {s: [] for s in range(len(lens))}
+    for s, p in enumerate(parents):
+        if p != -1:
+            children[p].append(s)
+    order, stack = [], [s for s in range(len(lens)) if parents[s] == -1][::-1]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(children[node]))
+    new = {old: i for i, old in enumerate(order)}
+    new_parents = [-1 if parents[o] == -1 else new[parents[o]] for o in order]
+    return TreeLayout.from_parents([lens[o] for o in order], new_parents)
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Records the largest tensor any ATen op produces (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+        self.worst_op = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for t in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(t, torch.Tensor) and t.numel() > self.max_numel:
+                self.max_numel, self.worst_op = t.numel(), str(func)
+        return result
