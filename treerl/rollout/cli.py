@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from treerl.config import SamplingOptions, field_help
+from treerl.rollout.evaluate import two_column_table
 
 __all__ = ["RolloutConfig", "run_rollout", "format_summary"]
 
@@ -58,8 +59,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("packing ratio", f"{summary['tree/packing_ratio']:.2f}"),
         ("wall time", f"{summary['wall_s']:.1f} s"),
     ]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    return two_column_table(rows)
 
 
 def run_rollout(cfg: RolloutConfig, model, tokenizer) -> dict[str, Any]:

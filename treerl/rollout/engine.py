@@ -218,9 +218,7 @@ class RolloutEngine:
             async with self._slots:
                 continuations = await self._turns(state, group, renderer, task_seed, shared, session)
         finally:
-            end_session = getattr(self.policy, "end_session", None)
-            if end_session is not None:
-                end_session(session)
+            self._end_session(session)
         if continuations:
             # Siblings continue from the same context: the policy prefills it once for all.
             point = f"{session}/turn{state.turn}"
@@ -287,9 +285,7 @@ class RolloutEngine:
                 state.context_ids = list(bridge.context_ids or [])
                 state.parent = group.add_segment("env", state.context_ids, parent=None)
                 state.metrics["template/branch_reason"] = bridge.reason
-                end_session = getattr(self.policy, "end_session", None)
-                if end_session is not None:
-                    end_session(session)
+                self._end_session(session)
             else:
                 state.parent = group.add_segment("env", bridge.ids, parent=leaf)
                 state.context_ids = [*state.context_ids, *gen.token_ids, *bridge.ids]
@@ -299,6 +295,12 @@ class RolloutEngine:
                 children = [state.fork(b) for b in range(self.branch_factor)]
                 state.env.close()
                 return children
+
+    def _end_session(self, session: str) -> None:
+        """Free the policy's cache of ``session`` (policies without sessions ignore it)."""
+        end_session = getattr(self.policy, "end_session", None)
+        if end_session is not None:
+            end_session(session)
 
     def _finish(self, state: _EpisodeState, group: Group, leaf: int, termination: str) -> list[_EpisodeState]:
         metrics = dict(state.metrics)

@@ -91,8 +91,13 @@ class EvalReport:
             ("tokens/s", f"{self.tokens_per_s:.0f}"),
             ("wall time", f"{self.wall_s:.1f} s"),
         ]
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+        return two_column_table(rows)
+
+
+def two_column_table(rows: list[tuple[str, str]]) -> str:
+    """Label/value rows, labels padded to one width (the summaries the commands print)."""
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 async def _episode(env_factory, policy: Policy, tokenizer, params: SamplingParams, seed: int,
