@@ -16,7 +16,7 @@ import pytest
 
 import treerl
 from treerl.envs import ChatMessages, Completion, EnvError, Task, ToolCall, ToolEnv, check_env, tool
-from treerl.envs.errors import ToolErrorKind
+from treerl.errors import ToolErrorKind
 from treerl.envs.registry import EnvSpec
 
 ROOT = Path(__file__).resolve().parents[1]

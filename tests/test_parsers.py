@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import treerl.envs.parsers
-from treerl.envs.errors import ToolCallError, ToolErrorKind
+from treerl.errors import ToolCallError, ToolErrorKind
 from treerl.envs.parsers import (
     PARSERS,
     HermesParser,

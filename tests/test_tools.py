@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 import treerl.envs.tools
-from treerl.envs.errors import ToolCallError, ToolErrorKind, ToolTimeout
+from treerl.errors import ToolCallError, ToolErrorKind, ToolTimeout
 from treerl.envs.parsers import ToolCall
 from treerl.envs.tools import Tool, ToolResult, run_tool_call, tool
 

@@ -7,9 +7,9 @@
 ['system', 'user']
 """
 
+from treerl.errors import EnvError, ToolCallError, ToolErrorKind, ToolTimeout, TreerlError
 from treerl.envs.checker import EnvCheckError, check_env
 from treerl.envs.core import Env, Message, Task, ToolEnv, ValidationReport
-from treerl.envs.errors import EnvError, ToolCallError, ToolErrorKind, ToolTimeout, TreerlError
 from treerl.envs.parsers import PARSERS, ParseResult, ToolCall, ToolCallParser, get_parser
 from treerl.envs.registry import EnvSpec, make, register, registry
 from treerl.envs.spaces import ChatMessages, Completion

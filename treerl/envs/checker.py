@@ -18,7 +18,7 @@ from gymnasium.utils.env_checker import check_env as gymnasium_check_env
 from gymnasium.utils.env_checker import data_equivalence
 
 from treerl.envs.core import Env, run_sync
-from treerl.envs.errors import EnvError, ToolErrorKind
+from treerl.errors import EnvError, ToolErrorKind
 
 __all__ = ["EnvCheckError", "check_env", "ADVERSARIAL_ACTIONS"]
 

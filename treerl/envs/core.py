@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import gymnasium
 import numpy as np
 
-from treerl.envs.errors import EnvError, ToolErrorKind
+from treerl.errors import EnvError, ToolErrorKind
 from treerl.envs.parsers import ParseResult, ToolCall, ToolCallParser, get_parser
 from treerl.envs.spaces import ChatMessages, Completion
 from treerl.envs.tools import Tool, ToolResult, run_tool_call

@@ -6,7 +6,7 @@ turn sampled text into calls and a test can turn calls into the text a model wou
 
 ``parse`` never raises: a bad rollout is data. Text without any call gives no calls and
 no errors; something that clearly tried to be a call (it carries the family's markers)
-but cannot be read gives a :class:`~treerl.envs.errors.ToolCallError` of kind
+but cannot be read gives a :class:`~treerl.errors.ToolCallError` of kind
 ``MALFORMED`` whose message tells the model what a good call looks like, and the other,
 valid calls of the same turn are still returned.
 
@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from treerl.envs.errors import ToolCallError, ToolErrorKind
+from treerl.errors import ToolCallError, ToolErrorKind
 
 __all__ = [
     "ToolCall",

@@ -22,12 +22,12 @@ types, run under a time limit, and its result turned into text for the model.
 >>> asyncio.run(add.acall({"a": 2, "b": 3}))
 '5'
 
-Every way a model's call can fail becomes a :class:`~treerl.envs.errors.ToolCallError` of a
+Every way a model's call can fail becomes a :class:`~treerl.errors.ToolCallError` of a
 known kind, and :func:`run_tool_call` turns those into a :class:`ToolResult`, so that a bad
 call is an observation for the model, not a crash.
 
 **Time limits.** A sync tool runs in a worker thread (``asyncio.to_thread``). On timeout the
-caller gets :class:`~treerl.envs.errors.ToolTimeout` at once, but the thread cannot be
+caller gets :class:`~treerl.errors.ToolTimeout` at once, but the thread cannot be
 killed: it runs on to its end and holds one of the default executor's workers meanwhile.
 An async tool is cancelled on timeout (``asyncio.wait_for``), which only works when it
 awaits: an async tool that blocks the event loop cannot be stopped. For code that may
@@ -57,7 +57,7 @@ from typing import Any, Literal
 
 import jsonschema
 
-from treerl.envs.errors import ToolCallError, ToolErrorKind, ToolTimeout
+from treerl.errors import ToolCallError, ToolErrorKind, ToolTimeout
 from treerl.envs.parsers import ToolCall
 
 __all__ = ["Tool", "tool", "ToolResult", "run_tool_call"]

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from treerl.envs.errors import TreerlError
+from treerl.errors import TreerlError
 from treerl.kernels.tree_layout import TreeBatch, TreeLayout
 from treerl.kernels.triton_tree_attention import triton_tree_attention, triton_unavailable
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from treerl.envs.errors import TreerlError
+from treerl.errors import TreerlError
 from treerl.kernels.logprobs import ImplChoice, token_logprobs
 from treerl.kernels.tree_attention import BACKENDS, TREE_KWARG, attn_implementation_name
 from treerl.learners.losses import LossConfig, LossInputs, LossNormalizer, LossOutput, compute_loss

@@ -74,7 +74,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from treerl.envs.errors import TreerlError
+from treerl.errors import TreerlError
 from treerl.kernels.tree_layout import TreeBatch, TreeLayout
 from treerl.rollout.trajectory import Group
 

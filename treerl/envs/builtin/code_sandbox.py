@@ -15,7 +15,7 @@ from typing import Any
 
 from treerl.envs.builtin.math_verify import load_rows
 from treerl.envs.core import Task, ToolEnv
-from treerl.envs.errors import ToolCallError, ToolErrorKind, ToolTimeout
+from treerl.errors import ToolCallError, ToolErrorKind, ToolTimeout
 from treerl.envs.parsers import ParseResult, ToolCall
 from treerl.envs.sandbox import SandboxErrorKind, SandboxLimits, run_python
 from treerl.envs.tools import Tool, tool

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from treerl.envs.core import Env, ValidationReport
-from treerl.envs.errors import EnvError
+from treerl.errors import EnvError
 
 __all__ = ["GuessNumberEnv"]
 

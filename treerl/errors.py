@@ -1,4 +1,7 @@
-"""Typed errors at the environment boundary.
+"""treerl's own errors: the base class, and the typed errors at the environment boundary.
+
+Every floor of the package (kernels and learners too) derives its errors from
+:class:`TreerlError`, so this module sits below them all and imports nothing of treerl.
 
 A bad rollout is data, not a crash: every way a model's tool call can fail is one of the
 closed set of kinds in :class:`ToolErrorKind`. Tools and parsers raise
