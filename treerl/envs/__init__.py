@@ -7,13 +7,13 @@
 ['system', 'user']
 """
 
-from treerl.errors import EnvError, ToolCallError, ToolErrorKind, ToolTimeout, TreerlError
 from treerl.envs.checker import EnvCheckError, check_env
 from treerl.envs.core import Env, Message, Task, ToolEnv, ValidationReport
 from treerl.envs.parsers import PARSERS, ParseResult, ToolCall, ToolCallParser, get_parser
 from treerl.envs.registry import EnvSpec, make, register, registry
 from treerl.envs.spaces import ChatMessages, Completion
 from treerl.envs.tools import Tool, ToolResult, run_tool_call, tool
+from treerl.errors import EnvError, ToolCallError, ToolErrorKind, ToolTimeout, TreerlError
 
 from treerl.envs import builtin  # noqa: E402,F401  (registers the built-in environments)
 
