@@ -478,12 +478,3 @@ def test_shipped_tiny_tokenizer_is_append_only():
     from transformers import AutoTokenizer
 
     _check_append_only(AutoTokenizer.from_pretrained(TINY))
-
-
-def test_module_doctests():
-    import doctest
-
-    import treerl.agents.chat as chat_module
-
-    result = doctest.testmod(chat_module)
-    assert result.attempted >= 5 and result.failed == 0

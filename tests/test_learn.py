@@ -48,7 +48,7 @@ def test_learner_end_to_end(tmp_path):
         assert abs(m["is/ratio_mean"] - 1.0) < 1e-3
     assert lines[-1]["policy/version"] == 2
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["eval_start"]["num_episodes"] == 4 and summary["eval_end"]["num_episodes"] == 4
+    assert summary["eval_start"]["episodes"] == 4 and summary["eval_end"]["episodes"] == 4
     # The saved model loads with from_pretrained and holds the trained weights.
     from transformers import AutoModelForCausalLM
 

@@ -7,7 +7,6 @@ enumerations over random trees (Hypothesis) and on small hand-made cases.
 
 from __future__ import annotations
 
-import doctest
 from collections import Counter
 
 import pytest
@@ -16,8 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-import treerl.learners.forward as forward_module
-import treerl.learners.packing as packing_module
 from treerl.learners.forward import PackedForwardError, packed_hidden_states, packed_logprobs, window_normalizer
 from treerl.learners.packing import (
     PackedBatch,
@@ -36,12 +33,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def test_module_doctests():
-    for module in (packing_module, forward_module):
-        result = doctest.testmod(module)
-        assert result.failed == 0
 
 
 # -- random trees -----------------------------------------------------------------------------

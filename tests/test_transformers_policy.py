@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import doctest
 import math
 from types import SimpleNamespace
 
@@ -11,7 +10,6 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from treerl.agents import transformers_policy as transformers_policy_module
 from treerl.agents.policy import GenerationRequest, Policy, SamplingParams
 from treerl.agents.transformers_policy import TransformersPolicy, end_of_turn_ids
 
@@ -447,8 +445,3 @@ def test_agenerate_keeps_the_event_loop_free_and_propagates_errors(model):
     generation, ticks = asyncio.run(main())
     policy.close()
     assert len(generation.token_ids) >= 1 and ticks > 1
-
-
-def test_module_doctests():
-    result = doctest.testmod(transformers_policy_module)
-    assert result.attempted > 0 and result.failed == 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import importlib.util
 import math
 import sys
@@ -11,7 +10,6 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
-from treerl.agents import vllm_policy as vllm_policy_module
 from treerl.agents.policy import GenerationRequest, Policy, SamplingParams
 from treerl.agents.vllm_policy import VLLMPolicy, to_generation, to_vllm_sampling_kwargs
 
@@ -155,11 +153,6 @@ def test_agenerate_batches_through_one_engine_call(fake_vllm):
     generations = asyncio.run(main())
     policy.close()
     assert [g.token_ids for g in generations] == [[1], [2], [3], [4]] and len(policy.llm.calls) == 1
-
-
-def test_module_doctests():
-    result = doctest.testmod(vllm_policy_module)
-    assert result.attempted > 0 and result.failed == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the vLLM engine test needs a CUDA GPU")

@@ -1,13 +1,17 @@
-"""The ``treerl`` command: one console script, one subcommand per job.
+"""The ``treerl`` command: one console script, one subcommand per job, the top floor of the package.
 
     treerl envs [--json] [--import MODULE_OR_FILE]
         list registered environments, their tools and JSON Schemas
-    treerl eval --env ID [--model PATH] [--num-episodes N] ...
+    treerl eval --env ID [--env-kwargs JSON] [--model PATH] [--num-episodes N] ...
         play a model in an environment; print success rate, rewards and tool-call outcomes
     treerl rollout --env ID --num-tasks N --group-size G --out FILE [...]
         record prefix-tree trajectories as JSON Lines (resumable)
     treerl learn --env ID --output-dir DIR [--steps N] [--loss dapo] [--config FILE] ...
         train with GRPO on trajectory trees; prints the held-out success rate at start and end
+
+Every subcommand's flags are generated from its config dataclass (plus ``--config
+file.yaml``), and ``--import`` runs the user's modules first (environments, losses, reward
+functions register themselves there). Nothing below this module imports it.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
-__all__ = ["main"]
+from treerl.config import add_dataclass_arguments, config_from_args
+from treerl.errors import ConfigError
+
+__all__ = ["main", "build_parser"]
 
 
 def import_user_modules(specs: Sequence[str]) -> None:
@@ -30,19 +36,36 @@ def import_user_modules(specs: Sequence[str]) -> None:
     for spec in specs:
         if spec.endswith(".py"):
             if not Path(spec).is_file():
-                raise SystemExit(f"treerl: --import {spec}: no such file. Pass a Python file or an importable module name.")
+                raise ConfigError(f"--import {spec}: no such file. Pass a Python file or an importable module name.")
             runpy.run_path(spec, run_name="treerl_user_module")
         else:
             try:
                 importlib.import_module(spec)
             except ImportError as exc:
-                raise SystemExit(f"treerl: --import {spec}: {exc}. Is the module installed or on PYTHONPATH?") from None
+                raise ConfigError(f"--import {spec}: {exc}. Is the module installed or on PYTHONPATH?") from None
 
 
-def _env_entries() -> list[dict[str, Any]]:
+def config_for_command(cls: type, args: argparse.Namespace):
+    """The command's config from flags and ``--config``, after ``--import``; the environment must exist."""
+    from treerl.envs.registry import spec as env_spec
+
+    import_user_modules(args.imports)
+    cfg = config_from_args(cls, args)
+    try:
+        env_spec(cfg.env)
+    except KeyError as exc:
+        raise ConfigError(exc.args[0]) from None
+    return cfg
+
+
+# -- the commands ---------------------------------------------------------------------------------
+
+
+def cmd_envs(args: argparse.Namespace) -> int:
     import treerl
     from treerl.envs.registry import description_of
 
+    import_user_modules(args.imports)
     entries = []
     for env_id, spec in sorted(treerl.registry.items()):
         env = spec.make()
@@ -55,12 +78,6 @@ def _env_entries() -> list[dict[str, Any]]:
             })
         finally:
             env.close()
-    return entries
-
-
-def cmd_envs(args: argparse.Namespace) -> int:
-    import_user_modules(args.imports)
-    entries = _env_entries()
     if args.json:
         json.dump(entries, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -76,57 +93,19 @@ def cmd_envs(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_model(path: str | None, device: str = "cpu"):
-    """Load a transformers causal LM and its tokenizer (default: the shipped tiny model), offline."""
-    from treerl.models import DEFAULT_MODEL_PATH, load_default_model
-
-    if path is None:
-        return load_default_model(device=device)
-    from pathlib import Path
-
-    if not Path(path).is_dir():
-        raise SystemExit(
-            f"treerl: --model {path}: not a directory. Pass a local transformers model directory "
-            "(config.json, weights, tokenizer), or omit --model to use the shipped tiny model "
-            f"({DEFAULT_MODEL_PATH})."
-        )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).to(device)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"treerl: --model {path}: could not load a causal LM and tokenizer from it ({exc}).") from None
-    return model.eval(), tokenizer
-
-
-def config_for_command(cls: type, args: argparse.Namespace):
-    """The command's config from flags and ``--config``, after ``--import``; the environment must exist."""
-    from treerl.config import config_from_args
-    from treerl.envs.registry import spec as env_spec
-
-    import_user_modules(args.imports)
-    cfg = config_from_args(cls, args)
-    try:
-        env_spec(cfg.env)
-    except KeyError as exc:
-        raise SystemExit(f"treerl: {exc.args[0]}") from None
-    return cfg
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     from treerl.agents.transformers_policy import TransformersPolicy
-    from treerl.rollout.evaluate import EvalConfig, evaluate
+    from treerl.models import load_model
+    from treerl.rollout.evaluate import EvalConfig, evaluate_with
 
     cfg = config_for_command(EvalConfig, args)
     model, tokenizer = load_model(cfg.model, cfg.device)
     policy = TransformersPolicy(model, tokenizer, device=cfg.device)
-    report = evaluate(
-        cfg.env, policy, tokenizer, num_episodes=cfg.num_episodes, seed=cfg.seed, params=cfg.sampling(),
-        max_concurrency=cfg.max_concurrency, success_threshold=cfg.success_threshold,
-    )
+    try:
+        report = evaluate_with(cfg, policy, tokenizer, num_episodes=cfg.num_episodes, seed=cfg.seed,
+                               success_threshold=cfg.success_threshold)
+    finally:
+        policy.close()
     if cfg.json:
         json.dump(report.summary(), sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -135,18 +114,62 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from treerl.agents.transformers_policy import TransformersPolicy
+    from treerl.models import load_model
+    from treerl.rollout.record import RolloutConfig, record
+    from treerl.rollout.summary import summary_table
+
+    cfg = config_for_command(RolloutConfig, args)
+    model, tokenizer = load_model(cfg.model, cfg.device)
+    policy = TransformersPolicy(model, tokenizer, device=cfg.device)
+    try:
+        summary = record(cfg, policy, tokenizer)
+    finally:
+        policy.close()
+    print(summary_table(summary))
+    return 0
+
+
+def cmd_learn(args: argparse.Namespace) -> int:
+    from treerl.learners.distributed import is_main_process
+    from treerl.learners.grpo import GRPOConfig, train
+
+    cfg = config_for_command(GRPOConfig, args)
+    result = train(cfg)
+    if not is_main_process():  # under accelerate launch, rank 0 reports
+        return 0
+    start = result.eval_start["success_rate"] if result.eval_start else float("nan")
+    end = result.eval_end["success_rate"] if result.eval_end else float("nan")
+    print(f"held-out success rate: start {start:.1%} -> end {end:.1%} "
+          f"({(end - start) * 100:+.1f} points) over {cfg.eval_episodes} episodes")
+    print(f"model saved to {result.model_dir}; metrics in {result.output_dir / 'metrics.jsonl'}")
+    return 0
+
+
+def _commands() -> list[tuple[str, str, type, Callable[[argparse.Namespace], int]]]:
+    """(name, help, config dataclass, function) of each subcommand whose flags come from a config."""
+    from treerl.learners.grpo import GRPOConfig
+    from treerl.rollout.evaluate import EvalConfig
+    from treerl.rollout.record import RolloutConfig
+
+    return [
+        ("eval", "Evaluate a model (default: the shipped tiny model) in an environment.", EvalConfig, cmd_eval),
+        ("rollout", "Play a model in an environment; store prefix-tree trajectories (JSON Lines).", RolloutConfig,
+         cmd_rollout),
+        ("learn", "Train a model with GRPO (and its loss variants) on an environment.", GRPOConfig, cmd_learn),
+    ]
+
+
 def _add_imports(p: argparse.ArgumentParser) -> None:
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE_OR_FILE",
-                   help="Import a module or run a .py file that registers environments (repeatable).")
+                   help="Import a module or run a .py file first: environments, losses and reward functions it "
+                        "registers become available (repeatable).")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from treerl.config import add_dataclass_arguments
-    from treerl.learners.grpo import GRPOConfig, cmd_learn
-    from treerl.rollout.cli import RolloutConfig, cmd_rollout
-    from treerl.rollout.evaluate import EvalConfig
-
-    parser = argparse.ArgumentParser(prog="treerl", description="Agentic RL with tool-use environments and prefix-tree trajectories.")
+    parser = argparse.ArgumentParser(prog="treerl", description="Agentic RL with tool-use environments and "
+                                                                "prefix-tree trajectories.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -155,13 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_imports(p_envs)
     p_envs.set_defaults(func=cmd_envs)
 
-    commands = [
-        ("eval", "Evaluate a model (default: the shipped tiny model) in an environment.", EvalConfig, cmd_eval),
-        ("rollout", "Play a model in an environment; store prefix-tree trajectories (JSON Lines).", RolloutConfig,
-         cmd_rollout),
-        ("learn", "Train a model with GRPO (and its loss variants) on an environment.", GRPOConfig, cmd_learn),
-    ]
-    for name, help_text, cls, func in commands:
+    for name, help_text, cls, func in _commands():
         p = sub.add_parser(name, help=help_text)
         add_dataclass_arguments(p, cls)  # flags generated from the config dataclass
         _add_imports(p)
@@ -172,7 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:  # a setting that cannot work: say which and how to fix it, no traceback
+        print(f"treerl: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -9,10 +9,11 @@ line is built from it, never hand-copied, so flags, defaults and help cannot dri
 ... class Demo:
 ...     steps: int = field(default=10, metadata={"help": "How many steps."})
 ...     out: str | None = field(default=None, metadata={"help": "Where to write."})
+...     env_kwargs: dict[str, Any] = field(default_factory=dict, metadata={"help": "Keyword arguments."})
 >>> parser = argparse.ArgumentParser()
 >>> add_dataclass_arguments(parser, Demo)
->>> config_from_args(Demo, parser.parse_args(["--steps", "3"]))
-Demo(steps=3, out=None)
+>>> config_from_args(Demo, parser.parse_args(["--steps", "3", "--env-kwargs", '{"data_path": "p.jsonl"}']))
+Demo(steps=3, out=None, env_kwargs={'data_path': 'p.jsonl'})
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
-__all__ = ["field_help", "SamplingOptions", "add_dataclass_arguments", "config_from_args", "load_config_file"]
+from treerl.errors import ConfigError
+
+__all__ = ["field_help", "add_dataclass_arguments", "config_from_args", "load_config_file"]
 
 T = TypeVar("T")
 
@@ -35,24 +38,6 @@ def field_help(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any
     if default is dataclasses.MISSING:
         return dataclasses.field(metadata=metadata, **kwargs)
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
-
-
-@dataclasses.dataclass
-class SamplingOptions:
-    """The sampling options every command that generates shares (a base of its config)."""
-
-    temperature: float = field_help(1.0, "Sampling temperature (a trainer applies the same).")
-    top_k: int | None = field_help(None, "Sample from the k most likely tokens (required with top_p < 1 or min_p > 0).")
-    top_p: float = field_help(1.0, "Nucleus sampling mass (needs top_k).")
-    min_p: float = field_help(0.0, "Min-p threshold (needs top_k).")
-    max_new_tokens: int = field_help(96, "Token limit of each assistant turn.")
-
-    def sampling(self, **overrides: Any):
-        """These options as :class:`~treerl.agents.policy.SamplingParams` (which validates them)."""
-        from treerl.agents.policy import SamplingParams
-
-        values = {f: getattr(self, f) for f in ("temperature", "top_k", "top_p", "min_p", "max_new_tokens")}
-        return SamplingParams(**{**values, **overrides})
 
 
 def _flag(name: str) -> str:
@@ -77,6 +62,21 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _parse_mapping(text: str) -> dict[str, Any]:
+    """A JSON object (or a YAML flow mapping) given on the command line, e.g. '{"data_path": "p.jsonl"}'."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": 1}}', got {text!r} ({exc})")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": 1}}', got {text!r}")
+    return {str(k): v for k, v in value.items()}
+
+
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """Add one flag per field of ``cls`` (defaults are left to the dataclass, so that
     ``--config`` values apply unless a flag is given explicitly)."""
@@ -87,7 +87,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         tp, optional = _unwrap_optional(hints[f.name])
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata.get("help", "")}
         default = f.default if f.default is not dataclasses.MISSING else None
-        if default is not None and default is not dataclasses.MISSING:
+        if default is not None:
             kwargs["help"] += f" (default: {default})"
         origin = typing.get_origin(tp)
         if tp is bool:
@@ -95,6 +95,8 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         elif origin is Literal:
             choices = typing.get_args(tp)
             kwargs.update(type=type(choices[0]), choices=choices)
+        elif origin is dict or tp is dict:
+            kwargs.update(type=_parse_mapping, metavar="JSON")
         elif origin in (list, tuple):
             (item,) = typing.get_args(tp)[:1]
             kwargs.update(type=item, nargs="+")
@@ -117,20 +119,20 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
     p = Path(path)
     if not p.is_file():
-        raise SystemExit(f"--config {path}: no such file.")
+        raise ConfigError(f"--config {path}: no such file.")
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise SystemExit(f"--config {path}: not valid YAML ({exc}).") from None
+        raise ConfigError(f"--config {path}: not valid YAML ({exc}).") from None
     if not isinstance(data, dict):
-        raise SystemExit(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}.")
+        raise ConfigError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}.")
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
     """Build ``cls`` from a config file (if ``--config``) overridden by explicit flags.
 
-    Invalid values exit with the dataclass's own validation message.
+    Invalid values raise :class:`~treerl.errors.ConfigError` with the dataclass's own validation message.
     """
     values: dict[str, Any] = {}
     config_path = getattr(args, "__config__", None)
@@ -139,10 +141,10 @@ def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
         from_file = load_config_file(config_path)
         unknown = sorted(set(from_file) - names)
         if unknown:
-            raise SystemExit(f"--config {config_path}: unknown option(s) {unknown}; valid ones: {sorted(names)}.")
+            raise ConfigError(f"--config {config_path}: unknown option(s) {unknown}; valid ones: {sorted(names)}.")
         values.update(from_file)
     values.update({k: v for k, v in vars(args).items() if k in names})
     try:
         return cls(**values)
     except (TypeError, ValueError) as exc:
-        raise SystemExit(f"treerl: {exc}") from None
+        raise ConfigError(str(exc)) from None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["ToolErrorKind", "TreerlError", "EnvError", "ToolCallError", "ToolTimeout"]
+__all__ = ["ToolErrorKind", "TreerlError", "ConfigError", "EnvError", "ToolCallError", "ToolTimeout"]
 
 
 class ToolErrorKind(str, Enum):
@@ -35,6 +35,13 @@ class ToolErrorKind(str, Enum):
 
 class TreerlError(Exception):
     """Base class of treerl's own errors."""
+
+
+class ConfigError(TreerlError, ValueError):
+    """A setting, path or file the user gave cannot work; the message names the fix.
+
+    The ``treerl`` command prints it without a traceback and exits with status 2.
+    """
 
 
 class EnvError(TreerlError):

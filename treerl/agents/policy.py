@@ -26,7 +26,10 @@ from typing import Literal, Protocol, runtime_checkable
 
 from torch import Tensor
 
-__all__ = ["SamplingParams", "GenerationRequest", "Generation", "FinishReason", "Policy", "AsyncBatcher"]
+from treerl.config import field_help
+
+__all__ = ["SamplingParams", "SamplingOptions", "GenerationRequest", "Generation", "FinishReason", "Policy",
+           "AsyncBatcher"]
 
 FinishReason = Literal["stop", "length"]
 
@@ -101,6 +104,26 @@ class SamplingParams:
 
 
 @dataclass
+class SamplingOptions:
+    """The sampling options of every command that generates (a base of its config dataclass).
+
+    >>> SamplingOptions(temperature=0.7, top_k=20).sampling(max_new_tokens=8)
+    SamplingParams(temperature=0.7, top_k=20, top_p=1.0, min_p=0.0, max_new_tokens=8, stop_token_ids=())
+    """
+
+    temperature: float = field_help(1.0, "Sampling temperature (a trainer applies the same).")
+    top_k: int | None = field_help(None, "Sample from the k most likely tokens (required with top_p < 1 or min_p > 0).")
+    top_p: float = field_help(1.0, "Nucleus sampling mass (needs top_k).")
+    min_p: float = field_help(0.0, "Min-p threshold (needs top_k).")
+    max_new_tokens: int = field_help(96, "Token limit of each assistant turn.")
+
+    def sampling(self, **overrides) -> SamplingParams:
+        """These options as :class:`SamplingParams` (which validates them)."""
+        values = {f: getattr(self, f) for f in ("temperature", "top_k", "top_p", "min_p", "max_new_tokens")}
+        return SamplingParams(**{**values, **overrides})
+
+
+@dataclass
 class GenerationRequest:
     """One continuation to sample.
 
@@ -165,6 +188,10 @@ class Policy(Protocol):
 
     def end_session(self, session: str) -> None:
         """Forget a session's cache (a no-op for an unknown session)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the policy holds (worker threads, engines); a later call may start them anew."""
         ...
 
 

@@ -1,22 +1,37 @@
-"""Learners: losses and advantages (pure functions), importance sampling, and the training loops."""
+"""Learners: the GRPO loop on the learner core, losses and advantages (pure functions), importance
+sampling, tree packing.
+
+>>> from treerl.learners import GRPOConfig, train       # doctest: +SKIP
+>>> train(GRPOConfig(env="treerl/Calculator-v0", output_dir="runs/calc", steps=10))  # doctest: +SKIP
+"""
 
 from treerl.learners.advantages import AdvantageConfig, compute_advantages
+from treerl.learners.config import LearnerConfig
+from treerl.learners.core import Run, TrainResult, build, finish
 from treerl.learners.forward import loss_inputs, packed_logprobs, packed_loss, window_normalizer
+from treerl.learners.grpo import GRPOConfig, train
 from treerl.learners.importance import ImportanceConfig, importance_weights
 from treerl.learners.losses import (
+    AGGREGATIONS,
     POLICY_LOSSES,
+    LossCoefficients,
     LossConfig,
     LossInputs,
     LossNormalizer,
     LossOutput,
     compute_loss,
+    finish_policy_loss,
+    register_loss,
 )
 from treerl.learners.packing import PackedBatch, PackingConfig, PackingError, pack_groups, packing_metrics
+from treerl.learners.rewards import RewardFunc
 
 __all__ = [
+    "GRPOConfig", "train", "LearnerConfig", "TrainResult", "RewardFunc", "Run", "build", "finish",
     "AdvantageConfig", "compute_advantages",
     "ImportanceConfig", "importance_weights",
-    "LossConfig", "LossInputs", "LossNormalizer", "LossOutput", "POLICY_LOSSES", "compute_loss",
+    "LossConfig", "LossCoefficients", "LossInputs", "LossNormalizer", "LossOutput", "POLICY_LOSSES", "AGGREGATIONS",
+    "compute_loss", "register_loss", "finish_policy_loss",
     "PackingConfig", "PackedBatch", "PackingError", "pack_groups", "packing_metrics",
     "packed_logprobs", "loss_inputs", "window_normalizer", "packed_loss",
 ]

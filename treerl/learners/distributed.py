@@ -36,7 +36,6 @@ range(9, 16, 3)
 from __future__ import annotations
 
 import os
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +46,6 @@ import torch.distributed as dist
 from treerl.learners.forward import window_normalizer
 from treerl.learners.losses import LossNormalizer
 from treerl.learners.packing import PackedBatch
-from treerl.rollout.engine import RolloutStats
 
 __all__ = ["Ranks", "is_main_process"]
 
@@ -162,25 +160,6 @@ class Ranks:
             shift += int(grp.max()) + 1 if grp.numel() else 0
         all_rewards = torch.cat([rew for rew, _ in parts])
         return all_rewards, torch.cat(all_groups), slice(first, first + rewards.shape[0])
-
-    def merge_stats(self, stats: RolloutStats) -> RolloutStats:
-        """One :class:`RolloutStats` over every rank's rollout (wall time: the slowest rank)."""
-        if not self.enabled:
-            return stats
-        parts = self.gather(stats)
-        merged = RolloutStats(tool_calls=Counter(), terminations=Counter())
-        for s in parts:
-            merged.num_groups += s.num_groups
-            merged.num_episodes += s.num_episodes
-            merged.rewards += s.rewards
-            merged.final_rewards += s.final_rewards
-            merged.tool_calls.update(s.tool_calls)
-            merged.terminations.update(s.terminations)
-            merged.sampled_tokens += s.sampled_tokens
-            merged.packing_ratios += s.packing_ratios
-            merged.branches += s.branches
-            merged.wall_s = max(merged.wall_s, s.wall_s)
-        return merged
 
     def sum_dicts(self, totals: dict[str, float]) -> dict[str, float]:
         """Key-wise sums of every rank's ``totals`` (keys missing on a rank count 0)."""

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["DEFAULT_MODEL_PATH", "default_model_path", "load_default_model"]
+from treerl.errors import ConfigError
+
+__all__ = ["DEFAULT_MODEL_PATH", "default_model_path", "load_default_model", "load_model"]
 
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent / "tiny"
 """Where the shipped model lives inside the installed package."""
@@ -58,3 +60,34 @@ def load_default_model(device: Any = "cpu") -> tuple["PreTrainedModel", "PreTrai
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32")
     return model.to(device).eval(), tokenizer
+
+
+def load_model(path: str | None, device: Any = "cpu") -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
+    """A transformers causal LM and its tokenizer from a local directory, offline, in eval mode.
+
+    ``None`` loads the shipped tiny model. A path that is not a loadable model directory
+    raises :class:`~treerl.errors.ConfigError` saying what to pass instead.
+
+    >>> load_model("no/such/dir")
+    Traceback (most recent call last):
+    ...
+    treerl.errors.ConfigError: model 'no/such/dir' is not a directory. ...
+    """
+    if path is None:
+        return load_default_model(device=device)
+    if not Path(path).is_dir():
+        raise ConfigError(
+            f"model {path!r} is not a directory. Pass a local transformers model directory (config.json, weights, "
+            f"tokenizer) with --model PATH, or omit --model to use the shipped tiny model ({DEFAULT_MODEL_PATH})."
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).to(device)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model {path!r}: could not load a causal LM and its tokenizer from it ({exc}); pass a "
+                          "directory written by save_pretrained (--model PATH).") from None
+    return model.eval(), tokenizer

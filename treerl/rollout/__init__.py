@@ -1,4 +1,4 @@
-"""Rollout: the engine that plays policies in environments, and trajectory trees with their storage.
+"""Rollout: the engine that plays policies in environments, trajectory trees and their storage, evaluation.
 
 >>> from treerl.rollout import read_groups          # doctest: +SKIP
 >>> for group in read_groups("r.jsonl"):            # doctest: +SKIP
@@ -17,18 +17,22 @@ from treerl.rollout.trajectory import (
 
 __all__ = [
     "SCHEMA_VERSION", "Segment", "Episode", "Group", "GroupWriter", "read_groups", "to_flat_records",
-    "RolloutEngine", "RolloutStats", "evaluate",
+    "RolloutEngine", "RolloutStats", "EpisodeOptions", "evaluate", "record",
 ]
+
+# The engine pulls in torch and the policy code; load it only when asked for.
+_LAZY = {
+    "RolloutEngine": "treerl.rollout.engine",
+    "RolloutStats": "treerl.rollout.summary",
+    "EpisodeOptions": "treerl.rollout.options",
+    "evaluate": "treerl.rollout.evaluate",
+    "record": "treerl.rollout.record",
+}
 
 
 def __getattr__(name: str):
-    # The engine pulls in torch and the policy code; load it only when asked for.
-    if name in ("RolloutEngine", "RolloutStats"):
-        from treerl.rollout import engine
+    if name in _LAZY:
+        import importlib
 
-        return getattr(engine, name)
-    if name == "evaluate":
-        from treerl.rollout.evaluate import evaluate
-
-        return evaluate
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'treerl.rollout' has no attribute {name!r}")

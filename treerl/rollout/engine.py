@@ -19,10 +19,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import math
 import time
 import traceback
-from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -31,9 +29,10 @@ import numpy as np
 
 from treerl.agents.chat import ChatRenderer, assistant_message
 from treerl.agents.policy import GenerationRequest, Policy, SamplingParams
+from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group, GroupWriter
 
-__all__ = ["RolloutEngine", "RolloutStats", "task_options"]
+__all__ = ["RolloutEngine", "task_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,52 +77,6 @@ class _EpisodeState:
         for name in ("messages", "context_ids", "rewards", "tool_calls", "metrics", "extra_leaves"):
             setattr(child, name, copy.deepcopy(getattr(self, name)))
         return child
-
-
-@dataclass
-class RolloutStats:
-    """Totals over a run, for the summary table."""
-
-    num_groups: int = 0
-    num_episodes: int = 0
-    rewards: list[float] = field(default_factory=list)
-    final_rewards: list[float] = field(default_factory=list)
-    tool_calls: Counter = field(default_factory=Counter)
-    terminations: Counter = field(default_factory=Counter)
-    sampled_tokens: int = 0
-    packing_ratios: list[float] = field(default_factory=list)
-    branches: int = 0
-    wall_s: float = 0.0
-
-    def add(self, group: Group) -> None:
-        self.num_groups += 1
-        self.packing_ratios.append(group.packing_ratio)
-        for e in group.episodes:
-            self.num_episodes += 1
-            self.rewards.append(e.reward)
-            self.final_rewards.append(e.rewards[-1] if e.rewards else 0.0)
-            self.terminations[str(e.termination)] += 1
-            self.sampled_tokens += e.num_sampled_tokens
-            self.branches += len(e.extra_leaves)
-            for r in e.tool_calls:
-                self.tool_calls[r.get("error") or "ok"] += 1
-
-    def summary(self, success_threshold: float = 1.0) -> dict[str, Any]:
-        n = max(len(self.rewards), 1)
-        mean = sum(self.rewards) / n
-        return {
-            "groups": self.num_groups,
-            "episodes": self.num_episodes,
-            "reward/mean": mean,
-            "reward/std": math.sqrt(sum((r - mean) ** 2 for r in self.rewards) / n),
-            "success_rate": sum(r >= success_threshold for r in self.final_rewards) / n,
-            "tool_calls": dict(self.tool_calls),
-            "terminations": dict(self.terminations),
-            "perf/tokens_per_s": self.sampled_tokens / self.wall_s if self.wall_s > 0 else 0.0,
-            "tree/packing_ratio": sum(self.packing_ratios) / max(len(self.packing_ratios), 1),
-            "template/branches": self.branches,
-            "wall_s": self.wall_s,
-        }
 
 
 class RolloutEngine:
@@ -218,7 +171,7 @@ class RolloutEngine:
             async with self._slots:
                 continuations = await self._turns(state, group, renderer, task_seed, shared, session)
         finally:
-            self._end_session(session)
+            self.policy.end_session(session)
         if continuations:
             # Siblings continue from the same context: the policy prefills it once for all.
             point = f"{session}/turn{state.turn}"
@@ -285,7 +238,7 @@ class RolloutEngine:
                 state.context_ids = list(bridge.context_ids or [])
                 state.parent = group.add_segment("env", state.context_ids, parent=None)
                 state.metrics["template/branch_reason"] = bridge.reason
-                self._end_session(session)
+                self.policy.end_session(session)
             else:
                 state.parent = group.add_segment("env", bridge.ids, parent=leaf)
                 state.context_ids = [*state.context_ids, *gen.token_ids, *bridge.ids]
@@ -295,12 +248,6 @@ class RolloutEngine:
                 children = [state.fork(b) for b in range(self.branch_factor)]
                 state.env.close()
                 return children
-
-    def _end_session(self, session: str) -> None:
-        """Free the policy's cache of ``session`` (policies without sessions ignore it)."""
-        end_session = getattr(self.policy, "end_session", None)
-        if end_session is not None:
-            end_session(session)
 
     def _finish(self, state: _EpisodeState, group: Group, leaf: int, termination: str) -> list[_EpisodeState]:
         metrics = dict(state.metrics)

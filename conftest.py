@@ -1,8 +1,9 @@
-"""Test-session setup shared by every test module.
+"""Test-session setup shared by every test module and every doctest in ``treerl/``.
 
 Triton kernels run on this CPU-only machine through Triton's interpreter, which must be
 switched on before any kernel is defined (``@triton.jit`` reads it at decoration time), so it
-is set here, before test modules import anything. On a machine with a GPU the real kernels run.
+is set here, at the repository root, before test modules or the package's modules (collected
+for their doctests) import anything. On a machine with a GPU the real kernels run.
 """
 
 import os

@@ -1,0 +1,85 @@
+"""Checkpoints: written atomically, found by step, loaded back with the state a resumed run needs.
+
+A checkpoint is a directory ``output_dir/checkpoints/step-N`` holding the trained weights
+(``model.safetensors``: a LoRA run's adapter and base weights as the trainer holds them),
+the optimizer and scheduler states, the random-number generators of torch, numpy and
+Python, and :class:`TrainerState` as ``trainer_state.json``. It is written into
+``step-N.tmp`` and renamed, so a killed run leaves either a whole checkpoint or none, and a
+resumed run continues bit for bit as if it had never stopped.
+
+>>> import tempfile, pathlib
+>>> out = pathlib.Path(tempfile.mkdtemp())
+>>> latest_checkpoint(out) is None
+True
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["TrainerState", "save_checkpoint", "latest_checkpoint", "load_checkpoint", "checkpoint_path"]
+
+
+@dataclass
+class TrainerState:
+    """Where a run is: what a resumed run starts from."""
+
+    step: int = 0
+    """Optimizer steps taken."""
+    policy_version: int = 0
+    """The weights version the policy samples with (one per published update)."""
+    next_task: int = 0
+    """The index of the first task the next step plays."""
+
+
+def checkpoint_path(output_dir: Path, step: int) -> Path:
+    return Path(output_dir) / "checkpoints" / f"step-{step}"
+
+
+def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                    state: TrainerState) -> None:
+    """Write a whole checkpoint to ``path`` (replacing one there), atomically."""
+    from safetensors.torch import save_model
+
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(tmp / "model.safetensors"))  # handles tied embeddings
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+    torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+               tmp / "rng.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
+    if path.exists():
+        shutil.rmtree(path)
+    tmp.rename(path)  # a checkpoint directory either exists whole or not at all
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    """The checkpoint of the highest step in ``output_dir``, or None (unfinished ``.tmp`` ones are ignored)."""
+    ckpts = [p for p in (Path(output_dir) / "checkpoints").glob("step-*") if p.name.split("-")[1].isdigit()]
+    return max(ckpts, key=lambda p: int(p.name.split("-")[1])) if ckpts else None
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any) -> TrainerState:
+    """Load weights, optimizer, scheduler and generators from ``path`` in place; returns its state."""
+    from safetensors.torch import load_model
+
+    load_model(model, str(path / "model.safetensors"))
+    opt = torch.load(path / "optimizer.pt", weights_only=False)
+    optimizer.load_state_dict(opt["optimizer"])
+    scheduler.load_state_dict(opt["scheduler"])
+    rng = torch.load(path / "rng.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    state = json.loads((path / "trainer_state.json").read_text())
+    return TrainerState(step=int(state["step"]), policy_version=int(state["policy_version"]),
+                        next_task=int(state["next_task"]))

@@ -1,0 +1,87 @@
+"""What every learner is configured with: :class:`LearnerConfig`, the base of each learner's config.
+
+The episodes (environment and its keyword arguments, model, sampling, limits) come from
+:class:`~treerl.rollout.options.EpisodeOptions`; this adds the step (tasks x generations),
+the optimizer, packing, LoRA, evaluation, checkpoints and logging. A learner's own config
+(:class:`~treerl.learners.grpo.GRPOConfig`) derives from it and adds its algorithm's
+fields, so ``treerl learn`` flags and YAML keys are spelled once for every learner.
+
+>>> cfg = LearnerConfig(output_dir="runs/x", steps=3)
+>>> cfg.packing_config().mode
+'tree'
+>>> LearnerConfig(output_dir="runs/x", report_to="mlflow")
+Traceback (most recent call last):
+...
+ValueError: report_to='mlflow': use none, tensorboard, wandb or trackio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from treerl.config import field_help
+from treerl.learners.packing import PackingConfig
+from treerl.rollout.options import EpisodeOptions
+
+__all__ = ["LearnerConfig", "REPORT_TO"]
+
+REPORT_TO = ("none", "tensorboard", "wandb", "trackio")
+
+
+@dataclass
+class LearnerConfig(EpisodeOptions):
+    """Options every learner of ``treerl learn`` shares."""
+
+    output_dir: str | None = field_help(None, "Where metrics, checkpoints and the final model go (required).")
+    steps: int = field_help(60, "Optimizer steps.")
+    tasks_per_step: int = field_help(8, "Tasks per step; each is played group_size times.")
+    group_size: int = field_help(8, "Generations per task (GRPO's group).")
+    learning_rate: float = field_help(2e-4, "AdamW learning rate.")
+    weight_decay: float = field_help(0.0, "AdamW weight decay.")
+    warmup_steps: int = field_help(0, "Linear warm-up steps, then constant.")
+    max_grad_norm: float = field_help(1.0, "Gradient clipping norm (0 disables).")
+    max_new_tokens: int = field_help(64, "Token limit of each assistant turn (shorter than eval's: faster steps).")
+    max_episode_tokens: int = field_help(1024, "Context limit of one episode.")
+    max_concurrency: int = field_help(64, "Episodes in flight during rollout.")
+    branch_at_turn: int | None = field_help(None, "Fork episodes after this many turns (deeper trees).")
+    branch_factor: int = field_help(1, "Continuations per fork.")
+    max_tokens_per_row: int = field_help(4096, "Token budget of one packed row.")
+    pack_mode: str = field_help("tree", "tree (shared prefixes once), flat, or padded.")
+    attention_impl: str = field_help("auto", "Tree attention backend: auto, segment, flex, triton, reference.")
+    lora_r: int = field_help(0, "LoRA rank; 0 trains all weights.")
+    lora_alpha: int = field_help(16, "LoRA alpha.")
+    lora_dropout: float = field_help(0.0, "LoRA dropout.")
+    eval_episodes: int = field_help(64, "Held-out episodes evaluated at the start and the end (0 skips).")
+    eval_seed: int = field_help(10_000, "First seed of the held-out tasks (training uses seed + i).")
+    eval_temperature: float = field_help(1.0, "Sampling temperature of the evaluation.")
+    save_every: int = field_help(0, "Checkpoint every N steps (0: only at the end).")
+    resume: bool = field_help(False, "Continue from the latest checkpoint in output_dir.")
+    seed: int = field_help(0, "Seeds tasks, sampling and initialization.")
+    num_threads: int | None = field_help(None, "torch CPU threads (default: torch's choice).")
+    progress: bool = field_help(True, "Show a progress bar.")
+    report_to: str = field_help("none", "Also log to: none, tensorboard, wandb or trackio (when installed).")
+
+    def __post_init__(self) -> None:
+        if not self.output_dir:
+            raise ValueError("output_dir is required: where metrics, checkpoints and the model go "
+                             "(--output-dir runs/x).")
+        super().__post_init__()
+        for name in ("steps", "tasks_per_step", "group_size", "branch_factor", "max_tokens_per_row"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
+        if self.branch_factor > 1 and (self.branch_at_turn is None or self.branch_at_turn < 1):
+            raise ValueError("branch_factor > 1 needs branch_at_turn K (K >= 1): the turn after which to fork.")
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate={self.learning_rate} must be > 0 (e.g. 2e-4).")
+        if self.report_to not in REPORT_TO:
+            raise ValueError(f"report_to={self.report_to!r}: use none, tensorboard, wandb or trackio.")
+        if self.lora_r < 0:
+            raise ValueError(f"lora_r={self.lora_r} must be >= 0 (0 trains all weights).")
+        if self.eval_episodes < 0 or self.save_every < 0:
+            raise ValueError("eval_episodes and save_every must be >= 0 (0 skips evaluation / intermediate "
+                             "checkpoints).")
+        self.sampling(temperature=self.eval_temperature)
+        self.packing_config()
+
+    def packing_config(self) -> PackingConfig:
+        return PackingConfig(max_tokens_per_row=self.max_tokens_per_row, mode=self.pack_mode)

@@ -1,0 +1,317 @@
+"""The learner core: what every learner builds, runs each step, and does at the end.
+
+A learner is the loop of its own stages on these parts::
+
+    run = build(cfg, ...)                 # models, policy, optimizer, engine, log; resume; eval at start
+    with run:
+        for step in run.steps():
+            groups, stats = run.rollout()                 # this step's tasks, played by the engine
+            ...                                           # the algorithm: rewards, advantages, loss, step
+            run.publish_weights(metrics)                  # the policy samples the new weights
+            run.end_step(step, metrics, stats, ...)       # summary, diagnostics, log, checkpoint
+    return finish(run)                    # final checkpoint, model, eval at end, summary.json
+
+:func:`build` loads the model (or takes the caller's), keeps the sampler's own copy in a
+:class:`~treerl.agents.transformers_policy.TransformersPolicy` unless a policy is given,
+applies LoRA, switches the trainer to tree attention, makes the optimizer (AdamW unless
+given) and its constant-with-warm-up schedule, resumes from the latest checkpoint when asked,
+and evaluates at the start. The parts it uses each live in their own module:
+:mod:`~treerl.learners.checkpoints`, :mod:`~treerl.learners.metrics`,
+:mod:`~treerl.learners.weight_sync`, :mod:`~treerl.learners.rewards`,
+:mod:`~treerl.learners.evaluation`, :mod:`~treerl.learners.diagnostics` and
+:mod:`~treerl.learners.distributed` (several processes under ``accelerate launch``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from treerl.agents.policy import Policy
+from treerl.kernels.tree_attention import TreeAttentionChoice, enable_tree_attention
+from treerl.learners.checkpoints import (
+    TrainerState,
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from treerl.learners.config import LearnerConfig
+from treerl.learners.diagnostics import Diagnostics
+from treerl.learners.distributed import Ranks
+from treerl.learners.evaluation import evaluate_at_start, evaluate_policy
+from treerl.learners.metrics import MetricsLog, truncate_metrics
+from treerl.learners.packing import PackedBatch, packing_metrics
+from treerl.learners.rewards import RewardFunc, check_reward_weights
+from treerl.learners.weight_sync import WeightSync
+from treerl.models import load_model
+from treerl.rollout.engine import RolloutEngine
+from treerl.rollout.summary import RolloutStats
+from treerl.rollout.trajectory import Group
+
+__all__ = ["Run", "TrainResult", "build", "finish", "OptimizerSpec"]
+
+logger = logging.getLogger(__name__)
+
+OptimizerSpec = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+"""An optimizer over the trained parameters, or a function that makes one from them (the
+parameters exist only after LoRA is applied, so a factory is the usual form)."""
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    steps: int
+    policy_version: int
+    eval_start: dict[str, Any] | None
+    eval_end: dict[str, Any] | None
+    model_dir: Path
+
+
+@dataclass
+class Run:
+    """Everything a learner's loop works on (see the module docstring)."""
+
+    cfg: LearnerConfig
+    ranks: Ranks
+    device: str
+    out_dir: Path
+    model: torch.nn.Module
+    """The trained model: tree attention on, a peft model with LoRA."""
+    tokenizer: Any
+    policy: Policy
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    engine: RolloutEngine
+    env_factory: Callable[[], Any]
+    sync: WeightSync
+    state: TrainerState
+    reward_funcs: Sequence[RewardFunc] = ()
+    reward_weights: list[float] = field(default_factory=lambda: [1.0])
+    reference: torch.nn.Module | None = None
+    """A frozen copy of the starting weights (with tree attention), when the learner asked for one."""
+    attention: TreeAttentionChoice | None = None
+    policy_model: torch.nn.Module | None = None
+    """The default policy's own model (the final weights are exported from it)."""
+    log: MetricsLog | None = None
+    diagnostics: Diagnostics | None = None
+    eval_start: dict[str, Any] | None = None
+    _step_started: float = 0.0
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.log is not None:
+            self.log.close()
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def steps(self) -> Iterator[int]:
+        """The steps still to run (from the resumed one), each timed for ``perf/step_s``."""
+        for step in range(self.state.step, self.cfg.steps):
+            self._step_started = time.perf_counter()
+            yield step
+
+    def rollout(self) -> tuple[list[Group], RolloutStats]:
+        """Play the step's ``tasks_per_step`` tasks (this rank's share) ``group_size`` times each."""
+        first = self.state.next_task
+        tasks = self.ranks.shard(range(first, first + self.cfg.tasks_per_step))
+        return asyncio.run(self.engine.run(self.env_factory, self.cfg.env, tasks, self.cfg.group_size))
+
+    def publish_weights(self, metrics: dict[str, float]) -> None:
+        """Send the updated weights to the policy under the next version."""
+        metrics["perf/sync_s"] = self.sync.publish()
+
+    def end_step(self, step: int, metrics: dict[str, float], stats: RolloutStats, *, num_episodes: int,
+                 batches: Sequence[PackedBatch] = ()) -> dict[str, float]:
+        """The step's summary, diagnostics, metrics line and checkpoint; returns the logged metrics.
+
+        ``metrics`` holds the algorithm's own (losses, rewards, ``perf/rollout_s``); the
+        rollout summary, packing figures and times are added here, combined over ranks.
+        """
+        summary = RolloutStats.merge(self.ranks.gather(stats)).summary()
+        local = {  # this rank's own: averaged over ranks by episodes (times: the slowest rank)
+            **{k: v for k, v in metrics.items() if k.startswith(("reward_fn/", "perf/"))},
+            "perf/step_s": time.perf_counter() - self._step_started,
+            **{k: float(v) for k, v in packing_metrics(batches).items()},
+        }
+        metrics.update({
+            "reward/mean": summary["reward/mean"],
+            "reward/std": summary["reward/std"],
+            "reward/success_rate": summary["success_rate"],
+            "tools/invalid_rate": summary["tools/invalid_rate"],
+            "episode/length_limit_frac": summary["episode/length_limit_frac"],
+            "tree/packing_ratio": summary["tree/packing_ratio"],
+            "perf/tokens_per_s": summary["perf/tokens_per_s"],
+            "policy/version": self.sync.version,
+            **self.ranks.mean_metrics(local, weight=num_episodes),
+        })
+        self.state = TrainerState(step=step + 1, policy_version=self.sync.version,
+                                  next_task=self.state.next_task + self.cfg.tasks_per_step)
+        if self.ranks.is_main:
+            metrics.update(self.diagnostics.check(step + 1, metrics))
+            self.log.log(step + 1, metrics)
+            if self.cfg.save_every and (step + 1) % self.cfg.save_every == 0 and step + 1 < self.cfg.steps:
+                self.save_checkpoint()
+        return metrics
+
+    def save_checkpoint(self) -> None:
+        save_checkpoint(checkpoint_path(self.out_dir, self.state.step), self.model, self.optimizer, self.scheduler,
+                        self.state)
+
+
+# -- build ---------------------------------------------------------------------------------------
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
+          policy: Policy | None = None, env_factory: Callable[[], Any] | None = None,
+          reward_funcs: Sequence[RewardFunc] = (), reward_weights: Sequence[float] | None = None,
+          optimizer: OptimizerSpec | None = None, reference: bool = False) -> Run:
+    """Everything a learner's loop needs, resumed and evaluated at the start (see the module docstring).
+
+    ``model``/``tokenizer`` default to ``cfg.model`` (the shipped tiny model when unset);
+    ``policy`` to a :class:`TransformersPolicy` on the learner's own copy of the model;
+    ``env_factory`` to ``make(cfg.env, **cfg.env_kwargs)``; ``optimizer`` to AdamW with
+    ``cfg.learning_rate`` and ``cfg.weight_decay``. ``reference=True`` keeps a frozen copy of
+    the starting weights (a KL term's reference).
+    """
+    from transformers import get_scheduler
+
+    from treerl.agents.transformers_policy import TransformersPolicy
+
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    weights = check_reward_weights(reward_funcs, reward_weights)
+    ranks = Ranks.from_env(cfg.device)
+    if cfg.tasks_per_step < ranks.world_size:
+        raise ValueError(f"tasks_per_step={cfg.tasks_per_step} is fewer than the {ranks.world_size} processes, so "
+                         f"some would have no task; use --tasks-per-step {ranks.world_size} or more, or fewer "
+                         f"processes.")
+    device = ranks.device(cfg.device)
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    set_seed(cfg.seed)
+
+    # Models: the trainer's (tree attention, maybe LoRA) and the sampler's own copy.
+    if model is None:
+        model, tokenizer = load_model(cfg.model, device)
+    elif tokenizer is None:
+        raise ValueError("train(model=...) needs its tokenizer too: pass tokenizer=...")
+    ranks.broadcast_parameters(model)  # every rank starts from rank 0's weights
+    policy_model = None
+    if policy is None:
+        policy_model = copy.deepcopy(model).eval()
+        policy = TransformersPolicy(policy_model, tokenizer, device=device)
+    ref_model = _reference_model(model, cfg) if reference else None
+    if cfg.lora_r > 0:
+        model = _apply_lora(model, cfg)
+        ranks.broadcast_parameters(model)
+    attention = None
+    if cfg.pack_mode != "padded":
+        attention = enable_tree_attention(model.get_base_model() if cfg.lora_r > 0 else model, impl=cfg.attention_impl)
+        logger.info("tree attention: %s (%s)", attention.impl, attention.reason)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    elif not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(params)
+    scheduler = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=cfg.warmup_steps)
+    engine = cfg.engine(policy, tokenizer, seed=cfg.seed, branch_at_turn=cfg.branch_at_turn,
+                        branch_factor=cfg.branch_factor)
+    env_factory = env_factory or cfg.env_factory()
+
+    state = TrainerState()
+    if cfg.resume and (ckpt := latest_checkpoint(out_dir)) is not None:
+        state = load_checkpoint(ckpt, model, optimizer, scheduler)
+        if ranks.is_main:
+            print(f"resumed from {ckpt} at step {state.step}", file=sys.stderr)
+            truncate_metrics(out_dir / "metrics.jsonl", state.step)
+    sync = WeightSync(model, policy, version=state.policy_version)
+    if state.step > 0:
+        sync.publish(version=state.policy_version)
+
+    run = Run(cfg=cfg, ranks=ranks, device=device, out_dir=out_dir, model=model, tokenizer=tokenizer, policy=policy,
+              optimizer=optimizer, scheduler=scheduler, engine=engine, env_factory=env_factory, sync=sync,
+              state=state, reward_funcs=tuple(reward_funcs), reward_weights=weights, reference=ref_model,
+              attention=attention, policy_model=policy_model)
+    if ranks.is_main:  # the other ranks write nothing and wait for rank 0 at the first step's collectives
+        (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        run.log = MetricsLog(out_dir, report_to=cfg.report_to, config=asdict(cfg), total_steps=cfg.steps,
+                             start_step=state.step, progress=cfg.progress)
+        run.diagnostics = Diagnostics(out_dir / "diagnostics.jsonl")
+        run.eval_start = evaluate_at_start(cfg, policy, tokenizer, env_factory, out_dir, resumed=state.step > 0)
+        if run.eval_start is not None and state.step == 0:
+            print(f"eval at start: success rate {run.eval_start['success_rate']:.1%} over {cfg.eval_episodes} "
+                  f"held-out episodes", file=sys.stderr)
+    return run
+
+
+def _apply_lora(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules="all-linear", task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+def _reference_model(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Module:
+    """A frozen copy of the starting weights with tree attention."""
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    if cfg.pack_mode != "padded":
+        enable_tree_attention(ref, impl=cfg.attention_impl)
+    return ref
+
+
+# -- finish --------------------------------------------------------------------------------------
+
+
+def finish(run: Run) -> TrainResult:
+    """Final checkpoint, the trained model in transformers format, evaluation at the end, ``summary.json``.
+
+    Only rank 0 writes and evaluates; every rank returns once the model is saved.
+    """
+    cfg, model_dir, eval_end = run.cfg, run.out_dir / "model", None
+    if run.ranks.is_main:
+        run.save_checkpoint()
+        _export_model(run).save_pretrained(model_dir, safe_serialization=True)
+        run.tokenizer.save_pretrained(model_dir)
+        eval_end = evaluate_policy(cfg, run.policy, run.tokenizer, run.env_factory) if cfg.eval_episodes > 0 else None
+        result = {"steps": cfg.steps, "policy_version": run.sync.version, "eval_start": run.eval_start,
+                  "eval_end": eval_end, "model_dir": str(model_dir)}
+        (run.out_dir / "summary.json").write_text(json.dumps(result, indent=2))
+    run.ranks.barrier()
+    run.policy.close()
+    return TrainResult(run.out_dir, cfg.steps, run.sync.version, run.eval_start, eval_end, model_dir)
+
+
+def _export_model(run: Run) -> torch.nn.Module:
+    """A plain transformers model with the trained weights (LoRA merged), without tree attention."""
+    if run.policy_model is not None:  # the default policy's copy, which received the last publish
+        return run.policy_model
+    from peft import PeftModel
+
+    exported = copy.deepcopy(run.model)
+    if isinstance(exported, PeftModel):
+        exported = exported.merge_and_unload()
+    if run.attention is not None:
+        exported.set_attn_implementation(run.attention.previous)
+    return exported

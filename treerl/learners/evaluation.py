@@ -1,0 +1,38 @@
+"""Held-out evaluation at the start and the end of a run, through the rollout engine.
+
+``eval_episodes`` tasks from seed ``eval_seed`` on (kept apart from the training tasks),
+each played once at ``eval_temperature`` with the run's environment and limits; the figures
+are :meth:`~treerl.rollout.summary.RolloutStats.summary`'s. The start is written to
+``eval_start.json`` so that a resumed run reports it without evaluating again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from treerl.agents.policy import Policy
+from treerl.learners.config import LearnerConfig
+from treerl.rollout.evaluate import evaluate_with
+
+__all__ = ["evaluate_policy", "evaluate_at_start"]
+
+
+def evaluate_policy(cfg: LearnerConfig, policy: Policy, tokenizer: Any, env_factory: Callable[[], Any]) -> dict:
+    """The held-out figures of ``policy`` now."""
+    report = evaluate_with(cfg, policy, tokenizer, num_episodes=cfg.eval_episodes, seed=cfg.eval_seed,
+                           env_factory=env_factory, temperature=cfg.eval_temperature)
+    return report.summary()
+
+
+def evaluate_at_start(cfg: LearnerConfig, policy: Policy, tokenizer: Any, env_factory: Callable[[], Any],
+                      out_dir: Path, resumed: bool) -> dict | None:
+    """Evaluate before the first step, or read what a resumed run's first start measured."""
+    path = Path(out_dir) / "eval_start.json"
+    if resumed or cfg.eval_episodes == 0:
+        return json.loads(path.read_text()) if path.exists() else None
+    figures = evaluate_policy(cfg, policy, tokenizer, env_factory)
+    path.write_text(json.dumps(figures, indent=2))
+    return figures

@@ -1,0 +1,97 @@
+"""The metrics log: one JSON line per step in ``metrics.jsonl``, an optional tracker, a progress bar.
+
+Lines are flushed as steps finish, so a killed run keeps every finished step; a resumed run
+first drops the lines past its checkpoint (those steps are replayed, never doubled).
+``report_to`` also sends the numeric metrics to TensorBoard, Weights & Biases or trackio
+when installed; a missing one is a :class:`~treerl.errors.ConfigError` that says what to
+install.
+
+>>> import json, tempfile, pathlib
+>>> out = pathlib.Path(tempfile.mkdtemp())
+>>> log = MetricsLog(out, report_to="none", config={}, total_steps=2, progress=False)
+>>> log.log(1, {"reward/mean": 0.5})
+>>> log.close()
+>>> json.loads((out / "metrics.jsonl").read_text())
+{'step': 1, 'reward/mean': 0.5}
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from treerl.errors import ConfigError
+
+__all__ = ["MetricsLog", "truncate_metrics"]
+
+
+class MetricsLog:
+    """JSON Lines in ``output_dir`` (flushed each step), plus an optional tracker and progress bar."""
+
+    def __init__(self, output_dir: Path, *, report_to: str, config: dict[str, Any], total_steps: int,
+                 start_step: int = 0, progress: bool = True):
+        self.tracker = None
+        if report_to == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise ConfigError(f"--report-to tensorboard needs `pip install tensorboard` ({exc}).") from None
+            self.tracker = ("tensorboard", SummaryWriter(str(Path(output_dir) / "tensorboard")))
+        elif report_to in ("wandb", "trackio"):
+            try:
+                module = __import__(report_to)
+            except ImportError:
+                raise ConfigError(f"--report-to {report_to} needs `pip install {report_to}`.") from None
+            module.init(project="treerl", config=config)
+            self.tracker = (report_to, module)
+        self.file = open(Path(output_dir) / "metrics.jsonl", "a", encoding="utf-8")
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="learn", unit="step", file=sys.stderr,
+                            dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Write one step's metrics (and advance the progress bar)."""
+        self.file.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
+        self.file.flush()
+        if self.tracker is not None:
+            kind, t = self.tracker
+            scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+            if kind == "tensorboard":
+                for k, v in scalars.items():
+                    t.add_scalar(k, v, step)
+            else:
+                t.log(scalars, step=step)
+        if self.bar is not None:
+            shown = {}
+            if "reward/mean" in metrics:
+                shown["reward"] = f"{metrics['reward/mean']:.3f}"
+            if "perf/step_s" in metrics:
+                shown["step_s"] = f"{metrics['perf/step_s']:.1f}"
+            self.bar.set_postfix(shown)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.file.close()
+        if self.tracker is not None and self.tracker[0] == "tensorboard":
+            self.tracker[1].close()
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop the metric lines past ``last_step`` (and a torn last line) before a resumed run replays them."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                keep.append(line)
+        except (json.JSONDecodeError, KeyError):
+            continue  # a torn last line from the killed run
+    path.write_text("".join(f"{line}\n" for line in keep))

@@ -1,0 +1,52 @@
+"""Weight sync: the trainer's weights to the policy that samples, with a version number.
+
+The policy holds its own copy of the weights (generation runs the model with ordinary
+attention and a KV cache, training with tree attention), so after every update the learner
+publishes the new weights and a new version; every sampled span records the version that
+produced it. With LoRA the policy receives the adapter merged into the base weights.
+``perf/sync_s`` is the time one publish takes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from treerl.agents.policy import Policy
+
+__all__ = ["WeightSync", "policy_state_dict"]
+
+
+def policy_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights a sampler needs: the model's own, or its LoRA adapter merged into the base weights."""
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.merge_adapter()
+    try:
+        out = {}
+        for key, value in model.get_base_model().state_dict().items():
+            if "lora_" in key:
+                continue
+            out[key.replace(".base_layer.", ".")] = value.detach().clone()
+        return out
+    finally:
+        model.unmerge_adapter()
+
+
+class WeightSync:
+    """Publishes ``model``'s weights to ``policy``; ``version`` is the last one published."""
+
+    def __init__(self, model: torch.nn.Module, policy: Policy, version: int = 0):
+        self.model = model
+        self.policy = policy
+        self.version = version
+
+    def publish(self, version: int | None = None) -> float:
+        """Send the current weights as ``version`` (default: the next one); returns the seconds it took."""
+        start = time.perf_counter()
+        self.version = self.version + 1 if version is None else int(version)
+        self.policy.set_weights(policy_state_dict(self.model), version=self.version)
+        return time.perf_counter() - start

@@ -1,0 +1,70 @@
+"""What every command that plays episodes is configured with: the environment, the model, sampling and limits.
+
+``treerl eval``, ``treerl rollout`` and ``treerl learn`` configs derive from
+:class:`EpisodeOptions`, so the flags (and YAML keys) that pick the environment and its
+keyword arguments, the model, the sampling and the per-episode limits are spelled once, and
+the environment factory and the :class:`~treerl.rollout.engine.RolloutEngine` are built in
+one place.
+
+>>> opts = EpisodeOptions(env="treerl/MathVerify-v0", env_kwargs={"data_path": "problems.jsonl"})
+>>> opts.env_kwargs
+{'data_path': 'problems.jsonl'}
+>>> EpisodeOptions(env_kwargs=["data_path"])
+Traceback (most recent call last):
+...
+ValueError: env_kwargs=['data_path'] must be a mapping of keyword arguments for the environment, ...
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from treerl.agents.policy import Policy, SamplingOptions
+from treerl.config import field_help
+from treerl.envs.registry import make
+from treerl.rollout.engine import RolloutEngine
+
+__all__ = ["EpisodeOptions"]
+
+
+@dataclass
+class EpisodeOptions(SamplingOptions):
+    """The environment, model, sampling and per-episode limits (a base of each command's config)."""
+
+    env: str = field_help("treerl/Calculator-v0", "Registered environment id (see `treerl envs`).")
+    env_kwargs: dict[str, Any] = field_help(
+        help='Keyword arguments for the environment, e.g. \'{"data_path": "problems.jsonl"}\' (a mapping in YAML).',
+        default_factory=dict)
+    model: str | None = field_help(None, "A local transformers model directory; default: the shipped tiny model.")
+    device: str = field_help("cpu", "Torch device of the policy.")
+    max_concurrency: int = field_help(32, "Episodes in flight at once.")
+    max_episode_tokens: int = field_help(2048, "An episode whose context reaches this many tokens is truncated.")
+    max_episode_seconds: float = field_help(300.0, "Wall-clock limit of one episode.")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.env_kwargs, dict):
+            raise ValueError(f"env_kwargs={self.env_kwargs!r} must be a mapping of keyword arguments for the "
+                             "environment, e.g. --env-kwargs '{\"data_path\": \"problems.jsonl\"}' (or a YAML "
+                             "mapping).")
+        for name in ("max_concurrency", "max_new_tokens", "max_episode_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
+        if not self.max_episode_seconds > 0:
+            raise ValueError(f"max_episode_seconds={self.max_episode_seconds} must be > 0.")
+        self.sampling()  # SamplingParams validates the sampling options with its own messages
+
+    def env_factory(self) -> Callable[[], Any]:
+        """A fresh environment per call: ``make(env, **env_kwargs)``."""
+        return functools.partial(make, self.env, **self.env_kwargs)
+
+    def engine(self, policy: Policy, tokenizer: Any, *, seed: int, branch_at_turn: int | None = None,
+               branch_factor: int = 1, **sampling_overrides: Any) -> RolloutEngine:
+        """A :class:`~treerl.rollout.engine.RolloutEngine` that plays ``policy`` with these options."""
+        return RolloutEngine(policy, tokenizer, params=self.sampling(**sampling_overrides),
+                             max_concurrency=self.max_concurrency, max_episode_tokens=self.max_episode_tokens,
+                             max_episode_seconds=self.max_episode_seconds, branch_at_turn=branch_at_turn,
+                             branch_factor=branch_factor, seed=seed)
+

@@ -1,0 +1,78 @@
+"""Record trajectories: N tasks x G generations played by the engine, written as JSON Lines (resumable).
+
+What ``treerl rollout`` runs. Groups are appended and flushed as they finish; a rerun on the
+same file skips the tasks already in it, so a killed run loses at most the groups in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from treerl.agents.policy import Policy
+from treerl.config import field_help
+from treerl.rollout.options import EpisodeOptions
+from treerl.rollout.trajectory import GroupWriter
+
+__all__ = ["RolloutConfig", "record"]
+
+
+@dataclass
+class RolloutConfig(EpisodeOptions):
+    """Options of ``treerl rollout``."""
+
+    out: str | None = field_help(None, "Output JSON Lines file; an existing one is resumed (finished tasks are "
+                                       "skipped).")
+    num_tasks: int = field_help(8, "Number of tasks (task i is reset with seed + i).")
+    group_size: int = field_help(4, "Generations per task (GRPO's group).")
+    seed: int = field_help(0, "Seeds the tasks and every sampling request.")
+    branch_at_turn: int | None = field_help(None, "Fork each episode's environment after this many turns.")
+    branch_factor: int = field_help(1, "Continuations per fork (with --branch-at-turn).")
+    fsync: bool = field_help(False, "fsync the output after each group (survives a machine crash).")
+    progress: bool = field_help(True, "Show a progress bar.")
+
+    def __post_init__(self) -> None:
+        if not self.out:
+            raise ValueError("--out is required: the JSON Lines file to write (e.g. --out r.jsonl).")
+        super().__post_init__()
+        for name in ("num_tasks", "group_size", "branch_factor"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1.")
+        if self.branch_factor > 1 and (self.branch_at_turn is None or self.branch_at_turn < 1):
+            raise ValueError("--branch-factor > 1 needs --branch-at-turn K (K >= 1): the turn after which to fork.")
+
+
+def record(cfg: RolloutConfig, policy: Policy, tokenizer: Any) -> dict[str, Any]:
+    """Play ``cfg.num_tasks`` tasks x ``cfg.group_size`` generations into ``cfg.out``; returns the summary."""
+    engine = cfg.engine(policy, tokenizer, seed=cfg.seed, branch_at_turn=cfg.branch_at_turn,
+                        branch_factor=cfg.branch_factor)
+    writer = GroupWriter(cfg.out, fsync=cfg.fsync)
+    done = writer.finished_keys()
+    todo = [i for i in range(cfg.num_tasks) if f"seed-{cfg.seed + i}" not in done]
+    bar = None
+    if cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.num_tasks, initial=cfg.num_tasks - len(todo), desc="rollout", unit="task",
+                   file=sys.stderr, dynamic_ncols=True)
+
+    def on_group(group) -> None:
+        if bar is not None:
+            rewards = group.rewards
+            bar.set_postfix(reward=f"{sum(rewards) / max(len(rewards), 1):.2f}")
+            bar.update(1)
+
+    try:
+        _, stats = asyncio.run(engine.run(cfg.env_factory(), cfg.env, todo, cfg.group_size, writer=writer,
+                                          on_group=on_group))
+    finally:
+        writer.close()
+        if bar is not None:
+            bar.close()
+    summary = stats.summary()
+    summary["skipped_finished_tasks"] = cfg.num_tasks - len(todo)
+    summary["out"] = str(Path(cfg.out))
+    return summary

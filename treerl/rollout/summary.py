@@ -1,0 +1,134 @@
+"""One summary of a set of episodes, for ``treerl eval``, ``treerl rollout`` and ``treerl learn``.
+
+:class:`RolloutStats` accumulates groups as they finish (:meth:`RolloutStats.add`), merges
+the stats of several processes (:meth:`RolloutStats.merge`), and :meth:`RolloutStats.summary`
+turns them into the figures every command reports, under the same names:
+
+- ``reward/mean``, ``reward/std``: the episode reward (the sum over turns);
+- ``success_rate``: episodes whose *final* reward reaches ``success_threshold`` (1.0: a
+  correct answer in Calculator and MathVerify, all hidden tests in CodeSandbox, the secret
+  found in GuessNumber);
+- ``tool_calls`` by outcome (``ok`` or an error kind) and ``tools/invalid_rate``;
+- ``terminations`` by reason, ``episode/length_limit_frac`` (final turns cut by
+  ``max_new_tokens``), ``perf/tokens_per_s``, ``tree/packing_ratio``, ``template/branches``.
+
+>>> stats = RolloutStats()
+>>> stats.summary()["episodes"]
+0
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from treerl.rollout.trajectory import Group
+
+__all__ = ["RolloutStats", "summary_table", "two_column_table"]
+
+
+@dataclass
+class RolloutStats:
+    """Totals over the groups of a run."""
+
+    num_groups: int = 0
+    num_episodes: int = 0
+    rewards: list[float] = field(default_factory=list)
+    final_rewards: list[float] = field(default_factory=list)
+    tool_calls: Counter = field(default_factory=Counter)
+    terminations: Counter = field(default_factory=Counter)
+    sampled_tokens: int = 0
+    final_turns: int = 0
+    """Episodes whose last segment was sampled (the others ended on the environment's side)."""
+    length_limited: int = 0
+    """Of those, the ones whose last turn stopped at ``max_new_tokens``."""
+    packing_ratios: list[float] = field(default_factory=list)
+    branches: int = 0
+    wall_s: float = 0.0
+
+    def add(self, group: Group) -> None:
+        self.num_groups += 1
+        self.packing_ratios.append(group.packing_ratio)
+        for e in group.episodes:
+            self.num_episodes += 1
+            self.rewards.append(e.reward)
+            self.final_rewards.append(e.rewards[-1] if e.rewards else 0.0)
+            self.terminations[str(e.termination)] += 1
+            self.sampled_tokens += e.num_sampled_tokens
+            self.branches += len(e.extra_leaves)
+            last = e.path()[-1]
+            if last.kind == "sampled":
+                self.final_turns += 1
+                self.length_limited += last.finish_reason == "length"
+            for r in e.tool_calls:
+                self.tool_calls[r.get("error") or "ok"] += 1
+
+    @classmethod
+    def merge(cls, parts: Sequence[RolloutStats]) -> RolloutStats:
+        """One set of stats over several (e.g. every rank's); wall time is the slowest part's."""
+        merged = cls()
+        for s in parts:
+            merged.num_groups += s.num_groups
+            merged.num_episodes += s.num_episodes
+            merged.rewards += s.rewards
+            merged.final_rewards += s.final_rewards
+            merged.tool_calls.update(s.tool_calls)
+            merged.terminations.update(s.terminations)
+            merged.sampled_tokens += s.sampled_tokens
+            merged.final_turns += s.final_turns
+            merged.length_limited += s.length_limited
+            merged.packing_ratios += s.packing_ratios
+            merged.branches += s.branches
+            merged.wall_s = max(merged.wall_s, s.wall_s)
+        return merged
+
+    def summary(self, success_threshold: float = 1.0) -> dict[str, Any]:
+        """The figures every command reports (see the module docstring)."""
+        n = max(len(self.rewards), 1)
+        mean = sum(self.rewards) / n
+        num_calls = sum(self.tool_calls.values())
+        return {
+            "groups": self.num_groups,
+            "episodes": self.num_episodes,
+            "reward/mean": mean,
+            "reward/std": math.sqrt(sum((r - mean) ** 2 for r in self.rewards) / n),
+            "success_rate": sum(r >= success_threshold for r in self.final_rewards) / n,
+            "tool_calls": dict(self.tool_calls),
+            "tools/invalid_rate": (num_calls - self.tool_calls.get("ok", 0)) / num_calls if num_calls else 0.0,
+            "terminations": dict(self.terminations),
+            "episode/length_limit_frac": self.length_limited / self.final_turns if self.final_turns else 0.0,
+            "perf/tokens_per_s": self.sampled_tokens / self.wall_s if self.wall_s > 0 else 0.0,
+            "tree/packing_ratio": sum(self.packing_ratios) / max(len(self.packing_ratios), 1),
+            "template/branches": self.branches,
+            "wall_s": self.wall_s,
+        }
+
+
+def two_column_table(rows: Sequence[tuple[str, str]]) -> str:
+    """Label/value rows, labels padded to one width.
+
+    >>> print(two_column_table([("a", "1"), ("long label", "2")]))
+    a           1
+    long label  2
+    """
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def summary_table(summary: dict[str, Any], **extra: str) -> str:
+    """The table the commands print for a :meth:`RolloutStats.summary` (``extra`` rows first)."""
+    rows = [(k.replace("_", " "), v) for k, v in extra.items()]
+    rows += [
+        ("groups / episodes", f"{summary['groups']} / {summary['episodes']}"),
+        ("success rate", f"{summary['success_rate']:.1%}"),
+        ("reward mean / std", f"{summary['reward/mean']:.3f} / {summary['reward/std']:.3f}"),
+        ("tool calls", ", ".join(f"{k}={v}" for k, v in sorted(summary["tool_calls"].items())) or "none"),
+        ("terminations", ", ".join(f"{k}={v}" for k, v in sorted(summary["terminations"].items())) or "none"),
+        ("tokens/s", f"{summary['perf/tokens_per_s']:.0f}"),
+        ("packing ratio", f"{summary['tree/packing_ratio']:.2f}"),
+        ("wall time", f"{summary['wall_s']:.1f} s"),
+    ]
+    return two_column_table(rows)
