@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from treerl.kernels.tree_layout import TreeBatch
+from treerl.kernels.types import TreeAttentionError
 
 try:
     import triton
@@ -616,46 +617,39 @@ class _TreeAttention(torch.autograd.Function):
 # -- the backend --------------------------------------------------------------------------------------
 
 
-def _error(message: str) -> Exception:
-    # Imported here: tree_attention imports this module to fill its backend table.
-    from treerl.kernels.tree_attention import TreeAttentionError
-
-    return TreeAttentionError(message)
-
-
 def _check(query: Tensor, key: Tensor, value: Tensor, dropout: float) -> None:
     if _TRITON_MISSING is not None:
-        raise _error(f"impl='triton' cannot run: {_TRITON_MISSING}; or use impl='segment'.")
+        raise TreeAttentionError(f"impl='triton' cannot run: {_TRITON_MISSING}; or use impl='segment'.")
     if query.device.type != "cuda" and not _INTERPRETED:
-        raise _error(
+        raise TreeAttentionError(
             f"the Triton tree-attention kernel needs CUDA tensors, got {query.device.type}; use impl='auto' "
             "(it picks the torch 'segment' backend off CUDA), or set TRITON_INTERPRET=1 before importing treerl "
             "to run the kernel in Triton's CPU interpreter (tests only: it is slow)."
         )
     if dropout:
-        raise _error(
+        raise TreeAttentionError(
             f"the Triton tree-attention kernel has no attention dropout (got dropout={dropout}); "
             "set config.attention_dropout=0.0 or use impl='segment'."
         )
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        raise _error(
+        raise TreeAttentionError(
             "query, key and value must be (B, H, T, D), (B, Hkv, T, D) and (B, Hkv, T, Dv), got shapes "
             f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}."
         )
     if not (query.dtype == key.dtype == value.dtype) or query.dtype not in SUPPORTED_DTYPES:
-        raise _error(
+        raise TreeAttentionError(
             f"the Triton tree-attention kernel takes query, key and value in one of "
             f"{[str(d) for d in SUPPORTED_DTYPES]}, got {query.dtype}, {key.dtype} and {value.dtype}; "
             "cast them to the model's dtype, or use impl='segment'."
         )
     head_dim, value_dim = query.shape[-1], value.shape[-1]
     if max(head_dim, value_dim) > MAX_HEAD_DIM or key.shape[-1] != head_dim:
-        raise _error(
+        raise TreeAttentionError(
             f"the Triton tree-attention kernel supports head sizes up to {MAX_HEAD_DIM} with query and key "
             f"sizes equal, got query {head_dim}, key {key.shape[-1]}, value {value_dim}; use impl='segment'."
         )
     if query.shape[1] % key.shape[1] or key.shape[:3] != value.shape[:3] or query.shape[::2] != key.shape[::2]:
-        raise _error(
+        raise TreeAttentionError(
             f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} do not agree: "
             "batch and length must match and the query heads must be a multiple of the key/value heads."
         )
@@ -723,7 +717,7 @@ def triton_tree_attention(
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile), got {size}.")
     batch_size, num_heads, length, head_dim = query.shape
     if (batch.batch_size, batch.length) != (batch_size, length):
-        raise _error(
+        raise TreeAttentionError(
             f"the TreeBatch describes {batch.batch_size} rows of {batch.length} tokens but the input has "
             f"{batch_size} rows of {length}; build it with TreeBatch(layouts, length=input_ids.shape[1])."
         )

@@ -1,18 +1,23 @@
-"""What the kernels return, on the lowest floor of :mod:`treerl.kernels`.
+"""What the kernels return and raise, on the lowest floor of :mod:`treerl.kernels`.
 
-Both halves of each kernel pair need these: the Triton module builds them, and the
-dispatching module (:mod:`treerl.kernels.logprobs`) picks a backend and hands the result
-on. Living here, below both, they let imports flow one way only::
+Both halves of each kernel pair need these: the Triton modules build and raise them, and
+the dispatching modules (:mod:`treerl.kernels.logprobs`, :mod:`treerl.kernels.tree_attention`)
+pick a backend and hand the result on. Living here, below both, they let imports flow one
+way only::
 
     types -> triton_logprobs -> logprobs -> treerl.kernels
+    types -> triton_tree_attention -> tree_attention -> treerl.kernels
 
-Users reach every name here where they always have: :mod:`treerl.kernels` and
-:mod:`treerl.kernels.logprobs` re-export them.
+This module imports nothing of treerl but :mod:`treerl.errors`. Users reach every name
+here where they always have: :mod:`treerl.kernels`, :mod:`treerl.kernels.logprobs` and
+:mod:`treerl.kernels.tree_attention` re-export them.
 
 >>> import torch
 >>> out = TokenLogprobs(torch.zeros(2), torch.ones(2), None, ImplChoice("chunked", "hidden is on cpu"))
 >>> out.logp.shape, out.choice.name
 (torch.Size([2]), 'chunked')
+>>> issubclass(TreeAttentionError, TreerlError) and issubclass(TreeAttentionError, ValueError)
+True
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-__all__ = ["ImplChoice", "TokenLogprobs"]
+from treerl.errors import TreerlError
+
+__all__ = ["ImplChoice", "TokenLogprobs", "TreeAttentionError"]
 
 
 @dataclass(frozen=True)
@@ -46,3 +53,7 @@ class TokenLogprobs:
     """(N,) ``z_y - logsumexp_{c in C} z_c`` with ``z = logits / temperature``; None without candidates."""
     choice: ImplChoice | None = None
     """The implementation that produced these values and the reason it was picked."""
+
+
+class TreeAttentionError(TreerlError, ValueError):
+    """Tree attention was asked to do something it cannot do correctly."""
