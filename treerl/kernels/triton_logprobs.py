@@ -44,6 +44,7 @@ import os
 import torch
 from torch import Tensor
 
+from treerl.errors import TreerlError
 from treerl.kernels.types import TokenLogprobs
 
 try:
@@ -84,7 +85,7 @@ def _interpreting() -> bool:
 _INTERPRETED = _interpreting()
 
 
-class TritonUnavailableError(RuntimeError):
+class TritonUnavailableError(TreerlError, RuntimeError):
     """The Triton log-prob kernel cannot run here; the message says why and what to use instead."""
 
 
