@@ -6,7 +6,7 @@ iff ``k <= q and q < subtree_end_of_token[k]``. Cut the row into query blocks of
 of its root-to-segment paths plus its own causal diagonal, which for a group of siblings
 is a small fraction of the row. :func:`tree_block_sparsity` lists, per query block, the
 key blocks with at least one visible key, and per key block the query blocks that see
-it; the Triton kernels of :mod:`treerl.kernels.triton_tree_attention` walk those lists
+it; the kernels of :mod:`treerl.kernels.triton_tree_attention_kernels` walk those lists
 only.
 
 Invariants: a listed pair holds at least one visible (query, key) pair (exactly so
