@@ -150,6 +150,7 @@ def bench_tree_attention(args: argparse.Namespace) -> str | None:
     if _needs_gpu("bench_tree_attention", device):
         return None
     from treerl.kernels import triton_tree_attention as tta
+    from treerl.kernels.block_sparsity import tree_block_sparsity
     from treerl.kernels.tree_attention import BACKENDS
     from treerl.kernels.tree_layout import TreeBatch
 
@@ -189,7 +190,7 @@ def bench_tree_attention(args: argparse.Namespace) -> str | None:
 
         q, k, v = inputs()
         grad_out = torch.randn(batch_size, length, num_heads, head_dim, generator=gen).to(device, dtype)
-        density = tta.tree_block_sparsity(TreeBatch(layouts), tiles.block_m, tiles.block_n, device).density()
+        density = tree_block_sparsity(TreeBatch(layouts), tiles.block_m, tiles.block_n, device).density()
         first = True
         triton_out = None
         for name, attend in backends.items():

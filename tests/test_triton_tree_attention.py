@@ -35,14 +35,13 @@ from treerl.kernels.tree_attention import (
     enable_tree_attention,
     reference_tree_attention,
 )
+from treerl.kernels.block_sparsity import tree_block_mask, tree_block_sparsity
 from treerl.kernels.tree_layout import TreeBatch, TreeLayout
 from _helpers import depth_first
 from treerl.kernels.triton_tree_attention import (
     MAX_HEAD_DIM,
     compile_for_gpu,
     interpreting,
-    tree_block_mask,
-    tree_block_sparsity,
     triton_tree_attention,
     triton_unavailable,
 )

@@ -1,4 +1,15 @@
-"""Kernels: tree attention and LM-head log-probs, each with a torch reference."""
+"""Kernels: tree attention and LM-head log-probs, each with a torch reference.
+
+Modules, bottom up; each imports only from those above it in this list (and from
+:mod:`treerl.errors`), never back up, and never from another floor of treerl:
+
+- ``types``: what the kernels return and raise (``TokenLogprobs``, ``ImplChoice``,
+  ``TreeAttentionError``); ``tree_layout``: the depth-first tree layout of a packed row;
+- ``block_sparsity``: which key blocks each query block needs (pure torch);
+- ``triton_logprobs``, ``triton_tree_attention_kernels``, then ``triton_tree_attention``: the
+  Triton paths; each imports without triton and says why it cannot run;
+- ``logprobs``, ``tree_attention``: the dispatching modules users call, with the torch paths.
+"""
 
 from treerl.kernels.logprobs import (
     IMPLS,

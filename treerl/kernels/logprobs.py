@@ -46,13 +46,13 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from treerl.kernels.triton_logprobs import triton_logprobs_unavailable, triton_token_logprobs
+from treerl.kernels.types import ImplChoice, TokenLogprobs  # defined below the Triton path, which returns them too
 
 __all__ = [
     "TokenLogprobs",
@@ -65,30 +65,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ImplChoice:
-    """Which implementation ran, and why (for logs and for parity-test skips)."""
-
-    name: str
-    """A key of :data:`IMPLS`."""
-    reason: str
-    """One line a person can act on, e.g. why a faster kernel was not used."""
-
-
-@dataclass
-class TokenLogprobs:
-    """Per-position outputs of :func:`token_logprobs`, all float32 (float64 for float64 inputs)."""
-
-    logp: Tensor
-    """(N,) ``log p(target)`` under ``softmax(logits / temperature)`` over the full vocabulary."""
-    entropy: Tensor
-    """(N,) entropy of that full tempered distribution, in nats."""
-    logp_candidates: Tensor | None
-    """(N,) ``z_y - logsumexp_{c in C} z_c`` with ``z = logits / temperature``; None without candidates."""
-    choice: ImplChoice | None = None
-    """The implementation that produced these values and the reason it was picked."""
 
 
 # --------------------------------------------------------------------------- checks

@@ -47,9 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from treerl.errors import TreerlError
 from treerl.kernels.tree_layout import TreeBatch, TreeLayout
 from treerl.kernels.triton_tree_attention import triton_tree_attention, triton_unavailable
+from treerl.kernels.types import TreeAttentionError  # below the Triton backend, which raises it too
 
 __all__ = [
     "TREE_KWARG",
@@ -86,10 +86,6 @@ _UNSUPPORTED_KWARGS = {
     "softcap": "attention logit soft-capping",
     "s_aux": "attention sinks",
 }
-
-
-class TreeAttentionError(TreerlError, ValueError):
-    """Tree attention was asked to do something it cannot do correctly."""
 
 
 # -- backends: pure functions on (B, H, T, D) tensors -------------------------------------------

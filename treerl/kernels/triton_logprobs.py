@@ -40,13 +40,12 @@ Example (on a GPU, or under the interpreter)::
 
 import contextlib
 import os
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # logprobs.py imports this module, so TokenLogprobs is imported where it is used
-    from treerl.kernels.logprobs import TokenLogprobs
+from treerl.errors import TreerlError
+from treerl.kernels.types import TokenLogprobs
 
 try:
     import triton
@@ -86,7 +85,7 @@ def _interpreting() -> bool:
 _INTERPRETED = _interpreting()
 
 
-class TritonUnavailableError(RuntimeError):
+class TritonUnavailableError(TreerlError, RuntimeError):
     """The Triton log-prob kernel cannot run here; the message says why and what to use instead."""
 
 
@@ -462,7 +461,7 @@ def triton_token_logprobs(
     candidates: Tensor | None = None,
     chunk_tokens: int = 1024,
     chunk_vocab: int = 8192,
-) -> "TokenLogprobs":
+) -> TokenLogprobs:
     """The fused Triton path of :func:`treerl.kernels.token_logprobs`; same arguments and outputs.
 
     Inputs are assumed checked (``token_logprobs`` checks them before dispatching here).
@@ -482,8 +481,6 @@ def triton_token_logprobs(
     ...     (out.logp.sum() + 0.01 * out.entropy.sum()).backward()
     ...     assert h.grad.shape == (3, 8) and w.grad.shape == (50, 8)
     """
-    from treerl.kernels.logprobs import TokenLogprobs
-
     why_not = triton_logprobs_unavailable(hidden.device, hidden.dtype)
     if why_not is not None:
         raise TritonUnavailableError(f"triton_token_logprobs cannot run: {why_not}")

@@ -4,22 +4,22 @@ A tree-packed row (see :mod:`treerl.kernels.tree_layout`) lets query ``q`` see k
 iff ``k <= q and q < subtree_end_of_token[k]``. Cut the row into query blocks of
 ``block_m`` tokens and key blocks of ``block_n``: a query block needs only the key blocks
 of its root-to-segment paths plus its own causal diagonal, which for a group of siblings
-is a small fraction of the row. A host-side pre-pass (:func:`tree_block_sparsity`, a few
-torch ops on ``(B, T)`` tensors, cached on the :class:`TreeBatch` for every layer) lists,
-per query block, the key blocks with at least one visible key, and per key block the
-query blocks that see it. The kernels walk those lists only, so a skipped block is never
-loaded and costs nothing; inside a visited block the exact per-token test masks scores.
+is a small fraction of the row. A host-side pre-pass (:func:`tree_block_sparsity`, in
+:mod:`treerl.kernels.block_sparsity`: a few torch ops on ``(B, T)`` tensors, cached on the
+:class:`TreeBatch` for every layer) lists, per query block, the key blocks with at least
+one visible key, and per key block the query blocks that see it. The kernels walk those
+lists only, so a skipped block is never loaded and costs nothing; inside a visited block
+the exact per-token test masks scores.
 
-Kernels (FlashAttention-2 style, float32 accumulation for float32, bfloat16 and float16
-inputs):
+Three modules, bottom up:
 
-- forward: one program per (query block, batch x head); online softmax over the listed
-  key blocks; saves the log-sum-exp (base 2) for the backward;
-- backward ``dk, dv``: one program per (key block, batch x key/value head); walks the
-  query heads of its group (GQA: keys and values are never repeated) and the query
-  blocks that see the block, so no atomics are needed;
-- backward ``dq``: one program per (query block, batch x head), same key-block lists as
-  the forward.
+- :mod:`treerl.kernels.block_sparsity`: the block lists (pure torch);
+- :mod:`treerl.kernels.triton_tree_attention_kernels`: the ``@triton.jit`` kernels (a
+  forward and two backward kernels, FlashAttention-2 style, float32 accumulation) and
+  their launches;
+- this module: the backend itself. It checks the inputs (naming the fix when it refuses
+  them), picks the tiles, wraps the launches in an autograd Function, and says where the
+  kernels cannot run (:func:`triton_unavailable`).
 
 Use it through :func:`treerl.kernels.tree_attention.enable_tree_attention` (``impl="auto"``
 takes it on CUDA) or call :func:`triton_tree_attention` directly; it has the signature of
@@ -28,7 +28,9 @@ every tree-attention backend::
     out = triton_tree_attention(query, key, value, batch)   # (B, H, T, D) x3 -> (B, T, H, Dv)
 
 On a machine without CUDA the kernels run only under Triton's interpreter, which must be
-switched on (``TRITON_INTERPRET=1``) before this module is imported; the tests do that.
+switched on (``TRITON_INTERPRET=1``) before this module is imported (it imports the
+kernels); the tests do that. Without triton this module still imports, and every entry
+point says why it cannot run.
 
 Block lists, checked against the dense mask (this example runs anywhere: no kernel)::
 
@@ -44,27 +46,28 @@ Block lists, checked against the dense mask (this example runs anywhere: no kern
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from treerl.kernels.block_sparsity import TreeBlockSparsity, cached_depth, tree_block_mask, tree_block_sparsity
 from treerl.kernels.tree_layout import TreeBatch
+from treerl.kernels.triton_tree_attention_kernels import (
+    INTERPRETED as _INTERPRETED,  # a global of this module: the checks read it at call time
+    KERNELS,
+    TRITON_MISSING as _TRITON_MISSING,
+    Launch,
+    launch_backward,
+    launch_forward,
+)
+from treerl.kernels.types import TreeAttentionError
 
 try:
     import triton
-    import triton.language as tl
-except ImportError as _error:  # triton is optional: the torch backends serve without it
+except ImportError:  # _TRITON_MISSING says why; nothing below touches triton before checking it
     triton = None
-    tl = None
-    _TRITON_MISSING: str | None = (
-        f"triton is not installed ({_error}); it ships with the CUDA builds of torch, or `pip install triton`"
-    )
-else:
-    _TRITON_MISSING = None
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -78,29 +81,11 @@ __all__ = [
     "tree_block_sparsity",
 ]
 
-logger = logging.getLogger(__name__)
-
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Input dtypes of the kernels; scores, softmax statistics and gradients accumulate in float32."""
 
 MAX_HEAD_DIM = 256
 """Largest query/key or value head size: one block row of it must fit in registers and shared memory."""
-
-_LOG2E = 1.4426950408889634  # the kernels use exp2, which is what the hardware has
-
-
-def _interpret_flag() -> bool:
-    """Whether @triton.jit will hand out interpreted kernels (it decides when it decorates)."""
-    if triton is None:
-        return False
-    knobs = getattr(triton, "knobs", None)  # triton >= 3.3; older releases read the variable directly
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-# Fixed for the life of the module: the kernels below are defined once, at import.
-_INTERPRETED: bool = _interpret_flag()
 
 
 def interpreting() -> bool:
@@ -137,528 +122,50 @@ def triton_unavailable(device: torch.device) -> str | None:
     return None
 
 
-# -- which blocks each block needs (host pre-pass, pure torch) ----------------------------------
-
-
-@dataclass(frozen=True, eq=False)
-class TreeBlockSparsity:
-    """Block lists of one :class:`TreeBatch`: what each kernel program visits.
-
-    Rows of ``kv_blocks`` (``q_blocks``) hold ascending block indices; only the first
-    ``num_kv_blocks`` (``num_q_blocks``) entries of a row are meaningful, the rest is filler
-    that no kernel reads.
-    """
-
-    block_m: int
-    """Query tokens per block."""
-    block_n: int
-    """Key tokens per block."""
-    kv_blocks: Tensor
-    """(B, NQB, W) int32: key blocks with a key visible from the query block, ascending."""
-    num_kv_blocks: Tensor
-    """(B, NQB) int32: how many entries of each row of ``kv_blocks`` are real."""
-    q_blocks: Tensor
-    """(B, NKB, W') int32: query blocks with a query that sees the key block, ascending."""
-    num_q_blocks: Tensor
-    """(B, NKB) int32: how many entries of each row of ``q_blocks`` are real."""
-
-    @property
-    def num_query_blocks(self) -> int:
-        return self.num_kv_blocks.shape[1]
-
-    @property
-    def num_key_blocks(self) -> int:
-        return self.num_q_blocks.shape[1]
-
-    def density(self) -> float:
-        """Fraction of (query block, key block) pairs visited; 1.0 would be dense attention."""
-        visited = float(self.num_kv_blocks.sum())
-        return visited / (self.num_kv_blocks.shape[0] * self.num_query_blocks * self.num_key_blocks)
-
-
-def tree_block_mask(
-    batch: TreeBatch,
-    block_m: int,
-    block_n: int,
-    device: torch.device | str,
-    sliding_window: int | None = None,
-) -> Tensor:
-    """(B, NQB, NKB) bool: True where a query block has at least one visible key in a key block.
-
-    Exact without a sliding window. Each key ``k`` is seen by the query interval
-    ``[k, subtree_end[k])``, so for a key block wholly before the query block it is enough
-    that the block's largest ``subtree_end`` passes the query block's first token; a key
-    block overlapping the query block always holds a token that sees itself; a key block
-    after it is never needed. With a window it stays a superset: a pair of blocks is
-    dropped only if even the shallowest query is ``sliding_window`` deeper than the
-    deepest key, and the per-token window test in the kernel does the rest.
-    """
-    length = batch.length
-    num_q_blocks, num_k_blocks = _cdiv(length, block_m), _cdiv(length, block_n)
-    subtree_end = batch.subtree_end_of_token(device)  # (B, T)
-    # Keys past the row end get subtree_end 0: they are seen by nobody.
-    padded = torch.nn.functional.pad(subtree_end, (0, num_k_blocks * block_n - length))  # (B, NKB * BN)
-    max_end = padded.view(batch.batch_size, num_k_blocks, block_n).amax(-1)  # (B, NKB)
-    q_first = torch.arange(num_q_blocks, device=device) * block_m  # (NQB,)
-    q_end = (q_first + block_m).clamp(max=length)
-    k_first = torch.arange(num_k_blocks, device=device) * block_n  # (NKB,)
-    k_end = (k_first + block_n).clamp(max=length)
-    not_after = k_first[None, :] < q_end[:, None]  # (NQB, NKB)
-    overlaps = not_after & (k_end[None, :] > q_first[:, None])  # (NQB, NKB)
-    mask = not_after[None] & (overlaps[None] | (max_end[:, None, :] > q_first[None, :, None]))  # (B, NQB, NKB)
-    if sliding_window is not None:
-        depth = _depth(batch, device)  # (B, T)
-        # Pad with depths no real token has (all are in [0, length)), so padding never wins a min or max.
-        q_min = torch.nn.functional.pad(depth, (0, num_q_blocks * block_m - length), value=length)
-        q_min = q_min.view(batch.batch_size, num_q_blocks, block_m).amin(-1)  # (B, NQB)
-        k_max = torch.nn.functional.pad(depth, (0, num_k_blocks * block_n - length), value=-1)
-        k_max = k_max.view(batch.batch_size, num_k_blocks, block_n).amax(-1)  # (B, NKB)
-        mask &= q_min[:, :, None] - k_max[:, None, :] < sliding_window
-    return mask
-
-
-def tree_block_sparsity(
-    batch: TreeBatch,
-    block_m: int,
-    block_n: int,
-    device: torch.device | str,
-    sliding_window: int | None = None,
-) -> TreeBlockSparsity:
-    """The block lists the kernels walk, from :func:`tree_block_mask` (see :class:`TreeBlockSparsity`)."""
-    mask = tree_block_mask(batch, block_m, block_n, device, sliding_window)  # (B, NQB, NKB)
-    kv_blocks, num_kv_blocks = _lists(mask)
-    q_blocks, num_q_blocks = _lists(mask.transpose(1, 2))
-    sparsity = TreeBlockSparsity(block_m, block_n, kv_blocks, num_kv_blocks, q_blocks, num_q_blocks)
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug(
-            "tree attention: %d x %d tiles, %.1f%% of block pairs visited", block_m, block_n, 100 * sparsity.density()
-        )
-    return sparsity
-
-
-def _lists(mask: Tensor) -> tuple[Tensor, Tensor]:
-    """(B, R, C) bool -> ((B, R, W) int32 column indices of the True entries first, ascending; (B, R) counts)."""
-    num_cols = mask.shape[-1]
-    counts = mask.sum(-1)  # (B, R)
-    width = max(int(counts.max()), 1)  # one host sync per batch, not per layer (the result is cached)
-    cols = torch.arange(num_cols, device=mask.device)
-    # True entries sort by their column; False ones after all of them.
-    order = torch.where(mask, cols, cols + num_cols).sort(-1).values[..., :width] % num_cols
-    return order.to(torch.int32).contiguous(), counts.to(torch.int32).contiguous()
-
-
-def _block_dim(size: int) -> int:
-    """Head sizes are padded (and masked) to a power of two >= 16, the smallest tl.dot tile."""
-    return max(16, 1 << (size - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _depth(batch: TreeBatch, device: torch.device | str) -> Tensor:
-    """(B, T) long position ids (depths), cached on the batch for every layer."""
-    return batch.cached(("depth", str(device)), lambda: batch.position_ids(device))
-
-
-# -- kernels ---------------------------------------------------------------------------------------
-
-if triton is not None:
-
-    @triton.jit
-    def _dot(a, b, DOT_F32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-        # Triton's interpreter gets tl.dot wrong on bfloat16 operands, so it multiplies in
-        # float32 there; compiled kernels feed the tensor cores the input dtype.
-        if DOT_F32:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32))
-        return tl.dot(a, b, input_precision=INPUT_PRECISION)
-
-    @triton.jit
-    def _visible(
-        offs_q, offs_k, subtree_end_k, depth_q, depth_k, window, HAS_WINDOW: tl.constexpr, KEYS_FIRST: tl.constexpr
-    ):
-        # The tree test of tree_layout (k <= q and q < subtree_end[k]), as (BM, BN) or (BN, BM).
-        # Keys past the row end were loaded with subtree_end 0, so they are never visible.
-        if KEYS_FIRST:
-            visible = (offs_k[:, None] <= offs_q[None, :]) & (offs_q[None, :] < subtree_end_k[:, None])
-            if HAS_WINDOW:
-                visible = visible & (depth_q[None, :] - depth_k[:, None] < window)
-        else:
-            visible = (offs_k[None, :] <= offs_q[:, None]) & (offs_q[:, None] < subtree_end_k[None, :])
-            if HAS_WINDOW:
-                visible = visible & (depth_q[:, None] - depth_k[None, :] < window)
-        return visible
-
-    @triton.jit
-    def _tree_attn_fwd(
-        Q, K, V, O, LSE, SUBTREE_END, DEPTH, KV_BLOCKS, NUM_KV_BLOCKS, VISITED,
-        stride_qb, stride_qh, stride_qt, stride_qd,
-        stride_kb, stride_kh, stride_kt, stride_kd,
-        stride_vb, stride_vh, stride_vt, stride_vd,
-        stride_ob, stride_ot, stride_oh, stride_od,
-        num_heads, n_rep, seq_len, head_dim, value_dim, num_q_blocks, num_k_blocks, list_width,
-        qk_scale, window,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, RECORD_VISITS: tl.constexpr, DOT_F32: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        # int64 batch/head offsets: b * stride_qb passes 2**31 elements for long packed rows.
-        b = (pid_bh // num_heads).to(tl.int64)
-        h = (pid_bh % num_heads).to(tl.int64)
-        kv_h = h // n_rep
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
-        row_ok = offs_m < seq_len
-
-        q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd
-        q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < head_dim), other=0.0)  # (BM, D)
-        depth_q = offs_m
-        if HAS_WINDOW:
-            depth_q = tl.load(DEPTH + b * seq_len + offs_m, mask=row_ok, other=0)
-
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of log2-scaled scores
-        l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        k_base = K + b * stride_kb + kv_h * stride_kh
-        v_base = V + b * stride_vb + kv_h * stride_vh
-        list_row = KV_BLOCKS + (b * num_q_blocks + pid_m) * list_width
-        num_blocks = tl.load(NUM_KV_BLOCKS + b * num_q_blocks + pid_m)
-        for i in range(0, num_blocks):
-            kb = tl.load(list_row + i)
-            if RECORD_VISITS:
-                tl.store(VISITED + (pid_bh * num_q_blocks + pid_m) * num_k_blocks + kb, 1)
-            offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
-            col_ok = offs_n < seq_len
-            k = tl.load(
-                k_base + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
-                mask=col_ok[:, None] & (offs_d[None, :] < head_dim), other=0.0,
-            )  # (BN, D)
-            v = tl.load(
-                v_base + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
-                mask=col_ok[:, None] & (offs_dv[None, :] < value_dim), other=0.0,
-            )  # (BN, Dv)
-            subtree_end = tl.load(SUBTREE_END + b * seq_len + offs_n, mask=col_ok, other=0)
-            depth_k = offs_n
-            if HAS_WINDOW:
-                depth_k = tl.load(DEPTH + b * seq_len + offs_n, mask=col_ok, other=0)
-            visible = _visible(offs_m, offs_n, subtree_end, depth_q, depth_k, window, HAS_WINDOW, False)
-
-            s = _dot(q, tl.trans(k), DOT_F32, INPUT_PRECISION) * qk_scale  # (BM, BN), log2 units
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row with nothing visible yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_shift[:, None])  # (BM, BN)
-            alpha = tl.exp2(m_i - m_shift)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32, INPUT_PRECISION)
-            m_i = m_new
-
-        # Every real query sees itself, so l_i > 0 on real rows; rows past the end are not stored.
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_safe[:, None]
-        o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_dv[None, :] * stride_od
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < value_dim))
-        tl.store(LSE + pid_bh * seq_len + offs_m, m_i + tl.log2(l_safe), mask=row_ok)
-
-    @triton.jit
-    def _tree_attn_bwd_dkdv(
-        Q, K, V, DO, LSE, DELTA, DK, DV, SUBTREE_END, DEPTH, Q_BLOCKS, NUM_Q_BLOCKS, VISITED,
-        stride_qb, stride_qh, stride_qt, stride_qd,
-        stride_kb, stride_kh, stride_kt, stride_kd,
-        stride_vb, stride_vh, stride_vt, stride_vd,
-        stride_dob, stride_dot, stride_doh, stride_dod,
-        stride_dkb, stride_dkh, stride_dkt, stride_dkd,
-        stride_dvb, stride_dvh, stride_dvt, stride_dvd,
-        num_heads, num_kv_heads, n_rep, seq_len, head_dim, value_dim, num_q_blocks, num_k_blocks, list_width,
-        qk_scale, sm_scale, window,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, RECORD_VISITS: tl.constexpr, DOT_F32: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        pid_n = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        b = (pid_bh // num_kv_heads).to(tl.int64)
-        kv_h = (pid_bh % num_kv_heads).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
-        col_ok = offs_n < seq_len
-        k_mask = col_ok[:, None] & (offs_d[None, :] < head_dim)
-        v_mask = col_ok[:, None] & (offs_dv[None, :] < value_dim)
-
-        k = tl.load(
-            K + b * stride_kb + kv_h * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
-            mask=k_mask, other=0.0,
-        )  # (BN, D)
-        v = tl.load(
-            V + b * stride_vb + kv_h * stride_vh + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
-            mask=v_mask, other=0.0,
-        )  # (BN, Dv)
-        subtree_end = tl.load(SUBTREE_END + b * seq_len + offs_n, mask=col_ok, other=0)
-        depth_k = offs_n
-        if HAS_WINDOW:
-            depth_k = tl.load(DEPTH + b * seq_len + offs_n, mask=col_ok, other=0)
-        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-        list_row = Q_BLOCKS + (b * num_k_blocks + pid_n) * list_width
-        num_blocks = tl.load(NUM_Q_BLOCKS + b * num_k_blocks + pid_n)
-        # GQA: the n_rep query heads of this key/value head all add into one dk, dv.
-        for r in range(0, n_rep):
-            h = kv_h * n_rep + r
-            q_base = Q + b * stride_qb + h * stride_qh
-            do_base = DO + b * stride_dob + h * stride_doh
-            stats_base = (b * num_heads + h) * seq_len
-            for i in range(0, num_blocks):
-                qb = tl.load(list_row + i)
-                if RECORD_VISITS:
-                    tl.store(VISITED + ((b * num_heads + h) * num_k_blocks + pid_n) * num_q_blocks + qb, 1)
-                offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
-                row_ok = offs_m < seq_len
-                q = tl.load(
-                    q_base + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                    mask=row_ok[:, None] & (offs_d[None, :] < head_dim), other=0.0,
-                )  # (BM, D)
-                do = tl.load(
-                    do_base + offs_m[:, None] * stride_dot + offs_dv[None, :] * stride_dod,
-                    mask=row_ok[:, None] & (offs_dv[None, :] < value_dim), other=0.0,
-                )  # (BM, Dv)
-                lse = tl.load(LSE + stats_base + offs_m, mask=row_ok, other=0.0)  # (BM,)
-                delta = tl.load(DELTA + stats_base + offs_m, mask=row_ok, other=0.0)  # (BM,)
-                depth_q = offs_m
-                if HAS_WINDOW:
-                    depth_q = tl.load(DEPTH + b * seq_len + offs_m, mask=row_ok, other=0)
-                visible = _visible(offs_m, offs_n, subtree_end, depth_q, depth_k, window, HAS_WINDOW, True)
-
-                s_t = _dot(k, tl.trans(q), DOT_F32, INPUT_PRECISION) * qk_scale  # (BN, BM)
-                p_t = tl.where(visible, tl.exp2(s_t - lse[None, :]), 0.0)  # P transposed
-                dv += _dot(p_t.to(do.dtype), do, DOT_F32, INPUT_PRECISION)  # (BN, Dv)
-                dp_t = _dot(v, tl.trans(do), DOT_F32, INPUT_PRECISION)  # (BN, BM)
-                ds_t = p_t * (dp_t - delta[None, :])  # softmax backward, dS transposed
-                dk += _dot(ds_t.to(q.dtype), q, DOT_F32, INPUT_PRECISION)  # (BN, D)
-
-        dk_ptrs = DK + b * stride_dkb + kv_h * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :] * stride_dkd
-        dv_ptrs = DV + b * stride_dvb + kv_h * stride_dvh + offs_n[:, None] * stride_dvt + offs_dv[None, :] * stride_dvd
-        tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=k_mask)
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=v_mask)
-
-    @triton.jit
-    def _tree_attn_bwd_dq(
-        Q, K, V, DO, LSE, DELTA, DQ, SUBTREE_END, DEPTH, KV_BLOCKS, NUM_KV_BLOCKS, VISITED,
-        stride_qb, stride_qh, stride_qt, stride_qd,
-        stride_kb, stride_kh, stride_kt, stride_kd,
-        stride_vb, stride_vh, stride_vt, stride_vd,
-        stride_dob, stride_dot, stride_doh, stride_dod,
-        stride_dqb, stride_dqh, stride_dqt, stride_dqd,
-        num_heads, n_rep, seq_len, head_dim, value_dim, num_q_blocks, num_k_blocks, list_width,
-        qk_scale, sm_scale, window,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, RECORD_VISITS: tl.constexpr, DOT_F32: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        # int64 batch/head offsets: b * stride_qb passes 2**31 elements for long packed rows.
-        b = (pid_bh // num_heads).to(tl.int64)
-        h = (pid_bh % num_heads).to(tl.int64)
-        kv_h = h // n_rep
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
-        row_ok = offs_m < seq_len
-        q_mask = row_ok[:, None] & (offs_d[None, :] < head_dim)
-
-        q = tl.load(
-            Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-            mask=q_mask, other=0.0,
-        )  # (BM, D)
-        do = tl.load(
-            DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_dv[None, :] * stride_dod,
-            mask=row_ok[:, None] & (offs_dv[None, :] < value_dim), other=0.0,
-        )  # (BM, Dv)
-        lse = tl.load(LSE + pid_bh * seq_len + offs_m, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + pid_bh * seq_len + offs_m, mask=row_ok, other=0.0)
-        depth_q = offs_m
-        if HAS_WINDOW:
-            depth_q = tl.load(DEPTH + b * seq_len + offs_m, mask=row_ok, other=0)
-        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        k_base = K + b * stride_kb + kv_h * stride_kh
-        v_base = V + b * stride_vb + kv_h * stride_vh
-        list_row = KV_BLOCKS + (b * num_q_blocks + pid_m) * list_width
-        num_blocks = tl.load(NUM_KV_BLOCKS + b * num_q_blocks + pid_m)
-        for i in range(0, num_blocks):
-            kb = tl.load(list_row + i)
-            if RECORD_VISITS:
-                tl.store(VISITED + (pid_bh * num_q_blocks + pid_m) * num_k_blocks + kb, 1)
-            offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
-            col_ok = offs_n < seq_len
-            k = tl.load(
-                k_base + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
-                mask=col_ok[:, None] & (offs_d[None, :] < head_dim), other=0.0,
-            )  # (BN, D)
-            v = tl.load(
-                v_base + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
-                mask=col_ok[:, None] & (offs_dv[None, :] < value_dim), other=0.0,
-            )  # (BN, Dv)
-            subtree_end = tl.load(SUBTREE_END + b * seq_len + offs_n, mask=col_ok, other=0)
-            depth_k = offs_n
-            if HAS_WINDOW:
-                depth_k = tl.load(DEPTH + b * seq_len + offs_n, mask=col_ok, other=0)
-            visible = _visible(offs_m, offs_n, subtree_end, depth_q, depth_k, window, HAS_WINDOW, False)
-
-            s = _dot(q, tl.trans(k), DOT_F32, INPUT_PRECISION) * qk_scale  # (BM, BN)
-            p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
-            dp = _dot(do, tl.trans(v), DOT_F32, INPUT_PRECISION)  # (BM, BN)
-            ds = p * (dp - delta[:, None])
-            dq += _dot(ds.to(k.dtype), k, DOT_F32, INPUT_PRECISION)  # (BM, D)
-
-        dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
-        tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
-
-
-# -- launch ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, eq=False)
-class _Launch:
-    """What the three kernels share for one call: sizes, scales, block lists, flags."""
-
-    sparsity: TreeBlockSparsity
-    subtree_end: Tensor  # (B, T) long
-    depth: Tensor  # (B, T) long; a stand-in without a window (the kernels then never read it)
-    sm_scale: float
-    window: int
-    has_window: bool
-    block_d: int
-    block_dv: int
-    num_warps: int
-    num_stages: int
-    dot_f32: bool
-    input_precision: str
-    visits: tuple[Tensor, Tensor, Tensor] | None  # forward, dk/dv, dq visit records (tests)
-
-    def meta(self) -> dict:
-        return dict(
-            BLOCK_M=self.sparsity.block_m, BLOCK_N=self.sparsity.block_n, BLOCK_D=self.block_d,
-            BLOCK_DV=self.block_dv, HAS_WINDOW=self.has_window, RECORD_VISITS=self.visits is not None,
-            DOT_F32=self.dot_f32, INPUT_PRECISION=self.input_precision,
-            num_warps=self.num_warps, num_stages=self.num_stages,
-        )  # fmt: skip
-
-
-def _forward(query: Tensor, key: Tensor, value: Tensor, run: _Launch) -> tuple[Tensor, Tensor]:
-    """(B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, Dv) -> out (B, T, H, Dv), lse (B, H, T) float32 base 2."""
-    batch_size, num_heads, length, head_dim = query.shape
-    num_kv_heads, value_dim = key.shape[1], value.shape[-1]
-    sp = run.sparsity
-    out = torch.empty(batch_size, length, num_heads, value_dim, dtype=query.dtype, device=query.device)
-    lse = torch.empty(batch_size, num_heads, length, dtype=torch.float32, device=query.device)
-    visited = run.visits[0] if run.visits is not None else lse
-    grid = (sp.num_query_blocks, batch_size * num_heads)
-    _tree_attn_fwd[grid](
-        query, key, value, out, lse, run.subtree_end, run.depth, sp.kv_blocks, sp.num_kv_blocks, visited,
-        *query.stride(), *key.stride(), *value.stride(), *out.stride(),
-        num_heads, num_heads // num_kv_heads, length, head_dim, value_dim,
-        sp.num_query_blocks, sp.num_key_blocks, sp.kv_blocks.shape[-1],
-        run.sm_scale * _LOG2E, run.window, **run.meta(),
-    )  # fmt: skip
-    return out, lse
-
-
-def _backward(
-    query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, run: _Launch
-) -> tuple[Tensor, Tensor, Tensor]:
-    batch_size, num_heads, length, head_dim = query.shape
-    num_kv_heads, value_dim = key.shape[1], value.shape[-1]
-    n_rep = num_heads // num_kv_heads
-    sp = run.sparsity
-    # delta_i = sum_j P_ij dP_ij = <dO_i, O_i>: the softmax-backward term of each query row.
-    delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, H, T)
-    grad_query, grad_key, grad_value = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-    visits = run.visits if run.visits is not None else (lse, lse, lse)
-    _tree_attn_bwd_dkdv[(sp.num_key_blocks, batch_size * num_kv_heads)](
-        query, key, value, grad_out, lse, delta, grad_key, grad_value, run.subtree_end, run.depth,
-        sp.q_blocks, sp.num_q_blocks, visits[1],
-        *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *grad_key.stride(), *grad_value.stride(),
-        num_heads, num_kv_heads, n_rep, length, head_dim, value_dim,
-        sp.num_query_blocks, sp.num_key_blocks, sp.q_blocks.shape[-1],
-        run.sm_scale * _LOG2E, run.sm_scale, run.window, **run.meta(),
-    )  # fmt: skip
-    _tree_attn_bwd_dq[(sp.num_query_blocks, batch_size * num_heads)](
-        query, key, value, grad_out, lse, delta, grad_query, run.subtree_end, run.depth,
-        sp.kv_blocks, sp.num_kv_blocks, visits[2],
-        *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *grad_query.stride(),
-        num_heads, n_rep, length, head_dim, value_dim,
-        sp.num_query_blocks, sp.num_key_blocks, sp.kv_blocks.shape[-1],
-        run.sm_scale * _LOG2E, run.sm_scale, run.window, **run.meta(),
-    )  # fmt: skip
-    return grad_query, grad_key, grad_value
-
-
-class _TreeAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, run: _Launch) -> Tensor:
-        out, lse = _forward(query, key, value, run)
-        ctx.save_for_backward(query, key, value, out, lse)
-        ctx.run = run
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        query, key, value, out, lse = ctx.saved_tensors
-        grads = _backward(query, key, value, out, lse, grad_out, ctx.run)
-        return (*grads, None)
-
-
 # -- the backend --------------------------------------------------------------------------------------
-
-
-def _error(message: str) -> Exception:
-    # Imported here: tree_attention imports this module to fill its backend table.
-    from treerl.kernels.tree_attention import TreeAttentionError
-
-    return TreeAttentionError(message)
 
 
 def _check(query: Tensor, key: Tensor, value: Tensor, dropout: float) -> None:
     if _TRITON_MISSING is not None:
-        raise _error(f"impl='triton' cannot run: {_TRITON_MISSING}; or use impl='segment'.")
+        raise TreeAttentionError(f"impl='triton' cannot run: {_TRITON_MISSING}; or use impl='segment'.")
     if query.device.type != "cuda" and not _INTERPRETED:
-        raise _error(
+        raise TreeAttentionError(
             f"the Triton tree-attention kernel needs CUDA tensors, got {query.device.type}; use impl='auto' "
             "(it picks the torch 'segment' backend off CUDA), or set TRITON_INTERPRET=1 before importing treerl "
             "to run the kernel in Triton's CPU interpreter (tests only: it is slow)."
         )
     if dropout:
-        raise _error(
+        raise TreeAttentionError(
             f"the Triton tree-attention kernel has no attention dropout (got dropout={dropout}); "
             "set config.attention_dropout=0.0 or use impl='segment'."
         )
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        raise _error(
+        raise TreeAttentionError(
             "query, key and value must be (B, H, T, D), (B, Hkv, T, D) and (B, Hkv, T, Dv), got shapes "
             f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}."
         )
     if not (query.dtype == key.dtype == value.dtype) or query.dtype not in SUPPORTED_DTYPES:
-        raise _error(
+        raise TreeAttentionError(
             f"the Triton tree-attention kernel takes query, key and value in one of "
             f"{[str(d) for d in SUPPORTED_DTYPES]}, got {query.dtype}, {key.dtype} and {value.dtype}; "
             "cast them to the model's dtype, or use impl='segment'."
         )
     head_dim, value_dim = query.shape[-1], value.shape[-1]
     if max(head_dim, value_dim) > MAX_HEAD_DIM or key.shape[-1] != head_dim:
-        raise _error(
+        raise TreeAttentionError(
             f"the Triton tree-attention kernel supports head sizes up to {MAX_HEAD_DIM} with query and key "
             f"sizes equal, got query {head_dim}, key {key.shape[-1]}, value {value_dim}; use impl='segment'."
         )
     if query.shape[1] % key.shape[1] or key.shape[:3] != value.shape[:3] or query.shape[::2] != key.shape[::2]:
-        raise _error(
+        raise TreeAttentionError(
             f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} do not agree: "
             "batch and length must match and the query heads must be a multiple of the key/value heads."
         )
+
+
+def _block_dim(size: int) -> int:
+    """Head sizes are padded (and masked) to a power of two >= 16, the smallest tl.dot tile."""
+    return max(16, 1 << (size - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -686,6 +193,23 @@ def _tile_config(device: torch.device, dtype: torch.dtype, block_d: int, block_d
     if row_bytes <= 512:  # bfloat16/float16 256, float32 128
         return _TileConfig(32, 32, num_warps=4, num_stages=2)
     return _TileConfig(16, 16, num_warps=4, num_stages=1)  # float32 256
+
+
+class _TreeAttention(torch.autograd.Function):
+    """The launches as one differentiable op; saves only the inputs, the output and the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, run: Launch) -> Tensor:
+        out, lse = launch_forward(query, key, value, run)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.run = run
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        query, key, value, out, lse = ctx.saved_tensors
+        grads = launch_backward(query, key, value, out, lse, grad_out, ctx.run)
+        return (*grads, None)
 
 
 def triton_tree_attention(
@@ -723,7 +247,7 @@ def triton_tree_attention(
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile), got {size}.")
     batch_size, num_heads, length, head_dim = query.shape
     if (batch.batch_size, batch.length) != (batch_size, length):
-        raise _error(
+        raise TreeAttentionError(
             f"the TreeBatch describes {batch.batch_size} rows of {batch.length} tokens but the input has "
             f"{batch_size} rows of {length}; build it with TreeBatch(layouts, length=input_ids.shape[1])."
         )
@@ -740,10 +264,10 @@ def triton_tree_attention(
             for shape in ((nqb, nkb), (nkb, nqb), (nqb, nkb))
         )
         record_visits.extend(visits)
-    run = _Launch(
+    run = Launch(
         sparsity=sparsity,
         subtree_end=subtree_end,
-        depth=_depth(batch, device) if sliding_window is not None else subtree_end,
+        depth=cached_depth(batch, device) if sliding_window is not None else subtree_end,
         sm_scale=float(scaling) if scaling is not None else 1.0 / math.sqrt(head_dim),
         window=int(sliding_window) if sliding_window is not None else 0,
         has_window=sliding_window is not None,
@@ -803,7 +327,7 @@ def compile_for_gpu(
         INPUT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
     )  # fmt: skip
     shared = {}
-    for kernel in (_tree_attn_fwd, _tree_attn_bwd_dkdv, _tree_attn_bwd_dq):
+    for kernel in KERNELS:
         signature = {
             name: "constexpr" if name in constexprs
             else pointers.get(name, "fp32" if name in ("qk_scale", "sm_scale") else "i32")
