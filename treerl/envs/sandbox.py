@@ -82,6 +82,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path, PurePosixPath
 
+from treerl.envs.processes import kill_and_reap, send_kill
+
 __all__ = [
     "SandboxLimits",
     "SandboxErrorKind",
@@ -635,28 +637,24 @@ class _StatusReader:
         return self.records
 
 
-def _signal_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _kill_all(proc: subprocess.Popen, uid: int | None) -> None:
     """Kill every process the run left, then reap the main one and close its pipes."""
-    _kill_survivors(proc.pid, uid)
-    try:
-        proc.wait(timeout=5.0)
-    except subprocess.TimeoutExpired:
-        pass
-    for pipe in (proc.stdout, proc.stderr):
-        if pipe is not None:
-            pipe.close()
+    # The sweep goes before the reap: until the main process is reaped, its pid (the
+    # session and group id the sweep looks for) cannot be reused by another process.
+    kill_and_reap(proc, before_reap=lambda: _sweep(proc.pid, uid))
 
 
 def _kill_survivors(session: int, uid: int | None) -> None:
-    """Kill the run's process group, then sweep its session and private uid until empty."""
-    _signal_group(session)
+    """Kill the run's process group, then sweep its session and private uid until empty.
+
+    The main process is left unreaped: the caller still reads its exit status.
+    """
+    send_kill(session, group=True)
+    _sweep(session, uid)
+
+
+def _sweep(session: int, uid: int | None) -> None:
+    """Kill what escaped the process group: processes of the run's session or private uid."""
     for _ in range(20):
         survivors = _sandbox_pids(uid=uid, session=session)
         if not survivors:
@@ -673,10 +671,7 @@ def _kill_survivors(session: int, uid: int | None) -> None:
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
                 )
         for pid in survivors:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            send_kill(pid)
         time.sleep(0.01)
 
 

@@ -57,8 +57,9 @@ from typing import Any, Literal
 
 import jsonschema
 
-from treerl.errors import ToolCallError, ToolErrorKind, ToolTimeout
 from treerl.envs.parsers import ToolCall
+from treerl.envs.processes import akill_and_reap
+from treerl.errors import ToolCallError, ToolErrorKind, ToolTimeout
 
 __all__ = ["Tool", "tool", "ToolResult", "run_tool_call"]
 
@@ -548,9 +549,7 @@ class Tool:
                 raise self._timeout()
             return outcome
         finally:
-            if process.is_alive():
-                process.kill()
-            await asyncio.to_thread(process.join)
+            await akill_and_reap(process, timeout_s=None)
             receiver.close()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

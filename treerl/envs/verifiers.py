@@ -29,7 +29,6 @@ import os
 import re
 import secrets
 import select
-import signal
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ import time
 from collections.abc import Sequence
 from fractions import Fraction
 
+from treerl.envs.processes import kill_and_reap
 from treerl.envs.sandbox import SandboxLimits, run_python
 
 __all__ = [
@@ -366,22 +366,8 @@ class MathVerifier:
 
     def _kill_worker(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:
-            pass
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe is not None:
-                try:
-                    pipe.close()
-                except OSError:
-                    pass
+        if proc is not None:
+            kill_and_reap(proc)
 
 
 # One shared worker for the plain function: starting one costs seconds (sympy), scoring
