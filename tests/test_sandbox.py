@@ -161,6 +161,18 @@ def test_isolated_mode_ignores_python_variables(monkeypatch):
     assert result.stdout == "1\n"
 
 
+def test_the_bootstrap_is_a_module_file_run_by_path():
+    """No program travels in a string: the child's command line names the bootstrap's file."""
+    import treerl.envs.sandbox_bootstrap
+
+    code = "import json\nprint(json.dumps(open('/proc/self/cmdline', 'rb').read().decode().split('\\0')[:-1]))"
+    result = run_python(code, limits=FAST)
+    assert result.ok, result.stderr
+    argv = json.loads(result.stdout)
+    assert "-c" not in argv and "-I" in argv
+    assert argv[-2] == treerl.envs.sandbox_bootstrap.__file__
+
+
 def test_runtime_error_and_exit_codes():
     crashed = run_python("def f():\n    return 1 / 0\nf()", limits=FAST)
     assert crashed.error is SandboxErrorKind.RUNTIME_ERROR and crashed.exit_code == 1
@@ -420,11 +432,12 @@ def test_unprivileged_fallbacks_inside_the_sandbox():
         pytest.skip("already not root: the other tests exercise the unprivileged path directly")
     import treerl.envs.processes
     import treerl.envs.sandbox
+    import treerl.envs.sandbox_bootstrap
 
     # The sandbox's own modules, copied into a bare package: the real treerl/envs/__init__.py
-    # pulls in far more than the sandbox needs.
+    # pulls in far more than the sandbox needs, and the inner run starts its bootstrap by path.
     files = {"treerl/__init__.py": "", "treerl/envs/__init__.py": ""}
-    modules = (treerl.envs.processes, treerl.envs.sandbox)
+    modules = (treerl.envs.processes, treerl.envs.sandbox, treerl.envs.sandbox_bootstrap)
     for module in modules:
         with open(module.__file__, encoding="utf-8") as f:
             files[f"treerl/envs/{os.path.basename(module.__file__)}"] = f.read()
