@@ -433,11 +433,12 @@ def test_unprivileged_fallbacks_inside_the_sandbox():
     import treerl.envs.processes
     import treerl.envs.sandbox
     import treerl.envs.sandbox_bootstrap
+    import treerl.envs.sandbox_capture
 
     # The sandbox's own modules, copied into a bare package: the real treerl/envs/__init__.py
     # pulls in far more than the sandbox needs, and the inner run starts its bootstrap by path.
     files = {"treerl/__init__.py": "", "treerl/envs/__init__.py": ""}
-    modules = (treerl.envs.processes, treerl.envs.sandbox, treerl.envs.sandbox_bootstrap)
+    modules = (treerl.envs.processes, treerl.envs.sandbox, treerl.envs.sandbox_bootstrap, treerl.envs.sandbox_capture)
     for module in modules:
         with open(module.__file__, encoding="utf-8") as f:
             files[f"treerl/envs/{os.path.basename(module.__file__)}"] = f.read()

@@ -70,7 +70,6 @@ import asyncio
 import json
 import os
 import secrets
-import selectors
 import shutil
 import signal
 import stat
@@ -78,13 +77,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path, PurePosixPath
 
 import treerl.envs.sandbox_bootstrap as sandbox_bootstrap
 from treerl.envs.processes import kill_and_reap, send_kill
+from treerl.envs.sandbox_capture import capture
 
 __all__ = [
     "SandboxLimits",
@@ -100,12 +100,6 @@ __all__ = [
 # ranges, so a run's RLIMIT_NPROC and its kill(-1) touch nothing but that run.
 _UID_BASE = 2_100_000_000
 _UID_SPAN = 1 << 24
-# Status records are small; more than this means the user code wrote into the status fd.
-_MAX_STATUS_BYTES = 1 << 20
-# How often the read loop wakes to check the child and its status records.
-_POLL_S = 0.05
-# After the child is gone, how long to wait for its pipes to drain.
-_DRAIN_S = 1.0
 # The bootstrap runs as a file, so that linters and tests see it like any module. The child
 # reads it as the caller, before it drops privileges, so it may live where the private uid
 # cannot look.
@@ -294,8 +288,8 @@ def run_python(
         finally:
             if stdin_file is not None:
                 stdin_file.close()
-        out = _capture(
-            proc, ctl / "status.jsonl", limits, deadline=start + limits.timeout_s,
+        out = capture(
+            proc, ctl / "status.jsonl", max_output_bytes=limits.max_output_bytes, deadline=start + limits.timeout_s,
             kill_survivors=lambda: _kill_survivors(proc.pid, uid),
         )
         killed = out.timed_out or out.stopped_early
@@ -359,111 +353,6 @@ def sandbox_capabilities() -> dict[str, str]:
 # ---------------------------------------------------------------------------------------
 # Parent-side helpers.
 # ---------------------------------------------------------------------------------------
-@dataclass
-class _Captured:
-    stdout: str
-    stderr: str
-    truncated: bool
-    timed_out: bool
-    stopped_early: bool
-    records: list[dict]
-
-
-def _capture(
-    proc: subprocess.Popen, status_path: Path, limits: SandboxLimits, *, deadline: float, kill_survivors: Callable[[], None]
-) -> _Captured:
-    """Read the child's output until it exits or the deadline passes, keeping the head."""
-    assert proc.stdout is not None and proc.stderr is not None
-    kept = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
-    truncated = False
-    timed_out = stopped_early = False
-    sel = selectors.DefaultSelector()
-    for pipe in (proc.stdout, proc.stderr):
-        sel.register(pipe.fileno(), selectors.EVENT_READ)
-    status = _StatusReader(status_path)
-
-    def read_ready(timeout: float) -> None:
-        nonlocal truncated
-        for key, _ in sel.select(timeout=max(timeout, 0.0)):
-            data = os.read(key.fd, 65536)
-            if not data:
-                sel.unregister(key.fd)
-                continue
-            buf = kept[key.fd]
-            room = limits.max_output_bytes - len(buf)
-            if len(data) > room:
-                truncated = True
-            if room > 0:
-                buf += data[:room]
-
-    try:
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                timed_out = proc.poll() is None
-                break
-            if not sel.get_map():
-                # Both pipes closed: wait for the exit itself, still under the deadline.
-                try:
-                    proc.wait(timeout=remaining)
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                break
-            read_ready(min(remaining, _POLL_S))
-            if any(r.get("event") == "process_limit" for r in status.poll()):
-                # A fork bomb that swallows its errors would otherwise spin until the
-                # wall clock; the limit has done its job, stop the run now.
-                stopped_early = proc.poll() is None
-                break
-            if proc.poll() is not None:
-                break  # exited; a leftover child may still hold the pipes open
-        # Whatever is left (background children) dies now, then the pipes drain to EOF.
-        kill_survivors()
-        drain_until = time.monotonic() + _DRAIN_S
-        while sel.get_map() and time.monotonic() < drain_until:
-            read_ready(drain_until - time.monotonic())
-    finally:
-        sel.close()
-    return _Captured(
-        stdout=kept[proc.stdout.fileno()].decode("utf-8", errors="replace"),
-        stderr=kept[proc.stderr.fileno()].decode("utf-8", errors="replace"),
-        truncated=truncated,
-        timed_out=timed_out,
-        stopped_early=stopped_early,
-        records=status.poll(final=True),
-    )
-
-
-class _StatusReader:
-    """Incrementally parses the bootstrap's JSON-lines status file, tolerating garbage."""
-
-    def __init__(self, path: Path):
-        self._path = path
-        self._offset = 0
-        self._pending = b""
-        self.records: list[dict] = []
-
-    def poll(self, final: bool = False) -> list[dict]:
-        try:
-            with open(self._path, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read(max(_MAX_STATUS_BYTES - self._offset, 0))
-        except OSError:
-            return self.records
-        self._offset += len(chunk)
-        data = self._pending + chunk
-        lines = data.split(b"\n")
-        self._pending = b"" if final else lines.pop()
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except (ValueError, UnicodeDecodeError):
-                continue
-            if isinstance(rec, dict):
-                self.records.append(rec)
-        return self.records
-
-
 def _kill_all(proc: subprocess.Popen, uid: int | None) -> None:
     """Kill every process the run left, then reap the main one and close its pipes."""
     # The sweep goes before the reap: until the main process is reaped, its pid (the
