@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -224,6 +226,32 @@ def test_math_verify_garbage_never_raises():
         assert math_verify_reward("1", text, timeout_s=2.0) == 0.0
     assert math_verify_reward(None, "1") == 0.0  # type: ignore[arg-type]
     assert math_verify_reward("1", None) == 0.0  # type: ignore[arg-type]
+
+
+def _child_commands() -> list[list[str]]:
+    """The command lines of this process's live children."""
+    commands = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\0")[:-1]
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid():
+            commands.append(argv)
+    return commands
+
+
+def test_the_worker_is_a_module_file_run_by_path():
+    """No program travels in a string: the worker's command line names its module's file."""
+    import treerl.envs.math_verify_worker
+
+    with MathVerifier(memory_mb=1024) as verifier:
+        assert verifier.score(r"so \boxed{\frac{1}{2}}", "0.5") == 1.0
+        commands = _child_commands()
+    assert [sys.executable, "-I", treerl.envs.math_verify_worker.__file__, str(1024 * 1024 * 1024)] in commands
 
 
 def test_math_verifier_config_is_validated():

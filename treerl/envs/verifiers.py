@@ -8,10 +8,11 @@ all score 0.0. They raise ``ValueError`` only for the caller's own mistakes (no 
   ``0.5`` vs ``\\frac{1}{2}``). math-verify's own timeouts use ``signal.alarm``, which only
   works in the main thread, so they are turned off (``parsing_timeout=None``,
   ``timeout_seconds=None``) and the time limit is enforced from outside: parsing and
-  comparing run in a warm worker process (:class:`MathVerifier`) that is killed and
-  replaced when it overruns. That works from worker threads and event loops alike and
-  also bounds memory (sympy can try to build ``9^{9^{9^{9}}}``). Plain numbers skip the
-  worker: integer or decimal answers are compared in process, exactly.
+  comparing run in a warm worker process (:class:`MathVerifier`, running
+  :mod:`treerl.envs.math_verify_worker`) that is killed and replaced when it overruns.
+  That works from worker threads and event loops alike and also bounds memory (sympy can
+  try to build ``9^{9^{9^{9}}}``). Plain numbers skip the worker: integer or decimal
+  answers are compared in process, exactly.
 - :func:`exact_match_reward` and :func:`numeric_reward` are cheap string and number checks.
 - :func:`unit_test_reward` runs candidate code and assert-style tests in the sandbox.
 
@@ -35,7 +36,9 @@ import threading
 import time
 from collections.abc import Sequence
 from fractions import Fraction
+from pathlib import Path
 
+import treerl.envs.math_verify_worker as math_verify_worker
 from treerl.envs.processes import kill_and_reap
 from treerl.envs.sandbox import SandboxLimits, run_python
 
@@ -222,34 +225,8 @@ def _fast_math_verdict(completion: str, gold: str) -> float | None:
     return None
 
 
-# The worker: imports math-verify once, then answers one JSON request per line. Gold goes
-# first in verify(gold, answer): the comparison is not symmetric. A bare gold ("1<x<2")
-# is wrapped in $...$ so math-verify reads it as LaTeX instead of picking the first number.
-_WORKER = r'''
-import json, logging, resource, sys
-logging.disable(logging.CRITICAL)
-from math_verify import parse, verify
-limit = int(sys.argv[1])
-resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-def parse_gold(gold):
-    if "$" in gold or "\\boxed" in gold or "\\(" in gold or "\\[" in gold:
-        return parse(gold, parsing_timeout=None)
-    return parse("$" + gold + "$", parsing_timeout=None) or parse(gold, parsing_timeout=None)
-
-out = sys.stdout
-out.write("ready\n"); out.flush()
-for line in sys.stdin:
-    try:
-        req = json.loads(line)
-        gold = parse_gold(req["gold"])
-        answer = parse(req["completion"], parsing_timeout=None)
-        ok = bool(gold) and bool(answer) and bool(verify(gold, answer, timeout_seconds=None))
-        out.write(json.dumps({"ok": ok}) + "\n")
-    except BaseException as e:  # MemoryError, RecursionError, anything sympy throws
-        out.write(json.dumps({"ok": False, "error": type(e).__name__}) + "\n")
-    out.flush()
-'''
+# The worker is a module file, run by path, so that linters and tests see it.
+_WORKER_PATH = Path(math_verify_worker.__file__)
 
 
 class MathVerifier:
@@ -332,7 +309,7 @@ class MathVerifier:
         if self._proc is not None:
             self._kill_worker()
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", _WORKER, str(self.memory_mb * 1024 * 1024)],
+            [sys.executable, "-I", str(_WORKER_PATH), str(self.memory_mb * 1024 * 1024)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
