@@ -309,6 +309,13 @@ def test_tests_run_in_the_sandbox():
     assert unit_test_reward(code, ["fetch()"]) == 0.0
 
 
+def test_the_candidate_sees_neither_the_job_nor_the_nonce():
+    """The harness takes its job from stdin before the candidate runs, and keeps the nonce to itself."""
+    code = "import sys, __main__\nSTDIN = sys.stdin.read()\nNAMES = set(vars(__main__)) | set(globals())\n"
+    tests = ["assert STDIN == ''", "assert not any('nonce' in name for name in NAMES)"]
+    assert unit_test_reward(code, tests) == 1.0
+
+
 def test_unit_tests_need_tests():
     with pytest.raises(ValueError, match="non-empty"):
         unit_test_reward(ADD, [])

@@ -14,7 +14,8 @@ all score 0.0. They raise ``ValueError`` only for the caller's own mistakes (no 
   try to build ``9^{9^{9^{9}}}``). Plain numbers skip the worker: integer or decimal
   answers are compared in process, exactly.
 - :func:`exact_match_reward` and :func:`numeric_reward` are cheap string and number checks.
-- :func:`unit_test_reward` runs candidate code and assert-style tests in the sandbox.
+- :func:`unit_test_reward` runs candidate code and assert-style tests in the sandbox
+  (:mod:`treerl.envs.unit_test_harness`).
 
 Costs measured on a 2-core CPU: the in-process fast path is a few microseconds; a worker
 round trip is about 1 ms on top of math-verify's own work; starting a worker (importing
@@ -39,6 +40,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import treerl.envs.math_verify_worker as math_verify_worker
+import treerl.envs.unit_test_harness as unit_test_harness
 from treerl.envs.processes import kill_and_reap
 from treerl.envs.sandbox import SandboxLimits, run_python
 
@@ -225,8 +227,10 @@ def _fast_math_verdict(completion: str, gold: str) -> float | None:
     return None
 
 
-# The worker is a module file, run by path, so that linters and tests see it.
+# The worker and the unit-test harness are module files, so that linters and tests see them.
+# The worker runs by path; the harness is sandboxed code, which run_python takes as text.
 _WORKER_PATH = Path(math_verify_worker.__file__)
+_HARNESS_PATH = Path(unit_test_harness.__file__)
 
 
 class MathVerifier:
@@ -385,45 +389,6 @@ def math_verify_reward(completion: str, gold: str, *, timeout_s: float = 5.0) ->
 
 # --- unit tests -------------------------------------------------------------------------
 
-# Runs in the sandbox. The candidate's stdout goes to /dev/null so it cannot push the
-# results past the output limit; results go to the original stdout, one line per test,
-# tagged with a per-run nonce. Each test gets an equal share of the time that is left,
-# so one hanging test fails alone and the rest still run.
-_HARNESS = r'''
-import os, signal, sys, time
-_nonce, _code, _tests, _budget_s = {nonce!r}, {code!r}, {tests!r}, {budget_s!r}
-_deadline = time.monotonic() + _budget_s
-_out = os.dup(1)
-_null = os.open(os.devnull, os.O_WRONLY)
-os.dup2(_null, 1)
-
-class _TestTimeout(BaseException):
-    pass
-
-def _alarm(signum, frame):
-    raise _TestTimeout()
-
-signal.signal(signal.SIGALRM, _alarm)
-
-def _run(source, share):
-    signal.setitimer(signal.ITIMER_REAL, max(share, 0.001))
-    try:
-        exec(compile(source, "<candidate>", "exec"), _namespace)
-        return True
-    except BaseException:
-        return False
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-
-_namespace = {{"__name__": "__main__", "__builtins__": __builtins__}}
-if _run(_code, (_deadline - time.monotonic()) / 2):
-    for _i, _test in enumerate(_tests):
-        _share = (_deadline - time.monotonic()) / (len(_tests) - _i)
-        _passed = _run(_test, _share)
-        os.write(_out, ("%s %d %d\n" % (_nonce, _i, _passed)).encode())
-'''
-
-
 def unit_test_reward(code: str, tests: Sequence[str], *, limits: SandboxLimits = SandboxLimits()) -> float:
     """The fraction of ``tests`` (assert statements or small snippets) that pass for ``code``.
 
@@ -448,8 +413,8 @@ def unit_test_reward(code: str, tests: Sequence[str], *, limits: SandboxLimits =
     nonce = secrets.token_hex(16)
     # Leave part of the wall clock for interpreter start-up and reporting.
     budget_s = max(limits.timeout_s * 0.9 - 0.2, limits.timeout_s * 0.5)
-    harness = _HARNESS.format(nonce=nonce, code=code, tests=[str(t) for t in tests], budget_s=budget_s)
-    result = run_python(harness, limits=limits)
+    job = {"nonce": nonce, "code": code, "tests": [str(t) for t in tests], "budget_s": budget_s}
+    result = run_python(_HARNESS_PATH.read_text(encoding="utf-8"), stdin=json.dumps(job), limits=limits)
     passed: set[int] = set()
     for line in result.stdout.splitlines():
         parts = line.split()
