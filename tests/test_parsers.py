@@ -15,7 +15,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+import treerl.envs.json_parsers
 import treerl.envs.parsers
+import treerl.envs.pythonic_parser
+import treerl.envs.qwen3_coder_parser
 from treerl.errors import ToolCallError, ToolErrorKind
 from treerl.envs.parsers import (
     PARSERS,
@@ -430,5 +433,10 @@ def test_qwen3_coder_render_then_parse_with_schemas(calls):
     assert result.content == ""
 
 
-def test_docstring_examples():
-    assert doctest.testmod(treerl.envs.parsers, raise_on_error=True).attempted > 0
+@pytest.mark.parametrize(
+    "module",
+    [treerl.envs.parsers, treerl.envs.json_parsers, treerl.envs.pythonic_parser, treerl.envs.qwen3_coder_parser],
+    ids=lambda m: m.__name__,
+)
+def test_docstring_examples(module):
+    assert doctest.testmod(module, raise_on_error=True).attempted > 0

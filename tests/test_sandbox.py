@@ -161,6 +161,18 @@ def test_isolated_mode_ignores_python_variables(monkeypatch):
     assert result.stdout == "1\n"
 
 
+def test_the_bootstrap_is_a_module_file_run_by_path():
+    """No program travels in a string: the child's command line names the bootstrap's file."""
+    import treerl.envs.sandbox_bootstrap
+
+    code = "import json\nprint(json.dumps(open('/proc/self/cmdline', 'rb').read().decode().split('\\0')[:-1]))"
+    result = run_python(code, limits=FAST)
+    assert result.ok, result.stderr
+    argv = json.loads(result.stdout)
+    assert "-c" not in argv and "-I" in argv
+    assert argv[-2] == treerl.envs.sandbox_bootstrap.__file__
+
+
 def test_runtime_error_and_exit_codes():
     crashed = run_python("def f():\n    return 1 / 0\nf()", limits=FAST)
     assert crashed.error is SandboxErrorKind.RUNTIME_ERROR and crashed.exit_code == 1
@@ -418,14 +430,23 @@ def test_unprivileged_fallbacks_inside_the_sandbox():
     """The non-root path, exercised by running the sandbox module inside a root sandbox run."""
     if os.geteuid() != 0:
         pytest.skip("already not root: the other tests exercise the unprivileged path directly")
-    import treerl.envs.sandbox as sandbox_module
+    import treerl.envs.processes
+    import treerl.envs.sandbox
+    import treerl.envs.sandbox_bootstrap
+    import treerl.envs.sandbox_capture
 
-    with open(sandbox_module.__file__, encoding="utf-8") as f:
-        source = f.read()
+    # The sandbox's own modules, copied into a bare package: the real treerl/envs/__init__.py
+    # pulls in far more than the sandbox needs, and the inner run starts its bootstrap by path.
+    files = {"treerl/__init__.py": "", "treerl/envs/__init__.py": ""}
+    modules = (treerl.envs.processes, treerl.envs.sandbox, treerl.envs.sandbox_bootstrap, treerl.envs.sandbox_capture)
+    for module in modules:
+        with open(module.__file__, encoding="utf-8") as f:
+            files[f"treerl/envs/{os.path.basename(module.__file__)}"] = f.read()
     inner = (
-        "import importlib.util, json, os, sys\n"
-        "spec = importlib.util.spec_from_file_location('sbx', 'sbx.py')\n"
-        "m = importlib.util.module_from_spec(spec); sys.modules['sbx'] = m; spec.loader.exec_module(m)\n"
+        "import json, os, sys\n"
+        "sys.path.insert(0, os.getcwd())\n"
+        "import treerl.envs.sandbox as m\n"
+        "assert m.__file__.startswith(os.getcwd()), m.__file__\n"
         "assert os.geteuid() != 0\n"
         "limits = m.SandboxLimits(timeout_s=1.0, max_processes=4, memory_mb=128)\n"
         "codes = {'ok': 'print(6 * 7)', 'loop': 'while True: pass', 'mem': 'x = bytearray(2 ** 31)',\n"
@@ -437,7 +458,7 @@ def test_unprivileged_fallbacks_inside_the_sandbox():
         "    out[name] = [r.error.value if r.error else None, r.stdout, r.uid, r.enforced.get('user', '')]\n"
         "print(json.dumps(out))\n"
     )
-    result = run_python(inner, files={"sbx.py": source}, limits=SandboxLimits(timeout_s=30.0, max_processes=64, memory_mb=1024))
+    result = run_python(inner, files=files, limits=SandboxLimits(timeout_s=30.0, max_processes=64, memory_mb=1024))
     assert result.ok, result.stderr
     out = json.loads(result.stdout)
     assert out["ok"][:3] == [None, "42\n", None] and "not root" in out["ok"][3]

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, NotRequired, Optional, TypedDict, Un
 import jsonschema
 import pytest
 
+import treerl.envs.docstrings
+import treerl.envs.schema
 import treerl.envs.tools
 from treerl.errors import ToolCallError, ToolErrorKind, ToolTimeout
 from treerl.envs.parsers import ToolCall
@@ -540,5 +542,8 @@ def test_run_tool_call_turns_model_faults_into_results():
     assert run(run_tool_call(ToolCall("x", {}), {})).content == "Unknown tool 'x'. Available tools: none."
 
 
-def test_docstring_examples():
-    assert doctest.testmod(treerl.envs.tools, raise_on_error=True).attempted > 0
+@pytest.mark.parametrize(
+    "module", [treerl.envs.tools, treerl.envs.schema, treerl.envs.docstrings], ids=lambda m: m.__name__
+)
+def test_docstring_examples(module):
+    assert doctest.testmod(module, raise_on_error=True).attempted > 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -226,6 +228,32 @@ def test_math_verify_garbage_never_raises():
     assert math_verify_reward("1", None) == 0.0  # type: ignore[arg-type]
 
 
+def _child_commands() -> list[list[str]]:
+    """The command lines of this process's live children."""
+    commands = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\0")[:-1]
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid():
+            commands.append(argv)
+    return commands
+
+
+def test_the_worker_is_a_module_file_run_by_path():
+    """No program travels in a string: the worker's command line names its module's file."""
+    import treerl.envs.math_verify_worker
+
+    with MathVerifier(memory_mb=1024) as verifier:
+        assert verifier.score(r"so \boxed{\frac{1}{2}}", "0.5") == 1.0
+        commands = _child_commands()
+    assert [sys.executable, "-I", treerl.envs.math_verify_worker.__file__, str(1024 * 1024 * 1024)] in commands
+
+
 def test_math_verifier_config_is_validated():
     with pytest.raises(ValueError, match="MathVerifier.memory_mb"):
         MathVerifier(memory_mb=16)
@@ -279,6 +307,13 @@ def test_printed_fake_results_do_not_count():
 def test_tests_run_in_the_sandbox():
     code = "import socket\ndef fetch():\n    return socket.create_connection(('127.0.0.1', 9), timeout=1)\n"
     assert unit_test_reward(code, ["fetch()"]) == 0.0
+
+
+def test_the_candidate_sees_neither_the_job_nor_the_nonce():
+    """The harness takes its job from stdin before the candidate runs, and keeps the nonce to itself."""
+    code = "import sys, __main__\nSTDIN = sys.stdin.read()\nNAMES = set(vars(__main__)) | set(globals())\n"
+    tests = ["assert STDIN == ''", "assert not any('nonce' in name for name in NAMES)"]
+    assert unit_test_reward(code, tests) == 1.0
 
 
 def test_unit_tests_need_tests():

@@ -4,9 +4,10 @@
 site, no script directory on ``sys.path``) in its own session and process group, with a
 private temporary working directory, captured and truncated stdin/stdout/stderr, and a
 minimal environment (``PATH``, ``HOME``, ``TMPDIR``, ``LANG``; nothing inherited, so no
-tokens or keys leak in). A small trusted bootstrap runs first in the child: it applies the
-limits, then runs the user code as ``__main__`` and writes a status record for each thing
-that happened (setup, blocked network call, failed fork, exit) to a file the parent reads.
+tokens or keys leak in). A small trusted bootstrap (:mod:`treerl.envs.sandbox_bootstrap`,
+run by path) runs first in the child: it applies the limits, then runs the user code as
+``__main__`` and writes a status record for each thing that happened (setup, blocked
+network call, failed fork, exit) to a file the parent reads.
 
 What is enforced, where, and what falls back when the OS refuses:
 
@@ -69,7 +70,6 @@ import asyncio
 import json
 import os
 import secrets
-import selectors
 import shutil
 import signal
 import stat
@@ -77,10 +77,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path, PurePosixPath
+
+import treerl.envs.sandbox_bootstrap as sandbox_bootstrap
+from treerl.envs.processes import kill_and_reap, send_kill
+from treerl.envs.sandbox_capture import capture
 
 __all__ = [
     "SandboxLimits",
@@ -96,12 +100,10 @@ __all__ = [
 # ranges, so a run's RLIMIT_NPROC and its kill(-1) touch nothing but that run.
 _UID_BASE = 2_100_000_000
 _UID_SPAN = 1 << 24
-# Status records are small; more than this means the user code wrote into the status fd.
-_MAX_STATUS_BYTES = 1 << 20
-# How often the read loop wakes to check the child and its status records.
-_POLL_S = 0.05
-# After the child is gone, how long to wait for its pipes to drain.
-_DRAIN_S = 1.0
+# The bootstrap runs as a file, so that linters and tests see it like any module. The child
+# reads it as the caller, before it drops privileges, so it may live where the private uid
+# cannot look.
+_BOOTSTRAP_PATH = Path(sandbox_bootstrap.__file__)
 
 
 @dataclass(frozen=True)
@@ -181,185 +183,6 @@ class SandboxResult:
     def ok(self) -> bool:
         """The code ran to completion and exited with status 0."""
         return self.error is None and self.exit_code == 0
-
-
-# ---------------------------------------------------------------------------------------
-# The bootstrap: trusted code that runs first in the child, as the caller's user, and
-# applies the limits before it hands over to the user code. It reads everything it needs
-# (config, code) before dropping privileges, because the control directory is 0700.
-# ---------------------------------------------------------------------------------------
-_BOOTSTRAP = r'''
-import builtins, errno, json, linecache, os, resource, sys, types
-
-def _treerl_bootstrap():
-    ctl = sys.argv[1]
-    with open(os.path.join(ctl, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    with open(os.path.join(ctl, "main.py"), encoding="utf-8") as f:
-        source = f.read()
-    status_fd = os.open(os.path.join(ctl, "status.jsonl"), os.O_WRONLY | os.O_APPEND)
-    _dumps, _write, _getpid = json.dumps, os.write, os.getpid
-
-    def record(**fields):
-        fields["pid"] = _getpid()
-        try:
-            _write(status_fd, (_dumps(fields) + "\n").encode())
-        except (OSError, ValueError, TypeError):
-            pass
-
-    enforced = {}
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
-    MS_BIND, MS_REC, MS_PRIVATE, MNT_DETACH = 4096, 16384, 1 << 18, 2
-
-    def why():
-        return os.strerror(ctypes.get_errno())
-
-    uid = cfg["uid"]
-    if uid is not None:
-        # Root: a private mount namespace (to make the interpreter reachable for the
-        # unprivileged uid) and, unless allowed, a private network namespace.
-        flags = CLONE_NEWNS | (0 if cfg["network"] else CLONE_NEWNET)
-        if libc.unshare(flags) != 0:
-            enforced["namespaces"] = "unshare refused (%s)" % why()
-        else:
-            enforced["network_namespace"] = "off (network allowed)" if cfg["network"] else "private"
-            ok = libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0
-            for hidden, exposed in cfg["mount_plan"] if ok else []:
-                # Bind each exposed tree aside, hide its closed parent under a tmpfs, and
-                # bind the tree back at its original path inside that tmpfs.
-                stages = []
-                for i, path in enumerate(exposed):
-                    stage = os.path.join(ctl, "stage%d" % i)
-                    os.mkdir(stage)
-                    ok = ok and libc.mount(path.encode(), stage.encode(), None, MS_BIND | MS_REC, None) == 0
-                    stages.append(stage)
-                ok = ok and libc.mount(b"tmpfs", hidden.encode(), b"tmpfs", 0, b"mode=0755") == 0
-                for stage, path in zip(stages, exposed):
-                    if ok:
-                        os.makedirs(path, mode=0o755, exist_ok=True)
-                        ok = libc.mount(stage.encode(), path.encode(), None, MS_BIND | MS_REC, None) == 0
-                    libc.umount2(stage.encode(), MNT_DETACH)
-            enforced["mounts"] = ("private; hidden and rebound: " + ", ".join(h for h, _ in cfg["mount_plan"])
-                                  if cfg["mount_plan"] else "private") if ok else "refused (%s)" % why()
-    elif not cfg["network"]:
-        # Not root: a user namespace makes a network namespace possible where the kernel
-        # allows unprivileged user namespaces. Map our own ids so nothing looks different.
-        real_uid, real_gid = os.getuid(), os.getgid()
-        if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
-            try:
-                for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (real_uid, real_uid)),
-                                   ("gid_map", "%d %d 1" % (real_gid, real_gid))):
-                    with open("/proc/self/" + name, "w") as f:
-                        f.write(text)
-            except OSError:
-                pass
-            enforced["network_namespace"] = "private (user namespace)"
-        else:
-            enforced["network_namespace"] = "unavailable (%s); audit hook only" % why()
-    else:
-        enforced["network_namespace"] = "off (network allowed)"
-
-    def lower(which, value):
-        # Only ever lower: a hard limit already below ours stays (raising it needs root).
-        hard = resource.getrlimit(which)[1]
-        if hard != resource.RLIM_INFINITY:
-            value = min(value, hard)
-        resource.setrlimit(which, (value, value))
-        return value
-
-    mem = cfg["memory_bytes"]
-    for which in (resource.RLIMIT_AS, resource.RLIMIT_DATA):
-        mem = lower(which, mem)
-    lower(resource.RLIMIT_CORE, 0)
-    cfg["nproc"] = lower(resource.RLIMIT_NPROC, cfg["nproc"])
-    enforced["memory"] = "RLIMIT_AS and RLIMIT_DATA = %d bytes" % mem
-    if uid is not None:
-        PR_SET_NO_NEW_PRIVS = 38
-        libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-        enforced["user"] = "private uid/gid %d, no supplementary groups, no_new_privs" % uid
-        enforced["processes"] = "RLIMIT_NPROC = %d on the private uid" % cfg["nproc"]
-    else:
-        enforced["user"] = "the caller's user (not root, cannot switch)"
-        enforced["processes"] = "RLIMIT_NPROC = %d (this user's tasks + max_processes)" % cfg["nproc"]
-
-    if not cfg["network"]:
-        INET = (2, 10)  # AF_INET, AF_INET6: AF_UNIX sockets stay usable.
-        on_socket = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"}
-        on_name = {"socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyname_ex",
-                   "socket.gethostbyaddr", "socket.getnameinfo"}
-
-        def block(event, target):
-            record(event="network", call=event, target=repr(target)[:200])
-            raise PermissionError("network access is disabled in this sandbox (%s %r)" % (event, target))
-
-        def audit(event, args):
-            if event in on_socket and getattr(args[0], "family", None) in INET:
-                block(event, args[1] if len(args) > 1 else None)
-            elif event in on_name:
-                block(event, args[0] if args else None)
-
-        sys.addaudithook(audit)
-        enforced["network_hook"] = "audit hook blocks inet connect/bind/sendto/sendmsg and name lookups"
-    record(event="setup", enforced=enforced)
-
-    def tracked(fn, name):
-        def wrapper(*args, **kwargs):
-            try:
-                return fn(*args, **kwargs)
-            except OSError as e:
-                if e.errno == errno.EAGAIN:
-                    record(event="process_limit", call=name)
-                raise
-        wrapper.__name__ = wrapper.__qualname__ = fn.__name__
-        wrapper.__doc__ = fn.__doc__
-        return wrapper
-
-    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
-        if hasattr(os, name):
-            setattr(os, name, tracked(getattr(os, name), "os." + name))
-    import _posixsubprocess
-    _posixsubprocess.fork_exec = tracked(_posixsubprocess.fork_exec, "subprocess")
-
-    main = types.ModuleType("__main__")
-    main.__builtins__ = builtins
-    sys.modules["__main__"] = main
-    sys.argv = ["<sandbox>"]
-    linecache.cache["<sandbox>"] = (len(source), None, source.splitlines(True), "<sandbox>")
-    del cfg, f
-    try:
-        exec(compile(source, "<sandbox>", "exec"), main.__dict__)
-    except SystemExit as e:
-        code = e.code
-        if code is None:
-            code = 0
-        elif not isinstance(code, int):
-            print(code, file=sys.stderr)
-            code = 1
-        record(event="exit", kind="exit", code=code)
-        return code
-    except BaseException as e:
-        if isinstance(e, MemoryError):
-            kind = "memory"
-        elif (isinstance(e, OSError) and e.errno == errno.EAGAIN) or (
-                isinstance(e, RuntimeError) and "can't start new thread" in str(e)):
-            kind = "process_limit"
-        else:
-            kind = "exception"
-        record(event="exit", kind=kind, exc_type=type(e).__name__)
-        if e.__traceback__ is not None:
-            e.__traceback__ = e.__traceback__.tb_next  # hide the bootstrap's own frame
-        sys.excepthook(type(e), e, e.__traceback__)
-        return 1
-    record(event="exit", kind="ok", code=0)
-    return 0
-
-sys.exit(_treerl_bootstrap())
-'''
 
 
 def classify_outcome(
@@ -453,7 +276,7 @@ def run_python(
             stdin_file = open(ctl / "stdin", "rb")
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", "-X", "utf8", "-c", _BOOTSTRAP, str(ctl)],
+                [sys.executable, "-I", "-B", "-X", "utf8", str(_BOOTSTRAP_PATH), str(ctl)],
                 cwd=work,
                 env=_minimal_env(work),
                 stdin=stdin_file if stdin_file is not None else subprocess.DEVNULL,
@@ -465,8 +288,8 @@ def run_python(
         finally:
             if stdin_file is not None:
                 stdin_file.close()
-        out = _capture(
-            proc, ctl / "status.jsonl", limits, deadline=start + limits.timeout_s,
+        out = capture(
+            proc, ctl / "status.jsonl", max_output_bytes=limits.max_output_bytes, deadline=start + limits.timeout_s,
             kill_survivors=lambda: _kill_survivors(proc.pid, uid),
         )
         killed = out.timed_out or out.stopped_early
@@ -530,133 +353,24 @@ def sandbox_capabilities() -> dict[str, str]:
 # ---------------------------------------------------------------------------------------
 # Parent-side helpers.
 # ---------------------------------------------------------------------------------------
-@dataclass
-class _Captured:
-    stdout: str
-    stderr: str
-    truncated: bool
-    timed_out: bool
-    stopped_early: bool
-    records: list[dict]
-
-
-def _capture(
-    proc: subprocess.Popen, status_path: Path, limits: SandboxLimits, *, deadline: float, kill_survivors: Callable[[], None]
-) -> _Captured:
-    """Read the child's output until it exits or the deadline passes, keeping the head."""
-    assert proc.stdout is not None and proc.stderr is not None
-    kept = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
-    truncated = False
-    timed_out = stopped_early = False
-    sel = selectors.DefaultSelector()
-    for pipe in (proc.stdout, proc.stderr):
-        sel.register(pipe.fileno(), selectors.EVENT_READ)
-    status = _StatusReader(status_path)
-
-    def read_ready(timeout: float) -> None:
-        nonlocal truncated
-        for key, _ in sel.select(timeout=max(timeout, 0.0)):
-            data = os.read(key.fd, 65536)
-            if not data:
-                sel.unregister(key.fd)
-                continue
-            buf = kept[key.fd]
-            room = limits.max_output_bytes - len(buf)
-            if len(data) > room:
-                truncated = True
-            if room > 0:
-                buf += data[:room]
-
-    try:
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                timed_out = proc.poll() is None
-                break
-            if not sel.get_map():
-                # Both pipes closed: wait for the exit itself, still under the deadline.
-                try:
-                    proc.wait(timeout=remaining)
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                break
-            read_ready(min(remaining, _POLL_S))
-            if any(r.get("event") == "process_limit" for r in status.poll()):
-                # A fork bomb that swallows its errors would otherwise spin until the
-                # wall clock; the limit has done its job, stop the run now.
-                stopped_early = proc.poll() is None
-                break
-            if proc.poll() is not None:
-                break  # exited; a leftover child may still hold the pipes open
-        # Whatever is left (background children) dies now, then the pipes drain to EOF.
-        kill_survivors()
-        drain_until = time.monotonic() + _DRAIN_S
-        while sel.get_map() and time.monotonic() < drain_until:
-            read_ready(drain_until - time.monotonic())
-    finally:
-        sel.close()
-    return _Captured(
-        stdout=kept[proc.stdout.fileno()].decode("utf-8", errors="replace"),
-        stderr=kept[proc.stderr.fileno()].decode("utf-8", errors="replace"),
-        truncated=truncated,
-        timed_out=timed_out,
-        stopped_early=stopped_early,
-        records=status.poll(final=True),
-    )
-
-
-class _StatusReader:
-    """Incrementally parses the bootstrap's JSON-lines status file, tolerating garbage."""
-
-    def __init__(self, path: Path):
-        self._path = path
-        self._offset = 0
-        self._pending = b""
-        self.records: list[dict] = []
-
-    def poll(self, final: bool = False) -> list[dict]:
-        try:
-            with open(self._path, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read(max(_MAX_STATUS_BYTES - self._offset, 0))
-        except OSError:
-            return self.records
-        self._offset += len(chunk)
-        data = self._pending + chunk
-        lines = data.split(b"\n")
-        self._pending = b"" if final else lines.pop()
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except (ValueError, UnicodeDecodeError):
-                continue
-            if isinstance(rec, dict):
-                self.records.append(rec)
-        return self.records
-
-
-def _signal_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _kill_all(proc: subprocess.Popen, uid: int | None) -> None:
     """Kill every process the run left, then reap the main one and close its pipes."""
-    _kill_survivors(proc.pid, uid)
-    try:
-        proc.wait(timeout=5.0)
-    except subprocess.TimeoutExpired:
-        pass
-    for pipe in (proc.stdout, proc.stderr):
-        if pipe is not None:
-            pipe.close()
+    # The sweep goes before the reap: until the main process is reaped, its pid (the
+    # session and group id the sweep looks for) cannot be reused by another process.
+    kill_and_reap(proc, before_reap=lambda: _sweep(proc.pid, uid))
 
 
 def _kill_survivors(session: int, uid: int | None) -> None:
-    """Kill the run's process group, then sweep its session and private uid until empty."""
-    _signal_group(session)
+    """Kill the run's process group, then sweep its session and private uid until empty.
+
+    The main process is left unreaped: the caller still reads its exit status.
+    """
+    send_kill(session, group=True)
+    _sweep(session, uid)
+
+
+def _sweep(session: int, uid: int | None) -> None:
+    """Kill what escaped the process group: processes of the run's session or private uid."""
     for _ in range(20):
         survivors = _sandbox_pids(uid=uid, session=session)
         if not survivors:
@@ -673,10 +387,7 @@ def _kill_survivors(session: int, uid: int | None) -> None:
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
                 )
         for pid in survivors:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            send_kill(pid)
         time.sleep(0.01)
 
 

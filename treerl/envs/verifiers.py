@@ -8,12 +8,14 @@ all score 0.0. They raise ``ValueError`` only for the caller's own mistakes (no 
   ``0.5`` vs ``\\frac{1}{2}``). math-verify's own timeouts use ``signal.alarm``, which only
   works in the main thread, so they are turned off (``parsing_timeout=None``,
   ``timeout_seconds=None``) and the time limit is enforced from outside: parsing and
-  comparing run in a warm worker process (:class:`MathVerifier`) that is killed and
-  replaced when it overruns. That works from worker threads and event loops alike and
-  also bounds memory (sympy can try to build ``9^{9^{9^{9}}}``). Plain numbers skip the
-  worker: integer or decimal answers are compared in process, exactly.
+  comparing run in a warm worker process (:class:`MathVerifier`, running
+  :mod:`treerl.envs.math_verify_worker`) that is killed and replaced when it overruns.
+  That works from worker threads and event loops alike and also bounds memory (sympy can
+  try to build ``9^{9^{9^{9}}}``). Plain numbers skip the worker: integer or decimal
+  answers are compared in process, exactly.
 - :func:`exact_match_reward` and :func:`numeric_reward` are cheap string and number checks.
-- :func:`unit_test_reward` runs candidate code and assert-style tests in the sandbox.
+- :func:`unit_test_reward` runs candidate code and assert-style tests in the sandbox
+  (:mod:`treerl.envs.unit_test_harness`).
 
 Costs measured on a 2-core CPU: the in-process fast path is a few microseconds; a worker
 round trip is about 1 ms on top of math-verify's own work; starting a worker (importing
@@ -29,14 +31,17 @@ import os
 import re
 import secrets
 import select
-import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from fractions import Fraction
+from pathlib import Path
 
+import treerl.envs.math_verify_worker as math_verify_worker
+import treerl.envs.unit_test_harness as unit_test_harness
+from treerl.envs.processes import kill_and_reap
 from treerl.envs.sandbox import SandboxLimits, run_python
 
 __all__ = [
@@ -222,34 +227,10 @@ def _fast_math_verdict(completion: str, gold: str) -> float | None:
     return None
 
 
-# The worker: imports math-verify once, then answers one JSON request per line. Gold goes
-# first in verify(gold, answer): the comparison is not symmetric. A bare gold ("1<x<2")
-# is wrapped in $...$ so math-verify reads it as LaTeX instead of picking the first number.
-_WORKER = r'''
-import json, logging, resource, sys
-logging.disable(logging.CRITICAL)
-from math_verify import parse, verify
-limit = int(sys.argv[1])
-resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-def parse_gold(gold):
-    if "$" in gold or "\\boxed" in gold or "\\(" in gold or "\\[" in gold:
-        return parse(gold, parsing_timeout=None)
-    return parse("$" + gold + "$", parsing_timeout=None) or parse(gold, parsing_timeout=None)
-
-out = sys.stdout
-out.write("ready\n"); out.flush()
-for line in sys.stdin:
-    try:
-        req = json.loads(line)
-        gold = parse_gold(req["gold"])
-        answer = parse(req["completion"], parsing_timeout=None)
-        ok = bool(gold) and bool(answer) and bool(verify(gold, answer, timeout_seconds=None))
-        out.write(json.dumps({"ok": ok}) + "\n")
-    except BaseException as e:  # MemoryError, RecursionError, anything sympy throws
-        out.write(json.dumps({"ok": False, "error": type(e).__name__}) + "\n")
-    out.flush()
-'''
+# The worker and the unit-test harness are module files, so that linters and tests see them.
+# The worker runs by path; the harness is sandboxed code, which run_python takes as text.
+_WORKER_PATH = Path(math_verify_worker.__file__)
+_HARNESS_PATH = Path(unit_test_harness.__file__)
 
 
 class MathVerifier:
@@ -332,7 +313,7 @@ class MathVerifier:
         if self._proc is not None:
             self._kill_worker()
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", _WORKER, str(self.memory_mb * 1024 * 1024)],
+            [sys.executable, "-I", str(_WORKER_PATH), str(self.memory_mb * 1024 * 1024)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -366,22 +347,8 @@ class MathVerifier:
 
     def _kill_worker(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:
-            pass
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe is not None:
-                try:
-                    pipe.close()
-                except OSError:
-                    pass
+        if proc is not None:
+            kill_and_reap(proc)
 
 
 # One shared worker for the plain function: starting one costs seconds (sympy), scoring
@@ -422,45 +389,6 @@ def math_verify_reward(completion: str, gold: str, *, timeout_s: float = 5.0) ->
 
 # --- unit tests -------------------------------------------------------------------------
 
-# Runs in the sandbox. The candidate's stdout goes to /dev/null so it cannot push the
-# results past the output limit; results go to the original stdout, one line per test,
-# tagged with a per-run nonce. Each test gets an equal share of the time that is left,
-# so one hanging test fails alone and the rest still run.
-_HARNESS = r'''
-import os, signal, sys, time
-_nonce, _code, _tests, _budget_s = {nonce!r}, {code!r}, {tests!r}, {budget_s!r}
-_deadline = time.monotonic() + _budget_s
-_out = os.dup(1)
-_null = os.open(os.devnull, os.O_WRONLY)
-os.dup2(_null, 1)
-
-class _TestTimeout(BaseException):
-    pass
-
-def _alarm(signum, frame):
-    raise _TestTimeout()
-
-signal.signal(signal.SIGALRM, _alarm)
-
-def _run(source, share):
-    signal.setitimer(signal.ITIMER_REAL, max(share, 0.001))
-    try:
-        exec(compile(source, "<candidate>", "exec"), _namespace)
-        return True
-    except BaseException:
-        return False
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-
-_namespace = {{"__name__": "__main__", "__builtins__": __builtins__}}
-if _run(_code, (_deadline - time.monotonic()) / 2):
-    for _i, _test in enumerate(_tests):
-        _share = (_deadline - time.monotonic()) / (len(_tests) - _i)
-        _passed = _run(_test, _share)
-        os.write(_out, ("%s %d %d\n" % (_nonce, _i, _passed)).encode())
-'''
-
-
 def unit_test_reward(code: str, tests: Sequence[str], *, limits: SandboxLimits = SandboxLimits()) -> float:
     """The fraction of ``tests`` (assert statements or small snippets) that pass for ``code``.
 
@@ -485,8 +413,8 @@ def unit_test_reward(code: str, tests: Sequence[str], *, limits: SandboxLimits =
     nonce = secrets.token_hex(16)
     # Leave part of the wall clock for interpreter start-up and reporting.
     budget_s = max(limits.timeout_s * 0.9 - 0.2, limits.timeout_s * 0.5)
-    harness = _HARNESS.format(nonce=nonce, code=code, tests=[str(t) for t in tests], budget_s=budget_s)
-    result = run_python(harness, limits=limits)
+    job = {"nonce": nonce, "code": code, "tests": [str(t) for t in tests], "budget_s": budget_s}
+    result = run_python(_HARNESS_PATH.read_text(encoding="utf-8"), stdin=json.dumps(job), limits=limits)
     passed: set[int] = set()
     for line in result.stdout.splitlines():
         parts = line.split()

@@ -1,0 +1,154 @@
+"""Reading a sandboxed run from the parent: its output and the bootstrap's status records.
+
+:func:`capture` is the parent's half of :func:`treerl.envs.sandbox.run_python`. Invariants:
+
+- It never waits past the deadline: the pipes are read with ``select`` in short slices,
+  and the wall clock is checked between them.
+- Both pipes are always read, so a child that writes a lot never blocks on a full pipe;
+  only the first ``max_output_bytes`` of each are kept, the rest is read and dropped.
+- A run that hits its process limit is stopped at once rather than left to spin until
+  the deadline; whatever the run left behind is killed (``kill_survivors``) before the
+  pipes are drained, since a leftover child can hold them open.
+- Status records are JSON lines that any process of the run may write, the user code
+  included: unreadable lines are skipped, and at most ``_MAX_STATUS_BYTES`` are read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Captured", "capture", "StatusReader"]
+
+# Status records are small; more than this means the user code wrote into the status fd.
+_MAX_STATUS_BYTES = 1 << 20
+# How often the read loop wakes to check the child and its status records.
+_POLL_S = 0.05
+# After the child is gone, how long to wait for its pipes to drain.
+_DRAIN_S = 1.0
+
+
+@dataclass
+class Captured:
+    """What the parent read from one run."""
+
+    stdout: str
+    stderr: str
+    truncated: bool
+    """Whether stdout or stderr went over ``max_output_bytes`` and was cut."""
+    timed_out: bool
+    """The main process was still running at the deadline."""
+    stopped_early: bool
+    """The run was stopped before the deadline because it hit its process limit."""
+    records: list[dict]
+    """The status records of every process of the run, in the order they were written."""
+
+
+def capture(
+    proc: subprocess.Popen,
+    status_path: Path,
+    *,
+    max_output_bytes: int,
+    deadline: float,
+    kill_survivors: Callable[[], None],
+) -> Captured:
+    """Read the child's output until it exits or the deadline passes, keeping the head."""
+    assert proc.stdout is not None and proc.stderr is not None
+    kept = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    truncated = False
+    timed_out = stopped_early = False
+    sel = selectors.DefaultSelector()
+    for pipe in (proc.stdout, proc.stderr):
+        sel.register(pipe.fileno(), selectors.EVENT_READ)
+    status = StatusReader(status_path)
+
+    def read_ready(timeout: float) -> None:
+        nonlocal truncated
+        for key, _ in sel.select(timeout=max(timeout, 0.0)):
+            data = os.read(key.fd, 65536)
+            if not data:
+                sel.unregister(key.fd)
+                continue
+            buf = kept[key.fd]
+            room = max_output_bytes - len(buf)
+            if len(data) > room:
+                truncated = True
+            if room > 0:
+                buf += data[:room]
+
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = proc.poll() is None
+                break
+            if not sel.get_map():
+                # Both pipes closed: wait for the exit itself, still under the deadline.
+                try:
+                    proc.wait(timeout=remaining)
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                break
+            read_ready(min(remaining, _POLL_S))
+            if any(r.get("event") == "process_limit" for r in status.poll()):
+                # A fork bomb that swallows its errors would otherwise spin until the
+                # wall clock; the limit has done its job, stop the run now.
+                stopped_early = proc.poll() is None
+                break
+            if proc.poll() is not None:
+                break  # exited; a leftover child may still hold the pipes open
+        # Whatever is left (background children) dies now, then the pipes drain to EOF.
+        kill_survivors()
+        drain_until = time.monotonic() + _DRAIN_S
+        while sel.get_map() and time.monotonic() < drain_until:
+            read_ready(drain_until - time.monotonic())
+    finally:
+        sel.close()
+    return Captured(
+        stdout=kept[proc.stdout.fileno()].decode("utf-8", errors="replace"),
+        stderr=kept[proc.stderr.fileno()].decode("utf-8", errors="replace"),
+        truncated=truncated,
+        timed_out=timed_out,
+        stopped_early=stopped_early,
+        records=status.poll(final=True),
+    )
+
+
+class StatusReader:
+    """Incrementally parses the bootstrap's JSON-lines status file, tolerating garbage.
+
+    ``poll()`` returns every record read so far; ``poll(final=True)`` also takes a last
+    line that has no newline (the run is over, nothing more will be appended to it).
+    """
+
+    def __init__(self, path: Path):
+        self._path = path
+        self._offset = 0
+        self._pending = b""
+        self.records: list[dict] = []
+
+    def poll(self, final: bool = False) -> list[dict]:
+        try:
+            with open(self._path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read(max(_MAX_STATUS_BYTES - self._offset, 0))
+        except OSError:
+            return self.records
+        self._offset += len(chunk)
+        data = self._pending + chunk
+        lines = data.split(b"\n")
+        self._pending = b"" if final else lines.pop()
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if isinstance(rec, dict):
+                self.records.append(rec)
+        return self.records
