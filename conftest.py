@@ -21,3 +21,6 @@ if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Programs the tests run by path in a fresh interpreter; not test modules.
+collect_ignore_glob = ["tests/programs/*"]

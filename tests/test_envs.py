@@ -11,11 +11,10 @@ import warnings
 from pathlib import Path
 
 import gymnasium
-import numpy as np
 import pytest
 
 import treerl
-from treerl.envs import ChatMessages, Completion, EnvError, Task, ToolCall, ToolEnv, check_env, tool
+from treerl.envs import ChatMessages, Completion, EnvError, Task, ToolEnv, check_env, tool
 from treerl.errors import ToolErrorKind
 from treerl.envs.registry import EnvSpec
 

@@ -4,6 +4,7 @@ optimizer, and environment keyword arguments, from Python and from the command l
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import math
 
@@ -85,12 +86,14 @@ def test_every_loss_coefficient_is_a_flag_and_a_yaml_key(tmp_path):
 
 
 class PlainSamplingPolicy:
-    """A policy written from scratch against the Policy protocol: one full forward per token,
-    no cache, the whole vocabulary; it records what the learner asks of it."""
+    """A policy written from scratch against the Policy protocol: one request at a time, the
+    whole vocabulary, transformers' own cache; it records what the learner asks of it."""
 
     def __init__(self, model, tokenizer):
         self.model = copy.deepcopy(model).eval()
         self.stop = end_of_turn_ids(model, tokenizer)
+        # transformers 5 renamed the forward's `past_key_values` to `cache`.
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.version = 0
         self.published: list[int] = []
         self.requests = 0
@@ -102,15 +105,16 @@ class PlainSamplingPolicy:
         for r in requests:
             self.requests += 1
             gen = torch.Generator().manual_seed(r.seed or 0)
-            ids, tokens, logprobs = list(r.prompt_ids), [], []
+            tokens, logprobs = [], []
+            step = self.model(torch.tensor([r.prompt_ids]), use_cache=True)
             for _ in range(r.params.max_new_tokens):
-                logp = (self.model(torch.tensor([ids])).logits[0, -1] / r.params.temperature).log_softmax(-1)
+                logp = (step.logits[0, -1] / r.params.temperature).log_softmax(-1)
                 token = int(torch.multinomial(logp.exp(), 1, generator=gen))
                 tokens.append(token)
                 logprobs.append(float(logp[token]))
-                ids.append(token)
                 if token in self.stop:
                     break
+                step = self.model(torch.tensor([[token]]), use_cache=True, **{self.cache_kwarg: step.past_key_values})
             out.append(Generation(token_ids=tokens, logprobs=logprobs, candidates=None,
                                   finish_reason="stop" if tokens[-1] in self.stop else "length",
                                   policy_version=self.version, num_prompt_tokens_processed=len(r.prompt_ids)))

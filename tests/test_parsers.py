@@ -6,7 +6,6 @@ the format's own markers), and ``parse(render(calls))`` gives the calls back.
 
 from __future__ import annotations
 
-import doctest
 import json
 import keyword
 import string
@@ -15,10 +14,6 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-import treerl.envs.json_parsers
-import treerl.envs.parsers
-import treerl.envs.pythonic_parser
-import treerl.envs.qwen3_coder_parser
 from treerl.errors import ToolCallError, ToolErrorKind
 from treerl.envs.parsers import (
     PARSERS,
@@ -431,12 +426,3 @@ def test_qwen3_coder_render_then_parse_with_schemas(calls):
     result = parser.parse(parser.render(calls), schemas)
     assert only_calls(result) == calls
     assert result.content == ""
-
-
-@pytest.mark.parametrize(
-    "module",
-    [treerl.envs.parsers, treerl.envs.json_parsers, treerl.envs.pythonic_parser, treerl.envs.qwen3_coder_parser],
-    ids=lambda m: m.__name__,
-)
-def test_docstring_examples(module):
-    assert doctest.testmod(module, raise_on_error=True).attempted > 0

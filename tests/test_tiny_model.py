@@ -7,7 +7,7 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -69,21 +69,10 @@ def test_shipped_files_exist_and_fit_in_20_mb():
 def test_loads_offline_in_under_five_seconds():
     # A fresh interpreter, so the offline switch is read at import as in real use; a dead proxy
     # makes any accidental network access fail instead of quietly succeeding.
-    script = textwrap.dedent(
-        """
-        import time
-        # Imported before the clock: we time the load, not torch's and transformers' imports
-        # (seconds of their own on a busy machine, and paid once per process by any user).
-        from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
-        from treerl.models import load_default_model
-        start = time.perf_counter()
-        model, tokenizer = load_default_model()
-        print(time.perf_counter() - start, type(model).__name__, tokenizer.is_fast)
-        """
-    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"}  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    program = Path(__file__).parent / "programs" / "time_tiny_model_load.py"
+    result = subprocess.run([sys.executable, str(program)], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     seconds, class_name, is_fast = result.stdout.split()[-3:]
     assert float(seconds) < 5.0

@@ -1,7 +1,6 @@
 """@tool: JSON Schema from signatures, docstrings, validation, conversion, running, time limits."""
 
 import asyncio
-import doctest
 import enum
 import os
 import threading
@@ -13,9 +12,6 @@ from typing import Annotated, Any, Literal, NotRequired, Optional, TypedDict, Un
 import jsonschema
 import pytest
 
-import treerl.envs.docstrings
-import treerl.envs.schema
-import treerl.envs.tools
 from treerl.errors import ToolCallError, ToolErrorKind, ToolTimeout
 from treerl.envs.parsers import ToolCall
 from treerl.envs.tools import Tool, ToolResult, run_tool_call, tool
@@ -540,10 +536,3 @@ def test_run_tool_call_turns_model_faults_into_results():
     assert invalid.error is ToolErrorKind.INVALID_ARGUMENTS and "argument 'city'" in invalid.content
     assert timed_out.error is ToolErrorKind.TIMEOUT
     assert run(run_tool_call(ToolCall("x", {}), {})).content == "Unknown tool 'x'. Available tools: none."
-
-
-@pytest.mark.parametrize(
-    "module", [treerl.envs.tools, treerl.envs.schema, treerl.envs.docstrings], ids=lambda m: m.__name__
-)
-def test_docstring_examples(module):
-    assert doctest.testmod(module, raise_on_error=True).attempted > 0

@@ -358,10 +358,3 @@ def test_bad_chunk_vocab_names_the_fix():
     hidden, weight, _, targets, _ = make_inputs(num_tokens=2, vocab=5)
     with pytest.raises(ValueError, match="chunk_vocab must be an int >= 1"):
         triton_token_logprobs(hidden, weight, targets, chunk_vocab=0)
-
-
-def test_docstring_examples_run():
-    import doctest
-
-    result = doctest.testmod(module)
-    assert result.attempted >= 4 and result.failed == 0

@@ -14,12 +14,12 @@ same tests run the compiled kernels. Tolerances, per dtype, against
 
 from __future__ import annotations
 
-import doctest
 import logging
 import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -377,12 +377,7 @@ def test_refuses_cpu_tensors_without_the_interpreter(monkeypatch):
 
 # -- the compiled path, without a GPU ----------------------------------------------------------------
 
-_COMPILE = """
-import json, sys, torch
-from treerl.kernels.triton_tree_attention import compile_for_gpu
-cases = json.loads(sys.argv[1])
-print(json.dumps([compile_for_gpu(arch, getattr(torch, dtype), d, sliding_window=w) for arch, dtype, d, w in cases]))
-"""
+PROGRAMS = Path(__file__).parent / "programs"
 
 
 def compile_in_fresh_process(cases: list[tuple[int, str, int, bool]]) -> list[dict[str, int]]:
@@ -392,7 +387,8 @@ def compile_in_fresh_process(cases: list[tuple[int, str, int, bool]]) -> list[di
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     done = subprocess.run(
-        [sys.executable, "-c", _COMPILE, json.dumps(cases)], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(PROGRAMS / "compile_tree_attention.py"), json.dumps(cases)], env=env,
+        capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -441,11 +437,3 @@ def test_compile_for_gpu_refuses_interpreted_kernels():
 def test_gpu_shapes_match_reference(dtype, head_dim):
     batch = TreeBatch([siblings(150, prompt_len=700, max_len=40), random_tree(3, 60, max_len=50)])
     check_against_reference(batch, dtype, num_heads=8, num_kv_heads=2, head_dim=head_dim)
-
-
-# -- docs --------------------------------------------------------------------------------------------
-
-
-def test_docstring_examples():
-    results = doctest.testmod(triton_tree_attention_module, optionflags=doctest.ELLIPSIS)
-    assert results.attempted >= 3 and results.failed == 0

@@ -5,7 +5,8 @@ Modules, bottom up; each imports only from those above it in this list (and from
 
 - ``types``: what the kernels return and raise (``TokenLogprobs``, ``ImplChoice``,
   ``TreeAttentionError``); ``tree_layout``: the depth-first tree layout of a packed row;
-- ``block_sparsity``: which key blocks each query block needs (pure torch);
+- ``block_sparsity``: which key blocks each query block needs (pure torch); ``triton_support``:
+  Triton if it imports, why not otherwise, and whether kernels are interpreted;
 - ``triton_logprobs``, ``triton_tree_attention_kernels``, then ``triton_tree_attention``: the
   Triton paths; each imports without triton and says why it cannot run;
 - ``logprobs``, ``tree_attention``: the dispatching modules users call, with the torch paths.

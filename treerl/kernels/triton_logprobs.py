@@ -39,22 +39,16 @@ Example (on a GPU, or under the interpreter)::
 """
 
 import contextlib
-import os
 
 import torch
 from torch import Tensor
 
 from treerl.errors import TreerlError
+from treerl.kernels.triton_support import IMPORT_ERROR as _TRITON_IMPORT_ERROR
+from treerl.kernels.triton_support import INTERPRETED as _INTERPRETED
+from treerl.kernels.triton_support import tl, triton
 from treerl.kernels.types import TokenLogprobs
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as err:  # triton ships for Linux only; the torch path covers the rest
-    triton = tl = None
-    _TRITON_IMPORT_ERROR: str | None = f"{type(err).__name__}: {err}"
-else:
-    _TRITON_IMPORT_ERROR = None
 
 __all__ = [
     "triton_token_logprobs",
@@ -69,20 +63,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The float32 weight gradient of a half-precision head is built this many bytes at a time
 # (a group of vocabulary rows per launch), then rounded once into the head's dtype.
 _WEIGHT_GRAD_GROUP_BYTES = 512 * 2**20
-
-
-def _interpreting() -> bool:
-    if triton is None:
-        return False
-    knobs = getattr(triton, "knobs", None)  # triton >= 3.4
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-# ``@triton.jit`` decides at decoration time whether a kernel is compiled or interpreted,
-# so what matters is the mode when this module was imported, not the mode now.
-_INTERPRETED = _interpreting()
 
 
 class TritonUnavailableError(TreerlError, RuntimeError):

@@ -54,20 +54,12 @@ from torch import Tensor
 
 from treerl.kernels.block_sparsity import TreeBlockSparsity, cached_depth, tree_block_mask, tree_block_sparsity
 from treerl.kernels.tree_layout import TreeBatch
-from treerl.kernels.triton_tree_attention_kernels import (
-    INTERPRETED as _INTERPRETED,  # a global of this module: the checks read it at call time
-    KERNELS,
-    TRITON_MISSING as _TRITON_MISSING,
-    Launch,
-    launch_backward,
-    launch_forward,
-)
+from treerl.kernels.triton_support import INTERPRETED as _INTERPRETED  # read at call time: tests patch it
+from treerl.kernels.triton_support import TRITON_MISSING as _TRITON_MISSING
+from treerl.kernels.triton_support import triton
+from treerl.kernels.triton_tree_attention_kernels import KERNELS, Launch, launch_backward, launch_forward
 from treerl.kernels.types import TreeAttentionError
 
-try:
-    import triton
-except ImportError:  # _TRITON_MISSING says why; nothing below touches triton before checking it
-    triton = None
 
 __all__ = [
     "SUPPORTED_DTYPES",

@@ -24,54 +24,26 @@ This is the lower half of :mod:`treerl.kernels.triton_tree_attention`, which che
 inputs, picks the tiles, and wraps these launches in an autograd Function; call that.
 The launches live here because they pass the kernels' arguments in signature order.
 
-Triton is optional. Where it cannot be imported this module still imports:
-:data:`TRITON_MISSING` says why, no kernel is defined and :data:`KERNELS` is empty, and the
-callers check ``TRITON_MISSING`` before launching anything. ``@triton.jit`` decides when it
-decorates whether a kernel is compiled or interpreted, so :data:`INTERPRETED` is the mode
-at import (``TRITON_INTERPRET=1`` must be set before then to run on CPU; the tests do that).
+Triton is optional (:mod:`treerl.kernels.triton_support`): where it cannot be imported this
+module still imports, no kernel is defined and :data:`KERNELS` is empty, and the callers check
+``TRITON_MISSING`` before launching anything. Kernels defined here are interpreted when
+``TRITON_INTERPRET=1`` was set before the import (``INTERPRETED``).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from treerl.kernels.block_sparsity import TreeBlockSparsity
+from treerl.kernels.triton_support import tl, triton
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as _error:  # triton is optional: the torch backends serve without it
-    triton = None
-    tl = None
-    TRITON_MISSING: str | None = (
-        f"triton is not installed ({_error}); it ships with the CUDA builds of torch, or `pip install triton`"
-    )
-else:
-    TRITON_MISSING = None
 
-__all__ = ["INTERPRETED", "KERNELS", "TRITON_MISSING", "Launch", "launch_backward", "launch_forward"]
+__all__ = ["KERNELS", "Launch", "launch_backward", "launch_forward"]
 
 _LOG2E = 1.4426950408889634  # the kernels use exp2, which is what the hardware has
-
-
-def _interpret_flag() -> bool:
-    """Whether @triton.jit will hand out interpreted kernels (it decides when it decorates)."""
-    if triton is None:
-        return False
-    knobs = getattr(triton, "knobs", None)  # triton >= 3.3; older releases read the variable directly
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-INTERPRETED: bool = _interpret_flag()
-"""True if the kernels below were defined for Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import).
-
-Fixed for the life of the process: the kernels are defined once, at import."""
 
 
 # -- kernels ---------------------------------------------------------------------------------------
