@@ -195,8 +195,9 @@ def test_env_kwargs_reach_the_environment_of_learn_and_eval(tmp_path):
     # ... and a file without the column the kwargs name fails with the environment's message.
     bad = _problems(tmp_path / "bad.jsonl", [{"question": "1 + 1?", "answer": "2"}])
     with pytest.raises(ValueError, match="no \\['problem'\\] column"):
-        main(["learn", "--env", "treerl/MathVerify-v0", "--env-kwargs", json.dumps({**env_kwargs, "data_path": str(bad)}),
-              "--output-dir", str(tmp_path / "bad"), "--steps", "1", "--eval-episodes", "0", "--progress", "false"])
+        main(["learn", "--env", "treerl/MathVerify-v0", "--env-kwargs",
+              json.dumps({**env_kwargs, "data_path": str(bad)}), "--output-dir", str(tmp_path / "bad"), "--steps", "1",
+              "--eval-episodes", "0", "--progress", "false"])
 
 
 def test_eval_and_rollout_take_env_kwargs_and_import(tmp_path, capsys):
