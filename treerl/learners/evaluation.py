@@ -31,8 +31,10 @@ def evaluate_at_start(cfg: LearnerConfig, policy: Policy, tokenizer: Any, env_fa
                       out_dir: Path, resumed: bool) -> dict | None:
     """Evaluate before the first step, or read what a resumed run's first start measured."""
     path = Path(out_dir) / "eval_start.json"
-    if resumed or cfg.eval_episodes == 0:
+    if resumed:
         return json.loads(path.read_text()) if path.exists() else None
+    if cfg.eval_episodes == 0:
+        return None
     figures = evaluate_policy(cfg, policy, tokenizer, env_factory)
     path.write_text(json.dumps(figures, indent=2))
     return figures
