@@ -214,3 +214,46 @@ def test_eval_and_rollout_take_env_kwargs_and_import(tmp_path, capsys):
     assert code == 0
     [group] = read_groups(out)
     assert group.info["task_id"] == "only" and len(group.episodes) == 2
+
+
+CUSTOM_LEARNER = '''
+from dataclasses import dataclass
+
+from treerl.config import field_help
+from treerl.learners import GRPOConfig, register_learner, train
+
+
+@dataclass
+class NotedConfig(GRPOConfig):
+    note: str = field_help("", "Written to note.txt in the output directory.")
+
+
+def noted_train(cfg, **extension_points):
+    result = train(cfg, **extension_points)
+    (result.output_dir / "note.txt").write_text(cfg.note)
+    return result
+
+
+register_learner("noted", NotedConfig, noted_train, "GRPO that leaves a note.")
+'''
+
+
+def test_a_registered_learner_runs_with_its_own_flags(tmp_path, capsys):
+    from treerl.learners import LEARNERS
+
+    module = tmp_path / "my_learner.py"
+    module.write_text(CUSTOM_LEARNER)
+    config = tmp_path / "c.yaml"
+    config.write_text("learner: noted\nnote: from yaml\nsteps: 1\ntasks_per_step: 1\ngroup_size: 2\n"
+                      "max_new_tokens: 16\neval_episodes: 0\nprogress: false\n")
+    try:
+        assert main(["learn", "--import", str(module), "--learner", "noted", "--note", "hello", "--output-dir",
+                     str(tmp_path / "a"), "--config", str(config)]) == 0
+        assert (tmp_path / "a" / "note.txt").read_text() == "hello"  # the flag overrides the file
+        assert main(["learn", "--import", str(module), "--output-dir", str(tmp_path / "b"), "--config",
+                     str(config)]) == 0  # the learner named by the config file
+        assert (tmp_path / "b" / "note.txt").read_text() == "from yaml"
+    finally:
+        LEARNERS.pop("noted", None)
+    assert main(["learn", "--learner", "nope", "--output-dir", str(tmp_path / "c")]) == 2
+    assert "no such learner; choose one of ['grpo'" in capsys.readouterr().err

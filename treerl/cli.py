@@ -6,12 +6,13 @@
         play a model in an environment; print success rate, rewards and tool-call outcomes
     treerl rollout --env ID --num-tasks N --group-size G --out FILE [...]
         record prefix-tree trajectories as JSON Lines (resumable)
-    treerl learn --env ID --output-dir DIR [--steps N] [--loss dapo] [--config FILE] ...
-        train with GRPO on trajectory trees; prints the held-out success rate at start and end
+    treerl learn [--learner grpo] --env ID --output-dir DIR [--steps N] [--loss dapo] [--config FILE] ...
+        train on trajectory trees; prints the held-out success rate at start and end
 
 Every subcommand's flags are generated from its config dataclass (plus ``--config
-file.yaml``), and ``--import`` runs the user's modules first (environments, losses, reward
-functions register themselves there). Nothing below this module imports it.
+file.yaml``), and ``--import`` runs the user's modules first (environments, losses and
+learners register themselves there). ``learn``'s flags are those of the learner that
+``--learner`` (or the ``learner`` key of ``--config``) names. Nothing below this module imports it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def import_user_modules(specs: Sequence[str]) -> None:
         if spec.endswith(".py"):
             if not Path(spec).is_file():
                 raise ConfigError(f"--import {spec}: no such file. Pass a Python file or an importable module name.")
-            runpy.run_path(spec, run_name="treerl_user_module")
+            # One module name per file, so what it defines is the same definition when it runs again.
+            runpy.run_path(spec, run_name=f"treerl_user_module:{Path(spec).resolve()}")
         else:
             try:
                 importlib.import_module(spec)
@@ -45,17 +47,38 @@ def import_user_modules(specs: Sequence[str]) -> None:
                 raise ConfigError(f"--import {spec}: {exc}. Is the module installed or on PYTHONPATH?") from None
 
 
-def config_for_command(cls: type, args: argparse.Namespace):
-    """The command's config from flags and ``--config``, after ``--import``; the environment must exist."""
+def config_for_command(cls: type, args: argparse.Namespace, *, extra_keys: Sequence[str] = ()):
+    """The command's config from flags and ``--config``; the environment must exist."""
     from treerl.envs.registry import spec as env_spec
 
-    import_user_modules(args.imports)
-    cfg = config_from_args(cls, args)
+    cfg = config_from_args(cls, args, extra_keys=extra_keys)
     try:
         env_spec(cfg.env)
     except KeyError as exc:
         raise ConfigError(exc.args[0]) from None
     return cfg
+
+
+def _preparse(argv: Sequence[str]) -> argparse.Namespace:
+    """``--import``, ``--learner`` and ``--config`` before the full parse: user modules register
+    environments, losses and learners, and the learner decides which flags ``learn`` has."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--import", dest="imports", action="append", default=[])
+    pre.add_argument("--learner", default=None)
+    pre.add_argument("--config", dest="config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    return known
+
+
+def _learner_name(pre: argparse.Namespace) -> str:
+    """``--learner``, else the ``learner`` key of ``--config``, else grpo."""
+    if pre.learner:
+        return pre.learner
+    if pre.config:
+        from treerl.config import load_config_file
+
+        return str(load_config_file(pre.config).get("learner", "grpo"))
+    return "grpo"
 
 
 # -- the commands ---------------------------------------------------------------------------------
@@ -65,7 +88,6 @@ def cmd_envs(args: argparse.Namespace) -> int:
     import treerl
     from treerl.envs.registry import description_of
 
-    import_user_modules(args.imports)
     entries = []
     for env_id, spec in sorted(treerl.registry.items()):
         env = spec.make()
@@ -132,32 +154,38 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 
 def cmd_learn(args: argparse.Namespace) -> int:
+    from treerl.learners import LEARNERS
     from treerl.learners.distributed import is_main_process
-    from treerl.learners.grpo import GRPOConfig, train
 
-    cfg = config_for_command(GRPOConfig, args)
-    result = train(cfg)
+    spec = LEARNERS[args.learner]
+    cfg = config_for_command(spec.config, args, extra_keys=("learner",))
+    result = spec.train(cfg)
     if not is_main_process():  # under accelerate launch, rank 0 reports
         return 0
-    start = result.eval_start["success_rate"] if result.eval_start else float("nan")
-    end = result.eval_end["success_rate"] if result.eval_end else float("nan")
-    print(f"held-out success rate: start {start:.1%} -> end {end:.1%} "
-          f"({(end - start) * 100:+.1f} points) over {cfg.eval_episodes} episodes")
+    if result.eval_start and result.eval_end:
+        start, end = result.eval_start["success_rate"], result.eval_end["success_rate"]
+        print(f"held-out success rate: start {start:.1%} -> end {end:.1%} "
+              f"({(end - start) * 100:+.1f} points) over {cfg.eval_episodes} episodes")
     print(f"model saved to {result.model_dir}; metrics in {result.output_dir / 'metrics.jsonl'}")
     return 0
 
 
-def _commands() -> list[tuple[str, str, type, Callable[[argparse.Namespace], int]]]:
-    """(name, help, config dataclass, function) of each subcommand whose flags come from a config."""
-    from treerl.learners.grpo import GRPOConfig
+def _commands(learner: str) -> list[tuple[str, str, type, Callable[[argparse.Namespace], int]]]:
+    """(name, help, config dataclass, function) of each subcommand whose flags come from a config;
+    ``learn``'s config is the chosen learner's."""
+    from treerl.learners import LEARNERS
     from treerl.rollout.evaluate import EvalConfig
     from treerl.rollout.record import RolloutConfig
 
+    if learner not in LEARNERS:
+        raise ConfigError(f"--learner {learner}: no such learner; choose one of {sorted(LEARNERS)}, or register "
+                          "yours with treerl.learners.register_learner in a module given with --import.")
     return [
         ("eval", "Evaluate a model (default: the shipped tiny model) in an environment.", EvalConfig, cmd_eval),
         ("rollout", "Play a model in an environment; store prefix-tree trajectories (JSON Lines).", RolloutConfig,
          cmd_rollout),
-        ("learn", "Train a model with GRPO (and its loss variants) on an environment.", GRPOConfig, cmd_learn),
+        ("learn", f"Train a model on an environment ({learner}: {LEARNERS[learner].help})", LEARNERS[learner].config,
+         cmd_learn),
     ]
 
 
@@ -167,7 +195,7 @@ def _add_imports(p: argparse.ArgumentParser) -> None:
                         "registers become available (repeatable).")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(learner: str = "grpo") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treerl", description="Agentic RL with tool-use environments and "
                                                                 "prefix-tree trajectories.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -178,18 +206,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_imports(p_envs)
     p_envs.set_defaults(func=cmd_envs)
 
-    for name, help_text, cls, func in _commands():
+    for name, help_text, cls, func in _commands(learner):
         p = sub.add_parser(name, help=help_text)
         add_dataclass_arguments(p, cls)  # flags generated from the config dataclass
         _add_imports(p)
+        if name == "learn":
+            from treerl.learners import LEARNERS
+
+            p.add_argument("--learner", default=learner, choices=sorted(LEARNERS),
+                           help="Which learner trains (its own flags are listed with --learner NAME --help).")
         p.set_defaults(func=func)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        pre = _preparse(argv)
+        import_user_modules(pre.imports)  # once, before the flags that what they register may add
+        args = build_parser(_learner_name(pre)).parse_args(argv)
         return int(args.func(args) or 0)
     except ConfigError as exc:  # a setting that cannot work: say which and how to fix it, no traceback
         print(f"treerl: {exc}", file=sys.stderr)

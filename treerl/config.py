@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
@@ -129,16 +130,17 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
+def config_from_args(cls: type[T], args: argparse.Namespace, *, extra_keys: Sequence[str] = ()) -> T:
     """Build ``cls`` from a config file (if ``--config``) overridden by explicit flags.
 
+    ``extra_keys`` are keys the file may hold for the command itself (``learner``), not for ``cls``.
     Invalid values raise :class:`~treerl.errors.ConfigError` with the dataclass's own validation message.
     """
     values: dict[str, Any] = {}
     config_path = getattr(args, "__config__", None)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     if config_path:
-        from_file = load_config_file(config_path)
+        from_file = {k: v for k, v in load_config_file(config_path).items() if k not in extra_keys}
         unknown = sorted(set(from_file) - names)
         if unknown:
             raise ConfigError(f"--config {config_path}: unknown option(s) {unknown}; valid ones: {sorted(names)}.")

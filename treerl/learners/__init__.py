@@ -7,7 +7,7 @@ sampling, tree packing.
 
 from treerl.learners.advantages import AdvantageConfig, compute_advantages
 from treerl.learners.config import LearnerConfig
-from treerl.learners.core import Run, TrainResult, build, finish
+from treerl.learners.core import LEARNERS, LearnerSpec, Run, TrainResult, build, finish, register_learner
 from treerl.learners.forward import loss_inputs, packed_logprobs, packed_loss, window_normalizer
 from treerl.learners.grpo import GRPOConfig, train
 from treerl.learners.importance import ImportanceConfig, importance_weights
@@ -28,6 +28,7 @@ from treerl.learners.rewards import RewardFunc
 
 __all__ = [
     "GRPOConfig", "train", "LearnerConfig", "TrainResult", "RewardFunc", "Run", "build", "finish",
+    "LEARNERS", "LearnerSpec", "register_learner",
     "AdvantageConfig", "compute_advantages",
     "ImportanceConfig", "importance_weights",
     "LossConfig", "LossCoefficients", "LossInputs", "LossNormalizer", "LossOutput", "POLICY_LOSSES", "AGGREGATIONS",

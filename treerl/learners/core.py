@@ -52,6 +52,7 @@ from treerl.learners.config import LearnerConfig
 from treerl.learners.diagnostics import Diagnostics
 from treerl.learners.distributed import Ranks
 from treerl.learners.evaluation import evaluate_at_start, evaluate_policy
+from treerl.learners.losses.base import same_definition
 from treerl.learners.metrics import MetricsLog, truncate_metrics
 from treerl.learners.packing import PackedBatch, packing_metrics
 from treerl.learners.rewards import RewardFunc, check_reward_weights
@@ -61,7 +62,7 @@ from treerl.rollout.engine import RolloutEngine
 from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group
 
-__all__ = ["Run", "TrainResult", "build", "finish", "OptimizerSpec"]
+__all__ = ["Run", "TrainResult", "build", "finish", "OptimizerSpec", "LearnerSpec", "LEARNERS", "register_learner"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,37 @@ class TrainResult:
     eval_start: dict[str, Any] | None
     eval_end: dict[str, Any] | None
     model_dir: Path
+
+
+@dataclass(frozen=True)
+class LearnerSpec:
+    """A learner ``treerl learn --learner NAME`` can run: its config dataclass and its ``train``."""
+
+    name: str
+    config: type[LearnerConfig]
+    """The learner's config dataclass; its fields are the flags of ``treerl learn --learner NAME``."""
+    train: Callable[..., TrainResult]
+    """``train(cfg, **extension_points) -> TrainResult``."""
+    help: str = ""
+
+
+LEARNERS: dict[str, LearnerSpec] = {}
+"""The learners by name; each learner module registers itself at import."""
+
+
+def register_learner(name: str, config: type[LearnerConfig], train: Callable[..., TrainResult], help: str = "", *,
+                     override: bool = False) -> LearnerSpec:
+    """Make ``treerl learn --learner NAME`` run ``train`` with ``config``'s flags; returns the spec.
+
+    A learner of your own registers in a module that ``treerl learn --import FILE`` runs first.
+    """
+    if not (isinstance(config, type) and issubclass(config, LearnerConfig)):
+        raise TypeError(f"register_learner({name!r}): config must be a LearnerConfig subclass, not {config!r}.")
+    if name in LEARNERS and not override and not same_definition(LEARNERS[name].train, train):
+        raise ValueError(f"register_learner: a learner named {name!r} exists already; pick another name or pass "
+                         "override=True.")
+    LEARNERS[name] = LearnerSpec(name=name, config=config, train=train, help=help)
+    return LEARNERS[name]
 
 
 @dataclass

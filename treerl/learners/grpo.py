@@ -42,7 +42,7 @@ from treerl.agents.policy import Policy
 from treerl.config import field_help
 from treerl.learners.advantages import AdvantageConfig, compute_advantages
 from treerl.learners.config import LearnerConfig
-from treerl.learners.core import OptimizerSpec, Run, TrainResult, build, finish
+from treerl.learners.core import OptimizerSpec, Run, TrainResult, build, finish, register_learner
 from treerl.learners.distributed import Ranks
 from treerl.learners.forward import loss_inputs, packed_logprobs
 from treerl.learners.importance import ImportanceConfig, importance_weights
@@ -237,3 +237,6 @@ def train(cfg: GRPOConfig, *, model: torch.nn.Module | None = None, tokenizer: A
         for step in run.steps():
             grpo_step(run, step)
     return finish(run)
+
+
+register_learner("grpo", GRPOConfig, train, "GRPO and its loss variants on trajectory trees (the default).")

@@ -51,6 +51,7 @@ __all__ = [
     "local_episode_counts",
     "register_loss",
     "require_whole_episodes",
+    "same_definition",
 ]
 
 # exp() of a log-ratio beyond this overflows float32 into inf and then NaN gradients; the
@@ -513,6 +514,13 @@ DEFAULT_AGGREGATIONS: dict[str, str] = {}
 """Each loss's aggregation when ``LossConfig.aggregation`` does not override it."""
 
 
+def same_definition(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are one definition: the same object, or the same name in the same module
+    (a user's module imported again by a second ``treerl`` command in one process re-registers itself)."""
+    key = lambda f: (getattr(f, "__module__", None), getattr(f, "__qualname__", None))  # noqa: E731
+    return a is b or (key(a) == key(b) and key(a) != (None, None))
+
+
 def register_loss(name: str, fn: PolicyLoss, default_aggregation: str, *, override: bool = False) -> PolicyLoss:
     """Add a policy loss to :data:`POLICY_LOSSES` under ``name``; returns ``fn``.
 
@@ -527,7 +535,7 @@ def register_loss(name: str, fn: PolicyLoss, default_aggregation: str, *, overri
     if default_aggregation not in AGGREGATIONS:
         raise ValueError(f"register_loss({name!r}): default_aggregation={default_aggregation!r}; choose one of "
                          f"{sorted(AGGREGATIONS)}.")
-    if name in POLICY_LOSSES and not override and POLICY_LOSSES[name] is not fn:
+    if name in POLICY_LOSSES and not override and not same_definition(POLICY_LOSSES[name], fn):
         raise ValueError(f"register_loss: a loss named {name!r} exists already; pick another name or pass "
                          "override=True.")
     POLICY_LOSSES[name] = fn
