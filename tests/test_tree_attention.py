@@ -148,6 +148,11 @@ CASES = {
     "single_tokens": lambda: [single_tokens()],
     "padded_rows": lambda: [random_tree(random.Random(1), 6), single_tokens(), many_siblings(5, seed=2)],
     "random": lambda: [random_tree(random.Random(s), 10) for s in range(3)],
+    # Nothing branches: packed episodes that share nothing, and rows that are one chain each.
+    "packed_roots": lambda: [TreeLayout.from_parents([5, 9, 3], [-1, -1, -1]),
+                             TreeLayout.from_parents([9, 2, 4, 4], [-1, 0, -1, -1])],
+    "chains": lambda: [TreeLayout.from_parents([11], [-1]), TreeLayout.from_parents([4], [-1])],
+    "full_chains": lambda: [TreeLayout.from_parents([7], [-1]), TreeLayout.from_parents([7], [-1])],
 }
 
 
@@ -199,6 +204,33 @@ def test_segment_matches_reference_outputs_and_grads(case, num_kv_heads, sliding
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for name, g, w in zip("qkv", got_grads, want_grads):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize(("case", "want_causal", "want_masked"), [
+    ("full_chains", 1, 0),  # one causal call over the rows as they are, no gather
+    ("chains", 3, 0),  # rows of 11 and 4 tokens: each chain and the padding tokens are root buckets
+    ("packed_roots", 5, 1),  # root buckets of lengths 5, 9, 3, 4 and the padding; the one child masked
+    ("siblings", 1, 5),  # the prompt alone is a root; its 100 children in 5 masked buckets
+])
+def test_segment_uses_the_causal_kernel_where_nothing_branches(monkeypatch, case, want_causal, want_masked):
+    import treerl.kernels.tree_attention as module
+
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("is_causal", False), kwargs.get("attn_mask") is not None))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module.F, "scaled_dot_product_attention", spy)
+    layouts = CASES[case]()
+    batch = TreeBatch(layouts)
+    q, k, v = random_qkv(batch)
+    out = segment_tree_attention(q, k, v, batch)
+    monkeypatch.undo()
+    torch.testing.assert_close(out, reference_tree_attention(q, k, v, batch), atol=1e-5, rtol=1e-5)
+    assert sum(causal and not masked for causal, masked in calls) == want_causal, calls
+    assert sum(masked for _, masked in calls) == want_masked, calls
 
 
 def test_segment_handles_different_value_dim():

@@ -132,11 +132,21 @@ def segment_tree_attention(
 
     Segments whose (length, path length) round to the same bucket share one SDPA call, so a
     hundred siblings of a prompt cost a few calls, not a hundred. GQA folds the query heads
-    of one key head into the query length, so keys and values are never repeated.
+    of one key head into the query length, so keys and values are never repeated. Where
+    nothing branches the causal kernel runs instead of a mask, which skips the masked half of
+    the scores: a batch of single-chain rows runs as is, and buckets of root segments (packed
+    episodes that share nothing) run gathered but causal.
     """
     batch_size, num_heads, length, head_dim = query.shape
     num_kv_heads, value_dim = key.shape[1], value.shape[-1]
     n_rep = num_heads // num_kv_heads
+    if sliding_window is None and all(l.num_segments == 1 and l.num_tokens == length for l in batch.layouts):
+        # Every row is one chain filling the row: plain causal attention over the rows is the
+        # tree mask, and the causal kernel needs no gather and skips the masked half. (Padding
+        # tokens attend only to themselves in every backend, so rows with padding take the plan.)
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True, scale=scaling,
+                                             enable_gqa=n_rep > 1)  # (B, H, T, Dv)
+        return out.transpose(1, 2).contiguous()
     plan = batch.segment_plan(query.device)
     q_flat = query.transpose(1, 2).reshape(batch_size * length, num_heads, head_dim)  # (B*T, H, D)
     k_flat = key.transpose(1, 2).reshape(batch_size * length, num_kv_heads, head_dim)  # (B*T, Hkv, D)
@@ -145,6 +155,16 @@ def segment_tree_attention(
     outs = []
     for bucket in plan.buckets:
         n, q_len, k_len = bucket.num, bucket.q_len, bucket.k_len
+        if bucket.roots_only and sliding_window is None:
+            # A root attends causally to itself (a root's keys are its queries, q_len == k_len):
+            # the causal kernel skips the upper triangle that a mask would only zero out.
+            q = q_flat.index_select(0, bucket.q_index).view(n, q_len, num_heads, head_dim).transpose(1, 2)
+            k = k_flat.index_select(0, bucket.k_index).view(n, k_len, num_kv_heads, head_dim).transpose(1, 2)
+            v = v_flat.index_select(0, bucket.k_index).view(n, k_len, num_kv_heads, value_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
+                                               enable_gqa=n_rep > 1)  # (N, H, Lq, Dv)
+            outs.append(o.transpose(1, 2).reshape(n * q_len, num_heads, value_dim).index_select(0, bucket.q_valid_rows))
+            continue
         q = q_flat.index_select(0, bucket.q_index).view(n, q_len, num_kv_heads, n_rep, head_dim)
         q = q.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, n_rep * q_len, head_dim)  # (N, Hkv, R*Lq, D)
         k = k_flat.index_select(0, bucket.k_index).view(n, k_len, num_kv_heads, head_dim).transpose(1, 2)

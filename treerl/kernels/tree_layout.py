@@ -243,6 +243,9 @@ class SegmentBucket:
     num: int
     q_len: int
     k_len: int
+    roots_only: bool = False
+    """Every segment of the bucket is a root (no ancestors): its mask is plain causal, so the
+    backend may use the causal kernel, which skips the masked half of the work."""
 
     def mask(self, sliding_window: int | None = None) -> Tensor:
         """(N, Lq, Lk) bool: causal-on-path visibility, plus the sliding window if given.
@@ -391,13 +394,15 @@ class TreeBatch:
             for token in range(base + layout.num_tokens, base + self.length):
                 entries.append(([token], [token], 0))
 
-        groups: dict[tuple[int, int], list[int]] = {}
-        for e, (queries, keys, _) in enumerate(entries):
-            groups.setdefault((_bucket_size(len(queries)), _bucket_size(len(keys))), []).append(e)
+        # Roots apart from the rest, so that buckets of roots can take the causal kernel.
+        groups: dict[tuple[int, int, bool], list[int]] = {}
+        for e, (queries, keys, num_ancestor_tokens) in enumerate(entries):
+            key = (_bucket_size(len(queries)), _bucket_size(len(keys)), num_ancestor_tokens == 0)
+            groups.setdefault(key, []).append(e)
 
         buckets = []
         order: list[int] = []  # flat token of each row of the concatenated bucket outputs
-        for group in groups.values():
+        for (_, _, roots_only), group in groups.items():
             q_len = max(len(entries[e][0]) for e in group)
             k_len = max(len(entries[e][1]) for e in group)
             q_index, k_index, q_valid, ancestors = [], [], [], []
@@ -419,6 +424,7 @@ class TreeBatch:
                     num=len(group),
                     q_len=q_len,
                     k_len=k_len,
+                    roots_only=roots_only,
                 )
             )
         inverse = torch.empty(len(order), dtype=torch.long)
