@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 from types import SimpleNamespace
 
@@ -57,6 +58,10 @@ class FakeTokenizer:
 
     def get_vocab(self) -> dict[str, int]:
         return dict(self._vocab)
+
+
+def copy_model(model):
+    return copy.deepcopy(model)
 
 
 @pytest.fixture(scope="module")
@@ -397,6 +402,29 @@ def test_set_weights_rejects_foreign_or_partial_state_dicts(tmp_path):
 
 def test_agenerate_batches_concurrent_requests(model, policy):
     params = SamplingParams(top_k=10, max_new_tokens=4)
+    policy.stop_token_ids = frozenset()  # every row runs to the length limit
+    requests = [GenerationRequest(prompt(6), params, seed=s) for s in range(3)]
+    requests.append(GenerationRequest(prompt(4, start=20), params, seed=7))
+
+    async def main():
+        return await asyncio.gather(*(policy.agenerate(r) for r in requests))
+
+    counter = TokenCounter(model)
+    try:
+        results = asyncio.run(main())
+    finally:
+        counter.close()
+    policy.close()
+    # Two prefills (the group's prompt once, the other prompt), then 3 decode steps of all 4 rows.
+    assert counter.num_calls == 2 + 3 and counter.num_tokens == 6 + 4 + 3 * 4
+    expected = policy.generate(requests)
+    assert [g.token_ids for g in results] == [g.token_ids for g in expected]
+    assert isinstance(policy, Policy)
+
+
+def test_static_batching_decodes_concurrent_requests_as_one_batch(model):
+    policy = TransformersPolicy(model, None, continuous_batching=False)
+    params = SamplingParams(top_k=10, max_new_tokens=4)
     requests = [GenerationRequest(prompt(6), params, seed=s) for s in range(3)]
     requests.append(GenerationRequest(prompt(4, start=20), params, seed=7))
     batches = []
@@ -414,9 +442,67 @@ def test_agenerate_batches_concurrent_requests(model, policy):
     results = asyncio.run(main())
     policy.close()
     assert batches == [4]
-    expected = original(requests)
-    assert [g.token_ids for g in results] == [g.token_ids for g in expected]
-    assert isinstance(policy, Policy)
+    assert [g.token_ids for g in results] == [g.token_ids for g in original(requests)]
+
+
+def test_a_request_joins_a_running_batch_and_samples_as_alone(model, policy):
+    """Continuous batching: a request that arrives while others decode joins them at the next step."""
+    policy.stop_token_ids = frozenset()
+    long = [GenerationRequest(prompt(8, start=s), SamplingParams(top_k=10, max_new_tokens=12), seed=s)
+            for s in range(2)]
+    late = GenerationRequest(prompt(20, start=40), SamplingParams(top_k=10, max_new_tokens=5), seed=9)
+    alone = policy.generate([late])[0].token_ids + [t for g in policy.generate(long) for t in g.token_ids]
+
+    async def main():
+        first = [asyncio.ensure_future(policy.agenerate(r)) for r in long]
+        while counter.num_calls < 3:  # the long rows are decoding
+            await asyncio.sleep(0.001)
+        joined = await policy.agenerate(late)
+        return joined, await asyncio.gather(*first)
+
+    counter = TokenCounter(model)
+    try:
+        joined, firsts = asyncio.run(main())
+    finally:
+        counter.close()
+    policy.close()
+    assert joined.token_ids + [t for g in firsts for t in g.token_ids] == alone
+    # The late row decoded beside the long ones: fewer model calls than one batch after the other
+    # (2 prefills + 11 steps, then 1 prefill + 4 steps = 18).
+    assert counter.num_calls < 18, counter.num_calls
+    assert joined.num_prompt_tokens_processed == 20
+
+
+def test_set_weights_waits_for_rows_in_flight_and_stamps_one_version(model):
+    policy = TransformersPolicy(copy_model(model), None)
+    policy.stop_token_ids = frozenset()
+    params = SamplingParams(top_k=10, max_new_tokens=60)
+    request = GenerationRequest(prompt(8), params, seed=1)
+    reference = TransformersPolicy(copy_model(model), None)
+    reference.stop_token_ids = frozenset()
+    old = reference.generate([request])[0]
+    new_weights = {k: v + 0.01 for k, v in policy.model.state_dict().items()}
+
+    async def main():
+        running = asyncio.ensure_future(policy.agenerate(request))
+        while counter.num_calls < 3:  # decoding has started
+            await asyncio.sleep(0.001)
+        update = asyncio.get_running_loop().run_in_executor(None, policy.set_weights, new_weights, 5)
+        first = await running
+        await update
+        return first, await policy.agenerate(request)
+
+    counter = TokenCounter(policy.model)
+    try:
+        first, second = asyncio.run(main())
+    finally:
+        counter.close()
+    policy.close()
+    assert counter.num_calls > 3 + 5  # the update really came while the first row was decoding
+    # The row in flight finished on the old weights, all 60 tokens, and says so; the next one is new.
+    assert first.token_ids == old.token_ids and first.logprobs == pytest.approx(old.logprobs, abs=1e-6)
+    assert first.policy_version == 0 and second.policy_version == 5
+    assert second.logprobs != pytest.approx(old.logprobs, abs=1e-6)
 
 
 def test_agenerate_keeps_the_event_loop_free_and_propagates_errors(model):

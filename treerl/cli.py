@@ -122,7 +122,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     cfg = config_for_command(EvalConfig, args)
     model, tokenizer = load_model(cfg.model, cfg.device)
-    policy = TransformersPolicy(model, tokenizer, device=cfg.device)
+    policy = TransformersPolicy(model, tokenizer, device=cfg.device, continuous_batching=cfg.continuous_batching)
     try:
         report = evaluate_with(cfg, policy, tokenizer, num_episodes=cfg.num_episodes, seed=cfg.seed,
                                success_threshold=cfg.success_threshold)
@@ -144,7 +144,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
     cfg = config_for_command(RolloutConfig, args)
     model, tokenizer = load_model(cfg.model, cfg.device)
-    policy = TransformersPolicy(model, tokenizer, device=cfg.device)
+    policy = TransformersPolicy(model, tokenizer, device=cfg.device, continuous_batching=cfg.continuous_batching)
     try:
         summary = record(cfg, policy, tokenizer)
     finally:

@@ -16,6 +16,7 @@ values are bit-for-bit what it would have alone (up to the padded attention's fl
 
 >>> import torch
 >>> from transformers import Qwen3Config, Qwen3ForCausalLM
+>>> from treerl.agents.policy import GenerationRequest, SamplingParams
 >>> config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
 ...                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, eos_token_id=2)
 >>> policy = TransformersPolicy(Qwen3ForCausalLM(config), None)
@@ -27,30 +28,25 @@ values are bit-for-bit what it would have alone (up to the padded attention's fl
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
-import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from treerl.agents.policy import AsyncBatcher, Generation, GenerationRequest, SamplingParams
+from treerl.agents.decode import KV, ContinuousDecoder, DecodeBatch, Row, Unit
+from treerl.agents.policy import AsyncBatcher, Generation, GenerationRequest
 from treerl.agents.sampling import candidate_lists, process_logits, sample_processed
 
 __all__ = ["TransformersPolicy", "END_OF_TURN_TOKENS", "end_of_turn_ids", "load_state_dict"]
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 """Chat-template end-of-turn tokens that stop a turn when the tokenizer's vocabulary has them."""
-
-# Per layer: (keys, values), each (rows, kv_heads, seq, head_dim).
-_KV = list[tuple[Tensor, Tensor]]
-
 
 def end_of_turn_ids(model, tokenizer=None) -> frozenset[int]:
     """Every id that ends a turn: the generation config's eos (int or list), the tokenizer's
@@ -102,31 +98,8 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
 class _Session:
     token_ids: list[int]
     """The tokens whose keys and values ``kv`` holds, in order."""
-    kv: _KV
+    kv: KV
     """(1, kv_heads, len(token_ids), head_dim) per layer."""
-
-
-@dataclass
-class _Unit:
-    """One prefill: a context run through the model once and shared by ``rows``."""
-
-    prompt_ids: list[int]
-    past: _KV | None
-    """Keys and values of ``prompt_ids[:num_past]`` from a session, or None."""
-    num_past: int
-    rows: list[int] = field(default_factory=list)
-
-
-@dataclass
-class _Row:
-    index: int
-    """Position in the caller's request list."""
-    request: GenerationRequest
-    stop_ids: frozenset[int]
-    num_prompt_tokens_processed: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    candidates: list[list[int]] | None = None
 
 
 class TransformersPolicy:
@@ -141,7 +114,13 @@ class TransformersPolicy:
         version: the weights version stamped on generations.
         max_sessions: sessions whose caches are kept; the least recently used is dropped
             first (its next turn then prefills its whole context, which is correct, only slower).
-        batch_wait_s: how long ``agenerate`` waits for more requests before starting a batch.
+        batch_wait_s: from idle, how long ``agenerate`` waits for more requests before the first
+            prefill, so a group that arrives together is prefilled once.
+        continuous_batching: ``agenerate`` requests join a running batch between decode steps
+            and return as soon as they stop (higher throughput when turns have mixed lengths).
+            Off, concurrent requests decode as static batches that finish together, so batch
+            composition, and with it the float order of every result, does not depend on
+            timing: runs repeat bit for bit (what the learners default to).
     """
 
     def __init__(
@@ -154,6 +133,7 @@ class TransformersPolicy:
         version: int = 0,
         max_sessions: int = 1024,
         batch_wait_s: float = 0.001,
+        continuous_batching: bool = True,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1, e.g. max_batch_size=64.")
@@ -173,9 +153,12 @@ class TransformersPolicy:
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         # One lock for the model: generate, set_weights and end_session never interleave.
         self._lock = threading.RLock()
-        # `self.generate` is looked up per batch, so a wrapped or patched generate is honoured.
-        self._batcher = AsyncBatcher(lambda requests: self.generate(requests), max_batch_size=max_batch_size,
-                                     wait_s=batch_wait_s)
+        self.continuous_batching = continuous_batching
+        if continuous_batching:  # requests join a running batch between steps
+            self._decoder = ContinuousDecoder(self, wait_s=batch_wait_s)
+        else:  # `self.generate` is looked up per batch, so a wrapped or patched generate is honoured
+            self._batcher = AsyncBatcher(lambda requests: self.generate(requests), max_batch_size=max_batch_size,
+                                         wait_s=batch_wait_s)
 
     # ------------------------------------------------------------------ public API
 
@@ -188,29 +171,39 @@ class TransformersPolicy:
                 "with one next turn. Give each episode its own session id."
             )
         with self._lock, torch.inference_mode():
-            version = self.version
             results: list[Generation | None] = [None] * len(requests)
-            for batch in self._batches(self._plan_units(requests)):
-                for row in self._run_batch(requests, batch):
-                    results[row.index] = Generation(
-                        token_ids=row.token_ids,
-                        logprobs=row.logprobs,
-                        candidates=row.candidates,
-                        finish_reason="stop" if row.token_ids[-1] in row.stop_ids else "length",
-                        policy_version=version,
-                        num_prompt_tokens_processed=row.num_prompt_tokens_processed,
-                    )
+            for units in self._batches(self._plan_units(requests)):
+                batch = DecodeBatch(self)
+                batch.admit(units, [[Row(i, requests[i], self._stop_ids(requests[i]), self.version) for i in unit.rows]
+                                    for unit in units])
+                while len(batch):
+                    for row in batch.step():
+                        results[row.index] = row.generation()
         return results  # type: ignore[return-value]
 
     async def agenerate(self, request: GenerationRequest) -> Generation:
-        """Sample one request. Requests awaited concurrently are decoded as one batch, in a
-        worker thread, so the event loop keeps running tools meanwhile."""
+        """Sample one request. Requests decode together in a worker thread, so the event loop keeps
+        running tools meanwhile; with continuous batching one that arrives while others decode
+        joins them at the next step (:class:`~treerl.agents.decode.ContinuousDecoder`)."""
+        if self.continuous_batching:
+            return await self._decoder.submit(request)
         return await self._batcher.submit(request)
 
     def set_weights(self, weights: Mapping[str, Tensor] | str | os.PathLike, version: int) -> None:
         """Load a state dict (or a checkpoint path, see :func:`load_state_dict`), set ``version``
         and drop every session cache (it was computed with the old weights)."""
         state_dict = weights if isinstance(weights, Mapping) else load_state_dict(weights)
+        if not self.continuous_batching:  # the lock waits for a static batch to finish
+            self._load_weights(state_dict, version)
+            return
+        # Rows in flight finish with the weights they started with: every generation has one version.
+        self._decoder.pause()
+        try:
+            self._load_weights(state_dict, version)
+        finally:
+            self._decoder.resume()
+
+    def _load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         with self._lock, torch.no_grad():
             own = self.model.state_dict()
             unexpected = [k for k in state_dict if k not in own]
@@ -238,23 +231,23 @@ class TransformersPolicy:
 
     # ------------------------------------------------------------------ planning
 
-    def _plan_units(self, requests: Sequence[GenerationRequest]) -> list[_Unit]:
+    def _plan_units(self, requests: Sequence[GenerationRequest]) -> list[Unit]:
         """Group requests into prefills: one per continued session, one per distinct fresh prompt."""
-        units: list[_Unit] = []
-        by_prompt: dict[tuple[int, ...], _Unit] = {}
+        units: list[Unit] = []
+        by_prompt: dict[tuple[int, ...], Unit] = {}
         for i, request in enumerate(requests):
             past = self._session_past(request)
             if past is not None:
-                units.append(_Unit(list(request.prompt_ids), past[0], past[1], [i]))
+                units.append(Unit(list(request.prompt_ids), past[0], past[1], [i]))
                 continue
             key = tuple(request.prompt_ids)
             if key not in by_prompt:
-                by_prompt[key] = _Unit(list(request.prompt_ids), None, 0)
+                by_prompt[key] = Unit(list(request.prompt_ids), None, 0)
                 units.append(by_prompt[key])
             by_prompt[key].rows.append(i)
         return units
 
-    def _session_past(self, request: GenerationRequest) -> tuple[_KV, int] | None:
+    def _session_past(self, request: GenerationRequest) -> tuple[KV, int] | None:
         """The session's cached keys and values for the longest prefix it shares with the request."""
         state = self._sessions.get(request.session) if request.session is not None else None
         if state is None:
@@ -271,9 +264,9 @@ class TransformersPolicy:
             return None
         return [(k[:, :, :num_past], v[:, :, :num_past]) for k, v in state.kv], num_past
 
-    def _batches(self, units: list[_Unit]) -> list[list[_Unit]]:
+    def _batches(self, units: list[Unit]) -> list[list[Unit]]:
         """Pack units into batches of at most max_batch_size rows, splitting a unit that is too big."""
-        batches: list[list[_Unit]] = [[]]
+        batches: list[list[Unit]] = [[]]
         room = self.max_batch_size
         for unit in units:
             rows = unit.rows
@@ -282,7 +275,7 @@ class TransformersPolicy:
                     batches.append([])
                     room = self.max_batch_size
                 take, rows = rows[:room], rows[room:]
-                batches[-1].append(_Unit(unit.prompt_ids, unit.past, unit.num_past, take))
+                batches[-1].append(Unit(unit.prompt_ids, unit.past, unit.num_past, take))
                 room -= len(take)
         return [b for b in batches if b]
 
@@ -300,7 +293,7 @@ class TransformersPolicy:
         )
         return out.logits[:, -1, :].float()
 
-    def _prefill(self, unit: _Unit) -> tuple[_KV, Tensor, int]:
+    def _prefill(self, unit: Unit) -> tuple[KV, Tensor, int]:
         """Run the unit's new tokens; returns its keys and values (one row), logits (1, V) and
         the number of tokens run."""
         from transformers import DynamicCache
@@ -314,100 +307,8 @@ class TransformersPolicy:
         logits = self._forward(input_ids, position_ids, cache, None)
         return [(layer.keys, layer.values) for layer in cache.layers], logits, len(new_ids)
 
-    # ------------------------------------------------------------------ one batch
-
-    def _run_batch(self, requests: Sequence[GenerationRequest], units: list[_Unit]) -> list[_Row]:
-        from transformers import DynamicCache
-
-        # 1. Prefill every unit once; its rows share the result.
-        prefilled = [self._prefill(unit) for unit in units]
-        rows: list[_Row] = []
-        prompt_lens: list[int] = []
-        for unit, (_, _, num_run) in zip(units, prefilled):
-            for j, i in enumerate(unit.rows):
-                request = requests[i]
-                rows.append(_Row(i, request, self.stop_token_ids | set(request.params.stop_token_ids),
-                                 num_run if j == 0 else 0))
-                prompt_lens.append(len(unit.prompt_ids))
-        num_rows, max_len = len(rows), max(prompt_lens)
-        max_steps = max(row.request.params.max_new_tokens for row in rows)
-
-        # 2. One left-padded batch cache: unit u's keys go to its rows' last L_u columns. The
-        #    buffers have room for every step, so decoding writes in place instead of torch.cat.
-        cache = DynamicCache()
-        growing_layer = _growing_layer_class()
-        for layer_idx in range(len(prefilled[0][0])):
-            k0, v0 = prefilled[0][0][layer_idx]
-            capacity = max_len + max_steps
-            keys = k0.new_zeros(num_rows, k0.shape[1], capacity, k0.shape[3])  # (B, H, L + steps, D)
-            values = v0.new_zeros(num_rows, v0.shape[1], capacity, v0.shape[3])
-            start = 0
-            for unit, (kv, _, _) in zip(units, prefilled):
-                stop, length = start + len(unit.rows), len(unit.prompt_ids)
-                keys[start:stop, :, max_len - length : max_len] = kv[layer_idx][0]
-                values[start:stop, :, max_len - length : max_len] = kv[layer_idx][1]
-                start = stop
-            cache.layers.append(growing_layer(keys, values, max_len))
-        logits = torch.cat([lg.expand(len(u.rows), -1) for u, (_, lg, _) in zip(units, prefilled)])  # (B, V)
-        del prefilled
-
-        lengths = torch.tensor(prompt_lens, device=self.device)  # (B,)
-        padded = bool((lengths != max_len).any())
-        # Columns: max_len prompt slots, then one per fed token; zeros mark left padding.
-        mask = (torch.arange(max_len + max_steps, device=self.device) >= (max_len - lengths).unsqueeze(1)).long()
-        uniforms = self._uniforms(rows, max_steps)  # (B, max_steps)
-
-        # 3. Decode. `active[b]` is the index into `rows` of batch row b.
-        active = list(range(num_rows))
-        partitions = _partition([rows[i].request.params for i in active], self.device)
-        finished: list[_Row] = []
-        step = 0
-        while True:
-            token_ids, logprobs, candidates = self._sample_step(logits, partitions, uniforms[:, step])
-            token_list, logprob_list = token_ids.tolist(), logprobs.tolist()
-            keep: list[int] = []
-            for b, row_idx in enumerate(active):
-                row, token = rows[row_idx], token_list[b]
-                row.token_ids.append(token)
-                row.logprobs.append(logprob_list[b])
-                if candidates is not None and candidates[b] is not None:
-                    if row.candidates is None:
-                        row.candidates = []
-                    row.candidates.append(candidates[b])
-                if token in row.stop_ids or len(row.token_ids) >= row.request.params.max_new_tokens:
-                    # The cache holds the prompt and every sampled token but this last one.
-                    self._save_session(row, cache, b, max_len - prompt_lens[row_idx], max_len + step)
-                    finished.append(row)
-                else:
-                    keep.append(b)
-            if not keep:
-                break
-            if len(keep) < len(active):
-                index = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(index)
-                token_ids, lengths, mask, uniforms = token_ids[index], lengths[index], mask[index], uniforms[index]
-                active = [active[b] for b in keep]
-                partitions = _partition([rows[i].request.params for i in active], self.device)
-                # Columns a finished longer row needed may now be padding for every row left.
-                padded = bool((lengths != max_len).any())
-            position_ids = (lengths + step).unsqueeze(1)  # (B, 1)
-            attention_mask = mask[:, : max_len + step + 1] if padded else None
-            logits = self._forward(token_ids.unsqueeze(1), position_ids, cache, attention_mask)
-            step += 1
-        return finished
-
-    def _uniforms(self, rows: list[_Row], max_steps: int) -> Tensor:
-        """(B, max_steps) on the device: row b's stream from a generator seeded by its request.
-
-        Each row draws exactly max_new_tokens values, so its stream depends on nothing else.
-        """
-        out = torch.zeros(len(rows), max_steps, dtype=torch.float64)
-        for b, row in enumerate(rows):
-            seed = row.request.seed if row.request.seed is not None else secrets.randbits(63)
-            generator = torch.Generator().manual_seed(seed)
-            n = row.request.params.max_new_tokens
-            out[b, :n] = torch.rand(n, generator=generator, dtype=torch.float64)
-        return out.float().to(self.device)
+    def _stop_ids(self, request: GenerationRequest) -> frozenset[int]:
+        return self.stop_token_ids | frozenset(request.params.stop_token_ids)
 
     @staticmethod
     def _sample_step(logits: Tensor, partitions, uniforms: Tensor):
@@ -427,7 +328,7 @@ class TransformersPolicy:
                 candidates[b] = c
         return token_ids, logprobs, candidates
 
-    def _save_session(self, row: _Row, cache, b: int, start: int, stop: int) -> None:
+    def _save_session(self, row: Row, cache, b: int, start: int, stop: int) -> None:
         """Keep batch row b's cache columns [start, stop) as its session's state."""
         session = row.request.session
         if session is None or self.max_sessions == 0:
@@ -440,50 +341,5 @@ class TransformersPolicy:
             self._sessions.popitem(last=False)
 
     def close(self) -> None:
-        """Stop the worker thread used by ``agenerate``."""
-        self._batcher.close()
-
-
-@functools.cache
-def _growing_layer_class():
-    """A transformers ``DynamicLayer`` over a preallocated buffer (built lazily: importing
-    transformers is slow, and only generation needs it)."""
-    from transformers.cache_utils import DynamicLayer
-
-    class GrowingLayer(DynamicLayer):
-        """Keys and values live in (B, H, capacity, D) buffers; ``keys``/``values`` are views of
-        the filled part, so appending a step costs one slice write rather than a full copy."""
-
-        def __init__(self, key_buffer: Tensor, value_buffer: Tensor, length: int):
-            super().__init__()
-            self._key_buffer, self._value_buffer, self._length = key_buffer, value_buffer, length
-            self.device, self.dtype, self.is_initialized = key_buffer.device, key_buffer.dtype, True
-            self._refresh()
-
-        def _refresh(self) -> None:
-            self.keys = self._key_buffer[:, :, : self._length]
-            self.values = self._value_buffer[:, :, : self._length]
-
-        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-            end = self._length + key_states.shape[-2]
-            if end > self._key_buffer.shape[-2]:
-                raise RuntimeError(f"GrowingLayer is full ({self._key_buffer.shape[-2]} positions); this is a bug.")
-            self._key_buffer[:, :, self._length : end] = key_states
-            self._value_buffer[:, :, self._length : end] = value_states
-            self._length = end
-            self._refresh()
-            return self.keys, self.values
-
-        def batch_select_indices(self, indices: Tensor) -> None:
-            self._key_buffer, self._value_buffer = self._key_buffer[indices], self._value_buffer[indices]
-            self._refresh()
-
-    return GrowingLayer
-
-
-def _partition(params: list[SamplingParams], device: torch.device) -> list[tuple[SamplingParams, Tensor, list[int]]]:
-    """Batch rows grouped by sampling params: [(params, row index tensor, row index list)]."""
-    groups: dict[SamplingParams, list[int]] = {}
-    for b, p in enumerate(params):
-        groups.setdefault(p, []).append(b)
-    return [(p, torch.tensor(idx, device=device), idx) for p, idx in groups.items()]
+        """Stop the worker thread used by ``agenerate`` (a later call starts it again)."""
+        (self._decoder if self.continuous_batching else self._batcher).close()

@@ -43,6 +43,9 @@ class LearnerConfig(EpisodeOptions):
     max_new_tokens: int = field_help(64, "Token limit of each assistant turn (shorter than eval's: faster steps).")
     max_episode_tokens: int = field_help(1024, "Context limit of one episode.")
     max_concurrency: int = field_help(64, "Episodes in flight during rollout.")
+    continuous_batching: bool = field_help(False, "Rollout requests join the running batch between decode steps: "
+                                                  "faster rollouts, but runs no longer repeat bit for bit (off: "
+                                                  "static batches, reproducible runs and resumes).")
     branch_at_turn: int | None = field_help(None, "Fork episodes after this many turns (deeper trees).")
     branch_factor: int = field_help(1, "Continuations per fork.")
     max_tokens_per_row: int = field_help(4096, "Token budget of one packed row.")

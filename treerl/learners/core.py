@@ -252,7 +252,8 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     policy_model = None
     if policy is None:
         policy_model = copy.deepcopy(model).eval()
-        policy = TransformersPolicy(policy_model, tokenizer, device=device)
+        policy = TransformersPolicy(policy_model, tokenizer, device=device,
+                                    continuous_batching=cfg.continuous_batching)
     ref_model = _reference_model(model, cfg) if reference else None
     if cfg.lora_r > 0:
         model = _apply_lora(model, cfg)

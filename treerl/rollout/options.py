@@ -43,6 +43,9 @@ class EpisodeOptions(SamplingOptions):
     max_concurrency: int = field_help(32, "Episodes in flight at once.")
     max_episode_tokens: int = field_help(2048, "An episode whose context reaches this many tokens is truncated.")
     max_episode_seconds: float = field_help(300.0, "Wall-clock limit of one episode.")
+    continuous_batching: bool = field_help(True, "Requests join the policy's running batch between decode steps "
+                                                 "(faster with mixed turn lengths; batch composition then depends "
+                                                 "on timing, so float results may differ from run to run).")
 
     def __post_init__(self) -> None:
         if not isinstance(self.env_kwargs, dict):
