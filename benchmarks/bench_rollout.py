@@ -9,6 +9,12 @@
 2. Multi-turn Calculator episodes with a simulated 100 ms tool latency: the concurrent engine
    (32 episodes in flight) vs the same engine one episode at a time (a sequential loop).
    Episodes/s. Both replay the same seeds, so they produce the same trajectories.
+3. Mixed turn lengths: the engine (32 episodes in flight, tool latency drawn per call between
+   0 and 200 ms, turns of up to 96 tokens) with continuous batching (requests join the running
+   batch between decode steps) vs static batches (a batch decodes until its longest row stops,
+   then the next one starts). Episodes/s; the share of identical trajectories is reported
+   (the samples are seeded per request, so only float-order differences of the batch can change
+   a token).
 
 Each comparison alternates the two sides and reports the median ratio of several runs.
 """
@@ -99,12 +105,14 @@ def bench_generation(args) -> dict:
 
 
 class SlowToolCalculatorEnv(CalculatorEnv):
-    """Calculator whose tool takes ``latency`` seconds, as a remote tool would."""
+    """Calculator whose tool takes ``latency`` seconds (or, with ``jitter``, up to twice that, drawn
+    from the expression so that a run repeats), as a remote tool would."""
 
     latency = 0.1
+    jitter = False
 
     def __init__(self, **kwargs):
-        latency = self.latency
+        latency, jitter = self.latency, self.jitter
 
         @tool(name="calculator", timeout=5.0)
         async def slow_calculator(expression: str) -> str:
@@ -113,10 +121,14 @@ class SlowToolCalculatorEnv(CalculatorEnv):
             Args:
                 expression: Arithmetic using numbers, + - * / and parentheses, e.g. "(3 + 4) * 2".
             """
-            await asyncio.sleep(latency)
+            await asyncio.sleep(latency * (2 * (sum(map(ord, expression)) % 101) / 100 if jitter else 1.0))
             return calculator(expression)
 
         super().__init__(tools=[slow_calculator], **kwargs)
+
+
+class JitteryToolCalculatorEnv(SlowToolCalculatorEnv):
+    jitter = True
 
 
 def bench_multi_turn(args) -> dict:
@@ -154,6 +166,41 @@ def bench_multi_turn(args) -> dict:
     }
 
 
+def bench_continuous(args) -> dict:
+    from treerl.models import load_default_model
+
+    model, tok = load_default_model()
+    params = SamplingParams(max_new_tokens=96)
+
+    def play(continuous: bool) -> tuple[float, list[list[int]]]:
+        policy = TransformersPolicy(model, tok, continuous_batching=continuous)
+        engine = RolloutEngine(policy, tok, params=params, max_concurrency=32, seed=0)
+        start = time.perf_counter()
+        groups, _ = asyncio.run(engine.run(JitteryToolCalculatorEnv, "bench/JitteryCalculator", range(args.tasks), 4))
+        elapsed = time.perf_counter() - start
+        policy.close()
+        return elapsed, [e.token_ids for g in groups for e in g.episodes]
+
+    play(True), play(False)  # warm-up
+    ratios, t_cont, t_static, same = [], [], [], []
+    for _ in range(args.runs):
+        a, paths_a = play(True)
+        b, paths_b = play(False)
+        t_cont.append(a)
+        t_static.append(b)
+        ratios.append(b / a)
+        same.append(sum(x == y for x, y in zip(paths_a, paths_b)) / len(paths_a))
+    episodes = args.tasks * 4
+    return {
+        "episodes": episodes,
+        "cont_eps": episodes / statistics.median(t_cont),
+        "static_eps": episodes / statistics.median(t_static),
+        "ratio": statistics.median(ratios),
+        "ratios": ratios,
+        "same": min(same),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
@@ -176,6 +223,10 @@ def main() -> None:
     mt = bench_multi_turn(args)
     print(f"multi-turn: concurrent {mt['conc_eps']:.2f} ep/s, sequential {mt['seq_eps']:.2f} ep/s, "
           f"ratio {mt['ratio']:.2f}x (runs {', '.join(f'{r:.2f}' for r in mt['ratios'])})")
+    cb = bench_continuous(args)
+    print(f"continuous batching: {cb['cont_eps']:.2f} ep/s, static {cb['static_eps']:.2f} ep/s, "
+          f"ratio {cb['ratio']:.2f}x (runs {', '.join(f'{r:.2f}' for r in cb['ratios'])}); "
+          f"identical trajectories {cb['same']:.0%}")
 
     command = "python benchmarks/bench_rollout.py" + (" " + " ".join(sys.argv[1:]) if sys.argv[1:] else "")
     body = f"""Command: `{command}` (run {datetime.date.today()}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads, {platform.machine()}).
@@ -185,8 +236,9 @@ Each line alternates the two sides {args.runs} times after a warm-up; the ratio 
 |---|---:|---:|---:|---:|
 | single turn, G={args.group_size}, prompt {args.prompt_len}, {args.new_tokens} new tokens, top-k 50, {gen['num_params'] / 1e6:.1f}M-parameter Qwen3 from a config: policy (prompt prefilled once) vs `model.generate(num_return_sequences={args.group_size})` | {gen['ours_tps']:.0f} tok/s | {gen['base_tps']:.0f} tok/s | **{gen['ratio']:.2f}x** | >= 1.5x |
 | multi-turn Calculator, shipped tiny model, 100 ms per tool call, {mt['episodes']} episodes ({mt['tool_calls']} tool calls): engine with 32 episodes in flight vs one at a time | {mt['conc_eps']:.2f} episodes/s | {mt['seq_eps']:.2f} episodes/s | **{mt['ratio']:.2f}x** | >= 3x |
+| mixed turn lengths: Calculator, shipped tiny model, 0-200 ms per tool call, turns up to 96 tokens, {cb['episodes']} episodes, 32 in flight: continuous batching vs static batches | {cb['cont_eps']:.2f} episodes/s | {cb['static_eps']:.2f} episodes/s | **{cb['ratio']:.2f}x** | > 1x |
 
-Per-run ratios: generation {', '.join(f'{r:.2f}' for r in gen['ratios'])}; multi-turn {', '.join(f'{r:.2f}' for r in mt['ratios'])}.
+Per-run ratios: generation {', '.join(f'{r:.2f}' for r in gen['ratios'])}; multi-turn {', '.join(f'{r:.2f}' for r in mt['ratios'])}; continuous batching {', '.join(f'{r:.2f}' for r in cb['ratios'])} (identical trajectories in every run: at least {cb['same']:.0%}; the rest differ by float order only, the samples being seeded per request).
 Both multi-turn sides replay the same seeds and produce identical trajectories (checked by the script).
 This machine is shared with other jobs: absolute rates are noise, the ratios are the figures."""
     print(body)
