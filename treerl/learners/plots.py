@@ -2,7 +2,8 @@
 
 :func:`write_plots` draws one PNG per subject; with several runs each figure overlays them:
 
-- ``reward.png``: reward mean per step (with its moving average) and the step's success rate;
+- ``reward.png``: reward mean per step (with its moving average) and the step's success rate
+  (when it differs from the reward);
   held-out success at the start and the end as markers;
 - ``tool_calls.png``: tool-call outcomes per step, as fractions of the step's calls;
 - ``entropy.png``: the trained tokens' mean entropy;
@@ -190,10 +191,10 @@ def _draw_reward(fig, runs: Sequence[RunRecord]) -> None:
             ax.plot(steps, reward, color=colour, alpha=0.25, linewidth=1)
             ax.plot(steps, moving_average(reward, window), color=colour, linewidth=2,
                     label=_label(runs, run, f"reward (mean over {window} steps)" if window > 1 else "reward"))
-        steps, success = run.series("reward/success_rate")
-        if steps:
-            ax.plot(steps, moving_average(success, max(1, len(steps) // 10)), color=colour, linestyle="--",
-                    linewidth=1.2, label=_label(runs, run, "training success rate"))
+        success_steps, success = run.series("reward/success_rate")
+        if success_steps and (success_steps, success) != (steps, reward):  # 0/1 rewards: the same line twice
+            ax.plot(success_steps, moving_average(success, max(1, len(success_steps) // 10)), color=colour,
+                    linestyle="--", linewidth=1.2, label=_label(runs, run, "training success rate"))
         last = max((m["step"] for m in run.metrics), default=0)
         for step, ev, marker in ((0, run.eval_start, "o"), (last, run.eval_end, "s")):
             if ev:
