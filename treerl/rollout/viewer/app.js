@@ -45,7 +45,8 @@
       if (s.tr === null || s.lp === null) return;
       for (let i = 0; i < s.tr.length; i++) { const r = s.tr[i] - s.lp[i]; if (r < lo) lo = r; if (r > hi) hi = r; }
     });
-    return lo === Infinity ? "  (no trainer log-probs in this group)" : "  this group: " + TV.fmt(Math.exp(lo), 4) + " to " + TV.fmt(Math.exp(hi), 4);
+    if (lo === Infinity) return "  (no trainer log-probs in this group)";
+    return "  this group: " + TV.fmt(Math.exp(lo), 4) + " to " + TV.fmt(Math.exp(hi), 4);
   }
 
   document.getElementById("tree-tools").addEventListener("click", function (ev) {

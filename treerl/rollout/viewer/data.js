@@ -148,7 +148,10 @@ window.TV = window.TV || {};
             const pos0 = bucket[0][1] + c;
             if (pos0 >= first.ids.length) break;
             const tok = first.ids[pos0];
-            const same = bucket.every(function (it) { const s = group.segs[it[0]]; return it[1] + c < s.ids.length && s.ids[it[1] + c] === tok; });
+            const same = bucket.every(function (it) {
+              const s = group.segs[it[0]];
+              return it[1] + c < s.ids.length && s.ids[it[1] + c] === tok;
+            });
             if (!same) break;
             c++;
           }

@@ -6,10 +6,13 @@
   const ROW_H = 26;
 
   const COLUMNS = [
-    { key: "step", label: "step", width: "3.5em", show: TV.index.hasSteps, cell: function (g) { return C.step[g] === null ? "" : String(C.step[g]); } },
-    { key: "task", label: "task", width: "minmax(6em, 2fr)", cell: function (g) { return C.task[g] + (C.answer[g] !== null ? "  \u2192 " + C.answer[g] : ""); } },
+    { key: "step", label: "step", width: "3.5em", show: TV.index.hasSteps,
+      cell: function (g) { return C.step[g] === null ? "" : String(C.step[g]); } },
+    { key: "task", label: "task", width: "minmax(6em, 2fr)",
+      cell: function (g) { return C.task[g] + (C.answer[g] !== null ? "  \u2192 " + C.answer[g] : ""); } },
     { key: "episodes", label: "eps", width: "3em", cell: function (g) { return String(C.episodes[g]); } },
-    { key: "reward_mean", label: "reward \u00b1 std", width: "7.5em", cell: function (g) { return TV.fmt(C.reward_mean[g]) + " \u00b1 " + TV.fmt(C.reward_std[g]); } },
+    { key: "reward_mean", label: "reward \u00b1 std", width: "7.5em",
+      cell: function (g) { return TV.fmt(C.reward_mean[g]) + " \u00b1 " + TV.fmt(C.reward_std[g]); } },
     { key: "success", label: "success", width: "4.5em", cell: function (g) { return Math.round(100 * C.success[g]) + "%"; } },
     { key: "packing", label: "packing", width: "4.5em", cell: function (g) { return TV.fmt(C.packing[g]); } },
     { key: "sampled_tokens", label: "length", width: "4em", cell: function (g) { return String(Math.round(C.sampled_tokens[g])); } },
@@ -91,7 +94,8 @@
     for (let i = first; i < last; i++) {
       const g = state.rows[i];
       const row = document.createElement("div");
-      row.className = "row" + (g === state.selected ? " selected" : "") + (C.success[g] >= 1 ? " solved" : C.success[g] > 0 ? " partial" : "");
+      const solved = C.success[g] >= 1 ? " solved" : C.success[g] > 0 ? " partial" : "";
+      row.className = "row" + (g === state.selected ? " selected" : "") + solved;
       row.style.top = i * ROW_H + "px";
       row.style.gridTemplateColumns = TEMPLATE;
       row.dataset.group = g;

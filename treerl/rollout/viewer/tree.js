@@ -6,7 +6,9 @@
   const TEXT_HEAD = 240;     // ... to its first ...
   const TEXT_TAIL = 360;     // ... and last characters
   const KIND_LABEL = { prompt: "prompt", sampled: "model", env: "environment" };
-  const CALL_MARKUP = /<tool_call>[\s\S]*?(<\/tool_call>|$)|<function=[\s\S]*?(<\/function>|$)|\[TOOL_CALLS\][\s\S]*|<\|python_tag\|>[\s\S]*/g;
+  // Tool-call markup of the common formats: Hermes/Qwen, Qwen3-Coder, Mistral, Llama 3.
+  const CALL_MARKUP = new RegExp(["<tool_call>[\\s\\S]*?(</tool_call>|$)", "<function=[\\s\\S]*?(</function>|$)",
+                                  "\\[TOOL_CALLS\\][\\s\\S]*", "<\\|python_tag\\|>[\\s\\S]*"].join("|"), "g");
 
   function el(tag, cls, text) {
     const e = document.createElement(tag);
@@ -141,10 +143,14 @@
     box.dataset.episode = e.index;
     box.appendChild(el("span", "leaf-title", "episode " + e.index));
     box.appendChild(el("span", "reward", "reward " + TV.fmt(e.reward)));
-    if (e.adv !== null && e.adv !== undefined) box.appendChild(el("span", "adv", "advantage " + (e.adv >= 0 ? "+" : "") + TV.fmt(e.adv, 3)));
+    if (e.adv !== null && e.adv !== undefined) {
+      box.appendChild(el("span", "adv", "advantage " + (e.adv >= 0 ? "+" : "") + TV.fmt(e.adv, 3)));
+    }
     if (e.termination) box.appendChild(el("span", "term", e.termination));
     if (e.turns !== null && e.turns !== undefined) box.appendChild(el("span", "turns", e.turns + " turns"));
-    if (e.rewards.length > 1) box.appendChild(el("span", "per-turn", "per turn [" + e.rewards.map(function (r) { return TV.fmt(r); }).join(", ") + "]"));
+    if (e.rewards.length > 1) {
+      box.appendChild(el("span", "per-turn", "per turn [" + e.rewards.map(function (r) { return TV.fmt(r); }).join(", ") + "]"));
+    }
     return box;
   }
 
@@ -226,12 +232,18 @@
     head.appendChild(el("h2", "group-title", C.task[g] + (C.step[g] !== null ? "  (step " + C.step[g] + ")" : "")));
     const facts = [
       ["environment", C.env[g]], ["answer", C.answer[g] === null ? "-" : C.answer[g]],
-      ["episodes", String(group.episodes.length)], ["leaves", String(group.tree.roots.reduce(function (a, n) { return a + n.numLeaves; }, 0))],
+      ["episodes", String(group.episodes.length)],
+      ["leaves", String(group.tree.roots.reduce(function (a, n) { return a + n.numLeaves; }, 0))],
       ["reward", TV.fmt(C.reward_mean[g]) + " \u00b1 " + TV.fmt(C.reward_std[g])], ["success", Math.round(100 * C.success[g]) + "%"],
       ["packing ratio", TV.fmt(C.packing[g])], ["tree nodes", String(group.tree.nodes.length)],
     ];
     const dl = el("dl", "facts");
-    facts.forEach(function (f) { const d = el("div", "fact"); d.appendChild(el("dt", null, f[0])); d.appendChild(el("dd", "fact-" + f[0].replace(/ /g, "-"), f[1])); dl.appendChild(d); });
+    facts.forEach(function (f) {
+      const d = el("div", "fact");
+      d.appendChild(el("dt", null, f[0]));
+      d.appendChild(el("dd", "fact-" + f[0].replace(/ /g, "-"), f[1]));
+      dl.appendChild(d);
+    });
     head.appendChild(dl);
     into.appendChild(head);
     const tree = el("div", "tree-body");
