@@ -63,3 +63,20 @@ def watch(page) -> tuple[list[str], list[str]]:
     page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
     page.on("request", lambda req: requests.append(req.url))
     return errors, requests
+
+
+def open_view(context, url: str, timeout_ms: int = 15_000):
+    """Open a treerl view page; returns (page, errors, requests, ms from navigation start to ready)."""
+    page = context.new_page()
+    page.set_default_timeout(timeout_ms)
+    errors, requests = watch(page)
+    page.goto(url)
+    page.wait_for_selector("body[data-ready='1']")
+    return page, errors, requests, float(page.evaluate("TV.readyMs"))
+
+
+def open_group_ms(page, group: int) -> float:
+    """Milliseconds, measured in the page, to parse group ``group``'s data, build its tree, render it
+    and lay the page out (reading a layout property forces the layout before the clock stops)."""
+    return float(page.evaluate("(g) => { const t = performance.now(); TV.select(g); "
+                               "void document.body.offsetHeight; return performance.now() - t; }", group))

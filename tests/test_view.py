@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import copy
 import json
-import math
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from _browser import browser_missing, chromium, watch
+from _browser import browser_missing, chromium, open_group_ms, open_view, watch
 from treerl.cli import main
 from treerl.learners.advantages import AdvantageConfig, compute_advantages
 from treerl.learners.grpo import GRPOConfig, train
 from treerl.models import load_default_model
 from treerl.rollout import Group, GroupWriter, read_groups
 from treerl.rollout.trajectory import sample_files
-from treerl.rollout.view import ViewConfig, build_html, load_groups, load_tokenizer, token_pieces, write_view
+from treerl.rollout.view import (
+    SourcedGroup,
+    ViewConfig,
+    build_html,
+    load_groups,
+    load_tokenizer,
+    token_pieces,
+    write_view,
+)
 
 # The trajectory fields a learn run's sample must carry, and those of a handmade group with the
 # tool-call outcomes a tiny model rarely produces.
@@ -184,3 +192,26 @@ def test_the_page_in_headless_chromium(run_dir, tmp_path):
     assert errors == [], errors
     assert requests == [out.resolve().as_uri()], "the page must load nothing but itself"
     assert (tmp_path / "view-learn-group.png").stat().st_size > 10_000
+
+
+@pytest.mark.skipif(browser_missing() is not None, reason=str(browser_missing()))
+def test_ten_thousand_episodes_open_in_under_3_s(run_dir, tmp_path):
+    """The learn samples' groups repeated under new task keys to 10,000 episodes, timed in the page."""
+    base = [g for _, path in sample_files(run_dir) for g in read_groups(path)]
+    groups, episodes = [], 0
+    while episodes < 10_000:
+        g = copy.copy(base[len(groups) % len(base)])  # shares the segments and episodes: a new key only
+        g.task_key = f"copy-{len(groups)}"
+        groups.append(SourcedGroup(g, source="copies", step=len(groups) % 60 + 1))
+        episodes += len(g.episodes)
+    out = tmp_path / "big.html"
+    out.write_text(build_html(groups, load_tokenizer(None), title="10,000 episodes"), encoding="utf-8")
+    with chromium() as context:
+        page, errors, _, ready_ms = open_view(context, out.resolve().as_uri())
+        assert page.locator("#list-count").inner_text() == f"{len(groups)} groups"
+        assert page.locator("#list-body .row").count() < 100  # only the rows in view are rendered
+        open_ms = open_group_ms(page, len(groups) - 1)
+        page.click("#list-head button[data-key=reward_mean]")  # sorting every group stays quick too
+        assert errors == []
+    print(f"10,000 episodes ({out.stat().st_size / 2**20:.1f} MiB): ready {ready_ms:.0f} ms, group {open_ms:.0f} ms")
+    assert ready_ms < 3000 and open_ms < 1000
