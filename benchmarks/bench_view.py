@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
-from _browser import browser_missing, chromium, open_group_ms, open_view  # noqa: E402
+from _browser import browser_missing, chromium, open_view, timed  # noqa: E402
 from _common import write_section  # noqa: E402
 
 from treerl.agents.transformers_policy import TransformersPolicy  # noqa: E402
@@ -63,22 +63,12 @@ def repeated(base, num_episodes: int) -> list[SourcedGroup]:
     return out
 
 
-def in_page(page, script: str) -> float:
-    return float(page.evaluate(script))
-
-
-COLOUR = ("() => { const t = performance.now(); document.querySelector('button.colour[data-colour=logprob]')"
-          ".click(); void document.body.offsetHeight; return performance.now() - t; }")
-SORT = ("() => { const t = performance.now(); document.querySelector('#list-head button[data-key=reward_mean]')"
-        ".click(); void document.body.offsetHeight; return performance.now() - t; }")
-
-
 def measure(context, url: str, num_groups: int) -> dict[str, float]:
     page, errors, requests, ready = open_view(context, url)
-    group = open_group_ms(page, num_groups - 1)
+    group = timed(page, "open", num_groups - 1)
     page.click("#expand-all")
-    colour = in_page(page, COLOUR)
-    sort = in_page(page, SORT)
+    colour = timed(page, "colour", "logprob")
+    sort = timed(page, "sort", "reward_mean")
     tokens = page.locator(".text .tok").count()
     page.close()
     if errors or len(requests) != 1:

@@ -75,8 +75,7 @@ def open_view(context, url: str, timeout_ms: int = 15_000):
     return page, errors, requests, float(page.evaluate("TV.readyMs"))
 
 
-def open_group_ms(page, group: int) -> float:
-    """Milliseconds, measured in the page, to parse group ``group``'s data, build its tree, render it
-    and lay the page out (reading a layout property forces the layout before the clock stops)."""
-    return float(page.evaluate("(g) => { const t = performance.now(); TV.select(g); "
-                               "void document.body.offsetHeight; return performance.now() - t; }", group))
+def timed(page, action: str, arg) -> float:
+    """Milliseconds the page measured for one of ``TV.timed``'s actions (``open`` a group,
+    ``colour`` the tokens, ``sort`` the list), layout included."""
+    return float(page.evaluate(f"(arg) => TV.timed.{action}(arg)", arg))

@@ -69,6 +69,20 @@
     if (window.location.hash !== "#group=" + g) window.history.replaceState(null, "", "#group=" + g);
   };
 
+  // For tests and benchmarks: run one action, return its milliseconds, the layout it causes
+  // included (reading offsetHeight forces the layout before the clock stops).
+  function timed(action) {
+    const t = performance.now();
+    action();
+    void document.body.offsetHeight;
+    return performance.now() - t;
+  }
+  TV.timed = {
+    open: function (g) { return timed(function () { TV.select(g); }); },
+    colour: function (mode) { return timed(function () { document.querySelector('button.colour[data-colour="' + mode + '"]').click(); }); },
+    sort: function (key) { return timed(function () { document.querySelector('#list-head button[data-key="' + key + '"]').click(); }); },
+  };
+
   TV.initList();
   const wanted = /^#group=(\d+)$/.exec(window.location.hash);
   if (wanted && Number(wanted[1]) < TV.numGroups) TV.select(Number(wanted[1]));
