@@ -8,6 +8,12 @@
         record prefix-tree trajectories as JSON Lines (resumable)
     treerl learn [--learner grpo] --env ID --output-dir DIR [--steps N] [--loss dapo] [--config FILE] ...
         train on trajectory trees; prints the held-out success rate at start and end
+    treerl view FILE.jsonl|RUN_DIR [...] [-o view.html] [--model DIR]
+        trajectory trees in a browser: one self-contained HTML file that works offline
+    treerl plot RUN_DIR [RUN_DIR ...] [-o DIR]
+        a run's plots (reward, tool calls, entropy, clip/IS, packing, step time); several overlaid
+    treerl compare RUN_DIR RUN_DIR [...] [--last N] [--json]
+        final metrics of learn runs side by side
 
 Every subcommand's flags are generated from its config dataclass (plus ``--config
 file.yaml``), and ``--import`` runs the user's modules first (environments, losses and
@@ -18,6 +24,7 @@ learners register themselves there). ``learn``'s flags are those of the learner 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -129,10 +136,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     finally:
         policy.close()
     if cfg.json:
-        json.dump(report.summary(), sys.stdout, indent=2)
+        summary = report.summary()
+        if cfg.per_task:
+            summary["tasks"] = report.task_rows()
+        json.dump(summary, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(report.table())
+        if cfg.per_task:
+            print()
+            print(report.task_table())
     return 0
 
 
@@ -168,6 +181,52 @@ def cmd_learn(args: argparse.Namespace) -> int:
               f"({(end - start) * 100:+.1f} points) over {cfg.eval_episodes} episodes")
     print(f"model saved to {result.model_dir}; metrics in {result.output_dir / 'metrics.jsonl'}")
     return 0
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from treerl.rollout.view import ViewConfig, write_view
+
+    out, num_groups = write_view(config_from_args(ViewConfig, args))
+    print(f"wrote {out} ({num_groups} groups, {out.stat().st_size / 2**20:.1f} MiB): open it in a browser; it needs "
+          "no server or network")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from treerl.learners.plots import PlotConfig, write_plots
+
+    cfg = config_from_args(PlotConfig, args)
+    for path in write_plots(cfg.paths, cfg.out):
+        print(path)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from treerl.learners.compare import CompareConfig, compare_runs, compare_table
+
+    cfg = config_from_args(CompareConfig, args)
+    if cfg.json:
+        json.dump(compare_runs(cfg.paths, cfg.last), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(compare_table(cfg.paths, cfg.last))
+    return 0
+
+
+def _path_commands() -> list[tuple[str, str, type, Callable[[argparse.Namespace], int], str]]:
+    """(name, help, config, function, what the positional paths are) of the commands that read files."""
+    from treerl.learners.compare import CompareConfig
+    from treerl.learners.plots import PlotConfig
+    from treerl.rollout.view import ViewConfig
+
+    return [
+        ("view", "Trajectory trees in a browser: one self-contained HTML file, offline.", ViewConfig, cmd_view,
+         "trajectory files (treerl rollout --out) or learn output directories"),
+        ("plot", "Draw a learn run's plots (several runs overlaid); needs treerl[plot].", PlotConfig, cmd_plot,
+         "learn output directories"),
+        ("compare", "Final metrics of learn runs side by side.", CompareConfig, cmd_compare,
+         "learn output directories"),
+    ]
 
 
 def _commands(learner: str) -> list[tuple[str, str, type, Callable[[argparse.Namespace], int]]]:
@@ -215,6 +274,14 @@ def build_parser(learner: str = "grpo") -> argparse.ArgumentParser:
 
             p.add_argument("--learner", default=learner, choices=sorted(LEARNERS),
                            help="Which learner trains (its own flags are listed with --learner NAME --help).")
+        p.set_defaults(func=func)
+
+    for name, help_text, cls, func, paths_help in _path_commands():
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("paths", nargs="+", metavar="PATH", help=paths_help.capitalize() + ".")
+        add_dataclass_arguments(p, cls)
+        if any(f.name == "out" for f in dataclasses.fields(cls)):
+            p.add_argument("-o", dest="out", default=argparse.SUPPRESS, help="Same as --out.")
         p.set_defaults(func=func)
     return parser
 

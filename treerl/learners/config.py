@@ -59,6 +59,12 @@ class LearnerConfig(EpisodeOptions):
     eval_temperature: float = field_help(1.0, "Sampling temperature of the evaluation.")
     save_every: int = field_help(0, "Checkpoint every N steps (0: only at the end).")
     resume: bool = field_help(False, "Continue from the latest checkpoint in output_dir.")
+    sample_groups: int = field_help(4, "Groups of a sampled step kept in output_dir/trajectories for `treerl view` "
+                                       "(0 keeps none).")
+    sample_every: int = field_help(10, "Keep a trajectory sample every N steps (and at the first and last step).")
+    sample_trainer_logprobs: bool = field_help(True, "Store the trainer's log-probs in the samples too (one "
+                                                     "forward of the kept groups): the viewer's sampler/trainer "
+                                                     "ratio colouring.")
     seed: int = field_help(0, "Seeds tasks, sampling and initialization.")
     num_threads: int | None = field_help(None, "torch CPU threads (default: torch's choice).")
     progress: bool = field_help(True, "Show a progress bar.")
@@ -80,6 +86,9 @@ class LearnerConfig(EpisodeOptions):
             raise ValueError(f"report_to={self.report_to!r}: use none, tensorboard, wandb or trackio.")
         if self.lora_r < 0:
             raise ValueError(f"lora_r={self.lora_r} must be >= 0 (0 trains all weights).")
+        if self.sample_groups < 0 or self.sample_every < 1:
+            raise ValueError(f"sample_groups={self.sample_groups}, sample_every={self.sample_every}: keep >= 0 groups "
+                             "every >= 1 steps (--sample-groups 0 keeps no trajectory samples).")
         if self.eval_episodes < 0 or self.save_every < 0:
             raise ValueError("eval_episodes and save_every must be >= 0 (0 skips evaluation / intermediate "
                              "checkpoints).")

@@ -6,10 +6,12 @@ A learner is the loop of its own stages on these parts::
     with run:
         for step in run.steps():
             groups, stats = run.rollout()                 # this step's tasks, played by the engine
-            ...                                           # the algorithm: rewards, advantages, loss, step
+            ...                                           # the algorithm: rewards, advantages
+            run.keep_sample(step, groups, adv)            # a few groups for `treerl view` (every N steps)
+            ...                                           # the algorithm: loss, optimizer step
             run.publish_weights(metrics)                  # the policy samples the new weights
             run.end_step(step, metrics, stats, ...)       # summary, diagnostics, log, checkpoint
-    return finish(run)                    # final checkpoint, model, eval at end, summary.json
+    return finish(run)                    # final checkpoint, model, eval at end, summary.json, plots
 
 :func:`build` loads the model (or takes the caller's), keeps the sampler's own copy in a
 :class:`~treerl.agents.transformers_policy.TransformersPolicy` unless a policy is given,
@@ -18,8 +20,10 @@ given) and its constant-with-warm-up schedule, resumes from the latest checkpoin
 and evaluates at the start. The parts it uses each live in their own module:
 :mod:`~treerl.learners.checkpoints`, :mod:`~treerl.learners.metrics`,
 :mod:`~treerl.learners.weight_sync`, :mod:`~treerl.learners.rewards`,
-:mod:`~treerl.learners.evaluation`, :mod:`~treerl.learners.diagnostics` and
-:mod:`~treerl.learners.distributed` (several processes under ``accelerate launch``).
+:mod:`~treerl.learners.evaluation`, :mod:`~treerl.learners.diagnostics`,
+:mod:`~treerl.learners.samples` (trajectory samples for ``treerl view``),
+:mod:`~treerl.learners.plots` and :mod:`~treerl.learners.distributed` (several processes
+under ``accelerate launch``).
 """
 
 from __future__ import annotations
@@ -55,7 +59,9 @@ from treerl.learners.evaluation import evaluate_at_start, evaluate_policy
 from treerl.learners.losses.base import same_definition
 from treerl.learners.metrics import MetricsLog, truncate_metrics
 from treerl.learners.packing import PackedBatch, packing_metrics
+from treerl.learners.plots import MatplotlibMissing, write_plots
 from treerl.learners.rewards import RewardFunc, check_reward_weights
+from treerl.learners.samples import add_trainer_logprobs, annotate_sample, keeps_sample, sample_path, write_groups
 from treerl.learners.weight_sync import WeightSync
 from treerl.models import load_model
 from treerl.rollout.engine import RolloutEngine
@@ -167,6 +173,20 @@ class Run:
         """Send the updated weights to the policy under the next version."""
         metrics["perf/sync_s"] = self.sync.publish()
 
+    def keep_sample(self, step: int, groups: Sequence[Group], adv: torch.Tensor | Sequence[float]) -> Path | None:
+        """On a sampled step, write the first ``cfg.sample_groups`` groups with their advantages
+        ``adv`` (E,) to ``output_dir/trajectories`` (see :mod:`~treerl.learners.samples`).
+
+        Call it before the optimizer step, so that the trainer log-probs it stores are the ones
+        the step's importance weights compare with the sampler's. Returns the file, if written.
+        """
+        if not (self.ranks.is_main and keeps_sample(step + 1, self.cfg)):
+            return None
+        sample = annotate_sample(groups, adv, self.cfg.sample_groups)
+        if self.cfg.sample_trainer_logprobs:
+            add_trainer_logprobs(self.model, sample, temperature=self.cfg.temperature, device=self.device)
+        return write_groups(sample_path(self.out_dir, step + 1), sample)
+
     def end_step(self, step: int, metrics: dict[str, float], stats: RolloutStats, *, num_episodes: int,
                  batches: Sequence[PackedBatch] = ()) -> dict[str, float]:
         """The step's summary, diagnostics, metrics line and checkpoint; returns the logged metrics.
@@ -188,6 +208,7 @@ class Run:
             "episode/length_limit_frac": summary["episode/length_limit_frac"],
             "tree/packing_ratio": summary["tree/packing_ratio"],
             "perf/tokens_per_s": summary["perf/tokens_per_s"],
+            **{f"tool_calls/{kind}": float(n) for kind, n in summary["tool_calls"].items()},  # counts by outcome
             "policy/version": self.sync.version,
             **self.ranks.mean_metrics(local, weight=num_episodes),
         })
@@ -331,9 +352,21 @@ def finish(run: Run) -> TrainResult:
         result = {"steps": cfg.steps, "policy_version": run.sync.version, "eval_start": run.eval_start,
                   "eval_end": eval_end, "model_dir": str(model_dir)}
         (run.out_dir / "summary.json").write_text(json.dumps(result, indent=2))
+        _write_plots(run.out_dir)
     run.ranks.barrier()
     run.policy.close()
     return TrainResult(run.out_dir, cfg.steps, run.sync.version, run.eval_start, eval_end, model_dir)
+
+
+def _write_plots(out_dir: Path) -> None:
+    """The run's plots next to ``metrics.jsonl``; without matplotlib, a note instead (plots are optional)."""
+    try:
+        paths = write_plots([out_dir])
+    except MatplotlibMissing as exc:
+        logger.warning("no plots: %s", exc)
+        print(f"no plots: {exc}", file=sys.stderr)
+        return
+    logger.info("plots: %s", ", ".join(str(p) for p in paths))
 
 
 def _export_model(run: Run) -> torch.nn.Module:

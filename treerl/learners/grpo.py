@@ -8,6 +8,7 @@ one function each::
         groups, stats = run.rollout()                     # the engine, G generations per task
         rewards = score(groups, ...)                      # environment reward + TRL-style reward functions
         adv = advantages(groups, rewards, ...)            # group baseline, scaled
+        run.keep_sample(step, groups, adv)                # every N steps, a few groups for `treerl view`
         batches = pack_groups(groups, adv, ...)           # each unique token once, rows by attention work
         optimize(run, batches, ...)                       # forward with tree attention, loss, backward, step
         run.publish_weights(...)                          # the sampler gets the new weights and version
@@ -199,6 +200,7 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     metrics["perf/rollout_s"] = time.perf_counter() - start
     rewards = score(groups, run.reward_funcs, metrics)
     adv = advantages(groups, rewards, run.reward_weights, cfg, metrics, run.ranks)
+    run.keep_sample(step, groups, adv)
     batches = pack_groups(groups, adv, cfg.packing_config())
     normalizer = run.ranks.normalizer(batches)  # counts every episode, trained or skipped
     if skips_zero_advantage_groups(cfg, run.ranks):

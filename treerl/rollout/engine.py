@@ -217,7 +217,8 @@ class RolloutEngine:
                 return self._finish(state, group, leaf, "env_error")
             state.turn += 1
             state.rewards.append(float(reward))
-            state.tool_calls.extend(info.get("tool_calls", []))
+            # Each call record names the sampled segment that made it (the viewer places it there).
+            state.tool_calls.extend({**r, "segment": leaf} for r in info.get("tool_calls", []))
             state.metrics.update(info.get("metrics", {}))
             if terminated or truncated:
                 termination = info.get("termination") or ("max_turns" if truncated else "terminated")

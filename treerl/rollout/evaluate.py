@@ -21,7 +21,7 @@ from treerl.config import field_help
 from treerl.envs.registry import make
 from treerl.rollout.engine import RolloutEngine
 from treerl.rollout.options import EpisodeOptions
-from treerl.rollout.summary import summary_table
+from treerl.rollout.summary import summary_table, task_rows, task_table
 from treerl.rollout.trajectory import Group
 
 __all__ = ["EvalConfig", "EvalReport", "evaluate", "aevaluate", "evaluate_with"]
@@ -36,6 +36,8 @@ class EvalConfig(EpisodeOptions):
                                    "seeds.")
     success_threshold: float = field_help(1.0, "Final reward at or above which an episode counts as solved.")
     json: bool = field_help(False, "Print the report as JSON.")
+    per_task: bool = field_help(False, "Also report each task: answer, reward, success, turns, tokens, tool calls "
+                                       "and how it ended (a table, or a `tasks` list with --json).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -51,6 +53,7 @@ class EvalReport:
     figures: dict[str, Any]
     """:meth:`RolloutStats.summary` of the evaluation's episodes."""
     groups: list[Group] = field(default_factory=list, repr=False)
+    success_threshold: float = 1.0
 
     @property
     def num_episodes(self) -> int:
@@ -71,6 +74,13 @@ class EvalReport:
     def table(self) -> str:
         return summary_table(self.figures, environment=self.env)
 
+    def task_rows(self) -> list[dict[str, Any]]:
+        """One record per task (see :func:`~treerl.rollout.summary.task_rows`)."""
+        return task_rows(self.groups, self.success_threshold)
+
+    def task_table(self) -> str:
+        return task_table(self.task_rows())
+
 
 async def aevaluate(env_factory: Callable[[], Any], policy: Policy, tokenizer: Any, *, env_id: str = "",
                     num_episodes: int = 64, seed: int = 10_000, params: SamplingParams | None = None,
@@ -81,7 +91,8 @@ async def aevaluate(env_factory: Callable[[], Any], policy: Policy, tokenizer: A
                            max_concurrency=max_concurrency, max_episode_tokens=max_episode_tokens,
                            max_episode_seconds=max_episode_seconds, seed=seed)
     groups, stats = await engine.run(env_factory, env_id, range(num_episodes), group_size=1)
-    return EvalReport(env=env_id, figures=stats.summary(success_threshold), groups=groups)
+    return EvalReport(env=env_id, figures=stats.summary(success_threshold), groups=groups,
+                      success_threshold=success_threshold)
 
 
 def evaluate(env_id: str, policy: Policy, tokenizer: Any, *, env_kwargs: dict[str, Any] | None = None,

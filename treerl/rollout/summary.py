@@ -27,7 +27,7 @@ from typing import Any
 
 from treerl.rollout.trajectory import Group
 
-__all__ = ["RolloutStats", "summary_table", "two_column_table"]
+__all__ = ["RolloutStats", "summary_table", "two_column_table", "format_table", "task_rows", "task_table"]
 
 
 @dataclass
@@ -116,6 +116,51 @@ def two_column_table(rows: Sequence[tuple[str, str]]) -> str:
     """
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Columns padded to their widest cell, a dashed rule under the header.
+
+    >>> print(format_table(["metric", "a", "b"], [["reward", "0.5", "0.75"]]))
+    metric  a    b
+    ------  ---  ----
+    reward  0.5  0.75
+    """
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def task_rows(groups: Sequence[Group], success_threshold: float = 1.0) -> list[dict[str, Any]]:
+    """One record per task (group): its answer, reward, success, turns, tool calls and how it ended."""
+    rows = []
+    for g in groups:
+        n = max(len(g.episodes), 1)
+        calls = Counter(r.get("error") or "ok" for e in g.episodes for r in e.tool_calls)
+        rows.append({
+            "task": g.task_key,
+            "answer": g.info.get("answer"),
+            "episodes": len(g.episodes),
+            "reward": sum(e.reward for e in g.episodes) / n,
+            "success_rate": sum((e.rewards[-1] if e.rewards else 0.0) >= success_threshold for e in g.episodes) / n,
+            "turns": sum(e.metrics.get("turns", 0) for e in g.episodes) / n,
+            "sampled_tokens": sum(e.num_sampled_tokens for e in g.episodes) / n,
+            "tool_calls": dict(calls),
+            "terminations": dict(Counter(str(e.termination) for e in g.episodes)),
+        })
+    return rows
+
+
+def task_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The per-task table of ``treerl eval --per-task``."""
+    def counts(d: dict[str, int]) -> str:
+        return ", ".join(f"{k}={v}" for k, v in sorted(d.items())) or "none"
+
+    body = [[r["task"], "-" if r["answer"] is None else str(r["answer"]), f"{r['reward']:.3f}",
+             f"{r['success_rate']:.0%}", f"{r['turns']:.1f}", f"{r['sampled_tokens']:.0f}", counts(r["tool_calls"]),
+             counts(r["terminations"])] for r in rows]
+    return format_table(["task", "answer", "reward", "success", "turns", "tokens", "tool calls", "ended"], body)
 
 
 def summary_table(summary: dict[str, Any], **extra: str) -> str:

@@ -41,6 +41,9 @@ __all__ = [
     "read_groups",
     "GroupWriter",
     "to_flat_records",
+    "TRAJECTORIES_DIR",
+    "sample_path",
+    "sample_files",
 ]
 
 SCHEMA_VERSION = 1
@@ -62,19 +65,25 @@ class Segment:
     """Sampled segments: the ids each token was drawn from; None means the full vocabulary."""
     policy_version: int | None = None
     finish_reason: str | None = None
+    trainer_logprobs: list[float] | None = None
+    """Sampled segments in a learner's trajectory sample: the trainer's log-prob of each token
+    when it trained on them (optional; stored only when set)."""
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind, "parent": self.parent, "token_ids": self.token_ids}
         if self.kind == "sampled":
             d.update(logprobs=self.logprobs, candidates=self.candidates, policy_version=self.policy_version,
                      finish_reason=self.finish_reason)
+            if self.trainer_logprobs is not None:
+                d["trainer_logprobs"] = self.trainer_logprobs
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Segment:
         return cls(kind=d["kind"], token_ids=list(d["token_ids"]), parent=d.get("parent"),
                    logprobs=d.get("logprobs"), candidates=d.get("candidates"),
-                   policy_version=d.get("policy_version"), finish_reason=d.get("finish_reason"))
+                   policy_version=d.get("policy_version"), finish_reason=d.get("finish_reason"),
+                   trainer_logprobs=d.get("trainer_logprobs"))
 
 
 @dataclass
@@ -94,6 +103,8 @@ class Episode:
     termination: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     extra_leaves: list[int] = field(default_factory=list)
+    advantage: float | None = None
+    """The advantage a learner gave this episode (trajectory samples of ``treerl learn``; optional)."""
     group: Group | None = field(default=None, repr=False, compare=False)
 
     # -- views along the root-to-leaf path --------------------------------------------------
@@ -147,18 +158,21 @@ class Episode:
         return sum(len(self.group.segments[i].token_ids) for i in segments if self.group.segments[i].kind == "sampled")
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "leaf": self.leaf, "reward": self.reward, "rewards": self.rewards, "messages": self.messages,
             "tool_calls": self.tool_calls, "termination": self.termination, "metrics": self.metrics,
             "extra_leaves": self.extra_leaves,
         }
+        if self.advantage is not None:
+            d["advantage"] = self.advantage
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Episode:
         return cls(leaf=d["leaf"], reward=d["reward"], rewards=list(d.get("rewards", [])),
                    messages=list(d.get("messages", [])), tool_calls=list(d.get("tool_calls", [])),
                    termination=d.get("termination"), metrics=dict(d.get("metrics", {})),
-                   extra_leaves=list(d.get("extra_leaves", [])))
+                   extra_leaves=list(d.get("extra_leaves", [])), advantage=d.get("advantage"))
 
 
 @dataclass
@@ -360,3 +374,29 @@ def to_flat_records(groups: Sequence[Group] | Iterator[Group]) -> Iterator[dict[
                 "messages": e.messages,
                 "termination": e.termination,
             }
+
+
+# -- trajectory samples of a learn run ------------------------------------------------------------
+
+TRAJECTORIES_DIR = "trajectories"
+"""Where ``treerl learn`` keeps its trajectory samples inside its output directory."""
+
+
+def sample_path(out_dir: str | os.PathLike, step: int) -> Path:
+    """The sample file of step ``step`` (1-based, as in ``metrics.jsonl``).
+
+    >>> sample_path("runs/x", 10).as_posix()
+    'runs/x/trajectories/step-000010.jsonl'
+    """
+    return Path(out_dir) / TRAJECTORIES_DIR / f"step-{step:06d}.jsonl"
+
+
+def sample_files(out_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, file) of every trajectory sample in a learn output directory, by step."""
+    folder = Path(out_dir) / TRAJECTORIES_DIR
+    found = []
+    for path in folder.glob("step-*.jsonl") if folder.is_dir() else ():
+        digits = path.stem.removeprefix("step-")
+        if digits.isdigit():
+            found.append((int(digits), path))
+    return sorted(found)

@@ -1,0 +1,97 @@
+"""Plots and reports: treerl plot, treerl compare, treerl eval --per-task, and plots without matplotlib."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from treerl.cli import main
+from treerl.learners.core import _write_plots
+from treerl.learners.plots import PLOTS, write_plots
+from treerl.rollout import Group
+from treerl.rollout.summary import task_rows, task_table
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def fake_run(root: Path, name: str, rewards: list[float], *, lr: float, success: tuple[float, float]) -> Path:
+    """A learn output directory as `treerl learn` leaves it: metrics, summary and config."""
+    run = root / name
+    run.mkdir()
+    lines = []
+    for step, reward in enumerate(rewards, 1):
+        lines.append({"step": step, "reward/mean": reward, "reward/std": 0.1, "reward/success_rate": reward,
+                      "loss/policy": -0.01 * step, "entropy/mean": 1.0 / step, "clip/region_frac": 0.0,
+                      "is/ratio_mean": 1.0, "tree/packing_ratio": 2.5, "perf/rollout_s": 1.0, "perf/sync_s": 0.1,
+                      "perf/step_s": 2.0, "perf/tokens_per_s": 300.0, "tool_calls/ok": 6.0 + step,
+                      **({"tool_calls/malformed": 2.0} if step % 2 else {})})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines) + '{"step": 9, "rew')  # torn
+    (run / "summary.json").write_text(json.dumps({"eval_start": {"success_rate": success[0]},
+                                                  "eval_end": {"success_rate": success[1]}}))
+    (run / "config.json").write_text(json.dumps({"output_dir": str(run), "learning_rate": lr, "steps": len(rewards)}))
+    return run
+
+
+def test_compare_prints_final_metrics_and_differing_config(tmp_path, capsys):
+    a = fake_run(tmp_path, "a", [0.1, 0.2, 0.3, 0.5], lr=2e-4, success=(0.2, 0.6))
+    b = fake_run(tmp_path, "b", [0.1, 0.1, 0.2, 0.2], lr=1e-4, success=(0.2, 0.3))
+    assert main(["compare", str(a), str(b), "--last", "2"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert rows["reward/mean"] == ["0.4", "0.2"]  # the mean of each run's last 2 steps
+    assert rows["eval/success_end"] == ["60.0%", "30.0%"] and rows["time/total_s"] == ["8.00", "s", "8.00", "s"]
+    assert rows["learning_rate"] == ["0.0002", "0.0001"] and "steps" in rows
+    assert main(["compare", str(a), str(b), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["runs"]["a"]["eval/success_start"] == 0.2
+    assert data["runs"]["b"]["reward/mean"] == pytest.approx(0.15, abs=1e-9)
+    assert list(data["config_differences"]) == ["learning_rate", "output_dir"]
+
+
+def test_plot_draws_every_figure_and_overlays_runs(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    a = fake_run(tmp_path, "a", [0.1, 0.2, 0.3, 0.5], lr=2e-4, success=(0.2, 0.6))
+    b = fake_run(tmp_path, "b", [0.5, 0.4, 0.2, 0.1], lr=1e-4, success=(0.2, 0.3))
+    single = write_plots([a])  # one run: into RUN/plots
+    assert [p.parent for p in single] == [a / "plots"] * len(PLOTS)
+    assert main(["plot", str(a), str(b), "-o", str(tmp_path / "both")]) == 0
+    printed = capsys.readouterr().out.split()
+    assert sorted(Path(p).name for p in printed) == sorted(f"{n}.png" for n in PLOTS)
+    for name in PLOTS:
+        overlay, alone = (tmp_path / "both" / f"{name}.png").read_bytes(), (a / "plots" / f"{name}.png").read_bytes()
+        assert overlay.startswith(PNG) and alone.startswith(PNG) and overlay != alone
+
+
+def test_without_matplotlib_plot_names_the_extra_and_learn_only_notes_it(tmp_path, capsys, monkeypatch):
+    run = fake_run(tmp_path, "a", [0.1, 0.2], lr=2e-4, success=(0.2, 0.6))
+    for module in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, module, None)  # import now fails as when not installed
+    assert main(["plot", str(run)]) == 2
+    assert "pip install 'treerl[plot]'" in capsys.readouterr().err
+    _write_plots(run)  # what `treerl learn` does at the end: a note, no failure
+    assert "no plots:" in capsys.readouterr().err and not (run / "plots").exists()
+
+
+def test_eval_per_task_json_from_the_command_line(capsys):
+    assert main(["eval", "--num-episodes", "1", "--max-new-tokens", "48", "--per-task", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    [task] = report["tasks"]
+    assert task["task"] == "seed-10000" and task["answer"] is not None and task["turns"] >= 1
+    assert task["success_rate"] == report["success_rate"] and sum(task["tool_calls"].values()) >= 1
+
+
+def test_per_task_table_has_one_row_per_task():
+    groups = []
+    for seed, (reward, error) in enumerate([(1.0, None), (0.0, "malformed")]):
+        g = Group(task_key=f"seed-{seed}", env_id="demo", info={"answer": str(seed)})
+        root = g.add_segment("prompt", [1, 2])
+        leaf = g.add_segment("sampled", [3, 4, 5], parent=root, logprobs=[-0.1] * 3)
+        g.add_episode(leaf=leaf, reward=reward, rewards=[0.0, reward], termination="final_answer", metrics={"turns": 2},
+                      tool_calls=[{"name": "calculator", "error": error}])
+        groups.append(g)
+    lines = task_table(task_rows(groups)).splitlines()
+    assert lines[0].split() == ["task", "answer", "reward", "success", "turns", "tokens", "tool", "calls", "ended"]
+    assert lines[2].split() == ["seed-0", "0", "1.000", "100%", "2.0", "3", "ok=1", "final_answer=1"]
+    assert lines[3].split() == ["seed-1", "1", "0.000", "0%", "2.0", "3", "malformed=1", "final_answer=1"]

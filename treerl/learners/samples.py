@@ -1,0 +1,121 @@
+"""Trajectory samples: a few of a step's groups, kept in the output directory for people to look at.
+
+Every ``sample_every`` steps (and at the first and the last) a learner keeps its first
+``sample_groups`` groups as ``output_dir/trajectories/step-000010.jsonl``: today's trajectory
+format, readable by :func:`~treerl.rollout.trajectory.read_groups` and by ``treerl view``,
+with two optional fields filled in:
+
+- ``advantage`` on each episode: what the learner trained the episode with;
+- ``trainer_logprobs`` on each sampled segment: the trainer's log-prob of each token under
+  the weights it is about to update, at the sampler's temperature and renormalized over the
+  sampler's candidate set, as the importance weights see it. ``exp(trainer - sampler)`` is
+  the sampler/trainer ratio the viewer colours tokens by.
+
+The step number is the one ``metrics.jsonl`` uses (1-based). A resumed run that replays a
+step rewrites its file whole, never appends to it.
+
+>>> from types import SimpleNamespace
+>>> cfg = SimpleNamespace(sample_groups=4, sample_every=10, steps=25)
+>>> [s for s in range(1, 26) if keeps_sample(s, cfg)]
+[1, 10, 20, 25]
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from treerl.learners.forward import packed_logprobs
+from treerl.learners.packing import PackingConfig, pack_groups
+from treerl.rollout.trajectory import Episode, Group, sample_path
+
+__all__ = ["keeps_sample", "sample_path", "annotate_sample", "add_trainer_logprobs", "write_groups"]
+
+
+def keeps_sample(step: int, cfg: Any) -> bool:
+    """Whether step ``step`` (1-based) keeps a sample: the first, every ``sample_every``-th, the last."""
+    if cfg.sample_groups <= 0 or cfg.sample_every <= 0:
+        return False
+    return step == 1 or step % cfg.sample_every == 0 or step == cfg.steps
+
+
+def annotate_sample(groups: Sequence[Group], adv: torch.Tensor | Sequence[float], num_groups: int) -> list[Group]:
+    """Copies of the first ``num_groups`` groups with each episode's advantage set.
+
+    ``adv`` (E,) holds one advantage per episode of ``groups``, groups in order (the
+    learner's own groups are left untouched).
+    """
+    adv = torch.as_tensor(adv, dtype=torch.float32).reshape(-1)
+    kept, first = [], 0
+    for group in groups[:num_groups]:
+        copy = Group.from_json(group.to_json())
+        for i, episode in enumerate(copy.episodes):
+            episode.advantage = float(adv[first + i])
+        first += len(group.episodes)
+        kept.append(copy)
+    return kept
+
+
+@torch.no_grad()
+def add_trainer_logprobs(model: torch.nn.Module, groups: Sequence[Group], *, temperature: float, device: str,
+                         paths_per_batch: int = 4) -> None:
+    """Fill ``trainer_logprobs`` of every sampled segment of ``groups`` with ``model``'s log-probs.
+
+    Each root-to-leaf path is forwarded on its own (``padded`` packing, which any causal LM
+    runs, tree attention or not), so its terms come back in path order; a segment on several
+    paths has the same context on each and takes its values from the first.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        for group in groups:
+            leaves = list(dict.fromkeys(leaf for e in group.episodes for leaf in e.leaves))
+            if not leaves:
+                continue
+            paths = [group.path_indices(leaf) for leaf in leaves]
+            longest = max(sum(len(group.segments[s].token_ids) for s in path) for path in paths)
+            chains = Group(task_key=group.task_key, env_id=group.env_id, segments=group.segments)
+            chains.episodes = [Episode(leaf=leaf, reward=0.0, group=chains) for leaf in leaves]
+            cfg = PackingConfig(max_tokens_per_row=max(longest, 1), mode="padded", rows_per_batch=paths_per_batch)
+            per_path: dict[int, list[float]] = {}
+            per_path_ids: dict[int, list[int]] = {}
+            filled: set[tuple[int, int]] = set()
+            for batch in pack_groups([chains], torch.zeros(len(leaves)), cfg):
+                out = packed_logprobs(model, batch.to(device), temperature=temperature)
+                for e, logp, target in zip(batch.term_episode.tolist(), out.logp.float().cpu().tolist(),
+                                           batch.term_target.tolist()):
+                    per_path.setdefault(e, []).append(logp)
+                    per_path_ids.setdefault(e, []).append(target)
+            for e, path in enumerate(paths):
+                positions = [(s, off) for s in path if group.segments[s].kind == "sampled"
+                             for off in range(len(group.segments[s].token_ids))]
+                first = next(((s, 0) for s in path if group.segments[s].token_ids), None)
+                if positions and positions[0] == first:
+                    positions = positions[1:]  # a path's first token has no context that predicts it
+                ids = [group.segments[s].token_ids[off] for s, off in positions]
+                if per_path_ids.get(e, []) != ids:
+                    raise RuntimeError(f"trainer log-probs of {group.task_key!r} path {e} do not line up with its "
+                                       "sampled tokens; this is a bug in treerl.")
+                for (s, off), logp in zip(positions, per_path.get(e, [])):
+                    seg = group.segments[s]
+                    if seg.trainer_logprobs is None:  # 0.0 where nothing predicts a token, as the sampler's mask
+                        seg.trainer_logprobs = [0.0] * len(seg.token_ids)
+                    if (s, off) not in filled:
+                        seg.trainer_logprobs[off] = logp
+                        filled.add((s, off))
+    finally:
+        model.train(was_training)
+
+
+def write_groups(path: str | os.PathLike, groups: Sequence[Group]) -> Path:
+    """Write ``groups`` as a trajectory file, replacing any earlier one whole (a replayed step)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(g.to_json() + "\n" for g in groups), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
