@@ -274,7 +274,9 @@ class RolloutEngine:
     ) -> tuple[list[Group], RolloutStats]:
         """Play every task in ``tasks`` (indices; task ``i`` is reset with seed ``seed + i``).
 
-        Groups are written (and passed to ``on_group``) as they finish.
+        Groups are written (and passed to ``on_group``) as they finish. A group that fails
+        (a bug: environment errors are recorded as data) does not stop the others: they
+        all finish and are written, then the first failure is raised.
         """
         self._ensure_slots()
         # Bound the groups in flight too, so a long task list does not build every
@@ -298,7 +300,12 @@ class RolloutEngine:
             if on_group is not None:
                 on_group(group)
 
-        await asyncio.gather(*(one(i) for i in tasks))
+        outcomes = await asyncio.gather(*(one(i) for i in tasks), return_exceptions=True)
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        for failure in failures[1:]:
+            logger.error("another group failed too: %s", "".join(traceback.format_exception_only(failure)).strip())
+        if failures:
+            raise failures[0]
         stats.wall_s = time.monotonic() - start
         groups.sort(key=lambda g: g.info["task_seed"])
         return groups, stats
