@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from fractions import Fraction
+from decimal import Decimal
 from pathlib import Path
 
 import treerl.envs.math_verify_worker as math_verify_worker
@@ -230,11 +230,9 @@ def _fast_math_verdict(completion: str, gold: str) -> float | None:
     answer, target = answer.strip().strip("$").strip(), target.strip().strip("$").strip()
     if not (_DECIMAL.fullmatch(answer) and _DECIMAL.fullmatch(target)):
         return None
-    try:
-        equal = Fraction(answer) == Fraction(target)
-    except ValueError:  # more digits than int() reads (sys.get_int_max_str_digits): math-verify decides
-        return None
-    if equal:
+    # Decimal compares decimal strings exactly, with no limit on their digits (int() and
+    # Fraction() refuse more than sys.get_int_max_str_digits()).
+    if Decimal(answer) == Decimal(target):
         return 1.0
     if _INT.fullmatch(answer) and _INT.fullmatch(target):
         return 0.0

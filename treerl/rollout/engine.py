@@ -156,8 +156,10 @@ class RolloutEngine:
         self._ensure_slots()
         await asyncio.gather(*(self._play(s, group, renderer, task_seed, shared=f"{group.task_key}/prompt")
                                for s in states))
-        # Generations finish in any order; store them in generation order so files repeat.
+        # Generations finish in any order; store them in generation order, and number the
+        # segments in that order, so that files and the packing of the tree repeat.
         group.episodes.sort(key=lambda e: e.metrics["generation"])
+        group.canonicalize()
         return group
 
     async def _play(self, state: _EpisodeState, group: Group, renderer: ChatRenderer, task_seed: int,

@@ -210,6 +210,40 @@ class Group:
         self.episodes.append(episode)
         return episode
 
+    def canonicalize(self) -> None:
+        """Number the segments in the order the episodes reach them, root to leaf, episode by episode.
+
+        Concurrent episodes add their segments in whatever order their turns finish, so the
+        same episodes could come out numbered differently from run to run; the packing of
+        the tree (and with it the order of every floating-point sum over it) follows that
+        numbering. After this, the same episodes in the same order give the same group.
+
+        >>> g = Group(task_key="k", env_id="demo")
+        >>> root = g.add_segment("prompt", [1])
+        >>> late = g.add_segment("sampled", [3], parent=root, logprobs=[0.0])
+        >>> early = g.add_segment("sampled", [2], parent=root, logprobs=[0.0])
+        >>> _ = g.add_episode(leaf=early, reward=0.0), g.add_episode(leaf=late, reward=1.0)
+        >>> g.canonicalize()
+        >>> [s.token_ids for s in g.segments], [e.leaf for e in g.episodes]
+        ([[1], [2], [3]], [1, 2])
+        """
+        new_of: dict[int, int] = {}
+        for episode in self.episodes:
+            for leaf in episode.leaves:
+                for s in self.path_indices(leaf):
+                    new_of.setdefault(s, len(new_of))
+        for s in range(len(self.segments)):  # segments on no episode's path keep their relative order
+            new_of.setdefault(s, len(new_of))
+        segments: list[Segment] = [self.segments[0]] * len(self.segments)
+        for old, new in new_of.items():
+            segment = self.segments[old]
+            segment.parent = None if segment.parent is None else new_of[segment.parent]
+            segments[new] = segment
+        self.segments = segments
+        for episode in self.episodes:
+            episode.leaf = new_of[episode.leaf]
+            episode.extra_leaves = [new_of[leaf] for leaf in episode.extra_leaves]
+
     def path_indices(self, leaf: int) -> list[int]:
         """Indices of the segments from the root to ``leaf``."""
         out = []
