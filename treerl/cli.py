@@ -179,6 +179,8 @@ def cmd_learn(args: argparse.Namespace) -> int:
         start, end = result.eval_start["success_rate"], result.eval_end["success_rate"]
         print(f"held-out success rate: start {start:.1%} -> end {end:.1%} "
               f"({(end - start) * 100:+.1f} points) over {cfg.eval_episodes} episodes")
+    elif cfg.eval_episodes == 0:
+        print("held-out evaluation skipped (--eval-episodes 0)")
     print(f"model saved to {result.model_dir}; metrics in {result.output_dir / 'metrics.jsonl'}")
     return 0
 

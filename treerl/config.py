@@ -4,6 +4,13 @@ Each entry point has one dataclass whose fields carry a ``help`` string in their
 and whose ``__post_init__`` validates values with errors that name the fix. The command
 line is built from it, never hand-copied, so flags, defaults and help cannot drift.
 
+Values from the file and the flags are type-checked against the dataclass's type hints in
+one place, :func:`check_types`, before the dataclass sees them: ``bool`` from YAML's words
+(``"no"`` is false, ``"maybe"`` an error), ``float`` from YAML's ``1e-4`` (which YAML reads
+as a string), whole numbers where an ``int`` is needed, finite numbers where a ``float`` is
+(``nan`` and ``inf`` are refused), a choice of a ``Literal``. Each error is one line that
+names the field, what was wrong, and the fix.
+
 >>> from dataclasses import dataclass, field
 >>> @dataclass
 ... class Demo:
@@ -20,15 +27,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
 from treerl.errors import ConfigError
 
-__all__ = ["field_help", "add_dataclass_arguments", "config_from_args", "load_config_file"]
+__all__ = ["field_help", "add_dataclass_arguments", "config_from_args", "load_config_file", "check_types"]
 
 T = TypeVar("T")
 
@@ -70,7 +78,8 @@ def _parse_mapping(text: str) -> dict[str, Any]:
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": 1}}', got {text!r} ({exc})")
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": 1}}', got {text!r} ({problem})")
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -124,7 +133,10 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--config {path}: not valid YAML ({exc}).") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"--config {path}: not valid YAML ({where}{problem}); fix the file.") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}.")
     return {str(k).replace("-", "_"): v for k, v in data.items()}
@@ -146,7 +158,154 @@ def config_from_args(cls: type[T], args: argparse.Namespace, *, extra_keys: Sequ
             raise ConfigError(f"--config {config_path}: unknown option(s) {unknown}; valid ones: {sorted(names)}.")
         values.update(from_file)
     values.update({k: v for k, v in vars(args).items() if k in names})
+    values = check_types(cls, values)
     try:
         return cls(**values)
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
+
+
+_TRUE = ("1", "true", "yes", "on", "y")
+_FALSE = ("0", "false", "no", "off", "n")
+
+
+def check_types(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` converted to the types of ``cls``'s fields; :class:`~treerl.errors.ConfigError` names a bad one.
+
+    Generic over the type hints (``bool``, ``int``, ``float``, ``str``, ``Path``,
+    ``Literal``, ``X | None``, ``list[X]``, ``dict``); other types pass unchecked.
+
+    >>> from dataclasses import dataclass
+    >>> @dataclass
+    ... class Demo:
+    ...     lr: float = 2e-4
+    ...     resume: bool = False
+    ...     steps: int = 10
+    >>> check_types(Demo, {"lr": "1e-4", "resume": "no", "steps": 3.0})
+    {'lr': 0.0001, 'resume': False, 'steps': 3}
+    >>> check_types(Demo, {"steps": 2.5})
+    Traceback (most recent call last):
+    ...
+    treerl.errors.ConfigError: steps=2.5: expected a whole number; give e.g. --steps 10 (steps: 10 in YAML).
+    """
+    hints = typing.get_type_hints(cls)
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    out = dict(values)
+    for name, value in values.items():
+        if name not in hints:
+            continue
+        problem, converted = _convert(value, hints[name])
+        if problem is not None:
+            example = defaults.get(name)
+            if example is dataclasses.MISSING or example is None:
+                inner = _unwrap_optional(hints[name])[0]
+                example = _EXAMPLES.get(typing.get_origin(inner) or inner)
+            if isinstance(example, dict) or typing.get_origin(_unwrap_optional(hints[name])[0]) is dict:
+                fix = f"; give e.g. {_flag(name)} '{{\"key\": 1}}' (a mapping in YAML)"
+            elif example is not None:
+                fix = f"; give e.g. {_flag(name)} {_cli_text(example)} ({name}: {_cli_text(example)} in YAML)"
+            else:
+                fix = ""
+            raise ConfigError(f"{name}={value!r}: {problem}{fix}.")
+        out[name] = converted
+    return out
+
+
+_EXAMPLES: dict[Any, Any] = {int: 1, float: 1.0, bool: True, str: "text"}
+
+
+def _cli_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, Path):
+        return str(value)
+    return str(value) if not isinstance(value, str) else (value if value and " " not in value else repr(value))
+
+
+def _convert(value: Any, tp: Any) -> tuple[str | None, Any]:
+    """``(None, converted)``, or ``(what is wrong, value)``."""
+    if tp is Any or isinstance(tp, TypeVar):
+        return None, value
+    if tp is type(None):
+        return (None, None) if value is None else ("expected null", value)
+    inner, optional = _unwrap_optional(tp)
+    if optional:
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "~")):
+            return None, None
+        return _convert(value, inner)
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for member in typing.get_args(tp):
+            problem, converted = _convert(value, member)
+            if problem is None:
+                return None, converted
+        return f"expected one of {', '.join(getattr(m, '__name__', str(m)) for m in typing.get_args(tp))}", value
+    if tp is bool:
+        if isinstance(value, bool):
+            return None, value
+        if isinstance(value, int) and value in (0, 1):
+            return None, bool(value)
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return None, value.strip().lower() in _TRUE
+        return "expected true or false", value
+    if tp is int:
+        if isinstance(value, bool):
+            return "expected a whole number, not a boolean", value
+        if isinstance(value, int):
+            return None, value
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            return None, int(value)
+        if isinstance(value, str):
+            try:
+                return None, int(value.strip().replace("_", ""))
+            except ValueError:
+                pass
+        return "expected a whole number", value
+    if tp is float:
+        if isinstance(value, bool):
+            return "expected a number, not a boolean", value
+        number = value
+        if isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
+            try:
+                number = float(value.strip())
+            except ValueError:
+                return "expected a number", value
+        if not isinstance(number, (int, float)):
+            return "expected a number", value
+        if not math.isfinite(number):
+            return "expected a finite number", value
+        return None, float(number)
+    if tp is str:
+        if isinstance(value, bool):
+            return "expected text, got a boolean (YAML reads yes/no/on/off as booleans: quote the word)", value
+        if isinstance(value, (int, float)):
+            return None, str(value)
+        return (None, value) if isinstance(value, str) else (f"expected text, got {type(value).__name__}", value)
+    if tp is Path:
+        return (None, Path(value)) if isinstance(value, (str, Path)) else ("expected a path", value)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        for choice in choices:
+            problem, converted = _convert(value, type(choice))
+            if problem is None and converted == choice:
+                return None, choice
+        return f"expected one of {', '.join(map(str, choices))}", value
+    if origin is dict or tp is dict:
+        if isinstance(value, str):  # a JSON object written as a string
+            try:
+                return None, _parse_mapping(value)
+            except argparse.ArgumentTypeError:
+                pass
+        return (None, dict(value)) if isinstance(value, Mapping) else ("expected a mapping (a JSON object)", value)
+    if origin in (list, tuple):
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            return "expected a list", value
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        items = []
+        for item in value:
+            problem, converted = _convert(item, args[0]) if args else (None, item)
+            if problem is not None:
+                return f"an item {item!r}: {problem}", value
+            items.append(converted)
+        return None, items if origin is list else tuple(items)
+    return None, value

@@ -212,8 +212,15 @@ class ChatRenderer:
         )
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of rendered text; no BOS/EOS added (the template writes its own)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """Token ids of rendered text; no BOS/EOS added (the template writes its own).
+
+        Text longer than the model's length is tokenized without transformers' warning
+        ("Token indices sequence length is longer than ..."): a turn's observations can be
+        that long (a reply with many malformed calls gets one long error message each), and
+        the rollout engine, which counts the ids, ends the episode at ``max_episode_tokens``
+        before the model would see them.
+        """
+        return list(self.tokenizer.encode(text, add_special_tokens=False, verbose=False))
 
     def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The prompt tokens: ``messages`` rendered with the generation prompt, tokenized once."""

@@ -29,14 +29,18 @@ from typing import Any, ClassVar
 import gymnasium
 import numpy as np
 
-from treerl.errors import EnvError, ToolErrorKind
-from treerl.envs.parsers import ParseResult, ToolCall, ToolCallParser, get_parser
+from treerl.errors import EnvError, ToolCallError, ToolErrorKind
+from treerl.envs.offload import run_in_thread
+from treerl.envs.parsers import PARSERS, ParseResult, ToolCall, ToolCallParser, get_parser
 from treerl.envs.spaces import ChatMessages, Completion
 from treerl.envs.tools import Tool, ToolResult, run_tool_call
 
 __all__ = ["Message", "Task", "Env", "ToolEnv", "ValidationReport", "run_sync"]
 
 Message = dict[str, Any]
+
+_INLINE_CHARS = 2_000
+"""Replies this short are read on the event loop by treerl's own (linear) parsers."""
 
 
 @dataclass
@@ -179,6 +183,15 @@ class ToolEnv(Env):
             pick it from the tokenizer's chat template (:meth:`use_parser_of`); alone, the
             environment parses Hermes ``<tool_call>`` JSON.
         system_prompt: Overrides the class's system prompt.
+        parse_timeout_s: Seconds that reading one reply's tool calls (``parser.parse`` and
+            :meth:`is_final`) may take; past it the turn is one ``malformed`` call.
+        score_timeout_s: Seconds that :meth:`score` may take; past it the reward is 0.0
+            and ``info["metrics"]["score/timeout"]`` is 1.
+
+    Parsing, validating and running sync tools, and scoring run in their own threads
+    (:mod:`treerl.envs.offload`), not on the event loop that plays the other episodes;
+    only work bounded to about a millisecond stays on the loop (treerl's own parsers on
+    replies of at most 2,000 characters, validating small arguments).
     """
 
     system_prompt: ClassVar[str] = ""
@@ -195,10 +208,16 @@ class ToolEnv(Env):
         parser: str | ToolCallParser | None = None,
         system_prompt: str | None = None,
         render_mode: str | None = None,
+        parse_timeout_s: float = 10.0,
+        score_timeout_s: float = 60.0,
     ):
         super().__init__(render_mode=render_mode)
         if max_turns < 1:
             raise ValueError(f"max_turns={max_turns} must be >= 1: the model needs at least one turn to answer.")
+        for key, value in (("parse_timeout_s", parse_timeout_s), ("score_timeout_s", score_timeout_s)):
+            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise ValueError(f"{key}={value!r} must be a finite number of seconds > 0, e.g. {key}=10.0.")
+        self.parse_timeout_s, self.score_timeout_s = float(parse_timeout_s), float(score_timeout_s)
         self._tools = list(self.tool_list if tools is None else tools)
         names = [t.name for t in self._tools]
         if len(set(names)) != len(names):
@@ -285,7 +304,7 @@ class ToolEnv(Env):
             raise EnvError(f"The action must be the completion text (str), got {type(action).__name__}.")
         self.turn += 1
         self.messages.append({"role": "assistant", "content": action})
-        parsed = self.parser.parse(action, {t.name: t.parameters for t in self._tools})
+        parsed, final = await self._read_turn(action)
         records: list[dict[str, Any]] = []
         obs: list[Message] = []
 
@@ -304,8 +323,8 @@ class ToolEnv(Env):
 
         reward, terminated, termination = 0.0, False, None
         if not records:
-            if self.is_final(parsed):
-                reward, terminated, termination = float(self.score(self.task, action)), True, "final_answer"
+            if final:
+                reward, terminated, termination = await self._score_turn(action), True, "final_answer"
             else:
                 records.append({"name": None, "arguments": None, "error": ToolErrorKind.NO_CALL.value,
                                 "message": self.no_call_message()})
@@ -327,6 +346,35 @@ class ToolEnv(Env):
             "metrics": dict(self.metrics),
         }
         return obs, reward, terminated, truncated, info
+
+    async def _read_turn(self, action: str) -> tuple[ParseResult, bool]:
+        """The reply's calls and whether, having none, it is a final answer; off the event loop, timed."""
+        schemas = {t.name: t.parameters for t in self._tools}
+
+        def read() -> tuple[ParseResult, bool]:
+            parsed = self.parser.parse(action, schemas)
+            return parsed, not parsed.calls and not parsed.errors and self.is_final(parsed)
+
+        if len(action) <= _INLINE_CHARS and type(self.parser) in PARSERS.values():
+            # treerl's own parsers are linear (about 1 ms for this much text): a thread would
+            # cost more than it saves.
+            return read()
+        try:
+            return await run_in_thread(read, timeout=self.parse_timeout_s, name="treerl-parse")
+        except TimeoutError:
+            message = (f"Reading the tool calls of this reply took longer than {self.parse_timeout_s:g} s "
+                       "(the environment's parse_timeout_s). Write shorter, simpler tool calls.")
+            return ParseResult(content="", errors=[ToolCallError(ToolErrorKind.MALFORMED, message)]), False
+
+    async def _score_turn(self, action: str) -> float:
+        """:meth:`score` off the event loop, timed: 0.0 when it overruns ``score_timeout_s``."""
+        assert self.task is not None
+        try:
+            return float(await run_in_thread(self.score, self.task, action, timeout=self.score_timeout_s,
+                                             name="treerl-score"))
+        except TimeoutError:
+            self.metrics["score/timeout"] = 1
+            return 0.0
 
     # -- validation ----------------------------------------------------------------------
     def validate(self, num_tasks: int = 8, seed: int = 0) -> ValidationReport:

@@ -4,21 +4,27 @@ They differ in the markers around the JSON (``<tool_call>`` tags, a ``<|python_t
 or the start of a line, a ``[TOOL_CALLS]`` list) and in the key of the arguments
 (``"arguments"`` or ``"parameters"``; each parser accepts both). Arguments given as a
 JSON string holding an object, as some models write them, are decoded.
+
+Each decode of a call is linear in what it reads, and ``max_calls`` bounds the number of
+calls read; the untagged Llama 3 form, which looks for calls in prose, also bounds its
+attempts (``max_attempts``) and reads a candidate one line at a time first, so that
+prose full of braces costs linear time.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from treerl.envs.parser_base import (
+    Finder,
     ParseResult,
     ToolCall,
     ToolCallParser,
     call_from_object,
     decode_json,
     dump_json,
-    first_of,
     name_of,
     short_snippet,
     skip_space,
@@ -44,13 +50,17 @@ class HermesParser(ToolCallParser):
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
 
-    def parse(self, text: str, tool_schemas: Mapping[str, dict] | None = None) -> ParseResult:
+    def _parse(self, text: str, tool_schemas: Mapping[str, dict] | None) -> ParseResult:
         content: list[str] = []
         calls: list[ToolCall] = []
         errors: list[ToolCallError] = []
+        finder = Finder(text)
         pos = 0
         while True:
             start = text.find(self.open_tag, pos)
+            if start >= 0 and self._full(calls, errors):
+                content.append(text[pos:])  # unread: the cap's error says why
+                break
             if start < 0:
                 tail = text[pos:]
                 if self.close_tag in tail:
@@ -63,7 +73,7 @@ class HermesParser(ToolCallParser):
                 errors.append(self._error(f"found {self.close_tag} without a {self.open_tag} before it"))
                 before = before.replace(self.close_tag, "")
             content.append(before)
-            pos, call, error, leftover = self._read_block(text, start + len(self.open_tag))
+            pos, call, error, leftover = self._read_block(text, start + len(self.open_tag), finder)
             if call is not None:
                 calls.append(call)
             if error is not None:
@@ -71,18 +81,18 @@ class HermesParser(ToolCallParser):
             content.append(leftover)
         return ParseResult(content="".join(content).strip(), calls=calls, errors=errors)
 
-    def _read_block(self, text: str, body: int) -> tuple[int, ToolCall | None, ToolCallError | None, str]:
+    def _read_block(self, text: str, body: int, finder: Finder) -> tuple[int, ToolCall | None, ToolCallError | None, str]:
         """Read one block whose body starts at ``body``: ``(end, call, error, leftover content)``."""
         start = skip_space(text, body)
         decoded = decode_json(text, start) if text.startswith("{", start) else "expected a JSON object"
         if not isinstance(decoded, str):
             obj, end = decoded
             after = skip_space(text, end)
-            next_open = first_of(text, after, self.open_tag)
+            next_open = finder.find(self.open_tag, after)
             if text.startswith(self.close_tag, after):
                 end, leftover = after + len(self.close_tag), ""
-            elif first_of(text, after, self.close_tag) < next_open:
-                return self._skip_block(text, body, "unexpected text after the JSON object")
+            elif finder.find(self.close_tag, after) < next_open:
+                return self._skip_block(text, body, "unexpected text after the JSON object", finder)
             else:
                 # An unclosed block: the JSON was the call, and any prose after it is content.
                 end, leftover = next_open, text[end:next_open]
@@ -90,10 +100,10 @@ class HermesParser(ToolCallParser):
             if isinstance(call, str):
                 return end, None, self._error(call, name_of(obj)), leftover
             return end, call, None, leftover
-        return self._skip_block(text, body, decoded)
+        return self._skip_block(text, body, decoded, finder)
 
-    def _skip_block(self, text: str, body: int, reason: str) -> tuple[int, None, ToolCallError, str]:
-        stop = first_of(text, body, self.close_tag, self.open_tag)
+    def _skip_block(self, text: str, body: int, reason: str, finder: Finder) -> tuple[int, None, ToolCallError, str]:
+        stop = finder.first_of(body, self.close_tag, self.open_tag)
         end = stop + len(self.close_tag) if text.startswith(self.close_tag, stop) else stop
         return end, None, self._error(f"{reason} in {short_snippet(text[body:stop])}"), ""
 
@@ -108,7 +118,9 @@ class Llama3JsonParser(ToolCallParser):
 
     With or without a leading ``<|python_tag|>``; several calls separated by ``;`` or
     newlines. Without the tag, a JSON object counts as a call only when it starts a line
-    and has a ``"name"``: other JSON in prose is content.
+    (or follows the ``;`` after a call) and has a ``"name"``: other JSON in prose is
+    content. Looking for calls in prose stops after ``max_attempts`` JSON objects (with an
+    error naming the cap), so that text full of braces costs linear time.
 
     >>> text = '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"x": 1}}'
     >>> Llama3JsonParser().parse(text).calls
@@ -120,11 +132,13 @@ class Llama3JsonParser(ToolCallParser):
     python_tag = "<|python_tag|>"
     # End-of-turn tokens show up in the text when it was decoded with special tokens.
     end_tokens = ("<|eom_id|>", "<|eot_id|>")
-    # A call starts a line or follows the `;` that ends the previous one.
-    _start = re.compile(r"(?:^|;)[ \t]*\{", re.MULTILINE)
+    max_attempts: int = 1024
+    """JSON objects at line starts tried as calls in one untagged reply."""
+    # A call starts a line with an object that has a key (`{}` is never a call).
+    _start = re.compile(r'^[ \t]*\{(?=\s*")', re.MULTILINE)
     _looks_like_call = re.compile(r'\{\s*"name"\s*:')
 
-    def parse(self, text: str, tool_schemas: Mapping[str, dict] | None = None) -> ParseResult:
+    def _parse(self, text: str, tool_schemas: Mapping[str, dict] | None) -> ParseResult:
         for token in self.end_tokens:
             text = text.replace(token, "")
         tagged = text.find(self.python_tag)
@@ -138,10 +152,10 @@ class Llama3JsonParser(ToolCallParser):
         calls: list[ToolCall] = []
         errors: list[ToolCallError] = []
         pos = _skip_separators(region, 0)
-        while pos < len(region):
+        while pos < len(region) and not self._full(calls, errors):
             decoded = decode_json(region, pos) if region.startswith("{", pos) else "expected a JSON object"
             if isinstance(decoded, str):
-                errors.append(self._error(f"{decoded} in {short_snippet(region[pos:])}"))
+                errors.append(self._error(f"{decoded} in {short_snippet(region[pos : pos + 100])}"))
                 break
             obj, end = decoded
             call = call_from_object(obj, ("parameters", "arguments"))
@@ -156,22 +170,35 @@ class Llama3JsonParser(ToolCallParser):
         content: list[str] = []
         calls: list[ToolCall] = []
         errors: list[ToolCallError] = []
+        finder = Finder(text)
         content_pos = search_pos = 0
         after_call = False
-        while (match := self._start.search(text, search_pos)) is not None:
-            brace = match.end() - 1
-            decoded = decode_json(text, brace)
+        attempts = long_failures = 0
+        while (brace := self._candidate(text, search_pos, after_call)) is not None:
+            attempts += 1
+            if attempts > self.max_attempts:
+                errors.append(self._error(f"the reply has more than {self.max_attempts} JSON objects at line starts, "
+                                          f"and at most {self.max_attempts} are tried as calls (max_attempts)"))
+                break
+            if self._full(calls, errors):
+                break
+            decoded, long = self._decode(text, brace, finder)
             if isinstance(decoded, str):
+                long_failures += long
+                if long_failures > self.max_calls:
+                    errors.append(self._error(f"more than {self.max_calls} JSON objects spanning several lines "
+                                              "could not be read; reading stopped there"))
+                    break
                 if not self._looks_like_call.match(text, brace):
-                    search_pos = brace + 1  # prose that happens to start with a brace
+                    search_pos, after_call = brace + 1, False  # prose that happens to start with a brace
                     continue
-                end = first_of(text, brace, "\n")
-                found: ToolCall | ToolCallError = self._error(f"{decoded} in {short_snippet(text[brace:end])}")
+                end = finder.find("\n", brace)
+                found: ToolCall | ToolCallError = self._error(f"{decoded} in {short_snippet(text[brace : brace + 100])}")
             else:
                 obj, end = decoded
                 call = call_from_object(obj, ("parameters", "arguments"))
                 if isinstance(call, str) and not (isinstance(obj, dict) and "name" in obj):
-                    search_pos = end  # JSON without a "name" is an answer, not a call
+                    search_pos, after_call = end, False  # JSON without a "name" is an answer, not a call
                     continue
                 found = self._error(call, name_of(obj)) if isinstance(call, str) else call
             between = text[content_pos:brace]
@@ -186,8 +213,34 @@ class Llama3JsonParser(ToolCallParser):
         content.append(text[content_pos:])
         return ParseResult(content="".join(content).strip(), calls=calls, errors=errors)
 
+    def _candidate(self, text: str, pos: int, after_call: bool) -> int | None:
+        """Where the next call may start: after a call's ``;`` on the same line, else at a line start."""
+        if after_call:
+            follow = _SAME_LINE_SEPARATOR.match(text, pos)
+            if follow is not None:
+                return follow.end() - 1
+        match = self._start.search(text, pos)
+        return None if match is None else match.end() - 1
+
+    @staticmethod
+    def _decode(text: str, brace: int, finder: Finder) -> tuple[tuple[Any, int] | str, bool]:
+        """Decode the object at ``brace``: ``(decoded or reason, whether it read past its line)``.
+
+        Its line is read first, so that a failure costs the line, not the rest of the text
+        (a JSON string never spans lines). Only an object still open at the line's end is
+        read from the whole text, and such failures are capped by the caller.
+        """
+        line_end = finder.find("\n", brace)
+        decoded = decode_json(text, brace, line_end)
+        if not isinstance(decoded, str) or line_end == len(text) or not decoded.at_end:
+            return decoded, False
+        return decode_json(text, brace), True
+
     def render(self, calls: Sequence[ToolCall]) -> str:
         return "; ".join(dump_json({"name": c.name, "parameters": c.arguments}) for c in calls)
+
+
+_SAME_LINE_SEPARATOR = re.compile(r"[ \t]*;[ \t]*\{")
 
 
 def _skip_separators(text: str, pos: int) -> int:
@@ -211,12 +264,12 @@ class MistralParser(ToolCallParser):
     marker = "[TOOL_CALLS]"
     _named = re.compile(r"\s*([A-Za-z_][\w.\-]*)\s*(?:\[CALL_ID\]\s*([\w\-]*)\s*)?\[ARGS\]\s*")
 
-    def parse(self, text: str, tool_schemas: Mapping[str, dict] | None = None) -> ParseResult:
+    def _parse(self, text: str, tool_schemas: Mapping[str, dict] | None) -> ParseResult:
         content: list[str] = []
         calls: list[ToolCall] = []
         errors: list[ToolCallError] = []
         pos = 0
-        while (start := text.find(self.marker, pos)) >= 0:
+        while (start := text.find(self.marker, pos)) >= 0 and not self._full(calls, errors):
             content.append(text[pos:start])
             pos = self._read(text, start + len(self.marker), calls, errors)
         content.append(text[pos:])
@@ -242,7 +295,9 @@ class MistralParser(ToolCallParser):
         if isinstance(decoded, str):
             return self._skip(text, start, decoded, errors)
         value, end = decoded
-        for obj in value if isinstance(value, list) else [value]:
+        for i, obj in enumerate(value if isinstance(value, list) else [value]):
+            if i and self._full(calls, errors):
+                break
             call = call_from_object(obj, ("arguments", "parameters"))
             if isinstance(call, str):
                 errors.append(self._error(call, name_of(obj)))

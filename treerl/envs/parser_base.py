@@ -10,6 +10,11 @@ every parser keeps:
   whose message shows the model a good call, and the other calls of the turn still count.
 - ``parse(render(calls))`` gives ``calls`` back, and the content around the markup is
   returned with the markup removed.
+- The work is linear in the text: a reply longer than ``max_chars`` is refused with one
+  ``MALFORMED`` error naming the cap, and a parser stops after ``max_calls`` calls and
+  errors (one more error names that cap), so no text, however adversarial, makes a parser
+  do more than a bounded amount of work per character. Searches for markers go through a
+  :class:`Finder`, which never searches the same stretch of text twice for one marker.
 
 The helpers below (``decode_json``, ``call_from_object``, ...) return the reason as a
 ``str`` where a value cannot be read, so that a parser turns it into the model's error
@@ -19,6 +24,7 @@ message instead of catching exceptions.
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,10 +36,11 @@ __all__ = [
     "ToolCall",
     "ParseResult",
     "ToolCallParser",
+    "Finder",
     "short_snippet",
     "decode_json",
+    "DecodeFailure",
     "skip_space",
-    "first_of",
     "call_from_object",
     "name_of",
     "dump_json",
@@ -68,19 +75,47 @@ class ToolCallParser(ABC):
     """Reads and writes the tool-call markup of one model family.
 
     Subclasses set ``name`` and ``call_format`` (how one good call looks, quoted in the
-    error messages sent to the model) and implement ``parse`` and ``render``.
+    error messages sent to the model) and implement ``_parse`` and ``render``; ``parse``
+    applies the caps around ``_parse`` (a subclass that overrides ``parse`` itself keeps
+    working, without the caps).
+
+    Args:
+        max_chars: Longer replies are refused with one ``MALFORMED`` error naming the cap.
+        max_calls: Calls and errors read from one reply; one more error names the cap.
     """
 
     name: str
     call_format: str
+    max_chars: int = 1_000_000
+    """Replies longer than this (in characters) are refused: no model turn needs more."""
+    max_calls: int = 64
+    """Calls (and malformed calls) read from one reply; reading stops after that many."""
 
-    @abstractmethod
+    def __init__(self, *, max_chars: int | None = None, max_calls: int | None = None):
+        for key, value in (("max_chars", max_chars), ("max_calls", max_calls)):
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{type(self).__name__}({key}={value!r}): use an int >= 1.")
+                setattr(self, key, value)
+
     def parse(self, text: str, tool_schemas: Mapping[str, dict] | None = None) -> ParseResult:
         """Read the calls in ``text``. Never raises.
 
         ``tool_schemas`` maps a tool name to its parameters' JSON Schema; formats whose
         arguments are untyped text (qwen3_coder) use it to convert values.
         """
+        if len(text) > self.max_chars:
+            return ParseResult(content="", errors=[self._error(
+                f"the reply has {len(text):,} characters, and tool calls are read only from replies of at most "
+                f"{self.max_chars:,} characters (the parser's max_chars); write shorter replies")])
+        try:
+            return self._parse(text, tool_schemas)
+        except RecursionError:  # nesting no model means: data, like any other unreadable call
+            return ParseResult(content="", errors=[self._error("the reply is nested too deeply to read")])
+
+    def _parse(self, text: str, tool_schemas: Mapping[str, dict] | None) -> ParseResult:
+        """The format's own reading, under the caps of :meth:`parse`."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _parse(text, tool_schemas).")
 
     @abstractmethod
     def render(self, calls: Sequence[ToolCall]) -> str:
@@ -90,8 +125,50 @@ class ToolCallParser(ABC):
         message = f"Could not parse the tool call: {reason}. Write each call as:\n{self.call_format}"
         return ToolCallError(ToolErrorKind.MALFORMED, message, tool_name=tool_name)
 
+    def _full(self, calls: list[ToolCall], errors: list[ToolCallError]) -> bool:
+        """Whether another call would pass ``max_calls``; if so, the error that says so is added."""
+        if len(calls) + len(errors) < self.max_calls:
+            return False
+        cap = self._error(f"the reply holds more than {self.max_calls} tool calls, and at most {self.max_calls} "
+                          "are read from one reply (the parser's max_calls)")
+        if not any(e.message == cap.message for e in errors):  # said once, however often it is asked
+            errors.append(cap)
+        return True
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class Finder:
+    """Finds markers in one text, searching each stretch of text at most once per marker.
+
+    A parser that asks "where is the next ``</tool_call>``?" at every block would scan to
+    the end of the text each time when there is none: quadratic. The finder remembers
+    where each marker was found (or that it is absent) from where it last looked, so that
+    searches moving forward cost linear time in all.
+
+    >>> f = Finder("a<x>b<x>")
+    >>> f.find("<x>", 0), f.find("<x>", 2), f.find("<y>", 0), f.first_of(0, "<y>", "<x>")
+    (1, 5, 8, 1)
+    """
+
+    def __init__(self, text: str):
+        self.text = text
+        self._found: dict[str, tuple[int, int]] = {}  # marker -> (searched from, found at or len)
+
+    def find(self, needle: str, start: int) -> int:
+        """The index of ``needle`` at or after ``start``, or ``len(text)``."""
+        cached = self._found.get(needle)
+        if cached is not None and cached[0] <= start <= cached[1]:
+            return cached[1]
+        hit = self.text.find(needle, start)
+        hit = len(self.text) if hit < 0 else hit
+        self._found[needle] = (start, hit)
+        return hit
+
+    def first_of(self, start: int, *needles: str) -> int:
+        """The index of the earliest of ``needles`` at or after ``start``, or ``len(text)``."""
+        return min(self.find(n, start) for n in needles)
 
 
 def short_snippet(snippet: str, limit: int = 80) -> str:
@@ -103,21 +180,40 @@ def short_snippet(snippet: str, limit: int = 80) -> str:
 _JSON = json.JSONDecoder()
 
 
-def decode_json(text: str, start: int) -> tuple[Any, int] | str:
-    """``(value, end)`` for the JSON value starting at ``text[start]``, or the reason it is not one."""
+class DecodeFailure(str):
+    """Why a JSON value could not be read (a ``str``); ``at_end`` when the text ran out first."""
+
+    at_end: bool = False
+
+
+def decode_json(text: str, start: int, stop: int | None = None) -> tuple[Any, int] | DecodeFailure:
+    """``(value, end)`` for the JSON value starting at ``text[start]``, or the reason it is not one.
+
+    With ``stop``, only ``text[start:stop]`` is read (and a failure's ``at_end`` says
+    whether more text might have completed the value). Non-finite numbers (``NaN``,
+    ``Infinity``) are read; :meth:`treerl.envs.tools.Tool.validate` refuses them as
+    arguments, so that the error names the tool and the argument.
+    """
+    piece, offset = (text, start) if stop is None else (text[start:stop], 0)
     try:
-        return _JSON.raw_decode(text, start)
+        value, end = _JSON.raw_decode(piece, offset)
     except json.JSONDecodeError as exc:
-        return f"invalid JSON ({exc.msg} at character {exc.pos - start})"
-    except (RecursionError, ValueError):
-        return "invalid JSON (nested too deeply)"
+        failure = DecodeFailure(f"invalid JSON ({exc.msg} at character {exc.pos - offset})")
+        failure.at_end = exc.pos >= len(piece)
+        return failure
+    except RecursionError:
+        return DecodeFailure("invalid JSON (nested too deeply)")
+    except ValueError:  # int() refuses numbers of more than sys.get_int_max_str_digits() digits
+        return DecodeFailure("invalid JSON (a number has too many digits)")
+    return value, end - offset + start
+
+
+_SPACE = re.compile(r"\s*")
 
 
 def skip_space(text: str, pos: int) -> int:
     """The index of the first non-space character at or after ``pos`` (``len(text)`` if none)."""
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    return pos
+    return _SPACE.match(text, pos).end()
 
 
 def call_from_object(obj: Any, argument_keys: tuple[str, ...]) -> ToolCall | str:
@@ -158,10 +254,3 @@ def name_of(obj: Any) -> str | None:
     """The ``"name"`` of a decoded call object, for the error of a call that failed otherwise."""
     name = obj.get("name") if isinstance(obj, dict) else None
     return name if isinstance(name, str) else None
-
-
-def first_of(text: str, start: int, *needles: str) -> int:
-    """The index of the earliest of ``needles`` in ``text[start:]``, or ``len(text)``."""
-    found = [i for i in (text.find(n, start) for n in needles) if i >= 0]
-    return min(found) if found else len(text)
-

@@ -13,13 +13,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from treerl.envs.parser_base import (
+    Finder,
     ParseResult,
     ToolCall,
     ToolCallParser,
     call_from_object,
     decode_json,
     dump_json,
-    first_of,
     name_of,
     short_snippet,
 )
@@ -60,23 +60,25 @@ class Qwen3CoderParser(ToolCallParser):
         "<tool_call>\n<function=tool_name>\n<parameter=param_name>\nvalue\n</parameter>\n</function>\n</tool_call>"
     )
     _block = re.compile(r"<tool_call>|<function=")
-    _function = re.compile(r"<function=([^>\n]*)>")
-    _parameter = re.compile(r"<parameter=([^>\n]*)>")
+    # Names stop at "<" too, so that a failed match costs the text up to the next tag only.
+    _function = re.compile(r"<function=([^>\n<]*)>")
+    _parameter = re.compile(r"<parameter=([^>\n<]*)>")
 
-    def parse(self, text: str, tool_schemas: Mapping[str, dict] | None = None) -> ParseResult:
+    def _parse(self, text: str, tool_schemas: Mapping[str, dict] | None) -> ParseResult:
         content: list[str] = []
         calls: list[ToolCall] = []
         errors: list[ToolCallError] = []
+        finder = Finder(text)
         pos = 0
-        while (match := self._block.search(text, pos)) is not None:
+        while (match := self._block.search(text, pos)) is not None and not self._full(calls, errors):
             content.append(text[pos : match.start()])
             if match.group() == "<tool_call>":
-                end = first_of(text, match.end(), "</tool_call>", "<tool_call>")
+                end = finder.first_of(match.end(), "</tool_call>", "<tool_call>")
                 body = text[match.end() : end]
                 pos = end + len("</tool_call>") if text.startswith("</tool_call>", end) else end
             else:
                 # A bare <function=...> block without the <tool_call> wrapper.
-                end = first_of(text, match.end(), "</function>", "<tool_call>", "<function=")
+                end = finder.first_of(match.end(), "</function>", "<tool_call>", "<function=")
                 body = text[match.start() : end]
                 pos = end + len("</function>") if text.startswith("</function>", end) else end
             call = self._read_block(body, tool_schemas)
@@ -110,12 +112,13 @@ class Qwen3CoderParser(ToolCallParser):
         inner = body[function.end() : len(body) if end < 0 else end]
         schema = _parameters_schema(tool_schemas, name)
         arguments: dict[str, Any] = {}
+        finder = Finder(inner)
         pos = 0
         while (param := self._parameter.search(inner, pos)) is not None:
             key = param.group(1).strip()
             if not key:
                 return self._error(f"a parameter of {name} has an empty name", name)
-            stop = first_of(inner, param.end(), "</parameter>", "<parameter=")
+            stop = finder.first_of(param.end(), "</parameter>", "<parameter=")
             arguments[key] = _convert_text(_strip_one_newline(inner[param.end() : stop]), _property(schema, key))
             pos = stop + len("</parameter>") if inner.startswith("</parameter>", stop) else stop
         return ToolCall(name=name, arguments=arguments)

@@ -24,6 +24,8 @@ import dataclasses
 import enum
 import inspect
 import json
+import math
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -39,6 +41,7 @@ __all__ = [
     "with_default",
     "result_text",
     "describe_value",
+    "json_problem",
     "schema_name",
     "explain_error",
 ]
@@ -284,6 +287,40 @@ def result_text(value: Any, name: str) -> str:
 
 
 # -- error messages ----------------------------------------------------------------------
+
+
+# Integers whose decimal form Python refuses to print (``sys.get_int_max_str_digits``).
+_MAX_INT_BITS = int((getattr(sys, "get_int_max_str_digits", lambda: 4300)() or 4300) * 3.3219)
+
+
+def json_problem(value: Any, *, max_depth: int = 64) -> str | None:
+    """Why ``value`` is not strict JSON that the rest of treerl can handle, or ``None``.
+
+    Refused: ``NaN`` and infinities (JSON has no such numbers, though Python's JSON reader
+    accepts them), integers with more digits than Python prints, and nesting deeper than
+    ``max_depth`` (validation would exhaust the recursion limit). The walk is iterative.
+
+    >>> json_problem({"x": [1, 2.5, "a"]}) is None
+    True
+    >>> json_problem({"x": [1, float("nan")]})
+    'x[1] is NaN, which is not a JSON number; give a finite number'
+    """
+    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    while stack:
+        item, path, depth = stack.pop()
+        where = path.lstrip(".") or "the value"
+        if depth > max_depth:
+            return f"{where} is nested more than {max_depth} levels deep"
+        if isinstance(item, float) and not math.isfinite(item):
+            spelled = "NaN" if math.isnan(item) else "Infinity" if item > 0 else "-Infinity"
+            return f"{where} is {spelled}, which is not a JSON number; give a finite number"
+        if isinstance(item, int) and not isinstance(item, bool) and item.bit_length() > _MAX_INT_BITS:
+            return f"{where} is an integer with too many digits (more than {_MAX_INT_BITS * 0.30103:.0f})"
+        if isinstance(item, Mapping):
+            stack.extend((v, f"{path}.{k}", depth + 1) for k, v in item.items())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(item))
+    return None
 
 
 def describe_value(value: Any) -> str:

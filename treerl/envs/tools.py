@@ -26,9 +26,11 @@ Every way a model's call can fail becomes a :class:`~treerl.errors.ToolCallError
 known kind, and :func:`run_tool_call` turns those into a :class:`ToolResult`, so that a bad
 call is an observation for the model, not a crash.
 
-**Time limits.** A sync tool runs in a worker thread (``asyncio.to_thread``). On timeout the
-caller gets :class:`~treerl.errors.ToolTimeout` at once, but the thread cannot be
-killed: it runs on to its end and holds one of the default executor's workers meanwhile.
+**Time limits.** A sync tool runs in a fresh thread (:func:`~treerl.envs.offload.run_in_thread`),
+and its limit is measured on its own execution: from when the thread starts the tool, so
+that neither a busy event loop nor a busy machine turns a call that finished in time into
+a timeout. On timeout the caller gets :class:`~treerl.errors.ToolTimeout` at once, but the
+thread cannot be killed: it runs on to its end (it holds no shared worker meanwhile).
 An async tool is cancelled on timeout (``asyncio.wait_for``), which only works when it
 awaits: an async tool that blocks the event loop cannot be stopped. For code that may
 hang or must really be stopped, use ``isolate=True``: each call then runs in a fresh
@@ -56,10 +58,12 @@ import jsonschema
 
 from treerl.envs.docstrings import parse_docstring
 from treerl.envs.isolation import function_payload, run_isolated
+from treerl.envs.offload import run_in_thread
 from treerl.envs.parsers import ToolCall
 from treerl.envs.schema import (
     describe_value,
     explain_error,
+    json_problem,
     result_text,
     schema_name,
     type_spec,
@@ -174,6 +178,8 @@ class Tool:
         ``arguments`` is the decoded JSON object (a JSON string holding one is accepted too).
         Integral floats are accepted for ``int`` parameters (JSON does not tell ``3`` from
         ``3.0``) and converted; booleans are not integers; ints are accepted for ``float``.
+        The arguments must be strict JSON: ``NaN``, infinities, integers of more than
+        Python's 4,300 printable digits and nesting deeper than 64 levels are refused.
 
         Raises:
             ToolCallError: kind ``INVALID_ARGUMENTS``, with a message for the model that
@@ -189,6 +195,9 @@ class Tool:
         if not isinstance(arguments, Mapping):
             raise self._invalid([f"the arguments must be a JSON object, got {describe_value(arguments)}"])
         arguments = dict(arguments)
+        problem = json_problem(arguments)
+        if problem is not None:  # NaN, huge integers and deep nesting: before jsonschema, which chokes on them
+            raise self._invalid([problem.replace("the value", "the arguments", 1)])
         problems = sorted(self._validator.iter_errors(arguments), key=lambda e: [str(p) for p in e.absolute_path])
         if problems:
             raise self._invalid([explain_error(e) for e in problems[:_MAX_REPORTED_ERRORS]])
@@ -233,16 +242,27 @@ class Tool:
             TypeError: the tool returned something that is not JSON-serializable (a bug in
                 the tool, not the model's fault).
         """
-        kwargs = self.validate(arguments)
+        # Validation reads model-sized data: small arguments are validated on the event loop
+        # (well under a millisecond), others in a thread; a sync tool then runs in a thread
+        # whose clock starts when the tool does.
+        small = _is_small(arguments)
+        if not (self.isolate or self.is_async):
+            kwargs = self.validate(arguments) if small else None
+            try:
+                outcome = await run_in_thread(_capture, self.fn, timeout=self.timeout, name=f"treerl-tool-{self.name}",
+                                              prepare=(lambda: kwargs) if small else (lambda: self.validate(arguments)))
+            except TimeoutError:
+                raise self._timeout() from None
+            return self._finish(outcome)
+        kwargs = self.validate(arguments) if small else await run_in_thread(
+            self.validate, arguments, name=f"treerl-validate-{self.name}")
         if self.isolate:
             try:
                 outcome = await run_isolated(self._payload, kwargs, name=self.name, timeout=self.timeout)
             except TimeoutError:
                 raise self._timeout() from None
-        elif self.is_async:
-            outcome = await self._with_timeout(_capture_async(self.fn, kwargs))
         else:
-            outcome = await self._with_timeout(asyncio.to_thread(_capture, self.fn, kwargs))
+            outcome = await self._with_timeout(_capture_async(self.fn, kwargs))
         return self._finish(outcome)
 
     async def _with_timeout(self, awaitable: Any) -> tuple[str, Any]:
@@ -359,8 +379,23 @@ async def run_tool_call(call: ToolCall, tools: Mapping[str, Tool]) -> ToolResult
 # -- running -----------------------------------------------------------------------------
 
 
-def _capture(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str, Any]:
-    """Call ``fn``, returning ``("ok", result)`` or ``("raised", exception)``.
+def _is_small(arguments: Any, limit: int = 64) -> bool:
+    """Whether ``arguments`` hold at most ``limit`` values and short strings (cheap to validate)."""
+    stack, seen = [arguments], 0
+    while stack:
+        item = stack.pop()
+        seen += 1
+        if seen > limit or (isinstance(item, str) and len(item) > 4096):
+            return False
+        if isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return True
+
+
+def _capture(kwargs: dict[str, Any], fn: Callable[..., Any]) -> tuple[str, Any]:
+    """Call ``fn(**kwargs)``, returning ``("ok", result)`` or ``("raised", exception)``.
 
     Capturing the tool's exceptions keeps them apart from the timeout's own ``TimeoutError``.
     """

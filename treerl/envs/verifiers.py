@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from fractions import Fraction
+from decimal import Decimal
 from pathlib import Path
 
 import treerl.envs.math_verify_worker as math_verify_worker
@@ -57,12 +57,15 @@ __all__ = [
 # --- answer extraction ------------------------------------------------------------------
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACE_OR_ESCAPE = re.compile(r"\\[\s\S]|[{}]")
 
 
 def extract_boxed(text: str) -> str | None:
     """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces and all.
 
-    Returns ``None`` when there is none whose braces close.
+    Returns ``None`` when there is none whose braces close. One pass over the text matches
+    every brace (an escape ``\\{``, ``\\}`` or ``\\\\`` is a literal character), so the
+    work is linear however many boxes are left open.
 
     >>> extract_boxed(r"so $x = \\boxed{\\frac{1}{2}}$.")
     '\\\\frac{1}{2}'
@@ -73,20 +76,26 @@ def extract_boxed(text: str) -> str | None:
     """
     if not isinstance(text, str):
         return None
-    for match in reversed(list(_BOXED.finditer(text))):
-        depth, i = 1, match.end()
-        while i < len(text):
-            ch = text[i]
-            if ch == "\\":
-                i += 2  # an escape: \{ and \} are literal braces, \\ is a line break
-                continue
-            if ch == "{":
-                depth += 1
-            elif ch == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[match.end() : i].strip()
-            i += 1
+    boxes = list(_BOXED.finditer(text))
+    if not boxes:
+        return None
+    # A box's "{" is never the second character of an escape (it follows "boxed" or a
+    # space), so a scan from the first box reads every later box's brace as a brace.
+    opens = {m.end() - 1 for m in boxes}
+    closing: dict[int, int] = {}
+    stack: list[int] = []
+    for token in _BRACE_OR_ESCAPE.finditer(text, boxes[0].end() - 1):
+        char = token.group()
+        if char == "{":
+            stack.append(token.start())
+        elif char == "}" and stack:  # (an escape: \{ and \} are literal braces, \\ is a line break)
+            opened = stack.pop()
+            if opened in opens:
+                closing[opened] = token.start()
+    for match in reversed(boxes):
+        end = closing.get(match.end() - 1)
+        if end is not None:
+            return text[match.end() : end].strip()
     return None
 
 
@@ -202,7 +211,8 @@ def numeric_reward(completion: str, gold: float | str, *, rel_tol: float = 1e-6,
 # --- math-verify --------------------------------------------------------------------------
 
 _INT = re.compile(r"[-+]?\d+")
-_DECIMAL = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)")
+# One way to match each string: "\d+\.?\d*" backtracks quadratically on long digit runs.
+_DECIMAL = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
 
 
 def _fast_math_verdict(completion: str, gold: str) -> float | None:
@@ -220,7 +230,9 @@ def _fast_math_verdict(completion: str, gold: str) -> float | None:
     answer, target = answer.strip().strip("$").strip(), target.strip().strip("$").strip()
     if not (_DECIMAL.fullmatch(answer) and _DECIMAL.fullmatch(target)):
         return None
-    if Fraction(answer) == Fraction(target):
+    # Decimal compares decimal strings exactly, with no limit on their digits (int() and
+    # Fraction() refuse more than sys.get_int_max_str_digits()).
+    if Decimal(answer) == Decimal(target):
         return 1.0
     if _INT.fullmatch(answer) and _INT.fullmatch(target):
         return 0.0

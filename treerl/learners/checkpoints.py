@@ -4,8 +4,9 @@ A checkpoint is a directory ``output_dir/checkpoints/step-N`` holding the traine
 (``model.safetensors``: a LoRA run's adapter and base weights as the trainer holds them),
 the optimizer and scheduler states, the random-number generators of torch, numpy and
 Python, and :class:`TrainerState` as ``trainer_state.json``. It is written into
-``step-N.tmp`` and renamed, so a killed run leaves either a whole checkpoint or none, and a
-resumed run continues bit for bit as if it had never stopped.
+``step-N.tmp`` and renamed, so a killed run leaves either a whole checkpoint or none (and
+perhaps a ``step-N.tmp``, which :func:`resume_checkpoint` removes), and a resumed run
+continues bit for bit as if it had never stopped.
 
 >>> import tempfile, pathlib
 >>> out = pathlib.Path(tempfile.mkdtemp())
@@ -25,7 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["TrainerState", "save_checkpoint", "latest_checkpoint", "load_checkpoint", "checkpoint_path"]
+__all__ = ["TrainerState", "save_checkpoint", "latest_checkpoint", "resume_checkpoint", "load_checkpoint",
+           "checkpoint_path"]
 
 
 @dataclass
@@ -63,8 +65,25 @@ def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
     """The checkpoint of the highest step in ``output_dir``, or None (unfinished ``.tmp`` ones are ignored)."""
-    ckpts = [p for p in (Path(output_dir) / "checkpoints").glob("step-*") if p.name.split("-")[1].isdigit()]
-    return max(ckpts, key=lambda p: int(p.name.split("-")[1])) if ckpts else None
+    ckpts = [p for p in (Path(output_dir) / "checkpoints").glob("step-*")
+             if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
+    return max(ckpts, key=lambda p: int(p.name.split("-", 1)[1])) if ckpts else None
+
+
+def resume_checkpoint(output_dir: Path) -> Path | None:
+    """The checkpoint a resumed run starts from (see :func:`latest_checkpoint`), after removing the
+    unfinished ``step-N.tmp`` directories that a run killed while writing one leaves behind.
+
+    >>> import tempfile, pathlib
+    >>> out = pathlib.Path(tempfile.mkdtemp())
+    >>> (out / "checkpoints" / "step-2.tmp").mkdir(parents=True)
+    >>> (out / "checkpoints" / "step-1").mkdir()
+    >>> resume_checkpoint(out).name, sorted(p.name for p in (out / "checkpoints").iterdir())
+    ('step-1', ['step-1'])
+    """
+    for tmp in (Path(output_dir) / "checkpoints").glob("step-*.tmp"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    return latest_checkpoint(output_dir)
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from treerl.config import field_help
+from treerl.kernels.tree_attention import BACKENDS
 from treerl.learners.packing import PackingConfig
 from treerl.rollout.options import EpisodeOptions
 
@@ -82,6 +83,9 @@ class LearnerConfig(EpisodeOptions):
             raise ValueError("branch_factor > 1 needs branch_at_turn K (K >= 1): the turn after which to fork.")
         if self.learning_rate <= 0:
             raise ValueError(f"learning_rate={self.learning_rate} must be > 0 (e.g. 2e-4).")
+        if self.attention_impl != "auto" and self.attention_impl not in BACKENDS:
+            raise ValueError(f"attention_impl={self.attention_impl!r} is not a tree-attention backend: use auto or one "
+                             f"of {', '.join(sorted(BACKENDS))} (--attention-impl auto).")
         if self.report_to not in REPORT_TO:
             raise ValueError(f"report_to={self.report_to!r}: use none, tensorboard, wandb or trackio.")
         if self.lora_r < 0:

@@ -44,12 +44,13 @@ import numpy as np
 import torch
 
 from treerl.agents.policy import Policy
+from treerl.errors import ConfigError
 from treerl.kernels.tree_attention import TreeAttentionChoice, enable_tree_attention
 from treerl.learners.checkpoints import (
     TrainerState,
     checkpoint_path,
-    latest_checkpoint,
     load_checkpoint,
+    resume_checkpoint,
     save_checkpoint,
 )
 from treerl.learners.config import LearnerConfig
@@ -261,7 +262,11 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
                          f"processes.")
     device = ranks.device(cfg.device)
     out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--output-dir {cfg.output_dir}: cannot create a directory there ({exc.strerror or exc}); "
+                          "pass a new or existing directory, e.g. --output-dir runs/x.") from None
     set_seed(cfg.seed)
 
     # Models: the trainer's (tree attention, maybe LoRA) and the sampler's own copy.
@@ -294,7 +299,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     env_factory = env_factory or cfg.env_factory()
 
     state = TrainerState()
-    if cfg.resume and (ckpt := latest_checkpoint(out_dir)) is not None:
+    if cfg.resume and (ckpt := resume_checkpoint(out_dir)) is not None:
         state = load_checkpoint(ckpt, model, optimizer, scheduler)
         if ranks.is_main:
             print(f"resumed from {ckpt} at step {state.step}", file=sys.stderr)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 from treerl.errors import ConfigError
 
-__all__ = ["DEFAULT_MODEL_PATH", "default_model_path", "load_default_model", "load_model"]
+__all__ = ["DEFAULT_MODEL_PATH", "default_model_path", "load_default_model", "load_model", "check_device"]
 
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent / "tiny"
 """Where the shipped model lives inside the installed package."""
@@ -45,6 +45,40 @@ def default_model_path() -> Path:
     return DEFAULT_MODEL_PATH
 
 
+def check_device(device: Any) -> None:
+    """Raise :class:`~treerl.errors.ConfigError` when ``device`` is not a device this machine's torch can use.
+
+    >>> check_device("cpu")
+    >>> check_device("bogus")
+    Traceback (most recent call last):
+    ...
+    treerl.errors.ConfigError: device 'bogus' is not a torch device; use --device cpu, cuda, cuda:N or mps.
+    """
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"device {device!r} is not a torch device; use --device cpu, cuda, cuda:N or mps.") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise ConfigError(f"device {device!r}: torch {torch.__version__} ({build}) sees no CUDA GPU on this "
+                              "machine; use --device cpu.")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s); use "
+                              f"--device cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {device!r}: MPS is not available on this machine; use --device cpu.")
+
+
+def _check_chat_template(tokenizer: Any, path: Any) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"model {str(path)!r}: its tokenizer has no chat template, and treerl renders every episode "
+                          "with one. Save the model with a tokenizer that has one (set tokenizer.chat_template, then "
+                          "tokenizer.save_pretrained(DIR)), or use an instruction-tuned model's tokenizer.")
+
+
 def load_default_model(device: Any = "cpu") -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
     """Load the shipped model (float32, eval mode) and its tokenizer from local files only.
 
@@ -53,6 +87,7 @@ def load_default_model(device: Any = "cpu") -> tuple["PreTrainedModel", "PreTrai
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    check_device(device)
     hf_logging.disable_progress_bar()  # a 46-tensor model needs no "Loading weights" bar
     path = default_model_path()
     # local_files_only: a path never needs the Hub, and this keeps it so even if the
@@ -83,11 +118,16 @@ def load_model(path: str | None, device: Any = "cpu") -> tuple["PreTrainedModel"
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    check_device(device)
     hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        _check_chat_template(tokenizer, path)
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).to(device)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"model {path!r}: could not load a causal LM and its tokenizer from it ({exc}); pass a "
-                          "directory written by save_pretrained (--model PATH).") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"model {path!r}: could not load a causal LM and its tokenizer from it "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); pass a directory "
+                          "written by save_pretrained (--model PATH).") from None
     return model.eval(), tokenizer

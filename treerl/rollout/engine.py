@@ -156,8 +156,10 @@ class RolloutEngine:
         self._ensure_slots()
         await asyncio.gather(*(self._play(s, group, renderer, task_seed, shared=f"{group.task_key}/prompt")
                                for s in states))
-        # Generations finish in any order; store them in generation order so files repeat.
+        # Generations finish in any order; store them in generation order, and number the
+        # segments in that order, so that files and the packing of the tree repeat.
         group.episodes.sort(key=lambda e: e.metrics["generation"])
+        group.canonicalize()
         return group
 
     async def _play(self, state: _EpisodeState, group: Group, renderer: ChatRenderer, task_seed: int,
@@ -275,7 +277,9 @@ class RolloutEngine:
     ) -> tuple[list[Group], RolloutStats]:
         """Play every task in ``tasks`` (indices; task ``i`` is reset with seed ``seed + i``).
 
-        Groups are written (and passed to ``on_group``) as they finish.
+        Groups are written (and passed to ``on_group``) as they finish. A group that fails
+        (a bug: environment errors are recorded as data) does not stop the others: they
+        all finish and are written, then the first failure is raised.
         """
         self._ensure_slots()
         # Bound the groups in flight too, so a long task list does not build every
@@ -299,7 +303,12 @@ class RolloutEngine:
             if on_group is not None:
                 on_group(group)
 
-        await asyncio.gather(*(one(i) for i in tasks))
+        outcomes = await asyncio.gather(*(one(i) for i in tasks), return_exceptions=True)
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        for failure in failures[1:]:
+            logger.error("another group failed too: %s", "".join(traceback.format_exception_only(failure)).strip())
+        if failures:
+            raise failures[0]
         stats.wall_s = time.monotonic() - start
         groups.sort(key=lambda g: g.info["task_seed"])
         return groups, stats

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from treerl.agents.policy import Policy, SamplingOptions
 from treerl.config import field_help
 from treerl.envs.registry import make
@@ -57,6 +59,11 @@ class EpisodeOptions(SamplingOptions):
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
         if not self.max_episode_seconds > 0:
             raise ValueError(f"max_episode_seconds={self.max_episode_seconds} must be > 0.")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"device={self.device!r} is not a torch device: use cpu, cuda, cuda:N or mps "
+                             "(--device cpu).") from None
         self.sampling()  # SamplingParams validates the sampling options with its own messages
 
     def env_factory(self) -> Callable[[], Any]:

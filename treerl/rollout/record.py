@@ -2,11 +2,17 @@
 
 What ``treerl rollout`` runs. Groups are appended and flushed as they finish; a rerun on the
 same file skips the tasks already in it, so a killed run loses at most the groups in flight.
+The file's header (:func:`run_header`) says what produced it, and a rerun with another
+environment, model, tokenizer or sampling is refused rather than mixed in. A file with
+an unreadable line is reported by line number; ``--repair`` moves such lines to
+``FILE.corrupt`` and resumes, playing their tasks again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,10 +20,11 @@ from typing import Any
 
 from treerl.agents.policy import Policy
 from treerl.config import field_help
+from treerl.errors import ConfigError
 from treerl.rollout.options import EpisodeOptions
-from treerl.rollout.trajectory import GroupWriter
+from treerl.rollout.trajectory import GroupWriter, make_header, repair_trajectory_file
 
-__all__ = ["RolloutConfig", "record"]
+__all__ = ["RolloutConfig", "record", "run_header"]
 
 
 @dataclass
@@ -32,6 +39,7 @@ class RolloutConfig(EpisodeOptions):
     branch_at_turn: int | None = field_help(None, "Fork each episode's environment after this many turns.")
     branch_factor: int = field_help(1, "Continuations per fork (with --branch-at-turn).")
     fsync: bool = field_help(False, "fsync the output after each group (survives a machine crash).")
+    repair: bool = field_help(False, "Move unreadable lines of an existing --out to OUT.corrupt, then resume.")
     progress: bool = field_help(True, "Show a progress bar.")
 
     def __post_init__(self) -> None:
@@ -49,8 +57,12 @@ def record(cfg: RolloutConfig, policy: Policy, tokenizer: Any) -> dict[str, Any]
     """Play ``cfg.num_tasks`` tasks x ``cfg.group_size`` generations into ``cfg.out``; returns the summary."""
     engine = cfg.engine(policy, tokenizer, seed=cfg.seed, branch_at_turn=cfg.branch_at_turn,
                         branch_factor=cfg.branch_factor)
-    writer = GroupWriter(cfg.out, fsync=cfg.fsync)
-    done = writer.finished_keys()
+    writer = _open_output(cfg, tokenizer)
+    try:
+        done = writer.finished_keys()
+    except BaseException:
+        writer.close()
+        raise
     todo = [i for i in range(cfg.num_tasks) if f"seed-{cfg.seed + i}" not in done]
     bar = None
     if cfg.progress:
@@ -76,3 +88,38 @@ def record(cfg: RolloutConfig, policy: Policy, tokenizer: Any) -> dict[str, Any]
     summary["skipped_finished_tasks"] = cfg.num_tasks - len(todo)
     summary["out"] = str(Path(cfg.out))
     return summary
+
+
+def run_header(cfg: RolloutConfig, tokenizer: Any) -> dict[str, Any]:
+    """What makes this run's episodes comparable: a resumed file must have been written with the same."""
+    template = getattr(tokenizer, "chat_template", None)
+    return make_header({
+        "env_id": cfg.env,
+        "env_kwargs": cfg.env_kwargs,
+        "model": None if cfg.model is None else os.path.realpath(cfg.model),
+        "tokenizer": {
+            "class": type(tokenizer).__name__,
+            "vocab_size": len(tokenizer),
+            "chat_template_sha256": None if template is None else hashlib.sha256(str(template).encode()).hexdigest(),
+        },
+        "sampling": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg.sampling()).items()},
+        "group_size": cfg.group_size,
+        "branch_at_turn": cfg.branch_at_turn,
+        "branch_factor": cfg.branch_factor,
+        "max_episode_tokens": cfg.max_episode_tokens,
+    })
+
+
+def _open_output(cfg: RolloutConfig, tokenizer: Any) -> GroupWriter:
+    """The writer of ``--out``: repaired first when asked; a path that cannot be written is a ConfigError."""
+    out = Path(cfg.out)
+    try:
+        if cfg.repair and out.is_file():
+            moved = repair_trajectory_file(out)
+            if moved:
+                print(f"--repair: moved unreadable line(s) {', '.join(map(str, moved[:20]))} of {out} to "
+                      f"{out}.corrupt; their tasks are played again", file=sys.stderr)
+        return GroupWriter(out, fsync=cfg.fsync, header=run_header(cfg, tokenizer))
+    except OSError as exc:
+        raise ConfigError(f"--out {cfg.out}: cannot write there ({exc.strerror or exc}). Pass a writable file path, "
+                          "e.g. --out runs/r.jsonl.") from None

@@ -10,7 +10,11 @@ termination, metrics). A **group** is all episodes of one task: its generations 
 prompt segment, and branches forked mid-episode share more.
 
 Groups are stored as JSON Lines, one group per line (see :data:`SCHEMA_VERSION` and
-:meth:`Group.to_json`). :func:`read_groups` yields them back.
+:meth:`Group.to_json`), after a header line that says what produced them (see
+:func:`make_header`; files written before headers existed are still read).
+:func:`read_groups` yields them back. Writing never fails on what an episode holds: a
+value strict JSON cannot spell becomes ``null`` and is listed in the group's
+``info["unencodable"]`` (:mod:`treerl.rollout.safe_json`).
 
 >>> g = Group(task_key="seed-0", env_id="demo")
 >>> root = g.add_segment("prompt", [1, 2, 3])
@@ -28,23 +32,34 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from treerl.errors import ConfigError
+from treerl.rollout.safe_json import dumps_record
+
 __all__ = [
     "SCHEMA_VERSION",
+    "HEADER_KEY",
     "Segment",
     "Episode",
     "Group",
+    "make_header",
+    "read_header",
     "read_groups",
     "GroupWriter",
+    "repair_trajectory_file",
     "to_flat_records",
     "TRAJECTORIES_DIR",
     "sample_path",
     "sample_files",
 ]
+
+HEADER_KEY = "treerl_trajectories"
+"""The key that marks a file's header line (its value is the schema version)."""
 
 SCHEMA_VERSION = 1
 """Version of the JSON Lines schema written by :meth:`Group.to_json`."""
@@ -209,6 +224,40 @@ class Group:
         self.episodes.append(episode)
         return episode
 
+    def canonicalize(self) -> None:
+        """Number the segments in the order the episodes reach them, root to leaf, episode by episode.
+
+        Concurrent episodes add their segments in whatever order their turns finish, so the
+        same episodes could come out numbered differently from run to run; the packing of
+        the tree (and with it the order of every floating-point sum over it) follows that
+        numbering. After this, the same episodes in the same order give the same group.
+
+        >>> g = Group(task_key="k", env_id="demo")
+        >>> root = g.add_segment("prompt", [1])
+        >>> late = g.add_segment("sampled", [3], parent=root, logprobs=[0.0])
+        >>> early = g.add_segment("sampled", [2], parent=root, logprobs=[0.0])
+        >>> _ = g.add_episode(leaf=early, reward=0.0), g.add_episode(leaf=late, reward=1.0)
+        >>> g.canonicalize()
+        >>> [s.token_ids for s in g.segments], [e.leaf for e in g.episodes]
+        ([[1], [2], [3]], [1, 2])
+        """
+        new_of: dict[int, int] = {}
+        for episode in self.episodes:
+            for leaf in episode.leaves:
+                for s in self.path_indices(leaf):
+                    new_of.setdefault(s, len(new_of))
+        for s in range(len(self.segments)):  # segments on no episode's path keep their relative order
+            new_of.setdefault(s, len(new_of))
+        segments: list[Segment] = [self.segments[0]] * len(self.segments)
+        for old, new in new_of.items():
+            segment = self.segments[old]
+            segment.parent = None if segment.parent is None else new_of[segment.parent]
+            segments[new] = segment
+        self.segments = segments
+        for episode in self.episodes:
+            episode.leaf = new_of[episode.leaf]
+            episode.extra_leaves = [new_of[leaf] for leaf in episode.extra_leaves]
+
     def path_indices(self, leaf: int) -> list[int]:
         """Indices of the segments from the root to ``leaf``."""
         out = []
@@ -240,15 +289,21 @@ class Group:
 
     # -- storage ---------------------------------------------------------------------------
     def to_json(self) -> str:
-        """One JSON line (no newline)."""
-        return json.dumps({
-            "schema_version": SCHEMA_VERSION,
-            "task_key": self.task_key,
-            "env_id": self.env_id,
-            "info": self.info,
-            "segments": [s.to_dict() for s in self.segments],
-            "episodes": [e.to_dict() for e in self.episodes],
-        }, separators=(",", ":"), allow_nan=False, default=_json_default)
+        """One JSON line (no newline). Never fails on episode data: what strict JSON cannot
+        spell (``NaN``, huge integers, deep nesting, unknown objects) becomes ``null`` and is
+        listed in ``info["unencodable"]``."""
+        # The parts are encoded apart, so that what could not be encoded is known before
+        # "info", which lists it, is encoded.
+        parts, dropped = {}, []
+        for key, value in (("task_key", self.task_key), ("env_id", self.env_id),
+                           ("segments", [s.to_dict() for s in self.segments]),
+                           ("episodes", [e.to_dict() for e in self.episodes])):
+            parts[key], lost = dumps_record(value, default=_json_default)
+            dropped += [{**d, "path": f"{key}{'' if d['path'].startswith('[') else '.'}{d['path']}"} for d in lost]
+        info = {**self.info, "unencodable": dropped[:20]} if dropped else self.info
+        parts["info"], lost = dumps_record(info, default=_json_default)
+        return (f'{{"schema_version":{SCHEMA_VERSION},"task_key":{parts["task_key"]},"env_id":{parts["env_id"]},'
+                f'"info":{parts["info"]},"segments":{parts["segments"]},"episodes":{parts["episodes"]}}}')
 
     @classmethod
     def from_json(cls, line: str) -> Group:
@@ -273,27 +328,104 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} is not JSON serializable")
 
 
+def make_header(run: Mapping[str, Any]) -> dict[str, Any]:
+    """The first line of a trajectory file: what produced the groups under it.
+
+    ``run`` holds what makes episodes comparable (environment and its keyword arguments,
+    model, tokenizer, sampling settings, ...): a resumed run must have the same. The
+    treerl version and the creation time are recorded too, but not compared.
+
+    >>> make_header({"env_id": "demo"})["run"]
+    {'env_id': 'demo'}
+    """
+    import treerl
+
+    return {HEADER_KEY: SCHEMA_VERSION, "treerl_version": treerl.__version__,
+            "created_unix": round(time.time(), 3), "run": dict(run)}
+
+
+def _is_header(line: str) -> bool:
+    return line.lstrip().startswith("{") and f'"{HEADER_KEY}"' in line[:200]
+
+
+def read_header(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The header of a trajectory file, or ``None`` (a file written before headers existed, or empty)."""
+    with open(path, encoding="utf-8") as f:
+        first = f.readline()
+    if not _is_header(first):
+        return None
+    try:
+        header = json.loads(first)
+    except ValueError:
+        raise ConfigError(f"{path}:1: the header line is not valid JSON; `treerl rollout --repair` cannot fix a "
+                          "header: write to another --out.") from None
+    return header if isinstance(header, dict) else None
+
+
+def _read_lines(path: str | os.PathLike) -> Iterator[tuple[int, str, Group | str | None]]:
+    """``(line number, line, group)`` per line; the group is the reason when the line is unreadable,
+    ``None`` for the header, blank lines and a torn last line (the writer was killed mid-write)."""
+    with open(path, "rb") as f:
+        raw_lines = f.readlines()
+    for lineno, raw in enumerate(raw_lines, 1):
+        line = raw.decode("utf-8", errors="replace")
+        group: Group | str | None = None
+        if line.strip() and not (lineno == 1 and _is_header(line)):
+            try:
+                group = Group.from_json(raw.decode("utf-8"))
+            except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:  # UnicodeDecodeError too
+                torn = lineno == len(raw_lines) and not raw.endswith(b"\n") and isinstance(
+                    exc, (json.JSONDecodeError, UnicodeDecodeError))
+                group = None if torn else exc.msg if isinstance(exc, json.JSONDecodeError) else (
+                    f"{type(exc).__name__}: {exc}")
+        yield lineno, line, group
+
+
 def read_groups(path: str | os.PathLike) -> Iterator[Group]:
-    """Yield the groups stored in a JSON Lines file.
+    """Yield the groups stored in a JSON Lines file (its header line is skipped).
 
     A torn last line (the writer was killed mid-write) is skipped; any other bad line raises
-    with its line number.
+    :class:`~treerl.errors.ConfigError` (a ``ValueError``) with its line number.
     """
-    with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if not line.endswith("\n") and lineno == len(lines):
-            try:
-                yield Group.from_json(line)
-            except json.JSONDecodeError:
-                return  # torn final line: the group it held was in flight
-            continue
-        try:
-            yield Group.from_json(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{lineno}: not a valid trajectory line ({exc.msg}).") from None
+    for lineno, _, group in _read_lines(path):
+        if isinstance(group, str):
+            raise ConfigError(f"{path}:{lineno}: not a valid trajectory line ({group[:200]}). Rerun `treerl rollout` "
+                              "with --repair to move unreadable lines aside and resume, or repair_trajectory_file().")
+        if group is not None:
+            yield group
+
+
+def repair_trajectory_file(path: str | os.PathLike) -> list[int]:
+    """Move unreadable lines of a trajectory file to ``PATH.corrupt``; returns their line numbers.
+
+    Each moved line is appended to the quarantine file as ``{"line": N, "text": ...}``; the
+    file is rewritten without them (atomically, through a temporary file), so that a resumed
+    run plays their tasks again. A file without one readable group or header is refused:
+    it is not a trajectory file.
+    """
+    path = Path(path)
+    kept: list[str] = []
+    bad: list[tuple[int, str]] = []
+    readable = False
+    for lineno, line, group in _read_lines(path):
+        if isinstance(group, str):
+            bad.append((lineno, line))
+        else:
+            readable = readable or group is not None or (lineno == 1 and _is_header(line))
+            if line.endswith("\n"):  # a torn last line is dropped here, as the writer would
+                kept.append(line)
+    if not bad:
+        return []
+    if not readable:
+        raise ConfigError(f"{path} is not a treerl trajectory file (no line of it is a trajectory group); pass "
+                          "another --out.")
+    with open(path.with_name(path.name + ".corrupt"), "a", encoding="utf-8") as quarantine:
+        for lineno, line in bad:
+            quarantine.write(json.dumps({"file": str(path), "line": lineno, "text": line}) + "\n")
+    tmp = path.with_name(path.name + ".repair.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return [lineno for lineno, _ in bad]
 
 
 class GroupWriter:
@@ -306,20 +438,32 @@ class GroupWriter:
         path: The output file; created with its parent directories.
         fsync: Also ``os.fsync`` after each group (survives a machine crash, not only a
             killed process).
+        header: What produced the groups (see :func:`make_header`): written as the first
+            line of a new file; an existing file's header must have the same ``run``, else
+            :class:`~treerl.errors.ConfigError` names what differs. An existing file without
+            a header (written before headers existed) must hold groups of the same
+            ``run["env_id"]`` only.
     """
 
-    def __init__(self, path: str | os.PathLike, *, fsync: bool = False):
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = False, header: Mapping[str, Any] | None = None):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
+        if header is not None and self.path.exists() and self.path.stat().st_size > 0:
+            _check_resumable(self.path, header)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         _truncate_torn_tail(self.path)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if header is not None and os.fstat(self._fd).st_size == 0:
+            self._write_line(json.dumps(dict(header), separators=(",", ":"), default=str))
 
     def finished_keys(self) -> set[str]:
         return {g.task_key for g in read_groups(self.path)} if self.path.exists() else set()
 
     def write(self, group: Group) -> None:
-        data = (group.to_json() + "\n").encode("utf-8")
+        self._write_line(group.to_json())
+
+    def _write_line(self, line: str) -> None:
+        data = (line + "\n").encode("utf-8")
         # One write() call per line on an O_APPEND descriptor: a kill leaves at most a torn tail.
         written = 0
         while written < len(data):
@@ -337,6 +481,25 @@ class GroupWriter:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _check_resumable(path: Path, header: Mapping[str, Any]) -> None:
+    """Refuse to append to a file whose groups came from another run setup."""
+    run = dict(header.get("run") or {})
+    existing = read_header(path)
+    if existing is not None:
+        before = dict(existing.get("run") or {})
+        differ = [k for k in dict.fromkeys([*run, *before]) if run.get(k) != before.get(k)]  # env_id first
+        if differ:
+            details = "; ".join(f"{k}: file has {before.get(k)!r}, this run {run.get(k)!r}" for k in differ[:4])
+            raise ConfigError(f"{path} holds trajectories of another setup ({details}), so resuming into it would mix "
+                              "them. Pass another --out, or the file's settings.")
+        return
+    env_id = run.get("env_id")
+    others = sorted({g.env_id for g in read_groups(path)} - {env_id}) if env_id is not None else []
+    if others:
+        raise ConfigError(f"{path} holds trajectories of {others[0]!r}, not {env_id!r}, so resuming into it would mix "
+                          "environments. Pass another --out, or --env " + others[0] + ".")
 
 
 def _truncate_torn_tail(path: Path) -> None:

@@ -18,6 +18,7 @@ __all__ = ["GuessNumberEnv"]
 
 _NUMBER = re.compile(r"-?\d+")
 _BOXED = re.compile(r"\\boxed\{\s*(-?\d+)\s*\}")
+_MAX_DIGITS = 30
 
 
 class GuessNumberEnv(Env):
@@ -90,7 +91,12 @@ class GuessNumberEnv(Env):
     def _parse_guess(text: str) -> int | None:
         boxed = _BOXED.findall(text)
         numbers = boxed or _NUMBER.findall(text)
-        return int(numbers[-1]) if numbers else None
+        if not numbers:
+            return None
+        # A number of more digits than any range here is out of range; int() would refuse
+        # thousands of digits (sys.get_int_max_str_digits) rather than say so.
+        digits = numbers[-1].lstrip("-").lstrip("0")
+        return None if len(digits) > _MAX_DIGITS else int(numbers[-1])
 
     def validate(self, num_tasks: int = 8, seed: int = 0) -> ValidationReport:
         """Guessing the secret at once earns the full reward of 1."""

@@ -1,0 +1,165 @@
+"""Bad command lines end in one line that names the field and the fix (exit status 2), never a traceback.
+
+Each row runs ``treerl.cli.main`` in process on a command line a user could type (with a
+YAML ``--config`` where the issue came from a file) and checks the message. Rows that
+reach the model loader fail before any weights are read.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from treerl.cli import main
+from treerl.config import config_from_args
+from treerl.learners.grpo import GRPOConfig
+from treerl.models import DEFAULT_MODEL_PATH
+from treerl.rollout.trajectory import Group, GroupWriter, make_header
+
+LEARN = ["learn", "--output-dir", "{out}"]
+ROLLOUT = ["rollout", "--out", "{tmp}/r.jsonl"]
+
+# (id, command line, YAML for --config or None, what the one-line message must say)
+CASES = [
+    ("learning-rate-nan", [*LEARN, "--learning-rate", "nan"], None, "learning_rate=nan: expected a finite number"),
+    ("max-episode-seconds-nan", [*LEARN, "--max-episode-seconds", "nan"], None, "max_episode_seconds=nan"),
+    ("temperature-inf", ["eval", "--temperature", "inf"], None, "temperature=inf: expected a finite number"),
+    ("device-bogus", [*LEARN, "--device", "bogus"], None, "device='bogus' is not a torch device"),
+    ("device-bogus-eval", ["eval", "--device", "bogus"], None, "is not a torch device"),
+    ("attention-impl-bogus", [*LEARN, "--attention-impl", "bogus"], None, "attention_impl='bogus'"),
+    ("output-dir-is-a-file", ["learn", "--output-dir", "{file}"], None, "cannot create a directory there"),
+    ("yaml-seed-abc", LEARN, "seed: abc\n", "seed='abc': expected a whole number"),
+    ("yaml-group-size-2.5", LEARN, "group_size: 2.5\n", "group_size=2.5: expected a whole number"),
+    ("yaml-resume-maybe", LEARN, "resume: maybe\n", "resume='maybe': expected true or false"),
+    ("yaml-progress-maybe", LEARN, "progress: maybe\n", "progress='maybe': expected true or false"),
+    ("yaml-pack-mode-no", LEARN, "pack_mode: no\n", "pack_mode=False: expected text"),
+    ("yaml-learning-rate-nan", LEARN, "learning_rate: .nan\n", "learning_rate=nan"),
+    ("yaml-env-kwargs-list", LEARN, "env_kwargs: [1, 2]\n", "env_kwargs=[1, 2]: expected a mapping"),
+    ("yaml-unknown-key", LEARN, "learning_rat: 0.1\n", "unknown option(s) ['learning_rat']"),
+    ("yaml-not-a-mapping", LEARN, "- 1\n- 2\n", "expected a mapping of option: value"),
+    ("yaml-invalid", LEARN, "a: [1\n", "not valid YAML"),
+    ("config-missing", [*LEARN, "--config", "{tmp}/none.yaml"], None, "no such file"),
+    ("model-without-chat-template", [*LEARN, "--model", "{no_template}"], None, "has no chat template"),
+    ("model-not-a-dir", [*LEARN, "--model", "{tmp}/nothing"], None, "is not a directory"),
+    ("model-broken", [*LEARN, "--model", "{broken}"], None, "could not load a causal LM"),
+    ("env-unknown", [*LEARN, "--env", "nope/Nothing-v0"], None, "nope/Nothing-v0"),
+    ("learner-unknown", [*LEARN, "--learner", "bogus"], None, "no such learner"),
+    ("loss-unknown", [*LEARN, "--loss", "bogus"], None, "bogus"),
+    ("steps-0", [*LEARN, "--steps", "0"], None, "steps=0 must be >= 1"),
+    ("group-size-negative", [*LEARN, "--group-size", "-1"], None, "group_size=-1 must be >= 1"),
+    ("temperature-0", [*LEARN, "--temperature", "0"], None, "temperature=0"),
+    ("top-p-without-top-k", [*LEARN, "--top-p", "0.9"], None, "needs top_k"),
+    ("report-to-unknown", [*LEARN, "--report-to", "mlflow"], None, "report_to='mlflow'"),
+    ("eval-episodes-negative", [*LEARN, "--eval-episodes", "-1"], None, "eval_episodes and save_every must be >= 0"),
+    ("import-missing", [*LEARN, "--import", "{tmp}/none.py"], None, "no such file"),
+    ("no-output-dir", ["learn"], None, "output_dir is required"),
+    ("rollout-no-out", ["rollout"], None, "--out is required"),
+    ("rollout-out-is-a-dir", ["rollout", "--out", "{tmp}"], None, "cannot write there"),
+    ("rollout-out-under-a-file", ["rollout", "--out", "{file}/r.jsonl"], None, "cannot write there"),
+    ("rollout-num-tasks-0", [*ROLLOUT, "--num-tasks", "0"], None, "--num-tasks=0 must be >= 1"),
+    ("rollout-corrupt-line", ["rollout", "--out", "{corrupt}"], None, ":2: not a valid trajectory line"),
+    ("rollout-other-env", ["rollout", "--out", "{other_env}", "--env", "treerl/Calculator-v0"], None,
+     "holds trajectories of another setup (env_id: file has 'treerl/GuessNumber-v0'"),
+    ("rollout-old-file-other-env", ["rollout", "--out", "{old_other_env}"], None,
+     "holds trajectories of 'treerl/GuessNumber-v0', not 'treerl/Calculator-v0'"),
+    ("rollout-not-a-trajectory-file", ["rollout", "--out", "{readme}", "--repair"], None,
+     "is not a treerl trajectory file"),
+    ("eval-num-episodes-0", ["eval", "--num-episodes", "0"], None, "num_episodes=0 must be >= 1"),
+    ("envs-import-missing", ["envs", "--import", "{tmp}/none.py"], None, "no such file"),
+]
+# Malformed values argparse itself refuses: usage and one error line, exit status 2.
+ARGPARSE_CASES = [
+    ("seed-abc", [*LEARN, "--seed", "abc"], "argument --seed: invalid int value: 'abc'"),
+    ("unknown-flag", [*LEARN, "--learnin-rate", "0.1"], "unrecognized arguments: --learnin-rate"),
+    ("env-kwargs-not-json", [*LEARN, "--env-kwargs", "[1"], "argument --env-kwargs"),
+    ("resume-maybe", [*LEARN, "--resume", "maybe"], "argument --resume: expected true or false"),
+    ("no-command", [], "the following arguments are required: COMMAND"),
+]
+if torch.cuda.is_available():
+    CUDA_CASES = []
+else:
+    CUDA_CASES = [("device-cuda-on-cpu", [*LEARN, "--device", "cuda"], None, "sees no CUDA GPU on this machine"),
+                  ("device-cuda-on-cpu-rollout", [*ROLLOUT, "--device", "cuda"], None, "sees no CUDA GPU")]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, str]:
+    tmp = tmp_path_factory.mktemp("cli")
+    (tmp / "a_file").write_text("not a directory\n")
+    no_template = tmp / "no_template"
+    shutil.copytree(DEFAULT_MODEL_PATH, no_template)
+    config = json.loads((no_template / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (no_template / "tokenizer_config.json").write_text(json.dumps(config))
+    for extra in ("chat_template.jinja", "chat_template.json"):
+        (no_template / extra).unlink(missing_ok=True)
+    broken = tmp / "broken"
+    shutil.copytree(DEFAULT_MODEL_PATH, broken)
+    (broken / "config.json").write_text("{not json")
+    corrupt = tmp / "corrupt.jsonl"
+    with GroupWriter(corrupt) as writer:
+        for key in ("seed-0", "seed-1"):
+            group = Group(task_key=key, env_id="treerl/Calculator-v0")
+            group.add_episode(leaf=group.add_segment("prompt", [1, 2]), reward=0.0)
+            writer.write(group)
+    lines = corrupt.read_text().splitlines(keepends=True)
+    corrupt.write_text(lines[0] + '{"schema_version": 1, "task_k\n' + lines[1])
+    other = tmp / "other.jsonl"
+    GroupWriter(other, header=make_header({"env_id": "treerl/GuessNumber-v0"})).close()
+    old_other = tmp / "old_other.jsonl"
+    with GroupWriter(old_other) as writer:
+        group = Group(task_key="seed-0", env_id="treerl/GuessNumber-v0")
+        group.add_episode(leaf=group.add_segment("prompt", [1]), reward=0.0)
+        writer.write(group)
+    (tmp / "README.md").write_text("# notes\n\nnot trajectories\n")
+    return {"tmp": str(tmp), "out": str(tmp / "run"), "file": str(tmp / "a_file"), "no_template": str(no_template),
+            "broken": str(broken), "corrupt": str(corrupt), "other_env": str(other), "old_other_env": str(old_other),
+            "readme": str(tmp / "README.md")}
+
+
+def _run(argv: list[str], paths: dict[str, str], capsys) -> tuple[int, str]:
+    try:
+        code = main([a.format(**paths) for a in argv])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.err
+
+
+@pytest.mark.parametrize("case", CASES + CUDA_CASES, ids=[c[0] for c in CASES + CUDA_CASES])
+def test_bad_command_line_gives_one_line(case, paths, capsys, tmp_path):
+    _, argv, yaml_text, expected = case
+    if yaml_text is not None:
+        config = tmp_path / "config.yaml"
+        config.write_text(yaml_text)
+        argv = [*argv, "--config", str(config)]
+    code, err = _run(argv, paths, capsys)
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("treerl: "), err
+    assert expected in lines[0], err
+
+
+@pytest.mark.parametrize("case", ARGPARSE_CASES, ids=[c[0] for c in ARGPARSE_CASES])
+def test_malformed_flag_gives_usage_and_one_error(case, paths, capsys):
+    _, argv, expected = case
+    code, err = _run(argv, paths, capsys)
+    assert code == 2 and "Traceback" not in err
+    assert expected in err.strip().splitlines()[-1], err
+
+
+def test_yaml_quirks_are_read_as_meant(tmp_path):
+    """YAML reads 1e-4 as a string and 'no' quoted as a string: both mean what the user wrote."""
+    config = tmp_path / "c.yaml"
+    config.write_text("learning_rate: 1e-4\nskip_zero_advantage: 'no'\nresume: yes\ngroup_size: 4.0\ntop_k: null\n")
+    from argparse import Namespace
+
+    cfg = config_from_args(GRPOConfig, Namespace(__config__=str(config), output_dir=str(tmp_path / "run")))
+    assert cfg.learning_rate == 1e-4 and isinstance(cfg.learning_rate, float)
+    assert cfg.skip_zero_advantage is False and cfg.resume is True
+    assert cfg.group_size == 4 and isinstance(cfg.group_size, int) and cfg.top_k is None
