@@ -8,6 +8,9 @@
         record prefix-tree trajectories as JSON Lines (resumable)
     treerl learn [--learner grpo] --env ID --output-dir DIR [--steps N] [--loss dapo] [--config FILE] ...
         train on trajectory trees; prints the held-out success rate at start and end
+        (--from-rollouts FILE / --from-server URL: on groups recorded elsewhere)
+    treerl serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--out FILE] [--group-size G] ...
+        an OpenAI-compatible endpoint whose traffic is recorded as trajectory trees
 
 Every subcommand's flags are generated from its config dataclass (plus ``--config
 file.yaml``), and ``--import`` runs the user's modules first (environments, losses and
@@ -170,12 +173,25 @@ def cmd_learn(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from treerl.serve.app import serve
+    from treerl.serve.config import ServeConfig
+
+    cfg = config_from_args(ServeConfig, args)
+    try:
+        serve(cfg)
+    except ImportError as exc:  # the serve extra is missing: say which to install
+        raise ConfigError(str(exc)) from None
+    return 0
+
+
 def _commands(learner: str) -> list[tuple[str, str, type, Callable[[argparse.Namespace], int]]]:
     """(name, help, config dataclass, function) of each subcommand whose flags come from a config;
     ``learn``'s config is the chosen learner's."""
     from treerl.learners import LEARNERS
     from treerl.rollout.evaluate import EvalConfig
     from treerl.rollout.record import RolloutConfig
+    from treerl.serve.config import ServeConfig
 
     if learner not in LEARNERS:
         raise ConfigError(f"--learner {learner}: no such learner; choose one of {sorted(LEARNERS)}, or register "
@@ -186,6 +202,8 @@ def _commands(learner: str) -> list[tuple[str, str, type, Callable[[argparse.Nam
          cmd_rollout),
         ("learn", f"Train a model on an environment ({learner}: {LEARNERS[learner].help})", LEARNERS[learner].config,
          cmd_learn),
+        ("serve", "Serve a model behind an OpenAI-compatible API and record its traffic as trajectory trees.",
+         ServeConfig, cmd_serve),
     ]
 
 

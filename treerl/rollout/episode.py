@@ -87,7 +87,7 @@ def turn_params(params: SamplingParams, state: EpisodeState, max_episode_tokens:
 
 
 async def sample_turn(policy: Policy, state: EpisodeState, group: Group, renderer: ChatRenderer,
-                      params: SamplingParams, *, seed: int | None, shared: str | None, session: str) -> Turn:
+                      params: SamplingParams, *, seed: int | None, shared: str | None, session: str | None) -> Turn:
     """Sample the next assistant turn from the episode's context and record it as a ``sampled`` segment."""
     request = GenerationRequest(prompt_ids=list(state.context_ids), params=params, seed=seed, group=shared,
                                 session=session)
