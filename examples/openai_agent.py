@@ -46,8 +46,12 @@ class EpisodeResult:
 
 
 def run_episode(client: Any, seed: int, *, task_id: str | None = None, record: bool = True, temperature: float = 1.0,
-                max_tokens: int = 64, episode_id: str | None = None, post_reward: bool = True) -> EpisodeResult:
-    """Play one Calculator task (``seed``) with ``client`` (an ``openai.OpenAI``); returns what happened."""
+                max_tokens: int = 64, episode_id: str | None = None, post_reward: bool = True,
+                sampling_seed: int | None = None) -> EpisodeResult:
+    """Play one Calculator task (``seed``) with ``client`` (an ``openai.OpenAI``); returns what happened.
+
+    ``sampling_seed`` seeds every request (an evaluation that repeats); None samples afresh.
+    """
     env = treerl.make("treerl/Calculator-v0")
     messages, _ = env.reset(seed=seed)
     tools = env.tool_schemas
@@ -60,7 +64,7 @@ def run_episode(client: Any, seed: int, *, task_id: str | None = None, record: b
         result.requests.append(json.loads(json.dumps(messages)))
         response = client.chat.completions.create(model="treerl", messages=messages, tools=tools,
                                                   temperature=temperature, max_tokens=max_tokens,
-                                                  extra_headers=headers)
+                                                  seed=sampling_seed, extra_headers=headers)
         result.responses.append(response)
         message = response.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
@@ -88,9 +92,11 @@ def _client(args: argparse.Namespace) -> Any:
 
 def evaluate(args: argparse.Namespace) -> float:
     client = _client(args)
-    seeds = range(args.seed, args.seed + args.episodes)
+    first = args.seed if args.seed is not None else 10_000  # held-out: training tasks use seeds from 0
+    seeds = range(first, first + args.episodes)
     with ThreadPoolExecutor(args.concurrency) as pool:
-        rewards = list(pool.map(lambda s: run_episode(client, s, record=False).reward, seeds))
+        # Each task's requests are seeded by the task: the same weights give the same rate.
+        rewards = list(pool.map(lambda s: run_episode(client, s, record=False, sampling_seed=s).reward, seeds))
     rate = sum(r >= 1.0 for r in rewards) / len(rewards)
     print(json.dumps({"success_rate": rate, "episodes": len(rewards), "seeds": [seeds.start, seeds.stop - 1]}))
     return rate
@@ -108,13 +114,14 @@ def _policy_version(args: argparse.Namespace) -> int:
 
 def play(args: argparse.Namespace) -> None:
     client = _client(args)
+    seed = args.seed or 0
     version = _policy_version(args)
     with ThreadPoolExecutor(args.concurrency) as pool:
         for wave_start in range(0, args.tasks, args.wave):
             tasks = range(wave_start, min(wave_start + args.wave, args.tasks))
             jobs = [(t, g) for t in tasks for g in range(args.group_size)]
-            rewards = list(pool.map(lambda job: run_episode(client, args.seed + job[0],
-                                                            task_id=f"calc-{args.seed + job[0]}").reward, jobs))
+            rewards = list(pool.map(lambda job: run_episode(client, seed + job[0],
+                                                            task_id=f"calc-{seed + job[0]}").reward, jobs))
             print(f"tasks {tasks.start}-{tasks.stop - 1}: success {sum(r >= 1 for r in rewards) / len(rewards):.1%} "
                   f"(policy version {version})", file=sys.stderr, flush=True)
             if args.follow_learner:  # on-policy: the next wave samples the weights trained on this one
@@ -123,7 +130,7 @@ def play(args: argparse.Namespace) -> None:
                 version = now
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", choices=["eval", "play"])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
@@ -134,9 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wave", type=int, default=8, help="play: tasks per wave")
     parser.add_argument("--follow-learner", action="store_true", help="play: wait for new weights after each wave")
     parser.add_argument("--concurrency", type=int, default=32)
-    args = parser.parse_args(argv)
-    if args.seed is None:
-        args.seed = 10_000 if args.mode == "eval" else 0
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     evaluate(args) if args.mode == "eval" else play(args)
 
 

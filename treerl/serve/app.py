@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import math
 import socket
 import sys
 import time
@@ -271,7 +272,7 @@ def create_app(recorder: Recorder, cfg: ServeConfig) -> Any:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -289,6 +290,10 @@ def serve(cfg: ServeConfig, policy: Policy | None = None, tokenizer: Any = None)
     require_serve_extra()
     import uvicorn
 
+    if cfg.num_threads:
+        import torch
+
+        torch.set_num_threads(cfg.num_threads)
     if policy is None:
         from treerl.agents.transformers_policy import TransformersPolicy
         from treerl.models import load_model

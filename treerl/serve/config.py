@@ -55,6 +55,8 @@ class ServeConfig(SamplingOptions):
     episode_timeout_s: float = field_help(600.0, "An episode with no request or reward for this long ends "
                                                  "(termination timeout, its rewards so far).")
     max_batch_size: int = field_help(64, "Most requests decoded together.")
+    num_threads: int | None = field_help(None, "torch CPU threads (default: torch's choice; 1 is fastest on a "
+                                               "small CPU shared with other work).")
     token: str | None = field_help(None, "Bearer token (default: $TREERL_SERVE_TOKEN). With one, every endpoint "
                                          "needs it; without one, only loopback is served and control endpoints "
                                          "(weights, pause) are refused.")

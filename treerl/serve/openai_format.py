@@ -18,7 +18,7 @@ server returns as a 400 in OpenAI's error shape. Messages are kept in two forms:
 >>> parse_request({"messages": [{"role": "robot", "content": "hi"}]})
 Traceback (most recent call last):
 ...
-treerl.serve.openai_format.RequestError: messages[0].role: 'robot' is not one of system, developer, user, assistant, tool.
+treerl.serve.openai_format.RequestError: messages[0].role: 'robot' is not one of system, developer, user, ...
 """
 
 from __future__ import annotations
@@ -238,7 +238,8 @@ def message_key(m: Mapping[str, Any]) -> str:
     >>> message_key(a) == message_key(b)
     True
     """
-    key: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"], "content": m.get("content") or ""}
+    role = "system" if m["role"] == "developer" else m["role"]
+    key: dict[str, Any] = {"role": role, "content": m.get("content") or ""}
     if m.get("tool_calls"):
         key["tool_calls"] = [[c["name"], _decoded(c["arguments"])] for c in m["tool_calls"]]
     if m["role"] == "tool":

@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from jinja2 import TemplateError
+
 from treerl.agents.chat import ChatRenderer
 from treerl.agents.policy import Generation, GenerationRequest, Policy, SamplingParams
 from treerl.envs.parsers import get_parser
@@ -223,7 +225,8 @@ class Recorder:
             n = self.task_counts[key]
             self.task_counts[key] += 1
             group_key = key if n == 0 else f"{key}#{n}"
-            task = _Task(key=group_key, slot=key, task_id=task_id, size=self.cfg.group_size if task_id is not None else 1,
+            size = self.cfg.group_size if task_id is not None else 1  # an episode without a task: a group of one
+            task = _Task(key=group_key, slot=key, task_id=task_id, size=size,
                          group=Group(task_key=group_key, env_id=ENV_ID,
                                      info={"task_id": task_id, "num_prompt_messages": len(request.messages),
                                            "source": "serve"}))
@@ -499,7 +502,7 @@ class Recorder:
 def _render(renderer: ChatRenderer, messages: list[dict[str, Any]]) -> list[int]:
     try:
         return renderer.prompt_ids(messages)
-    except Exception as exc:  # the template refuses the conversation (jinja's raise_exception): the client's fault
+    except (TemplateError, ValueError, TypeError) as exc:  # the template refuses the conversation: the client's fault
         raise RequestError("messages", f"the chat template cannot render this conversation: {exc}") from None
 
 
