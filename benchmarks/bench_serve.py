@@ -9,9 +9,11 @@ back (chat requests with the calculator tool, tool results sent back, a reward p
 Counted: HTTP statuses (every 5xx), chat-request latency as the client sees it, sampled
 tokens per second, and that every rewarded episode is in the trajectory file exactly once.
 
-Engine side: the rollout engine on the same model, sampling parameters and environment
-(Calculator, 64 episodes in flight, group size 1) for the same time, in this process;
-latency is one generation request as the engine awaits it, tokens/s the sampled tokens.
+Engine side: the rollout engine on the same model and sampling parameters, playing the same
+episodes (Calculator tasks, at most 4 turns, the first reply without a tool call is the answer,
+as the agent plays them; 64 episodes in flight, group size 1, the server's 2048-token episode
+limit) for the same time, in this process; latency is one generation request as the engine
+awaits it, tokens/s the sampled tokens.
 The two alternate ``--runs`` times; the ratios are medians.
 """
 
@@ -40,8 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from _common import write_section  # noqa: E402
 from openai_agent import run_episode  # noqa: E402
 
-import treerl  # noqa: E402
 from treerl.agents import SamplingParams, TransformersPolicy  # noqa: E402
+from treerl.envs import ToolEnv  # noqa: E402
+from treerl.envs.builtin.calculator import CalculatorEnv  # noqa: E402
 from treerl.rollout import read_groups  # noqa: E402
 from treerl.rollout.engine import RolloutEngine  # noqa: E402
 
@@ -125,6 +128,12 @@ def server_side(args, run: int) -> dict:
     }
 
 
+class AgentRulesCalculator(CalculatorEnv):
+    """Calculator played by the agent's rule: the first reply without a tool call is the final answer."""
+
+    is_final = ToolEnv.is_final
+
+
 class TimedPolicy:
     """The engine's policy, with each generation request timed and its sampled tokens counted."""
 
@@ -146,13 +155,12 @@ class TimedPolicy:
 def engine_side(args, model, tok) -> dict:
     policy = TimedPolicy(TransformersPolicy(model, tok))
     engine = RolloutEngine(policy, tok, params=SamplingParams(max_new_tokens=64), max_concurrency=args.clients,
-                           seed=int(time.time()))
+                           max_episode_tokens=2048, seed=int(time.time()))
 
     async def for_a_while() -> tuple[float, int, list[float]]:
         # More tasks than the window can play (the engine starts them as slots free up); stopped at the deadline.
         start = time.monotonic()
-        job = asyncio.create_task(engine.run(lambda: treerl.make("treerl/Calculator-v0"), "treerl/Calculator-v0",
-                                             range(20_000), 1))
+        job = asyncio.create_task(engine.run(AgentRulesCalculator, "treerl/Calculator-v0", range(20_000), 1))
         await asyncio.wait({job}, timeout=args.seconds)
         wall, tokens, latencies = time.monotonic() - start, policy.tokens, list(policy.latencies)
         job.cancel()
@@ -207,10 +215,12 @@ def main() -> None:
 
 {args.clients} concurrent clients (the plain-`openai` Calculator agent of `examples/openai_agent.py`, episodes
 back to back, a reward posted after each) against `treerl serve` in its own process for {args.seconds:g} s, then
-the rollout engine on the same model with {args.clients} Calculator episodes in flight for {args.seconds:g} s;
-{args.runs} alternating runs, medians. Latency: a chat request as the client sees it (HTTP, JSON, rendering,
-recording, batching) vs. a generation request as the engine awaits it. The clients share the machine's
-{os.cpu_count()} cores with the server.
+the rollout engine on the same model with {args.clients} of the same episodes in flight for {args.seconds:g} s
+(Calculator tasks, at most 4 turns, the first reply without a tool call is the answer; one torch thread on
+each side); {args.runs} alternating runs, medians. Latency: a chat request as the client sees it (HTTP, JSON,
+rendering, recording, batching) vs. a generation request as the engine awaits it. The clients share the
+machine's {os.cpu_count()} cores with the server, and the server's tokens/s counts the tail after the deadline
+in which the started episodes finish with fewer clients left (so it is, if anything, low).
 
 | | `treerl serve` (HTTP) | engine directly | serve / engine |
 |---|---|---|---|
