@@ -53,7 +53,7 @@ def seen_contexts(group, episode, tokenizer, tools) -> list[tuple[list[int], str
 
 
 class Exchanges:
-    """httpx event hooks that keep every chat-completions request body and its reply, as the client sent and got them."""
+    """httpx event hooks keeping every chat-completions request body and its reply, as the client sent and got them."""
 
     def __init__(self):
         self.pairs: list[tuple[dict, dict]] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -142,16 +143,21 @@ def test_n_choices_fork_the_episode_and_one_continues(server, tiny):
     client = make_client(url)
     messages = [{"role": "user", "content": "Say something."}]
     headers = {"X-Episode-Id": "fan", "X-Task-Id": "fan-task"}
+    processed = recorder.metrics["requests/prompt_tokens_processed"]
     response = client.chat.completions.create(model="treerl", messages=messages, n=4, max_tokens=16, seed=5,
                                               extra_headers=headers)
     assert len(response.choices) == 4
+    prompt_len = response.usage.prompt_tokens
+    assert recorder.metrics["requests/prompt_tokens_processed"] - processed == prompt_len  # one shared prefill
     ids = [c.model_extra["episode_id"] for c in response.choices]
     assert ids == ["fan.0", "fan.1", "fan.2", "fan.3"]
     # The client continues the third choice with the parent's id: its messages pick the fork.
     chosen = response.choices[2].message
     follow = [*messages, chosen.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+    processed = recorder.metrics["requests/prompt_tokens_processed"]
     second = client.chat.completions.create(model="treerl", messages=follow, max_tokens=16, extra_headers=headers)
     assert second.model_extra["episode_id"] == "fan.2"
+    processed_second = recorder.metrics["requests/prompt_tokens_processed"] - processed
     results = client.post("/rewards", cast_to=object,
                           body={"rewards": [{"episode_id": i, "reward": float(k)} for k, i in enumerate(ids)]})
     assert all(r.get("finished") for r in results["results"])
@@ -163,7 +169,10 @@ def test_n_choices_fork_the_episode_and_one_continues(server, tiny):
     longest = max(group.episodes, key=lambda e: len(e.token_ids))
     assert longest.reward == 2.0 and longest.metrics["turns"] == 2
     context, _ = seen_contexts(group, longest, tok, None)[1]
-    raw0 = ChatRenderer(tok).completion_text(longest.path()[1].token_ids)
+    # The fork's session cache held its context: only the bridge and the last sampled token ran again.
+    first_sampled = longest.path()[1].token_ids
+    assert processed_second == second.usage.prompt_tokens - prompt_len - len(first_sampled) + 1
+    raw0 = ChatRenderer(tok).completion_text(first_sampled)
     expected = ChatRenderer(tok).render([*messages, {"role": "assistant", "content": raw0},
                                          {"role": "user", "content": "More."}])
     assert tok.decode(context, skip_special_tokens=False) == expected
@@ -231,8 +240,8 @@ def test_a_call_the_request_has_no_tool_for_comes_back_as_content(server, tiny):
                                                "parameters": {"type": "object", "properties": {
                                                    "word": {"type": "string"}}, "required": ["word"]}}}]
     before = dict(recorder.metrics)
-    response = make_client(url).chat.completions.create(model="treerl", messages=messages, tools=other,
-                                                        max_tokens=48, temperature=0, extra_headers={"X-Treerl-Record": "false"})
+    response = make_client(url).chat.completions.create(model="treerl", messages=messages, tools=other, max_tokens=48,
+                                                        temperature=0, extra_headers={"X-Treerl-Record": "false"})
     choice = response.choices[0]
     # The tiny model calls `calculator`, which this request does not offer: content plus a metric, never a 500.
     assert "<tool_call>" in choice.message.content and not choice.message.tool_calls
@@ -269,3 +278,44 @@ def test_the_trajectory_file_resumes(tiny, tmp_path):
     assert recorder.task_counts["same"] == 2  # the next group of the task is "same#2"
     recorder.close()
     assert [g.task_key for g in read_groups(out)] == ["same", "same#1"]
+
+
+def test_without_an_id_the_conversation_finds_its_episode(server):
+    url, recorder, _ = server
+    client = make_client(url)
+    first = [{"role": "user", "content": "Count to three."}]
+    a = client.chat.completions.create(model="treerl", messages=first, max_tokens=8)
+    follow = [*first, a.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Again."}]
+    b = client.chat.completions.create(model="treerl", messages=follow, max_tokens=8)
+    c = client.chat.completions.create(model="treerl", messages=first, max_tokens=8)  # a new conversation
+    assert a.model_extra["episode_id"] == b.model_extra["episode_id"] != c.model_extra["episode_id"]
+    episode_id = b.model_extra["episode_id"]
+    client.post(f"/episodes/{episode_id}/reward", body={"reward": 1.0}, cast_to=object)
+    [group] = [g for g in recorder.finished if g.task_key == episode_id]  # no task id: a group of one
+    assert [s.kind for s in group.episodes[0].path()] == ["prompt", "sampled", "env", "sampled"]
+
+
+@pytest.mark.slow  # a fresh interpreter loading torch and the model: the benchmark and the example start it too
+def test_the_command_line_serves(tmp_path):
+    import subprocess
+
+    import httpx
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "treerl.cli", "serve", "--port", "0", "--num-threads", "1"],
+                            cwd=root, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()  # "treerl serve: http://127.0.0.1:PORT/v1 (...)"
+        assert line.startswith("treerl serve: http://127.0.0.1:"), line
+        base = line.split()[2]
+        for _ in range(300):
+            try:
+                health = httpx.get(base.removesuffix("/v1") + "/health")
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert health.json()["status"] == "ok"
+        assert httpx.get(base + "/models").json()["data"][0]["id"] == "treerl"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

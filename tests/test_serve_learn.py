@@ -44,7 +44,7 @@ def _metrics(out_dir: Path) -> list[dict]:
 def test_learn_from_a_trajectory_file(tmp_path):
     model, tok = _load()
     path = tmp_path / "r.jsonl"
-    engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=SamplingParams(max_new_tokens=32), seed=3)
+    engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=SamplingParams(max_new_tokens=24), seed=3)
     groups, _ = asyncio.run(engine.run(lambda: treerl.make("treerl/Calculator-v0"), "treerl/Calculator-v0",
                                        range(3), 2))
     with GroupWriter(path) as writer:

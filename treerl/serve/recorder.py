@@ -172,15 +172,15 @@ class Recorder:
                        record: bool = True) -> list[Choice]:
         """Sample ``request.n`` replies for ``request`` in its episode; records them unless ``record`` is False."""
         await self.running.wait()  # paused while weights change
+        params = self._params(request)  # bad sampling options are refused before the episode changes
         if not record:
-            return await self._unrecorded(request)
+            return await self._unrecorded(request, params)
         episode = self._find(request, episode_id, task_id)
         async with episode.lock:
             if episode.id not in self.episodes:  # it finished (a reward came) while this request waited
                 raise RequestError("episode_id", f"episode {episode.id!r} has finished.", status=409)
             self._take_messages(episode, request)
             children = self._fork(episode, request.n) if request.n > 1 else [episode]
-            params = self._params(request)
             shared = f"{episode.task.key}/{episode.state.name}/turn{episode.state.turn}" if len(children) > 1 else None
             policy = _StopStrings(self.policy, episode.renderer, request.stop) if request.stop else self.policy
             limited = [turn_params(params, c.state, self.cfg.max_episode_tokens) for c in children]
@@ -219,6 +219,13 @@ class Recorder:
     def _open(self, request: ChatRequest, episode_id: str, task_id: str | None) -> _Episode:
         if not _valid_id(episode_id):
             raise RequestError("episode_id", f"{episode_id!r} must be 1-128 letters, digits, '-', '_', ':' or '.'.")
+        # Rendered first: a conversation the template refuses, or too long, leaves nothing behind.
+        renderer = self._renderer(request.tools)
+        messages = template_messages(request.messages, {})
+        prompt_ids = _render(renderer, messages)
+        if len(prompt_ids) >= self.cfg.max_episode_tokens:
+            raise RequestError("messages", f"the conversation is longer than max_episode_tokens="
+                                           f"{self.cfg.max_episode_tokens}.", code="context_length_exceeded")
         key = task_id if task_id is not None else episode_id
         task = self.tasks.get(key)
         if task is None:
@@ -231,9 +238,6 @@ class Recorder:
                                      info={"task_id": task_id, "num_prompt_messages": len(request.messages),
                                            "source": "serve"}))
             self.tasks[key] = task
-        renderer = self._renderer(request.tools)
-        messages = template_messages(request.messages, {})
-        prompt_ids = _render(renderer, messages)
         root = task.roots.get(tuple(prompt_ids))
         if root is None:  # episodes of a task with the same opening messages share their prompt segment
             root = task.roots[tuple(prompt_ids)] = task.group.add_segment("prompt", prompt_ids)
@@ -291,8 +295,6 @@ class Recorder:
 
     def _fork(self, episode: _Episode, n: int) -> list[_Episode]:
         """``n`` episodes continuing ``episode``'s context (``n > 1``): ids ``E.0 ... E.{n-1}``."""
-        if n > self.cfg.max_n:
-            raise RequestError("n", f"{n} exceeds max_n={self.cfg.max_n}.")
         task = episode.task
         children = []
         for b in range(n):
@@ -310,6 +312,8 @@ class Recorder:
 
     def _params(self, request: ChatRequest) -> SamplingParams:
         cfg = self.cfg
+        if request.n > cfg.max_n:
+            raise RequestError("n", f"{request.n} exceeds max_n={cfg.max_n}.")
         max_tokens = request.max_tokens or cfg.max_new_tokens
         if max_tokens > cfg.max_tokens_cap:
             raise RequestError("max_tokens", f"{max_tokens} exceeds max_tokens_cap={cfg.max_tokens_cap}.")
@@ -363,15 +367,18 @@ class Recorder:
         episode.turn = turn
         episode.last_active = time.monotonic()
         self.metrics["requests/sampled_tokens"] += len(turn.generation.token_ids)
+        # Prompt tokens the model ran: shared prefills and session caches make it less than the contexts.
+        self.metrics["requests/prompt_tokens_processed"] += turn.generation.num_prompt_tokens_processed
+        self.metrics["requests/context_tokens"] += len(state.context_ids)
         return Choice(episode.id, message, finish, turn.generation, turn.text, len(state.context_ids))
 
-    async def _unrecorded(self, request: ChatRequest) -> list[Choice]:
+    async def _unrecorded(self, request: ChatRequest, params: SamplingParams) -> list[Choice]:
         """Replies to a request that is not to be recorded (an evaluation): the same policy and renderer."""
         renderer = self._renderer(request.tools)
         messages = template_messages(request.messages, {})
         state = EpisodeState(env=None, messages=messages, context_ids=_render(renderer, messages), parent=0,
                              path=(0,))
-        params = turn_params(self._params(request), state, self.cfg.max_episode_tokens)
+        params = turn_params(params, state, self.cfg.max_episode_tokens)
         if params is None:
             raise RequestError("messages", "the conversation is longer than max_episode_tokens.",
                                code="context_length_exceeded")
