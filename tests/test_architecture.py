@@ -4,7 +4,7 @@ Every ``import`` statement of every module is read with ``ast``, those inside fu
 (a lazy import is still a dependency), docstring examples not. The floors, bottom up:
 
     errors, config -> envs, agents, models (and the package root, which re-exports envs)
-    -> kernels -> rollout -> learners -> cli
+    -> kernels -> rollout, serve -> learners -> cli
 
 A module may import from its own floor or below; within a floor the imports must not form a
 cycle. A failure names the two files.
@@ -28,6 +28,7 @@ FLOORS: dict[str, int] = {
     "treerl.models": 1,
     "treerl.kernels": 2,
     "treerl.rollout": 3,
+    "treerl.serve": 3,  # the OpenAI-compatible server: the rollout floor's, beside the engine it reuses
     "treerl.learners": 4,
     "treerl.cli": 5,
 }

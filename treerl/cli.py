@@ -8,12 +8,15 @@
         record prefix-tree trajectories as JSON Lines (resumable)
     treerl learn [--learner grpo] --env ID --output-dir DIR [--steps N] [--loss dapo] [--config FILE] ...
         train on trajectory trees; prints the held-out success rate at start and end
+        (--from-rollouts FILE / --from-server URL: on groups recorded elsewhere)
     treerl view FILE.jsonl|RUN_DIR [...] [-o view.html] [--model DIR]
         trajectory trees in a browser: one self-contained HTML file that works offline
     treerl plot RUN_DIR [RUN_DIR ...] [-o DIR]
         a run's plots (reward, tool calls, entropy, clip/IS, packing, step time); several overlaid
     treerl compare RUN_DIR RUN_DIR [...] [--last N] [--json]
         final metrics of learn runs side by side
+    treerl serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--out FILE] [--group-size G] ...
+        an OpenAI-compatible endpoint whose traffic is recorded as trajectory trees
 
 Every subcommand's flags are generated from its config dataclass (plus ``--config
 file.yaml``), and ``--import`` runs the user's modules first (environments, losses and
@@ -231,12 +234,25 @@ def _path_commands() -> list[tuple[str, str, type, Callable[[argparse.Namespace]
     ]
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from treerl.serve.app import serve
+    from treerl.serve.config import ServeConfig
+
+    cfg = config_from_args(ServeConfig, args)
+    try:
+        serve(cfg)
+    except ImportError as exc:  # the serve extra is missing: say which to install
+        raise ConfigError(str(exc)) from None
+    return 0
+
+
 def _commands(learner: str) -> list[tuple[str, str, type, Callable[[argparse.Namespace], int]]]:
     """(name, help, config dataclass, function) of each subcommand whose flags come from a config;
     ``learn``'s config is the chosen learner's."""
     from treerl.learners import LEARNERS
     from treerl.rollout.evaluate import EvalConfig
     from treerl.rollout.record import RolloutConfig
+    from treerl.serve.config import ServeConfig
 
     if learner not in LEARNERS:
         raise ConfigError(f"--learner {learner}: no such learner; choose one of {sorted(LEARNERS)}, or register "
@@ -247,6 +263,8 @@ def _commands(learner: str) -> list[tuple[str, str, type, Callable[[argparse.Nam
          cmd_rollout),
         ("learn", f"Train a model on an environment ({learner}: {LEARNERS[learner].help})", LEARNERS[learner].config,
          cmd_learn),
+        ("serve", "Serve a model behind an OpenAI-compatible API and record its traffic as trajectory trees.",
+         ServeConfig, cmd_serve),
     ]
 
 

@@ -164,6 +164,42 @@ class Tool:
         parameters = {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
         return parameters, converters
 
+    @classmethod
+    def from_schema(cls, name: str, parameters: Mapping[str, Any] | None, fn: Callable[..., Any] | None = None, *,
+                    description: str = "", timeout: float | None = 10.0) -> Tool:
+        """A tool whose parameters' JSON Schema is given rather than read from a signature.
+
+        For tools described elsewhere: an MCP server's, or the ``tools`` of an OpenAI request.
+        Calls are validated against ``parameters`` exactly as for ``@tool`` functions (same
+        errors), and ``fn`` receives the arguments as keyword arguments, unconverted.
+
+        >>> t = Tool.from_schema("lookup", {"type": "object", "properties": {"key": {"type": "string"}},
+        ...                                 "required": ["key"]}, lambda key: key.upper())
+        >>> t.validate({"key": "a"}), t(key="b")
+        ({'key': 'a'}, 'B')
+        >>> t.validate({})
+        Traceback (most recent call last):
+        ...
+        treerl.errors.ToolCallError: Invalid arguments for tool 'lookup': ...
+        """
+        if not _NAME.match(name or ""):
+            raise ValueError(f"tool name {name!r} is not valid: use 1 to 64 letters, digits, '_', '.' or '-'.")
+        parameters = dict(parameters) if parameters else {"type": "object", "properties": {}}
+        try:
+            jsonschema.Draft202012Validator.check_schema(parameters)
+        except jsonschema.SchemaError as exc:
+            raise ValueError(f"tool {name!r}: its parameters are not a valid JSON Schema ({exc.message}).") from None
+        if parameters.get("type", "object") != "object":
+            raise ValueError(f"tool {name!r}: its parameters schema must describe an object, got type "
+                             f"{parameters.get('type')!r}.")
+        self = cls.__new__(cls)
+        self.fn = fn if fn is not None else _not_callable(name)
+        self.name, self.description, self.timeout, self.isolate = name, description, timeout, False
+        self.is_async = inspect.iscoroutinefunction(self.fn)
+        self.parameters, self._converters = parameters, {}
+        self._validator = jsonschema.Draft202012Validator(parameters)
+        return self
+
     @property
     def schema(self) -> dict[str, Any]:
         """OpenAI-style tool schema, as chat templates take it."""
@@ -204,7 +240,7 @@ class Tool:
         converted = {}
         for key, value in arguments.items():
             try:
-                converted[key] = self._converters[key](value)
+                converted[key] = self._converters.get(key, _unchanged)(value)
             except (TypeError, ValueError) as exc:
                 # A dataclass's own checks (__post_init__) can still refuse valid JSON.
                 raise self._invalid([f"argument {key!r}: {exc}"]) from None
@@ -219,11 +255,11 @@ class Tool:
     def _signature(self) -> str:
         """A short, readable signature for error messages: ``add(a: integer, b: integer = 0)``."""
         parts = []
-        for key, schema in self.parameters["properties"].items():
+        for key, schema in self.parameters.get("properties", {}).items():
             part = f"{key}: {schema_name(schema)}"
             if "default" in schema:
                 part += f" = {json.dumps(schema['default'])}"
-            elif key not in self.parameters["required"]:
+            elif key not in self.parameters.get("required", ()):
                 part += " (optional)"
             parts.append(part)
         return f"{self.name}({', '.join(parts)})"
@@ -377,6 +413,18 @@ async def run_tool_call(call: ToolCall, tools: Mapping[str, Tool]) -> ToolResult
 
 
 # -- running -----------------------------------------------------------------------------
+
+
+def _unchanged(value: Any) -> Any:
+    return value
+
+
+def _not_callable(name: str) -> Callable[..., Any]:
+    def refuse(**kwargs: Any) -> Any:
+        raise ToolCallError(ToolErrorKind.TOOL_ERROR, f"Tool {name!r} has a schema but no function to run here.",
+                            tool_name=name)
+
+    return refuse
 
 
 def _is_small(arguments: Any, limit: int = 64) -> bool:

@@ -17,7 +17,9 @@ ValueError: report_to='mlflow': use none, tensorboard, wandb or trackio.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Any
 
 from treerl.config import field_help
 from treerl.kernels.tree_attention import BACKENDS
@@ -70,6 +72,13 @@ class LearnerConfig(EpisodeOptions):
     num_threads: int | None = field_help(None, "torch CPU threads (default: torch's choice).")
     progress: bool = field_help(True, "Show a progress bar.")
     report_to: str = field_help("none", "Also log to: none, tensorboard, wandb or trackio (when installed).")
+    from_rollouts: str | None = field_help(None, "Train on the groups of this trajectory file (treerl rollout/serve "
+                                                 "--out) instead of playing the environment; step s takes the "
+                                                 "file's next tasks_per_step groups, cycling.")
+    from_server: str | None = field_help(None, "Train on the groups that finish through `treerl serve` at this URL "
+                                               "(e.g. http://127.0.0.1:8000), in order; each new weights version "
+                                               "is published to it (with the token in $TREERL_SERVE_TOKEN).")
+    server_timeout_s: float = field_help(600.0, "How long one step waits for the server's groups before failing.")
 
     def __post_init__(self) -> None:
         if not self.output_dir:
@@ -98,6 +107,27 @@ class LearnerConfig(EpisodeOptions):
                              "checkpoints).")
         self.sampling(temperature=self.eval_temperature)
         self.packing_config()
+        if self.from_rollouts and self.from_server:
+            raise ValueError("from_rollouts and from_server are both set: a learner takes its groups from one "
+                             "source; drop one of --from-rollouts / --from-server.")
+        if self.from_server and not self.from_server.startswith(("http://", "https://")):
+            raise ValueError(f"from_server={self.from_server!r} must be an http(s) URL, e.g. http://127.0.0.1:8000.")
+        if not self.server_timeout_s > 0:
+            raise ValueError(f"server_timeout_s={self.server_timeout_s} must be > 0 (seconds).")
+
+    def group_source(self) -> Any:
+        """The :class:`~treerl.rollout.sources.GroupSource` named by ``from_rollouts`` or ``from_server``, or None."""
+        if self.from_rollouts:
+            from treerl.rollout.sources import FileSource
+
+            return FileSource(self.from_rollouts)
+        if self.from_server:
+            from treerl.serve.client import ServerSource
+
+            # The token comes from the environment, never from the config (which is saved with the run).
+            return ServerSource(self.from_server, token=os.environ.get("TREERL_SERVE_TOKEN") or None,
+                                timeout_s=self.server_timeout_s)
+        return None
 
     def packing_config(self) -> PackingConfig:
         return PackingConfig(max_tokens_per_row=self.max_tokens_per_row, mode=self.pack_mode)

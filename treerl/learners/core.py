@@ -5,7 +5,8 @@ A learner is the loop of its own stages on these parts::
     run = build(cfg, ...)                 # models, policy, optimizer, engine, log; resume; eval at start
     with run:
         for step in run.steps():
-            groups, stats = run.rollout()                 # this step's tasks, played by the engine
+            groups, stats = run.rollout()                 # this step's tasks, played by the engine (or taken
+                                                          # from a trajectory file or `treerl serve`)
             ...                                           # the algorithm: rewards, advantages
             run.keep_sample(step, groups, adv)            # a few groups for `treerl view` (every N steps)
             ...                                           # the algorithm: loss, optimizer step
@@ -17,7 +18,10 @@ A learner is the loop of its own stages on these parts::
 :class:`~treerl.agents.transformers_policy.TransformersPolicy` unless a policy is given,
 applies LoRA, switches the trainer to tree attention, makes the optimizer (AdamW unless
 given) and its constant-with-warm-up schedule, resumes from the latest checkpoint when asked,
-and evaluates at the start. The parts it uses each live in their own module:
+and evaluates at the start. With ``source`` (or ``cfg.from_rollouts`` / ``cfg.from_server``)
+the step's groups come from a :class:`~treerl.rollout.sources.GroupSource` instead of the
+engine, and a source that takes weights receives each published version. The parts it uses
+each live in their own module:
 :mod:`~treerl.learners.checkpoints`, :mod:`~treerl.learners.metrics`,
 :mod:`~treerl.learners.weight_sync`, :mod:`~treerl.learners.rewards`,
 :mod:`~treerl.learners.evaluation`, :mod:`~treerl.learners.diagnostics`,
@@ -66,6 +70,7 @@ from treerl.learners.samples import add_trainer_logprobs, annotate_sample, keeps
 from treerl.learners.weight_sync import WeightSync
 from treerl.models import load_model
 from treerl.rollout.engine import RolloutEngine
+from treerl.rollout.sources import GroupSource
 from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group
 
@@ -147,6 +152,8 @@ class Run:
     log: MetricsLog | None = None
     diagnostics: Diagnostics | None = None
     eval_start: dict[str, Any] | None = None
+    source: GroupSource | None = None
+    """Where the groups come from instead of the engine (a trajectory file, ``treerl serve``)."""
     _step_started: float = 0.0
 
     def __enter__(self) -> Run:
@@ -165,9 +172,12 @@ class Run:
             yield step
 
     def rollout(self) -> tuple[list[Group], RolloutStats]:
-        """Play the step's ``tasks_per_step`` tasks (this rank's share) ``group_size`` times each."""
+        """Play the step's ``tasks_per_step`` tasks (this rank's share) ``group_size`` times each,
+        or take the groups at those positions from the run's source."""
         first = self.state.next_task
         tasks = self.ranks.shard(range(first, first + self.cfg.tasks_per_step))
+        if self.source is not None:
+            return self.source.take(tasks)
         return asyncio.run(self.engine.run(self.env_factory, self.cfg.env, tasks, self.cfg.group_size))
 
     def publish_weights(self, metrics: dict[str, float]) -> None:
@@ -239,14 +249,15 @@ def set_seed(seed: int) -> None:
 def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
           policy: Policy | None = None, env_factory: Callable[[], Any] | None = None,
           reward_funcs: Sequence[RewardFunc] = (), reward_weights: Sequence[float] | None = None,
-          optimizer: OptimizerSpec | None = None, reference: bool = False) -> Run:
+          optimizer: OptimizerSpec | None = None, reference: bool = False, source: GroupSource | None = None) -> Run:
     """Everything a learner's loop needs, resumed and evaluated at the start (see the module docstring).
 
     ``model``/``tokenizer`` default to ``cfg.model`` (the shipped tiny model when unset);
     ``policy`` to a :class:`TransformersPolicy` on the learner's own copy of the model;
     ``env_factory`` to ``make(cfg.env, **cfg.env_kwargs)``; ``optimizer`` to AdamW with
     ``cfg.learning_rate`` and ``cfg.weight_decay``. ``reference=True`` keeps a frozen copy of
-    the starting weights (a KL term's reference).
+    the starting weights (a KL term's reference). ``source`` (default: ``cfg.group_source()``)
+    replaces the engine in :meth:`Run.rollout`.
     """
     from transformers import get_scheduler
 
@@ -304,14 +315,17 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
         if ranks.is_main:
             print(f"resumed from {ckpt} at step {state.step}", file=sys.stderr)
             truncate_metrics(out_dir / "metrics.jsonl", state.step)
+    source = source if source is not None else cfg.group_source()
     sync = WeightSync(model, policy, version=state.policy_version)
+    if hasattr(source, "set_weights"):  # e.g. `treerl serve`: its later requests sample the new weights
+        sync.targets.append(source)
     if state.step > 0:
         sync.publish(version=state.policy_version)
 
     run = Run(cfg=cfg, ranks=ranks, device=device, out_dir=out_dir, model=model, tokenizer=tokenizer, policy=policy,
               optimizer=optimizer, scheduler=scheduler, engine=engine, env_factory=env_factory, sync=sync,
               state=state, reward_funcs=tuple(reward_funcs), reward_weights=weights, reference=ref_model,
-              attention=attention, policy_model=policy_model)
+              attention=attention, policy_model=policy_model, source=source)
     if ranks.is_main:  # the other ranks write nothing and wait for rank 0 at the first step's collectives
         (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
         run.log = MetricsLog(out_dir, report_to=cfg.report_to, config=asdict(cfg), total_steps=cfg.steps,

@@ -17,7 +17,7 @@ from treerl.rollout.trajectory import (
 
 __all__ = [
     "SCHEMA_VERSION", "Segment", "Episode", "Group", "GroupWriter", "read_groups", "to_flat_records",
-    "RolloutEngine", "RolloutStats", "EpisodeOptions", "evaluate", "record",
+    "RolloutEngine", "RolloutStats", "EpisodeOptions", "evaluate", "record", "GroupSource", "FileSource",
 ]
 
 # The engine pulls in torch and the policy code; load it only when asked for.
@@ -27,6 +27,8 @@ _LAZY = {
     "EpisodeOptions": "treerl.rollout.options",
     "evaluate": "treerl.rollout.evaluate",
     "record": "treerl.rollout.record",
+    "GroupSource": "treerl.rollout.sources",
+    "FileSource": "treerl.rollout.sources",
 }
 
 

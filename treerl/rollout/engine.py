@@ -12,6 +12,9 @@ the policy batches the others' generation requests. Limits per episode: turns (t
 environment's), tokens (``max_episode_tokens``) and wall clock (``max_episode_seconds``);
 the reason an episode ended is recorded. An environment that raises is recorded as an
 ``env_error`` termination, never a crashed run.
+
+The steps of one turn (sample, observe, bridge or branch, finish) live in
+:mod:`treerl.rollout.episode`, where ``treerl serve`` takes them too.
 """
 
 from __future__ import annotations
@@ -22,13 +25,21 @@ import logging
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from treerl.agents.chat import ChatRenderer, assistant_message
-from treerl.agents.policy import GenerationRequest, Policy, SamplingParams
+from treerl.agents.chat import ChatRenderer
+from treerl.agents.policy import Policy, SamplingParams
+from treerl.rollout.episode import (
+    EpisodeState,
+    apply_bridge,
+    finish_episode,
+    next_context_len,
+    observe,
+    sample_turn,
+    turn_params,
+)
 from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group, GroupWriter
 
@@ -46,37 +57,6 @@ def task_options(env: Any, index: int) -> dict[str, Any] | None:
 def request_seed(*parts: int) -> int:
     """A per-request sampling seed derived from (run seed, task, generation, turn)."""
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0])
-
-
-@dataclass
-class _EpisodeState:
-    """What one in-flight episode carries between turns (copied when it branches)."""
-
-    env: Any
-    messages: list[dict[str, Any]]
-    context_ids: list[int]
-    parent: int
-    path: tuple[int, ...]
-    """Generation index, then the branch index at each fork: names the episode and seeds it."""
-    turn: int = 0
-    rewards: list[float] = field(default_factory=list)
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    metrics: dict[str, Any] = field(default_factory=dict)
-    extra_leaves: list[int] = field(default_factory=list)
-    branched: bool = False
-    started: float = field(default_factory=time.monotonic)
-
-    @property
-    def name(self) -> str:
-        return ".".join(map(str, self.path))
-
-    def fork(self, branch: int) -> _EpisodeState:
-        child = copy.copy(self)
-        child.env = self.env.fork()
-        child.path = (*self.path, branch)
-        for name in ("messages", "context_ids", "rewards", "tool_calls", "metrics", "extra_leaves"):
-            setattr(child, name, copy.deepcopy(getattr(self, name)))
-        return child
 
 
 class RolloutEngine:
@@ -149,8 +129,8 @@ class RolloutEngine:
                             "sampling": _params_dict(self.params)})
         root = group.add_segment("prompt", prompt_ids)
         states = [
-            _EpisodeState(env=env.fork(), messages=copy.deepcopy(messages), context_ids=list(prompt_ids),
-                          parent=root, path=(g,))
+            EpisodeState(env=env.fork(), messages=copy.deepcopy(messages), context_ids=list(prompt_ids),
+                         parent=root, path=(g,))
             for g in range(group_size)
         ]
         self._ensure_slots()
@@ -162,11 +142,11 @@ class RolloutEngine:
         group.canonicalize()
         return group
 
-    async def _play(self, state: _EpisodeState, group: Group, renderer: ChatRenderer, task_seed: int,
+    async def _play(self, state: EpisodeState, group: Group, renderer: ChatRenderer, task_seed: int,
                     shared: str | None) -> None:
         assert self._slots is not None
         session = f"{group.task_key}/{state.name}"
-        continuations: list[_EpisodeState] = []
+        continuations: list[EpisodeState] = []
         try:
             # The slot is held for the episode's turns only: a branching episode gives it back
             # before its continuations queue for slots, so branching can never deadlock.
@@ -179,44 +159,30 @@ class RolloutEngine:
             point = f"{session}/turn{state.turn}"
             await asyncio.gather(*(self._play(c, group, renderer, task_seed, shared=point) for c in continuations))
 
-    async def _turns(self, state: _EpisodeState, group: Group, renderer: ChatRenderer, task_seed: int,
-                     shared: str | None, session: str) -> list[_EpisodeState]:
+    async def _turns(self, state: EpisodeState, group: Group, renderer: ChatRenderer, task_seed: int,
+                     shared: str | None, session: str) -> list[EpisodeState]:
         """Play turns until the episode ends (returns []) or branches (returns the continuations)."""
         while True:
-            budget = self.max_episode_tokens - len(state.context_ids)
-            if budget <= 0:
+            params = turn_params(self.params, state, self.max_episode_tokens)
+            if params is None:
                 return self._finish(state, group, state.parent, "max_tokens")
             if time.monotonic() - state.started >= self.max_episode_seconds:
                 return self._finish(state, group, state.parent, "timeout")
-            params = self.params
-            if budget < params.max_new_tokens:
-                params = replace(params, max_new_tokens=budget)
-            request = GenerationRequest(
-                prompt_ids=list(state.context_ids), params=params,
-                seed=request_seed(self.seed, task_seed, *state.path, state.turn),
-                group=shared, session=session,
-            )
-            gen = await self.policy.agenerate(request)
+            turn = await sample_turn(self.policy, state, group, renderer, params, shared=shared, session=session,
+                                     seed=request_seed(self.seed, task_seed, *state.path, state.turn))
             shared = None  # only a context's first request shares its prefill with siblings
-            leaf = group.add_segment(
-                "sampled", gen.token_ids, parent=state.parent, logprobs=gen.logprobs, candidates=gen.candidates,
-                policy_version=gen.policy_version, finish_reason=gen.finish_reason,
-            )
-            text = renderer.completion_text(gen.token_ids)
-            before = state.messages  # the conversation the context was rendered from
-            state.messages = [*before, assistant_message(text)]
             remaining = self.max_episode_seconds - (time.monotonic() - state.started)
             try:
                 obs, reward, terminated, truncated, info = await asyncio.wait_for(
-                    state.env.astep(text), timeout=max(remaining, 1e-3)
+                    state.env.astep(turn.text), timeout=max(remaining, 1e-3)
                 )
             except asyncio.TimeoutError:
-                return self._finish(state, group, leaf, "timeout")
+                return self._finish(state, group, turn.leaf, "timeout")
             except Exception as exc:  # an environment bug: recorded as data, the run goes on
                 logger.warning("environment %s raised in step(): %s", group.env_id,
                                "".join(traceback.format_exception_only(exc)).strip())
                 state.metrics["env_error"] = f"{type(exc).__name__}: {exc}"
-                return self._finish(state, group, leaf, "env_error")
+                return self._finish(state, group, turn.leaf, "env_error")
             state.turn += 1
             state.rewards.append(float(reward))
             # Each call record names the sampled segment that made it (the viewer places it there).
@@ -224,27 +190,18 @@ class RolloutEngine:
             state.metrics.update(info.get("metrics", {}))
             if terminated or truncated:
                 termination = info.get("termination") or ("max_turns" if truncated else "terminated")
-                return self._finish(state, group, leaf, termination)
+                return self._finish(state, group, turn.leaf, termination)
 
-            bridge = renderer.bridge(before, gen.token_ids, text, obs)
-            state.messages = [*state.messages, *copy.deepcopy(obs)]
+            bridge = observe(state, renderer, turn, obs)
             # End here, at the sampled leaf, when the next turn could not start: no dangling bridge.
-            next_len = len(bridge.context_ids or []) if bridge.branch else len(state.context_ids) + len(gen.token_ids) + len(bridge.ids)
-            if next_len >= self.max_episode_tokens:
-                return self._finish(state, group, leaf, "max_tokens")
+            if next_context_len(state, turn, bridge) >= self.max_episode_tokens:
+                return self._finish(state, group, turn.leaf, "max_tokens")
             if time.monotonic() - state.started >= self.max_episode_seconds:
-                return self._finish(state, group, leaf, "timeout")
-            if bridge.branch:
-                # The template renders an earlier turn differently now: continue from what it
-                # renders, as a new root, and keep the old path as an extra leaf.
-                state.extra_leaves.append(leaf)
-                state.context_ids = list(bridge.context_ids or [])
-                state.parent = group.add_segment("env", state.context_ids, parent=None)
-                state.metrics["template/branch_reason"] = bridge.reason
+                return self._finish(state, group, turn.leaf, "timeout")
+            if apply_bridge(state, group, turn, bridge):
+                # The template renders an earlier turn differently now: the episode went on from
+                # what it renders, as a new root; the old path is an extra leaf.
                 self.policy.end_session(session)
-            else:
-                state.parent = group.add_segment("env", bridge.ids, parent=leaf)
-                state.context_ids = [*state.context_ids, *gen.token_ids, *bridge.ids]
 
             if self.branch_factor > 1 and not state.branched and state.turn == self.branch_at_turn:
                 state.branched = True
@@ -252,15 +209,8 @@ class RolloutEngine:
                 state.env.close()
                 return children
 
-    def _finish(self, state: _EpisodeState, group: Group, leaf: int, termination: str) -> list[_EpisodeState]:
-        metrics = dict(state.metrics)
-        metrics.update({"generation": list(state.path), "turns": state.turn,
-                        "wall_s": round(time.monotonic() - state.started, 3)})
-        group.add_episode(
-            leaf=leaf, reward=sum(state.rewards), rewards=list(state.rewards), messages=state.messages,
-            tool_calls=state.tool_calls, termination=termination, metrics=metrics,
-            extra_leaves=list(state.extra_leaves),
-        )
+    def _finish(self, state: EpisodeState, group: Group, leaf: int, termination: str) -> list[EpisodeState]:
+        finish_episode(state, group, leaf, termination)
         state.env.close()
         return []
 

@@ -1,0 +1,321 @@
+"""``treerl serve`` driven by the real ``openai`` client over loopback HTTP, with the shipped tiny model.
+
+Every test checks the recorded tree against what the client sent: each sampled turn's
+context decodes to the chat template's rendering of that request's messages (the server's
+own replies rendered from their raw sampled text), token for token what the model saw.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi", reason="treerl serve needs the serve extra (fastapi, uvicorn)")
+openai = pytest.importorskip("openai", reason="the openai client is a test dependency")
+
+from _serve_helpers import running_server, seen_contexts  # noqa: E402
+
+from treerl.agents import ChatRenderer  # noqa: E402
+from treerl.envs.parsers import get_parser  # noqa: E402
+from treerl.rollout import read_groups  # noqa: E402
+from treerl.serve.config import ServeConfig  # noqa: E402
+from treerl.serve.openai_format import message_key, parse_request, template_messages  # noqa: E402
+from treerl.serve.recorder import Recorder  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from openai_agent import run_episode  # noqa: E402
+
+import treerl  # noqa: E402
+
+TOOLS = treerl.make("treerl/Calculator-v0").tool_schemas
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    from treerl.models import load_default_model
+
+    return load_default_model()
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve") / "traffic.jsonl"
+    with running_server(*tiny, out=str(out), group_size=2, max_new_tokens=48) as (url, recorder):
+        yield url, recorder, out
+
+
+def make_client(url: str, key: str = "unused"):
+    return openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=120)
+
+
+def expected_context(tokenizer, request_messages, raw_texts) -> str:
+    """The template's rendering of one request: the client's messages, the server's replies as raw text."""
+    checked = parse_request({"messages": request_messages}).messages
+    return ChatRenderer(tokenizer, tools=TOOLS).render(template_messages(checked, raw_texts))
+
+
+def group_of(recorder, task_key):
+    return next(g for g in recorder.finished if g.task_key == task_key)
+
+
+def assert_exact(tokenizer, episode, result):
+    """Each sampled turn saw exactly the rendering of the request that asked for it."""
+    contexts = seen_contexts(episode.group, episode, tokenizer, TOOLS)
+    assert len(contexts) == len(result.requests)
+    raw_texts, parser = {}, get_parser(tokenizer=tokenizer)
+    for (context, raw), request, response in zip(contexts, result.requests, result.responses):
+        assert tokenizer.decode(context, skip_special_tokens=False) == expected_context(tokenizer, request, raw_texts)
+        message = response.choices[0].message
+        if message.tool_calls:  # the calls came from the template's parser reading the raw text
+            calls = parser.parse(raw).calls
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
+                   [(c.name, c.arguments) for c in calls]
+        else:
+            assert message.content == raw
+        reply = parse_request({"messages": [message.model_dump(exclude_none=True)]}).messages[0]
+        raw_texts[message_key(reply)] = raw
+
+
+def test_tool_loop_records_an_exact_tree_grouped_by_task(server, tiny):
+    url, recorder, out = server
+    _, tok = tiny
+    client = make_client(url)
+    results = [run_episode(client, seed=7, task_id="calc-7", max_tokens=48) for _ in range(2)]
+    group = group_of(recorder, "calc-7")
+    assert len(group.episodes) == 2 and group.info["task_id"] == "calc-7"
+    assert group.episodes[0].path()[0] is group.episodes[1].path()[0]  # one shared prompt segment
+    by_id = {r.episode_id: r for r in results}
+    for episode in group.episodes:
+        result = by_id[episode.metrics["episode_id"]]
+        assert episode.reward == result.reward
+        kinds = [s.kind for s in episode.path()]
+        assert kinds == ["prompt"] + ["sampled", "env"] * (len(result.requests) - 1) + ["sampled"]
+        assert not episode.extra_leaves  # the openai client echoes replies exactly: one path
+        assert_exact(tok, episode, result)
+        assert {v for v in episode.policy_versions if v is not None} == {0}
+        assert len(episode.sampler_logprobs) == len(episode.token_ids)
+    # The group is in the trajectory file, in today's format.
+    assert "calc-7" in [g.task_key for g in read_groups(out)]
+
+
+def test_streaming_and_usage(server, tiny):
+    url, recorder, _ = server
+    _, tok = tiny
+    client = make_client(url)
+    env = treerl.make("treerl/Calculator-v0")
+    messages, _ = env.reset(seed=3)
+    raw = client.chat.completions.with_raw_response.create(
+        model="treerl", messages=messages, tools=TOOLS, max_tokens=48, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"X-Task-Id": "stream-3"})
+    episode_id = raw.headers["x-episode-id"]
+    chunks = list(raw.parse())
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    assert finish and finish[-1] in ("stop", "length", "tool_calls")
+    assert usage.completion_tokens > 0 and usage.prompt_tokens > 0
+    client.post(f"/episodes/{episode_id}/reward", body={"reward": 0.5}, cast_to=object)
+    client.post("/tasks/stream-3/finish", body={}, cast_to=object)  # a group of one, closed by the client
+    group = group_of(recorder, "stream-3")
+    sampled = [s for s in group.segments if s.kind == "sampled"]
+    assert len(sampled) == 1 and len(sampled[0].token_ids) == usage.completion_tokens
+    text = ChatRenderer(tok).completion_text(sampled[0].token_ids)
+    if calls:
+        assert finish[-1] == "tool_calls"
+        parsed = get_parser(tokenizer=tok).parse(text).calls
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == \
+               [(c.name, c.arguments) for c in parsed]
+    else:
+        assert content == text
+    assert group.episodes[0].reward == 0.5
+
+
+def test_n_choices_fork_the_episode_and_one_continues(server, tiny):
+    url, recorder, _ = server
+    _, tok = tiny
+    client = make_client(url)
+    messages = [{"role": "user", "content": "Say something."}]
+    headers = {"X-Episode-Id": "fan", "X-Task-Id": "fan-task"}
+    processed = recorder.metrics["requests/prompt_tokens_processed"]
+    response = client.chat.completions.create(model="treerl", messages=messages, n=4, max_tokens=16, seed=5,
+                                              extra_headers=headers)
+    assert len(response.choices) == 4
+    prompt_len = response.usage.prompt_tokens
+    assert recorder.metrics["requests/prompt_tokens_processed"] - processed == prompt_len  # one shared prefill
+    ids = [c.model_extra["episode_id"] for c in response.choices]
+    assert ids == ["fan.0", "fan.1", "fan.2", "fan.3"]
+    # The client continues the third choice with the parent's id: its messages pick the fork.
+    chosen = response.choices[2].message
+    follow = [*messages, chosen.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+    processed = recorder.metrics["requests/prompt_tokens_processed"]
+    second = client.chat.completions.create(model="treerl", messages=follow, max_tokens=16, extra_headers=headers)
+    assert second.model_extra["episode_id"] == "fan.2"
+    processed_second = recorder.metrics["requests/prompt_tokens_processed"] - processed
+    results = client.post("/rewards", cast_to=object,
+                          body={"rewards": [{"episode_id": i, "reward": float(k)} for k, i in enumerate(ids)]})
+    assert all(r.get("finished") for r in results["results"])
+    group = group_of(recorder, "fan-task")
+    assert sorted(e.reward for e in group.episodes) == [0.0, 1.0, 2.0, 3.0]
+    roots = [s for s in group.segments if s.parent is None]
+    assert len(roots) == 1  # the four choices share the prompt
+    assert sum(s.kind == "sampled" and s.parent == 0 for s in group.segments) == 4
+    longest = max(group.episodes, key=lambda e: len(e.token_ids))
+    assert longest.reward == 2.0 and longest.metrics["turns"] == 2
+    context, _ = seen_contexts(group, longest, tok, None)[1]
+    # The fork's session cache held its context: only the bridge and the last sampled token ran again.
+    first_sampled = longest.path()[1].token_ids
+    assert processed_second == second.usage.prompt_tokens - prompt_len - len(first_sampled) + 1
+    raw0 = ChatRenderer(tok).completion_text(first_sampled)
+    expected = ChatRenderer(tok).render([*messages, {"role": "assistant", "content": raw0},
+                                         {"role": "user", "content": "More."}])
+    assert tok.decode(context, skip_special_tokens=False) == expected
+
+
+def test_rewritten_history_starts_a_branch(server, tiny):
+    url, recorder, _ = server
+    _, tok = tiny
+    client = make_client(url)
+    headers = {"X-Episode-Id": "rewrite", "X-Task-Id": "rewrite-task"}
+    first = [{"role": "user", "content": "What is 2 + 2?"}]
+    reply = client.chat.completions.create(model="treerl", messages=first, max_tokens=12, extra_headers=headers)
+    # The client edits its first message before going on: the old path cannot be extended.
+    edited = [{"role": "user", "content": "What is 3 + 3?"}, reply.choices[0].message.model_dump(exclude_none=True),
+              {"role": "user", "content": "Sure?"}]
+    client.chat.completions.create(model="treerl", messages=edited, max_tokens=12, extra_headers=headers)
+    client.post("/episodes/rewrite/reward", body={"reward": 1.0}, cast_to=object)
+    client.post("/tasks/rewrite-task/finish", body={}, cast_to=object)
+    group = group_of(recorder, "rewrite-task")
+    [episode] = group.episodes
+    assert len(episode.extra_leaves) == 1 and episode.metrics["template/branch_reason"] == "history_rewritten"
+    old_path = group.path(episode.extra_leaves[0])
+    assert [s.kind for s in old_path] == ["prompt", "sampled"]
+    branch_root = episode.path()[0]
+    assert branch_root.kind == "env" and branch_root.parent is None
+    raw = ChatRenderer(tok).completion_text(old_path[1].token_ids)
+    expected = ChatRenderer(tok).render([edited[0], {"role": "assistant", "content": raw}, edited[2]])
+    assert tok.decode(branch_root.token_ids, skip_special_tokens=False) == expected
+
+
+def test_bad_requests_get_4xx_naming_the_field(server):
+    url, recorder, _ = server
+    client = make_client(url)
+    cases = [
+        (dict(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role"),
+        (dict(messages=[{"role": "user", "content": "hi"}], temperature=3.0), "temperature"),
+        (dict(messages=[{"role": "user", "content": "hi"}], n=99), "n"),
+        (dict(messages=[{"role": "user", "content": "hi"}],
+              tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "banana"}}}]),
+         "tools[0].function"),
+        (dict(messages=[{"role": "user", "content": "hi"}], max_tokens=10**6), "max_tokens"),
+        (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+         "messages[0].content[0]"),
+    ]
+    for kwargs, param in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="treerl", **kwargs)
+        assert info.value.body["param"] == param, info.value.body
+        assert info.value.body["message"].startswith(param)
+    with pytest.raises(openai.APIStatusError) as info:  # oversize
+        client.chat.completions.create(model="treerl", messages=[{"role": "user", "content": "x" * (5 * 2**20)}])
+    assert info.value.status_code == 413
+    with pytest.raises(openai.NotFoundError):
+        client.post("/episodes/nobody/reward", body={"reward": 1.0}, cast_to=object)
+    with pytest.raises(openai.PermissionDeniedError):  # control endpoints need a token, even on loopback
+        client.post("/control/pause", body={}, cast_to=object)
+    assert recorder.metrics["http/400"] >= len(cases)
+
+
+def test_a_call_the_request_has_no_tool_for_comes_back_as_content(server, tiny):
+    url, recorder, _ = server
+    env = treerl.make("treerl/Calculator-v0")
+    messages, _ = env.reset(seed=1)
+    other = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "word": {"type": "string"}}, "required": ["word"]}}}]
+    before = dict(recorder.metrics)
+    response = make_client(url).chat.completions.create(model="treerl", messages=messages, tools=other, max_tokens=48,
+                                                        temperature=0, extra_headers={"X-Treerl-Record": "false"})
+    choice = response.choices[0]
+    # The tiny model calls `calculator`, which this request does not offer: content plus a metric, never a 500.
+    assert "<tool_call>" in choice.message.content and not choice.message.tool_calls
+    assert choice.finish_reason in ("stop", "length")
+    bad = sum(v for k, v in recorder.metrics.items() if k in ("tool_calls/unknown_tool", "tool_calls/malformed"))
+    assert bad > sum(v for k, v in before.items() if k in ("tool_calls/unknown_tool", "tool_calls/malformed"))
+
+
+def test_token_is_required_everywhere_when_set(tiny):
+    with running_server(*tiny, token="s3cret", max_new_tokens=8) as (url, recorder):
+        with pytest.raises(openai.AuthenticationError):
+            make_client(url, key="wrong").models.list()
+        client = make_client(url, key="s3cret")
+        assert [m.id for m in client.models.list()] == ["treerl"]
+        assert client.post("/control/pause", body={}, cast_to=object) == {"paused": True}
+        assert client.post("/control/resume", body={}, cast_to=object) == {"paused": False}
+    with pytest.raises(ValueError, match="bearer token"):
+        ServeConfig(host="0.0.0.0", token=None)
+
+
+def test_the_trajectory_file_resumes(tiny, tmp_path):
+    model, tok = tiny
+    out = tmp_path / "t.jsonl"
+    with running_server(model, tok, out=str(out), max_new_tokens=8) as (url, recorder):
+        client = make_client(url)
+        for k in range(2):
+            r = client.chat.completions.create(model="treerl", messages=[{"role": "user", "content": f"hi {k}"}],
+                                               extra_headers={"X-Task-Id": "same"})
+            client.post(f"/episodes/{r.model_extra['episode_id']}/reward", body={"reward": 1.0}, cast_to=object)
+    with open(out, "a") as f:
+        f.write('{"schema_version": 1, "task_key": "torn')  # a writer killed mid-line
+    recorder = Recorder(None, tok, ServeConfig(out=str(out)))
+    assert [g.task_key for g in recorder.finished] == ["same", "same#1"]
+    assert recorder.task_counts["same"] == 2  # the next group of the task is "same#2"
+    recorder.close()
+    assert [g.task_key for g in read_groups(out)] == ["same", "same#1"]
+
+
+def test_without_an_id_the_conversation_finds_its_episode(server):
+    url, recorder, _ = server
+    client = make_client(url)
+    first = [{"role": "user", "content": "Count to three."}]
+    a = client.chat.completions.create(model="treerl", messages=first, max_tokens=8)
+    follow = [*first, a.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Again."}]
+    b = client.chat.completions.create(model="treerl", messages=follow, max_tokens=8)
+    c = client.chat.completions.create(model="treerl", messages=first, max_tokens=8)  # a new conversation
+    assert a.model_extra["episode_id"] == b.model_extra["episode_id"] != c.model_extra["episode_id"]
+    episode_id = b.model_extra["episode_id"]
+    client.post(f"/episodes/{episode_id}/reward", body={"reward": 1.0}, cast_to=object)
+    [group] = [g for g in recorder.finished if g.task_key == episode_id]  # no task id: a group of one
+    assert [s.kind for s in group.episodes[0].path()] == ["prompt", "sampled", "env", "sampled"]
+
+
+@pytest.mark.slow  # a fresh interpreter loading torch and the model: the benchmark and the example start it too
+def test_the_command_line_serves(tmp_path):
+    import subprocess
+
+    import httpx
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "treerl.cli", "serve", "--port", "0", "--num-threads", "1"],
+                            cwd=root, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()  # "treerl serve: http://127.0.0.1:PORT/v1 (...)"
+        assert line.startswith("treerl serve: http://127.0.0.1:"), line
+        base = line.split()[2]
+        for _ in range(300):
+            try:
+                health = httpx.get(base.removesuffix("/v1") + "/health")
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert health.json()["status"] == "ok"
+        assert httpx.get(base + "/models").json()["data"][0]["id"] == "treerl"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

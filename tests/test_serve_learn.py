@@ -1,0 +1,119 @@
+"""Learning from groups recorded elsewhere: ``--from-rollouts FILE`` and ``--from-server URL`` on the learner core.
+
+The importance ratio between the trainer and the sampler is 1 on groups sampled with the
+trainer's own weights only if every recorded token, context and log-prob is exact, so these
+tests also check that what the server records is what the model saw and sampled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import treerl
+from treerl.agents import SamplingParams, TransformersPolicy
+from treerl.learners.grpo import GRPOConfig, train
+from treerl.rollout import GroupWriter, read_groups
+from treerl.rollout.engine import RolloutEngine
+
+# Groups whose advantages are all 0 are trained on too, so that every step measures the importance ratio.
+SMALL = dict(steps=2, tasks_per_step=2, group_size=2, max_new_tokens=48, eval_episodes=0, progress=False,
+             num_threads=1, skip_zero_advantage=False)
+
+
+def _load():
+    from treerl.models import load_default_model
+
+    return load_default_model()
+
+
+def no_environment():
+    raise AssertionError("a learner that takes its groups from a source must not play the environment")
+
+
+def _metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_learn_from_a_trajectory_file(tmp_path):
+    model, tok = _load()
+    path = tmp_path / "r.jsonl"
+    engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=SamplingParams(max_new_tokens=24), seed=3)
+    groups, _ = asyncio.run(engine.run(lambda: treerl.make("treerl/Calculator-v0"), "treerl/Calculator-v0",
+                                       range(3), 2))
+    with GroupWriter(path) as writer:
+        for g in groups:
+            writer.write(g)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = train(GRPOConfig(output_dir=str(tmp_path / "run"), from_rollouts=str(path), **SMALL),
+                   model=model, tokenizer=tok, env_factory=no_environment)
+    assert result.policy_version == 2
+    assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    lines = _metrics(tmp_path / "run")
+    stored = list(read_groups(path))
+    # Step 1 takes the file's groups 0 and 1, step 2 groups 2 and 0 (the file cycles).
+    for m, picked in zip(lines, ([0, 1], [2, 0])):
+        rewards = [e.reward for i in picked for e in stored[i].episodes]
+        assert m["reward/mean"] == pytest.approx(sum(rewards) / len(rewards))
+    assert abs(lines[0]["is/ratio_mean"] - 1.0) < 1e-3  # sampled by these very weights: ratio 1
+
+
+def test_from_rollouts_and_from_server_are_checked():
+    with pytest.raises(ValueError, match="from one source"):
+        GRPOConfig(output_dir="x", from_rollouts="a.jsonl", from_server="http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="must be an http"):
+        GRPOConfig(output_dir="x", from_server="127.0.0.1:8000")
+    with pytest.raises(FileNotFoundError, match="no such trajectory file"):
+        GRPOConfig(output_dir="x", from_rollouts="missing.jsonl").group_source()
+
+
+def test_learn_from_server_publishes_versioned_weights(tmp_path, monkeypatch):
+    pytest.importorskip("fastapi", reason="treerl serve needs the serve extra (fastapi, uvicorn)")
+    openai = pytest.importorskip("openai", reason="the openai client is a test dependency")
+    from _serve_helpers import running_server
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from openai_agent import run_episode
+
+    torch.set_num_threads(1)
+    server_model, tok = _load()  # the server's own copy: the learner publishes into it
+    monkeypatch.setenv("TREERL_SERVE_TOKEN", "tkn")
+    with running_server(server_model, tok, token="tkn", group_size=2, max_new_tokens=48) as (url, recorder):
+        client = openai.OpenAI(base_url=url, api_key="tkn", max_retries=0, timeout=120)
+        stop = threading.Event()
+
+        def agents() -> None:  # an outside agent keeps playing tasks, two episodes each
+            task = 0
+            while not stop.is_set():
+                for _ in range(2):
+                    run_episode(client, seed=task, task_id=f"calc-{task}", max_tokens=48)
+                task += 1
+
+        traffic = threading.Thread(target=agents, daemon=True)
+        traffic.start()
+        try:
+            result = train(GRPOConfig(output_dir=str(tmp_path), from_server=url.removesuffix("/v1"),
+                                      server_timeout_s=300, **SMALL), env_factory=no_environment)
+        finally:
+            stop.set()
+            traffic.join(timeout=120)
+        assert result.policy_version == 2
+        assert recorder.policy.version == 2 and recorder.metrics["weights/updates"] == 2
+        # Requests after the update sample the new weights and record their version.
+        run_episode(client, seed=999, task_id="after", max_tokens=48)
+        run_episode(client, seed=999, task_id="after", max_tokens=48)
+        after = next(g for g in recorder.finished if g.task_key == "after")
+        assert {s.policy_version for s in after.segments if s.kind == "sampled"} == {2}
+        first_groups = recorder.finished[:2]
+        assert {s.policy_version for g in first_groups for s in g.segments if s.kind == "sampled"} == {0}
+    lines = _metrics(tmp_path)
+    assert [m["step"] for m in lines] == [1, 2]
+    # The first step's groups were sampled by the server with the learner's starting weights:
+    # the trainer recomputes exactly the recorded log-probs on the recorded tokens.
+    assert abs(lines[0]["is/ratio_mean"] - 1.0) < 1e-3

@@ -1,0 +1,136 @@
+"""Tools from an MCP server: its JSON Schemas become the tool specs, validated like ``@tool`` functions.
+
+:class:`McpToolset` starts an MCP server (a local command spoken to over stdio), lists its
+tools, and gives one :class:`~treerl.envs.tools.Tool` per server tool
+(:meth:`Tool.from_schema`): the model sees the server's own name, description and
+``inputSchema``; a call is validated against that schema with the same errors as a
+``@tool`` function's (``invalid_arguments`` never reaches the server), then sent to the
+server under the tool's timeout. A result the server marks as an error comes back to the
+model as a ``tool_error``.
+
+The connection lives on a thread of its own with its own event loop, so the tools can be
+awaited from any loop (the rollout engine's, a test's) and environments that hold them can
+be forked: the copies share the one connection.
+
+    toolset = McpToolset("python", ["my_mcp_server.py"])
+    env = ToolEnv(tools=toolset.tools, ...)      # or a ToolEnv subclass taking them
+    ...
+    toolset.close()
+
+It needs the ``mcp`` extra (``pip install 'treerl[mcp]'``), imported when a toolset starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from treerl.envs.tools import Tool
+from treerl.errors import ToolCallError, ToolErrorKind
+
+__all__ = ["McpToolset"]
+
+
+class McpToolset:
+    """The tools of one MCP server started as ``command args`` (stdio transport).
+
+    Args:
+        command: The program that runs the server (e.g. ``sys.executable``).
+        args: Its arguments (e.g. the server script's path).
+        env: Its environment variables (default: the MCP SDK's safe default set).
+        timeout: Seconds one call may take (the tools' timeout).
+        startup_timeout: Seconds to wait for the server to start and list its tools.
+    """
+
+    def __init__(self, command: str, args: Sequence[str] = (), *, env: Mapping[str, str] | None = None,
+                 timeout: float | None = 30.0, startup_timeout: float = 60.0):
+        try:
+            from mcp import ClientSession, StdioServerParameters
+            from mcp.client.stdio import stdio_client
+        except ImportError as exc:
+            raise ImportError(f"MCP tools need the mcp package ({exc.name} is missing): "
+                              "pip install 'treerl[mcp]'") from None
+        self._params = StdioServerParameters(command=command, args=list(args), env=dict(env) if env else None)
+        self._client, self._session_class = stdio_client, ClientSession
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._session: Any = None
+        ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="treerl-mcp", daemon=True)
+        self._thread.start()
+        try:
+            listed = ready.result(timeout=startup_timeout)
+        except BaseException:
+            self.close()
+            raise
+        self.tools: list[Tool] = [
+            Tool.from_schema(t.name, _field(t, "input_schema", "inputSchema"), self._caller(t.name),
+                             description=t.description or "", timeout=timeout)
+            for t in listed.tools
+        ]
+
+    def _run(self, ready: concurrent.futures.Future) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve(ready))
+        except BaseException as exc:  # a server that never started: the constructor raises it
+            if not ready.done():
+                ready.set_exception(exc)
+        finally:
+            self._loop.close()
+
+    async def _serve(self, ready: concurrent.futures.Future) -> None:
+        self._stop = asyncio.Event()
+        async with self._client(self._params) as (read, write):
+            async with self._session_class(read, write) as session:
+                await session.initialize()
+                self._session = session
+                ready.set_result(await session.list_tools())
+                await self._stop.wait()
+
+    def _caller(self, name: str):
+        async def call(**arguments: Any) -> str:
+            future = asyncio.run_coroutine_threadsafe(self._session.call_tool(name, arguments), self._loop)
+            result = await asyncio.wrap_future(future)
+            text = _result_text(result)
+            if _field(result, "is_error", "isError"):
+                raise ToolCallError(ToolErrorKind.TOOL_ERROR, text, tool_name=name)
+            return text
+
+        call.__name__ = name
+        return call
+
+    def close(self) -> None:
+        """Stop the server and the connection's thread."""
+        if self._thread.is_alive():
+            if self._stop is not None:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> McpToolset:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __deepcopy__(self, memo: dict) -> McpToolset:
+        return self  # forked environments share the connection
+
+
+def _result_text(result: Any) -> str:
+    """The text of a ``CallToolResult``: its text blocks, else its structured content as JSON."""
+    texts = [block.text for block in getattr(result, "content", None) or [] if getattr(block, "type", "") == "text"]
+    if texts:
+        return "\n".join(texts)
+    structured = _field(result, "structured_content", "structuredContent")
+    return json.dumps(structured, ensure_ascii=False) if structured is not None else ""
+
+
+def _field(obj: Any, name: str, legacy: str) -> Any:
+    """A field of an MCP SDK object under its name in mcp 2 (snake case) or mcp 1 (camel case)."""
+    value = getattr(obj, name, None)
+    return value if value is not None else getattr(obj, legacy, None)

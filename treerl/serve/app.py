@@ -1,0 +1,313 @@
+"""The HTTP side of ``treerl serve``: an OpenAI-compatible API whose traffic the :class:`Recorder` records.
+
+Endpoints (all JSON; errors in OpenAI's shape, the field named in ``param``):
+
+==========================================  ==========================================================
+``POST /v1/chat/completions``               messages, tools, tool_choice, temperature, top_p, top_k,
+                                            min_p, max_tokens, stop, seed, n, stream, logprobs;
+                                            episode by ``X-Episode-Id`` / ``metadata.episode_id`` /
+                                            ``user``, group by ``X-Task-Id`` / ``metadata.task_id``;
+                                            ``X-Treerl-Record: false`` serves without recording
+``GET /v1/models``, ``GET /health``         the served model; liveness and the policy version
+``POST /v1/episodes/{id}/reward``           ``{"reward": 1.0}`` or ``{"rewards": [...]}`` finishes it
+``POST /v1/rewards``                        ``{"rewards": [{"episode_id": ..., "reward": ...}, ...]}``
+``POST /v1/tasks/{task_id}/finish``         closes the task's group now
+``GET /v1/groups?start=&count=&wait=``      finished groups by position (what ``--from-server`` reads)
+``GET /v1/stats``                           counters: episodes, tool calls by outcome, groups
+``POST /v1/control/weights?version=N``      new weights (a safetensors body, or ``{"path": ...}``)
+``POST /v1/control/pause`` / ``resume``     hold new requests (e.g. around a weights update)
+==========================================  ==========================================================
+
+Security: with a token (``TREERL_SERVE_TOKEN``) every endpoint needs ``Authorization: Bearer
+<token>``; without one the server binds only to loopback and refuses the control endpoints.
+Bodies larger than ``max_request_bytes`` (weights: ``max_weights_bytes``) get 413.
+
+FastAPI and uvicorn come with the ``serve`` extra (``pip install 'treerl[serve]'``) and are
+imported only when the server starts.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request) at definition.
+import asyncio
+import contextlib
+import hmac
+import json
+import math
+import socket
+import sys
+import time
+from typing import Any
+
+from treerl.agents.policy import Policy
+from treerl.serve.config import ServeConfig
+from treerl.serve.openai_format import RequestError, completion_body, error_body, parse_request, stream_chunks
+from treerl.serve.recorder import Choice, Recorder
+
+__all__ = ["create_app", "serve", "require_serve_extra"]
+
+
+def require_serve_extra() -> None:
+    """Import FastAPI and uvicorn, or say which extra to install."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"treerl serve needs FastAPI and uvicorn ({exc.name} is missing): "
+                          "pip install 'treerl[serve]'") from None
+
+
+async def _read_body(request: Any, limit: int) -> bytes:
+    """The request body, refused (413) as soon as it passes ``limit`` bytes, whatever Content-Length said."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise RequestError(None, f"the request body exceeds {limit} bytes.", status=413)
+    return bytes(body)
+
+
+async def _read_json(request: Any, limit: int) -> Any:
+    data = await _read_body(request, limit)
+    try:
+        return json.loads(data or b"{}")
+    except ValueError as exc:
+        raise RequestError(None, f"the body is not valid JSON ({exc}).") from None
+
+
+def _header_or(request: Any, header: str, metadata: dict[str, Any], key: str, fallback: str | None = None
+               ) -> str | None:
+    value = request.headers.get(header) or metadata.get(key) or fallback
+    return None if value is None else str(value)
+
+
+def _choice_json(choice: Choice, index: int, tokenizer: Any, logprobs: bool) -> dict[str, Any]:
+    out = {"index": index, "message": choice.message, "finish_reason": choice.finish_reason, "logprobs": None,
+           "episode_id": choice.episode_id, "_completion_tokens": len(choice.generation.token_ids)}
+    if logprobs:
+        content = []
+        for token_id, lp in zip(choice.generation.token_ids, choice.generation.logprobs):
+            piece = tokenizer.decode([token_id], skip_special_tokens=False)
+            content.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []})
+        out["logprobs"] = {"content": content}
+    return out
+
+
+def create_app(recorder: Recorder, cfg: ServeConfig) -> Any:
+    """The FastAPI application serving ``recorder`` (see the module docstring)."""
+    require_serve_extra()
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any):
+        async def expire_idle() -> None:
+            while True:  # idle episodes end as timeouts, so their groups can complete
+                await asyncio.sleep(min(5.0, cfg.episode_timeout_s / 4))
+                recorder.expire()
+
+        sweeper = asyncio.create_task(expire_idle())
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            recorder.close()
+
+    app = FastAPI(title="treerl serve", lifespan=lifespan)
+    policy, tokenizer = recorder.policy, recorder.tokenizer
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Any:
+        path = request.url.path
+        control = path.startswith("/v1/control/")
+        if control and not cfg.token:
+            return JSONResponse(error_body("control endpoints need a bearer token: start the server with "
+                                           "TREERL_SERVE_TOKEN set (or --token).", kind="permission_error"), 403)
+        if cfg.token:
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, f"Bearer {cfg.token}".encode()):
+                return JSONResponse(error_body("missing or wrong bearer token (Authorization: Bearer <token>).",
+                                               kind="authentication_error"), 401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+        limit = cfg.max_weights_bytes if path == "/v1/control/weights" else cfg.max_request_bytes
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return JSONResponse(error_body(f"the request body exceeds {limit} bytes.", code="request_too_large"), 413)
+        return await call_next(request)
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, exc: RequestError) -> Any:
+        message = str(exc).split(": ", 1)[1] if exc.param else str(exc)
+        recorder.metrics[f"http/{exc.status}"] += 1
+        return JSONResponse(error_body(f"{exc.param}: {message}" if exc.param else message, param=exc.param,
+                                       code=exc.code), exc.status)
+
+    @app.get("/health")
+    async def health() -> Any:
+        return {"status": "ok", "policy_version": policy.version, "paused": not recorder.running.is_set()}
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model", "created": 0,
+                                            "owned_by": "treerl"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        chat_request = parse_request(await _read_json(request, cfg.max_request_bytes))
+        meta = chat_request.metadata
+        episode_id = _header_or(request, "x-episode-id", meta, "episode_id", chat_request.user)
+        task_id = _header_or(request, "x-task-id", meta, "task_id")
+        record = (_header_or(request, "x-treerl-record", meta, "record") or "true").lower() not in ("0", "false", "no")
+        choices = await recorder.complete(chat_request, episode_id=episode_id, task_id=task_id, record=record)
+        body = completion_body([_choice_json(c, i, tokenizer, chat_request.logprobs) for i, c in enumerate(choices)],
+                               model=chat_request.model or cfg.served_model_name,
+                               prompt_tokens=choices[0].prompt_tokens, policy_version=policy.version,
+                               episode_id=choices[0].episode_id if len(choices) == 1 and record else None)
+        if not record:
+            for c in body["choices"]:
+                c.pop("episode_id")
+        headers = {"x-episode-id": choices[0].episode_id} if record and len(choices) == 1 else {}
+        if not chat_request.stream:
+            return JSONResponse(body, headers=headers)
+
+        async def events():
+            for chunk in stream_chunks(body, chat_request.include_usage):
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    async def _one_reward(episode_id: str, item: Any) -> None:
+        if not isinstance(item, dict):
+            raise RequestError("reward", "the body must be an object with reward or rewards.")
+        reward, rewards = item.get("reward"), item.get("rewards")
+        if rewards is not None and (not isinstance(rewards, list) or not rewards
+                                    or not all(_is_number(r) for r in rewards)):
+            raise RequestError("rewards", "must be a non-empty list of numbers (one per turn).")
+        if rewards is None and not _is_number(reward):
+            raise RequestError("reward", f"must be a number, got {reward!r}.")
+        metrics = item.get("metrics") or {}
+        if not isinstance(metrics, dict):
+            raise RequestError("metrics", "must be an object.")
+        termination = item.get("termination") or "completed"
+        if not isinstance(termination, str):
+            raise RequestError("termination", "must be a string.")
+        await recorder.reward(episode_id, reward, rewards, metrics, termination)
+
+    @app.post("/v1/episodes/{episode_id}/reward")
+    async def reward(episode_id: str, request: Request) -> Any:
+        await _one_reward(episode_id, await _read_json(request, cfg.max_request_bytes))
+        return {"episode_id": episode_id, "finished": True}
+
+    @app.post("/v1/rewards")
+    async def rewards(request: Request) -> Any:
+        body = await _read_json(request, cfg.max_request_bytes)
+        items = body.get("rewards") if isinstance(body, dict) else None
+        if not isinstance(items, list):
+            raise RequestError("rewards", "must be a list of {episode_id, reward} objects.")
+        results = []
+        for i, item in enumerate(items):
+            episode_id = item.get("episode_id") if isinstance(item, dict) else None
+            if not isinstance(episode_id, str):
+                results.append({"index": i, "error": f"rewards[{i}].episode_id is required (a string)."})
+                continue
+            try:
+                await _one_reward(episode_id, item)
+                results.append({"index": i, "episode_id": episode_id, "finished": True})
+            except RequestError as exc:
+                results.append({"index": i, "episode_id": episode_id, "error": str(exc)})
+        return {"results": results}
+
+    @app.post("/v1/tasks/{task_id}/finish")
+    async def finish_task(task_id: str) -> Any:
+        return {"task_id": task_id, "episodes": recorder.finish_task(task_id)}
+
+    @app.get("/v1/groups")
+    async def groups(start: int = 0, count: int = 1, wait: float = 0.0) -> Any:
+        if start < 0 or not 1 <= count <= 1024 or not 0 <= wait <= 600:
+            raise RequestError("start", "start >= 0, 1 <= count <= 1024 and 0 <= wait <= 600 are required.")
+        found = await recorder.groups(start, count, wait)
+        return {"start": start, "total": len(recorder.finished), "groups": [json.loads(g.to_json()) for g in found]}
+
+    @app.get("/v1/stats")
+    async def stats() -> Any:
+        return {"metrics": dict(recorder.metrics), "open_episodes": len(recorder.episodes),
+                "open_tasks": len(recorder.tasks), "finished_groups": len(recorder.finished),
+                "policy_version": policy.version, "paused": not recorder.running.is_set()}
+
+    @app.post("/v1/control/weights")
+    async def weights(request: Request, version: int | None = None) -> Any:
+        data = await _read_body(request, cfg.max_weights_bytes)
+        if request.headers.get("content-type", "").startswith("application/json"):
+            body = json.loads(data or b"{}")
+            source, version = body.get("path"), body.get("version", version)
+            if not isinstance(source, str):
+                raise RequestError("path", "a JSON body names a checkpoint: {\"path\": ..., \"version\": N}.")
+        else:
+            from safetensors.torch import load
+
+            try:
+                source = load(data)
+            except Exception as exc:  # a body that is not safetensors: the client's fault
+                raise RequestError("body", f"not a safetensors file ({exc}).") from None
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise RequestError("version", "the new weights need their version: an integer >= 0.")
+        start = time.perf_counter()
+        try:
+            await asyncio.to_thread(policy.set_weights, source, version)
+        except (ValueError, FileNotFoundError) as exc:
+            raise RequestError("weights", str(exc)) from None
+        recorder.metrics["weights/updates"] += 1
+        return {"policy_version": policy.version, "seconds": time.perf_counter() - start}
+
+    @app.post("/v1/control/pause")
+    async def pause() -> Any:
+        recorder.running.clear()
+        return {"paused": True}
+
+    @app.post("/v1/control/resume")
+    async def resume() -> Any:
+        recorder.running.set()
+        return {"paused": False}
+
+    return app
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (port 0: a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def serve(cfg: ServeConfig, policy: Policy | None = None, tokenizer: Any = None) -> None:
+    """Load the model (unless a policy is given), bind, print the URL and serve until interrupted."""
+    require_serve_extra()
+    import uvicorn
+
+    if cfg.num_threads:
+        import torch
+
+        torch.set_num_threads(cfg.num_threads)
+    if policy is None:
+        from treerl.agents.transformers_policy import TransformersPolicy
+        from treerl.models import load_model
+
+        model, tokenizer = load_model(cfg.model, cfg.device)
+        policy = TransformersPolicy(model, tokenizer, device=cfg.device, max_batch_size=cfg.max_batch_size)
+    recorder = Recorder(policy, tokenizer, cfg)
+    sock = bind(cfg.host, cfg.port)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"treerl serve: http://{shown}:{port}/v1 (model {cfg.model or 'the shipped tiny model'}, "
+          f"{len(recorder.finished)} finished groups in {cfg.out or 'memory'})", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(recorder, cfg), log_level=cfg.log_level, timeout_keep_alive=30))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        policy.close()

@@ -1,0 +1,358 @@
+"""The OpenAI chat-completions wire format: requests checked field by field, replies built, messages compared.
+
+:func:`parse_request` turns a request body into a :class:`ChatRequest` or raises
+:class:`RequestError` naming the field (``messages[2].role``) and what is wrong, which the
+server returns as a 400 in OpenAI's error shape. Messages are kept in two forms:
+
+- the **client's view** (:func:`message_key`): what a client echoes back, reduced to what
+  matters (role, text, tool-call names and decoded arguments, tool-call ids of tool
+  results), so that a history the client re-serialized (LangChain re-encodes arguments)
+  still matches what the server returned;
+- the **template's form** (:func:`template_messages`): what the chat template renders. An
+  assistant turn the server produced is rendered from its raw sampled text, never from the
+  client's copy, so the context is the tokens the model really wrote.
+
+>>> request = parse_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2})
+>>> request.n, request.messages[0]["content"]
+(2, 'hi')
+>>> parse_request({"messages": [{"role": "robot", "content": "hi"}]})
+Traceback (most recent call last):
+...
+treerl.serve.openai_format.RequestError: messages[0].role: 'robot' is not one of system, developer, user, ...
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from treerl.agents.chat import assistant_message
+from treerl.envs.parsers import ParseResult
+from treerl.envs.tools import Tool
+from treerl.errors import ToolCallError
+
+__all__ = ["RequestError", "ChatRequest", "parse_request", "message_key", "template_messages", "tool_reply",
+           "completion_body", "stream_chunks", "error_body"]
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Fields that change the sampling distribution in ways this server cannot apply: refused, not ignored.
+_UNSUPPORTED_NONZERO = ("frequency_penalty", "presence_penalty")
+
+
+class RequestError(ValueError):
+    """A request the server refuses: ``param`` names the field, the message says what is wrong."""
+
+    def __init__(self, param: str | None, message: str, status: int = 400, code: str | None = None):
+        super().__init__(f"{param}: {message}" if param else message)
+        self.param, self.status, self.code = param, status, code
+
+
+def error_body(message: str, *, param: str | None = None, code: str | None = None,
+               kind: str = "invalid_request_error") -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass
+class ChatRequest:
+    """A checked ``POST /v1/chat/completions`` body."""
+
+    messages: list[dict[str, Any]]
+    model: str = ""
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] = "auto"
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    user: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tool_names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.tools or []]
+
+
+def _text(value: Any, where: str) -> str:
+    """Message content as text: a string, None, or a list of text parts."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for j, part in enumerate(value):
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise RequestError(f"{where}[{j}]", f"only text parts are supported, got {kind!r}.")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise RequestError(where, f"must be a string, null or a list of text parts, got {type(value).__name__}.")
+
+
+def _number(body: Mapping[str, Any], name: str, lo: float, hi: float, *, integer: bool = False) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type or (not integer and not math.isfinite(value)):
+        raise RequestError(name, f"must be {'an integer' if integer else 'a number'}, got {value!r}.")
+    if not lo <= value <= hi:
+        raise RequestError(name, f"{value!r} is out of range [{lo}, {hi}].")
+    return value
+
+
+def _check_message(i: int, m: Any) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    if not isinstance(m, Mapping):
+        raise RequestError(where, f"must be an object, got {type(m).__name__}.")
+    role = m.get("role")
+    if role not in ROLES:
+        raise RequestError(f"{where}.role", f"{role!r} is not one of {', '.join(ROLES)}.")
+    out: dict[str, Any] = {"role": role, "content": _text(m.get("content"), f"{where}.content")}
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise RequestError(f"{where}.tool_call_id", "a tool message needs the id of the call it answers.")
+        out["tool_call_id"] = m["tool_call_id"]
+    if role == "assistant" and m.get("tool_calls"):
+        calls = m["tool_calls"]
+        if not isinstance(calls, list):
+            raise RequestError(f"{where}.tool_calls", "must be a list.")
+        out["tool_calls"] = []
+        for j, c in enumerate(calls):
+            fn = c.get("function") if isinstance(c, Mapping) else None
+            if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+                raise RequestError(f"{where}.tool_calls[{j}].function.name", "is required (a string).")
+            arguments = fn.get("arguments", "{}")
+            if not isinstance(arguments, (str, Mapping)):
+                raise RequestError(f"{where}.tool_calls[{j}].function.arguments", "must be a JSON string.")
+            out["tool_calls"].append({"id": c.get("id"), "name": fn["name"], "arguments": arguments})
+    if isinstance(m.get("name"), str):
+        out["name"] = m["name"]
+    return out
+
+
+def _check_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("tools", "must be a list of {'type': 'function', 'function': {...}} objects.")
+    out, names = [], set()
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, Mapping) else None
+        if not isinstance(t, Mapping) or t.get("type", "function") != "function" or not isinstance(fn, Mapping):
+            raise RequestError(f"tools[{i}]", "must be {'type': 'function', 'function': {'name': ..., ...}}.")
+        try:
+            Tool.from_schema(fn.get("name"), fn.get("parameters"))
+        except ValueError as exc:
+            raise RequestError(f"tools[{i}].function", str(exc)) from None
+        if fn["name"] in names:
+            raise RequestError(f"tools[{i}].function.name", f"{fn['name']!r} is given twice.")
+        names.add(fn["name"])
+        # As the client wrote it: the template renders the tools, and the model must see what was sent.
+        out.append({"type": "function", "function": json.loads(json.dumps(fn))})
+    return out or None
+
+
+def parse_request(body: Any) -> ChatRequest:
+    """A :class:`ChatRequest` from a decoded JSON body; :class:`RequestError` names the first bad field."""
+    if not isinstance(body, Mapping):
+        raise RequestError(None, "the body must be a JSON object.")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages", "must be a non-empty list of chat messages.")
+    request = ChatRequest(messages=[_check_message(i, m) for i, m in enumerate(messages)])
+    if not isinstance(body.get("model", ""), str):
+        raise RequestError("model", "must be a string.")
+    request.model = body.get("model") or ""
+    request.tools = _check_tools(body)
+    choice = body.get("tool_choice", "auto")
+    if isinstance(choice, Mapping):
+        name = (choice.get("function") or {}).get("name")
+        if name not in request.tool_names:
+            raise RequestError("tool_choice.function.name", f"{name!r} is not one of the request's tools.")
+    elif choice not in ("auto", "none", "required"):
+        raise RequestError("tool_choice", f"{choice!r} must be auto, none, required or a function object.")
+    request.tool_choice = choice
+    request.temperature = _number(body, "temperature", 0.0, 2.0)
+    request.top_p = _number(body, "top_p", 1e-9, 1.0)
+    request.top_k = _number(body, "top_k", 1, 1 << 30, integer=True)
+    request.min_p = _number(body, "min_p", 0.0, 0.999999)
+    max_tokens = _number(body, "max_completion_tokens", 1, 1 << 30, integer=True)
+    request.max_tokens = max_tokens if max_tokens is not None else _number(body, "max_tokens", 1, 1 << 30,
+                                                                           integer=True)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
+        raise RequestError("stop", "must be a non-empty string or a list of them.")
+    request.stop = list(stop or [])
+    request.seed = _number(body, "seed", -(1 << 63), (1 << 63) - 1, integer=True)
+    request.n = _number(body, "n", 1, 1 << 20, integer=True) or 1
+    request.stream = bool(body.get("stream") or False)
+    request.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    request.logprobs = bool(body.get("logprobs") or False)
+    for name in _UNSUPPORTED_NONZERO:
+        if body.get(name) not in (None, 0, 0.0):
+            raise RequestError(name, "is not supported: it would change the sampling distribution the trajectory "
+                                     "records; leave it unset or 0.")
+    user = body.get("user")
+    request.user = user if isinstance(user, str) and user else None
+    metadata = body.get("metadata") or {}
+    if not isinstance(metadata, Mapping):
+        raise RequestError("metadata", "must be an object of strings.")
+    request.metadata = dict(metadata)
+    return request
+
+
+# -- the two forms of a message ------------------------------------------------------------------
+
+
+def _decoded(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def message_key(m: Mapping[str, Any]) -> str:
+    """The client's view of a (checked) message, as a canonical string: what must match for a history to extend.
+
+    >>> a = {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "name": "f", "arguments": '{"x": 1}'}]}
+    >>> b = {"role": "assistant", "content": None, "tool_calls": [{"id": "2", "name": "f", "arguments": '{"x":1}'}]}
+    >>> message_key(a) == message_key(b)
+    True
+    """
+    role = "system" if m["role"] == "developer" else m["role"]
+    key: dict[str, Any] = {"role": role, "content": m.get("content") or ""}
+    if m.get("tool_calls"):
+        key["tool_calls"] = [[c["name"], _decoded(c["arguments"])] for c in m["tool_calls"]]
+    if m["role"] == "tool":
+        key["tool_call_id"] = m.get("tool_call_id")
+    return json.dumps(key, sort_keys=True, ensure_ascii=False)
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]], raw_texts: Mapping[str, str],
+                      earlier: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The template's form of checked client messages.
+
+    An assistant message whose :func:`message_key` is in ``raw_texts`` (a turn this server
+    sampled) becomes its raw sampled text; tool results get the name of the call they answer
+    (looked up in ``earlier`` messages too).
+    """
+    names = {c["id"]: c["name"] for m in [*earlier, *messages] for c in m.get("tool_calls") or [] if c.get("id")}
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        role = "system" if m["role"] == "developer" else m["role"]
+        if role == "assistant" and message_key(m) in raw_texts:
+            out.append(assistant_message(raw_texts[message_key(m)]))
+        elif role == "assistant":
+            msg: dict[str, Any] = {"role": "assistant", "content": m.get("content") or ""}
+            if m.get("tool_calls"):
+                msg["tool_calls"] = [{"type": "function", "function": {"name": c["name"],
+                                                                       "arguments": _decoded(c["arguments"])}}
+                                     for c in m["tool_calls"]]
+            out.append(msg)
+        elif role == "tool":
+            msg = {"role": "tool", "content": m.get("content") or ""}
+            name = m.get("name") or names.get(m.get("tool_call_id"))
+            if name:
+                msg["name"] = name
+            out.append(msg)
+        else:
+            out.append({"role": role, "content": m.get("content") or ""})
+    return out
+
+
+# -- replies -------------------------------------------------------------------------------------
+
+
+def tool_reply(text: str, parsed: ParseResult | None, tools: Sequence[Mapping[str, Any]] | None
+               ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The assistant message for sampled ``text`` and the episode's tool-call records.
+
+    ``parsed`` is the template parser's reading of ``text`` (None when tools are off). Calls
+    come back as OpenAI ``tool_calls`` only when every one is well formed, names a tool of the
+    request and has arguments valid for its schema; otherwise the whole text comes back as
+    plain content, and the records say what was wrong (a metric, never an error).
+    """
+    if parsed is None or (not parsed.calls and not parsed.errors):
+        return {"role": "assistant", "content": text}, []
+    schemas = {t["function"]["name"]: t["function"].get("parameters") for t in tools or []}
+    records = [{"name": e.tool_name, "arguments": None, "error": e.kind.value, "message": e.message}
+               for e in parsed.errors]
+    calls = []
+    for call in parsed.calls:
+        record = {"name": call.name, "arguments": call.arguments, "error": None, "message": None}
+        if call.name not in schemas:
+            record.update(error="unknown_tool", message=f"Unknown tool {call.name!r}.")
+        else:
+            try:
+                Tool.from_schema(call.name, schemas[call.name]).validate(call.arguments)
+            except ToolCallError as exc:
+                record.update(error=exc.kind.value, message=exc.message)
+        records.append(record)
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}})
+    if any(r["error"] for r in records):
+        return {"role": "assistant", "content": text}, records
+    return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}, records
+
+
+def completion_body(choices: Sequence[dict[str, Any]], *, model: str, prompt_tokens: int, policy_version: int,
+                    episode_id: str | None) -> dict[str, Any]:
+    """A ``chat.completion`` object; ``choices`` hold index, message, finish_reason, logprobs, episode_id."""
+    completion_tokens = sum(c.pop("_completion_tokens", 0) for c in choices)
+    body = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        "model": model, "choices": list(choices), "system_fingerprint": f"treerl-v{policy_version}",
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+        "policy_version": policy_version,
+    }
+    if episode_id is not None:
+        body["episode_id"] = episode_id
+    return body
+
+
+def stream_chunks(body: Mapping[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    """The ``chat.completion.chunk`` objects of a finished completion, in server-sent-event order.
+
+    The policy returns a whole turn at once, so each choice comes as a role chunk, one content
+    chunk, its tool calls, and a chunk with its finish reason.
+    """
+    base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"],
+            "system_fingerprint": body["system_fingerprint"]}
+    chunks = []
+    for c in body["choices"]:
+        extra = {"episode_id": c["episode_id"]} if "episode_id" in c else {}
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, c=c, extra=extra) -> dict[str, Any]:
+            return {**base, "choices": [{"index": c["index"], "delta": delta, "logprobs": None,
+                                         "finish_reason": finish, **extra}]}
+
+        message = c["message"]
+        chunks.append(chunk({"role": "assistant", "content": ""}))
+        if message.get("content"):
+            chunks.append(chunk({"content": message["content"]}))
+        for j, call in enumerate(message.get("tool_calls") or []):
+            chunks.append(chunk({"tool_calls": [{"index": j, **call}]}))
+        chunks.append(chunk({}, c["finish_reason"]))
+    if include_usage:
+        chunks.append({**base, "choices": [], "usage": body["usage"]})
+    return chunks
