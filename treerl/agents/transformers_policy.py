@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from treerl.agents.policy import AsyncBatcher, Generation, GenerationRequest, SamplingParams
-from treerl.agents.sampling import candidate_lists, process_logits, sample_processed
+from treerl.agents.sampling import candidate_lists, head_lists, process_logits, sample_processed
 
 __all__ = ["TransformersPolicy", "END_OF_TURN_TOKENS", "end_of_turn_ids", "load_state_dict"]
 
@@ -127,6 +127,8 @@ class _Row:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     candidates: list[list[int]] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
 
 class TransformersPolicy:
@@ -199,6 +201,8 @@ class TransformersPolicy:
                         finish_reason="stop" if row.token_ids[-1] in row.stop_ids else "length",
                         policy_version=version,
                         num_prompt_tokens_processed=row.num_prompt_tokens_processed,
+                        top_ids=row.top_ids,
+                        top_logprobs=row.top_logprobs,
                     )
         return results  # type: ignore[return-value]
 
@@ -363,7 +367,7 @@ class TransformersPolicy:
         finished: list[_Row] = []
         step = 0
         while True:
-            token_ids, logprobs, candidates = self._sample_step(logits, partitions, uniforms[:, step])
+            token_ids, logprobs, candidates, heads = self._sample_step(logits, partitions, uniforms[:, step])
             token_list, logprob_list = token_ids.tolist(), logprobs.tolist()
             keep: list[int] = []
             for b, row_idx in enumerate(active):
@@ -374,6 +378,13 @@ class TransformersPolicy:
                     if row.candidates is None:
                         row.candidates = []
                     row.candidates.append(candidates[b])
+                if heads[b] is not None:
+                    head_ids, head_logprobs = heads[b]
+                    if row.top_logprobs is None:
+                        row.top_logprobs, row.top_ids = [], None if head_ids is None else []
+                    row.top_logprobs.append(head_logprobs)
+                    if head_ids is not None:
+                        row.top_ids.append(head_ids)
                 if token in row.stop_ids or len(row.token_ids) >= row.request.params.max_new_tokens:
                     # The cache holds the prompt and every sampled token but this last one.
                     self._save_session(row, cache, b, max_len - prompt_lens[row_idx], max_len + step)
@@ -411,21 +422,33 @@ class TransformersPolicy:
 
     @staticmethod
     def _sample_step(logits: Tensor, partitions, uniforms: Tensor):
-        """Sample every batch row; returns (token_ids (B,), logprobs (B,), candidates or None)."""
-        if len(partitions) == 1:
-            params, _, _ = partitions[0]
-            processed = process_logits(logits, params)
-            token_ids, logprobs = sample_processed(processed, uniforms)
-            return token_ids, logprobs, candidate_lists(processed)
+        """Sample every batch row; returns (token_ids (B,), logprobs (B,), candidates or None, heads).
+
+        ``heads[b]`` is ``(ids or None, logprobs)`` of the sampler's head (see :func:`head_lists`)
+        for a row whose params ask for ``top_logprobs``, else None.
+        """
         token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         logprobs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        candidates: list[list[int] | None] = [None] * logits.shape[0]
+        candidates: list[list[int] | None] | None = None
+        heads: list[tuple[list[int] | None, list[float]] | None] = [None] * logits.shape[0]
         for params, index, index_list in partitions:
-            processed = process_logits(logits[index], params)
-            token_ids[index], logprobs[index] = sample_processed(processed, uniforms[index])
-            for b, c in zip(index_list, candidate_lists(processed) or [None] * len(index_list)):
-                candidates[b] = c
-        return token_ids, logprobs, candidates
+            whole = len(partitions) == 1  # one partition: every row, no gather
+            processed = process_logits(logits if whole else logits[index], params)
+            sampled, sampled_logp = sample_processed(processed, uniforms if whole else uniforms[index])
+            if whole:
+                token_ids, logprobs = sampled, sampled_logp
+            else:
+                token_ids[index], logprobs[index] = sampled, sampled_logp
+            lists = candidate_lists(processed)
+            if lists is not None:
+                candidates = candidates or [None] * logits.shape[0]
+                for b, c in zip(index_list, lists):
+                    candidates[b] = c
+            if params.top_logprobs > 0:
+                head_ids, head_logprobs = head_lists(processed, params.top_logprobs)
+                for j, b in enumerate(index_list):
+                    heads[b] = (None if head_ids is None else head_ids[j], head_logprobs[j])
+        return token_ids, logprobs, candidates, heads
 
     def _save_session(self, row: _Row, cache, b: int, start: int, stop: int) -> None:
         """Keep batch row b's cache columns [start, stop) as its session's state."""

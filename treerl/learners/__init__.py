@@ -6,6 +6,8 @@ sampling, tree packing.
 """
 
 from treerl.learners.advantages import AdvantageConfig, compute_advantages
+from treerl.learners.async_grpo import AsyncGRPOConfig, train_async
+from treerl.learners.centering import score_centering
 from treerl.learners.config import LearnerConfig
 from treerl.learners.core import LEARNERS, LearnerSpec, Run, TrainResult, build, finish, register_learner
 from treerl.learners.forward import loss_inputs, packed_logprobs, packed_loss, window_normalizer
@@ -27,7 +29,7 @@ from treerl.learners.packing import PackedBatch, PackingConfig, PackingError, pa
 from treerl.learners.rewards import RewardFunc
 
 __all__ = [
-    "GRPOConfig", "train", "LearnerConfig", "TrainResult", "RewardFunc", "Run", "build", "finish",
+    "GRPOConfig", "train", "AsyncGRPOConfig", "train_async", "score_centering", "LearnerConfig", "TrainResult", "RewardFunc", "Run", "build", "finish",
     "LEARNERS", "LearnerSpec", "register_learner",
     "AdvantageConfig", "compute_advantages",
     "ImportanceConfig", "importance_weights",

@@ -10,6 +10,7 @@ produced it. With LoRA the policy receives the adapter merged into the base weig
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -37,16 +38,24 @@ def policy_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class WeightSync:
-    """Publishes ``model``'s weights to ``policy``; ``version`` is the last one published."""
+    """Publishes ``model``'s weights to ``policy``; ``version`` is the last one published.
+
+    ``targets`` receive the same weights and version after the policy: anything with
+    ``set_weights(state_dict, version)``, e.g. AsyncGRPO's generator processes.
+    """
 
     def __init__(self, model: torch.nn.Module, policy: Policy, version: int = 0):
         self.model = model
         self.policy = policy
         self.version = version
+        self.targets: list[Any] = []
 
     def publish(self, version: int | None = None) -> float:
         """Send the current weights as ``version`` (default: the next one); returns the seconds it took."""
         start = time.perf_counter()
         self.version = self.version + 1 if version is None else int(version)
-        self.policy.set_weights(policy_state_dict(self.model), version=self.version)
+        weights = policy_state_dict(self.model)
+        self.policy.set_weights(weights, version=self.version)
+        for target in self.targets:
+            target.set_weights(weights, version=self.version)
         return time.perf_counter() - start
