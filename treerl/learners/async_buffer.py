@@ -27,8 +27,8 @@ generator's last words) is ignored, so no group is ever trained twice.
 True
 >>> buf.arrive(0, task=0, oldest=0, newest=0, payload="g0")
 True
->>> [a.payload for a in buf.take(2, trainer_version=0, timeout=0)]  # in arrival order
-['g1', 'g0']
+>>> sorted(a.payload for a in buf.take(2, trainer_version=0, timeout=0))
+['g0', 'g1']
 >>> buf.arrive(0, task=2, oldest=0, newest=0, payload="g2")  # played with version 0 ...
 True
 >>> buf.take(1, trainer_version=1, timeout=0), buf.dropped  # ... too stale for version 1
@@ -171,7 +171,7 @@ class GroupBuffer:
 
     def take(self, n: int, *, trainer_version: int, timeout: float | None = None,
              on_wait=None) -> list[Arrival]:
-        """Up to ``n`` admitted groups, oldest arrival first; waits for them (``timeout`` None: forever).
+        """Up to ``n`` admitted groups, the stalest first; waits for them (``timeout`` None: forever).
 
         Groups whose oldest span is more than ``max_staleness`` versions behind
         ``trainer_version`` are dropped whole and their slots re-issued. ``on_wait`` is called
@@ -183,8 +183,11 @@ class GroupBuffer:
         while True:
             with self._cond:
                 self._version = trainer_version
-                while self._ready and len(taken) < n:
-                    arrival = self._ready.popleft()
+                # The stalest first: a group at the bound now would be dropped at the next version.
+                ready = sorted(self._ready, key=lambda a: a.oldest)
+                self._ready.clear()
+                while ready and len(taken) < n:
+                    arrival = ready.pop(0)
                     lag = trainer_version - arrival.oldest
                     if lag > self.max_staleness:
                         self.dropped += 1
@@ -192,6 +195,7 @@ class GroupBuffer:
                         continue
                     self.staleness[lag] += 1
                     taken.append(arrival)
+                self._ready.extend(sorted(ready, key=lambda a: a.arrived))
                 if len(taken) >= n:
                     return taken
                 left = None if deadline is None else deadline - time.monotonic()

@@ -103,6 +103,13 @@ class AsyncGRPOConfig(GRPOConfig):
                                                "instance.")
 
     def __post_init__(self) -> None:
+        # The objective first: GRPO's checks build the importance config, which depends on it.
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective={self.objective!r}: use one of {', '.join(OBJECTIVES)}.")
+        if self.objective == "score_centering" and self.is_level != "token":
+            raise ValueError("objective=score_centering centers each token's score with its own importance weight, "
+                             f"so it needs is_level=token (got {self.is_level!r}); use --is-level token, or "
+                             "--objective clipped for sequence-level importance sampling.")
         super().__post_init__()
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness={self.max_staleness} must be >= 0 (0 trains only on groups sampled "
@@ -115,12 +122,6 @@ class AsyncGRPOConfig(GRPOConfig):
             raise ValueError(f"generator_threads={self.generator_threads} must be >= 1 (or unset).")
         if not self.heartbeat_timeout > 0:
             raise ValueError(f"heartbeat_timeout={self.heartbeat_timeout} must be > 0 seconds (e.g. 60).")
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective={self.objective!r}: use one of {', '.join(OBJECTIVES)}.")
-        if self.objective == "score_centering" and self.is_level != "token":
-            raise ValueError("objective=score_centering centers each token's score with its own importance weight, "
-                             f"so it needs is_level=token (got {self.is_level!r}); use --is-level token, or "
-                             "--objective clipped for sequence-level importance sampling.")
         if self.centering_top_k < 1:
             raise ValueError(f"centering_top_k={self.centering_top_k} must be >= 1 (e.g. 20).")
         if self.backend not in BACKENDS:
