@@ -58,7 +58,7 @@ from treerl.learners.importance import ImportanceConfig
 from treerl.learners.rewards import RewardFunc
 from treerl.learners.weight_sync import policy_state_dict
 from treerl.rollout.summary import RolloutStats
-from treerl.rollout.trajectory import Group
+from treerl.rollout.trajectory import Group, GroupWriter, read_groups
 
 __all__ = ["AsyncGRPOConfig", "OBJECTIVES", "BACKENDS", "train_async", "ASYNC_CHECKS"]
 
@@ -101,6 +101,8 @@ class AsyncGRPOConfig(GRPOConfig):
                                          "treerl[ray] extra).")
     ray_address: str | None = field_help(None, "Ray cluster to join (e.g. auto); default starts a local Ray "
                                                "instance.")
+    save_groups: bool = field_help(False, "Append every trained group to output_dir/groups.jsonl, with the "
+                                          "generator that played it and the version that trained it.")
 
     def __post_init__(self) -> None:
         # The objective first: GRPO's checks build the importance config, which depends on it.
@@ -146,18 +148,20 @@ class AsyncGRPOConfig(GRPOConfig):
 class _Clock:
     """What the step metrics carry from one step to the next: the last take, generator figures, streaks."""
 
-    def __init__(self) -> None:
+    def __init__(self, writer: GroupWriter | None = None) -> None:
+        self.writer = writer
         self.last_take: float | None = None
         self.generator_stats: dict[int, dict[str, float]] = {}
         self.starved = 0
         self.at_bound = 0
+        self.dropped = 0
+        self.lost = 0
 
 
 def async_step(run: Run, buffer: GroupBuffer, pool: Any, clock: _Clock, step: int) -> dict[str, float]:
     """One AsyncGRPO step: take admitted groups from the buffer, then GRPO's update; returns the metrics."""
     cfg, metrics = run.cfg, {}
     version = run.sync.version
-    dropped, lost = buffer.dropped, buffer.lost
     start = time.perf_counter()
     arrivals = buffer.take(cfg.tasks_per_step, trainer_version=version, on_wait=pool.check)
     now = time.perf_counter()
@@ -165,6 +169,9 @@ def async_step(run: Run, buffer: GroupBuffer, pool: Any, clock: _Clock, step: in
     stats = RolloutStats()
     for group in groups:
         stats.add(group)
+        if clock.writer is not None:
+            group.info["trained_version"] = version
+            clock.writer.write(group)
     # One cycle of the pipeline: from the last take to this one (the first step's is its own wait,
     # which is all warm-up, so its idle fraction is not reported).
     cycle = now - (clock.last_take if clock.last_take is not None else start)
@@ -174,9 +181,11 @@ def async_step(run: Run, buffer: GroupBuffer, pool: Any, clock: _Clock, step: in
         "perf/rollout_s": now - start,  # the wait for groups: what generation costs the trainer
         "async/trainer_wait_s": now - start,
         "async/weight_publish_s": pool.last_publish_s,  # the latest publish to the generators (last step's)
-        "async/dropped_groups_step": float(buffer.dropped - dropped),
-        "async/lost_groups_step": float(buffer.lost - lost),
+        # Since the last step's take (a generator may die between steps).
+        "async/dropped_groups_step": float(buffer.dropped - clock.dropped),
+        "async/lost_groups_step": float(buffer.lost - clock.lost),
     })
+    clock.dropped, clock.lost = buffer.dropped, buffer.lost
     if clock.last_take is not None:
         metrics["async/trainer_idle_frac"] = (now - start) / cycle if cycle > 0 else 0.0
         clock.starved = clock.starved + 1 if metrics["async/trainer_idle_frac"] > 0.5 else 0
@@ -257,11 +266,13 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
             pool.set_weights(policy_state_dict(run.model), run.sync.version)
             run.sync.targets.append(pool)
             pool.attach(buffer)
-            clock = _Clock()
+            clock = _Clock(_group_writer(run) if cfg.save_groups else None)
             for step in run.steps():
                 metrics = async_step(run, buffer, pool, clock, step)
                 if on_step is not None:
                     on_step(step, metrics, pool)
+            if clock.writer is not None:
+                clock.writer.close()
             totals = {"dropped_groups": buffer.dropped, "lost_groups": buffer.lost, "ignored_groups": buffer.ignored,
                       "generator_restarts": pool.restarts, "heartbeat_timeouts": pool.heartbeat_timeouts,
                       "group_staleness": {str(k): v for k, v in sorted(buffer.staleness.items())}}
@@ -274,6 +285,15 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
         summary["async"] = totals
         summary_path.write_text(json.dumps(summary, indent=2))
     return result
+
+
+def _group_writer(run: Run) -> GroupWriter:
+    """``groups.jsonl``, without the groups of steps a resumed run replays (as the metrics log drops them)."""
+    path = run.out_dir / "groups.jsonl"
+    if path.exists():
+        kept = [g.to_json() for g in read_groups(path) if g.info.get("trained_version", 0) < run.sync.version]
+        path.write_text("".join(line + "\n" for line in kept))
+    return GroupWriter(path)
 
 
 def _split_threads(cfg: AsyncGRPOConfig) -> tuple[int | None, int | None]:
