@@ -77,14 +77,17 @@ class GroupBuffer:
         capacity: most tickets out plus groups waiting (the buffer bound).
         next_task: first task index to hand out (a resumed run continues its numbering).
         version: the trainer's version now (the version its next step trains at).
+        wait_for_due: let a step wait for due groups still being played (see :meth:`take`).
     """
 
-    def __init__(self, *, tasks_per_step: int, max_staleness: int, capacity: int, next_task: int, version: int):
+    def __init__(self, *, tasks_per_step: int, max_staleness: int, capacity: int, next_task: int, version: int,
+                 wait_for_due: bool = True):
         if capacity < 1:
             raise ValueError(f"capacity={capacity} must be >= 1.")
         self.tasks_per_step = tasks_per_step
         self.max_staleness = max_staleness
         self.capacity = capacity
+        self.wait_for_due = wait_for_due
         self.next_task = next_task
         self._cond = threading.Condition()
         self._ready: deque[Arrival] = deque()
@@ -93,6 +96,7 @@ class GroupBuffer:
         self._version = version  # the version the latest take trained at
         self._slots = 0  # slots handed out at (version, taken) = (first version, 0): their target follows
         self._first_version = version
+        self._begun: dict[tuple[int, int], int] = {}  # (generator, task) -> the version it started with
         self.dropped = 0
         self.lost = 0
         self.ignored = 0
@@ -108,6 +112,8 @@ class GroupBuffer:
         """Forget generator ``gen`` and its tickets (their groups are lost); returns how many."""
         with self._cond:
             tickets = self._out.pop(gen, {})
+            for task in tickets:
+                self._begun.pop((gen, task), None)
             self.lost += len(tickets)
             self._retarget.extend(t.target for t in tickets.values())
             self._cond.notify_all()
@@ -147,9 +153,17 @@ class GroupBuffer:
 
     # -- groups ---------------------------------------------------------------------------
 
+    def start(self, gen: int, task: int, version: int) -> None:
+        """Generator ``gen`` started ``task`` with weights ``version`` (its group's oldest span)."""
+        with self._cond:
+            if task in self._out.get(gen, {}):
+                self._begun[(gen, task)] = version
+                self._cond.notify_all()
+
     def arrive(self, gen: int, *, task: int, oldest: int, newest: int, payload: str) -> bool:
         """A finished group from ``gen``; False (ignored) when ``gen`` does not hold that ticket."""
         with self._cond:
+            self._begun.pop((gen, task), None)
             ticket = self._out.get(gen, {}).pop(task, None)
             if ticket is None:
                 self.ignored += 1
@@ -174,28 +188,36 @@ class GroupBuffer:
         """Up to ``n`` admitted groups, the stalest first; waits for them (``timeout`` None: forever).
 
         Groups whose oldest span is more than ``max_staleness`` versions behind
-        ``trainer_version`` are dropped whole and their slots re-issued. ``on_wait`` is called
-        (outside the lock) each time the wait times out after a second, so the caller can
-        hand out tickets, restart generators or give up.
+        ``trainer_version`` are dropped whole and their slots re-issued. A group at the bound
+        (``max_staleness`` behind) is due: trained now or dropped at the next version. So a
+        fresher group is taken only while room is left for every due group still being played
+        (started at ``trainer_version - max_staleness``, see :meth:`start`); otherwise the take
+        waits for those rather than drop them, since the groups that take longest would be the
+        ones dropped (a bias against long episodes). ``wait_for_due=False`` trains on what has
+        arrived instead: faster when episode lengths vary a lot, at that bias. ``on_wait`` is
+        called (outside the lock) after each wait, so the caller can give up.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         taken: list[Arrival] = []
         while True:
             with self._cond:
                 self._version = trainer_version
-                # The stalest first: a group at the bound now would be dropped at the next version.
-                ready = sorted(self._ready, key=lambda a: a.oldest)
+                due_version = trainer_version - self.max_staleness
+                owed = sum(1 for v in self._begun.values() if v == due_version) if self.wait_for_due else 0
+                ready = sorted(self._ready, key=lambda a: a.oldest)  # the stalest first
                 self._ready.clear()
-                while ready and len(taken) < n:
-                    arrival = ready.pop(0)
+                kept: list[Arrival] = []
+                for arrival in ready:
                     lag = trainer_version - arrival.oldest
                     if lag > self.max_staleness:
                         self.dropped += 1
                         self._retarget.append(trainer_version)
-                        continue
-                    self.staleness[lag] += 1
-                    taken.append(arrival)
-                self._ready.extend(sorted(ready, key=lambda a: a.arrived))
+                    elif len(taken) < n and (arrival.oldest == due_version or len(taken) + owed < n):
+                        self.staleness[lag] += 1
+                        taken.append(arrival)
+                    else:
+                        kept.append(arrival)
+                self._ready.extend(sorted(kept, key=lambda a: a.arrived))
                 if len(taken) >= n:
                     return taken
                 left = None if deadline is None else deadline - time.monotonic()

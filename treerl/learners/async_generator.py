@@ -20,6 +20,7 @@ trainer ->   ``("weights", version, path)``        load the safetensors file at 
 trainer ->   ``("tickets", [(task, target), ...])`` play these
 trainer ->   ``("stop",)``                         finish and exit
 -> trainer   ``("ready", pid)``                    model loaded, waiting for weights
+-> trainer   ``("started", task, version)``        a ticket passed the version gate
 -> trainer   ``("heartbeat", stats)``              alive; idle and busy seconds so far
 -> trainer   ``("group", task, oldest, newest,     a finished group (its JSON line) and
              json)``                               the oldest/newest version of its spans
@@ -102,7 +103,9 @@ class GeneratorCore:
             model, tokenizer = load_model(cfg.model, cfg.device)
         self.tokenizer = tokenizer
         # No weights from the trainer yet: version -1 opens no gate.
-        self.policy = TransformersPolicy(model, tokenizer, device=cfg.device, version=-1)
+        # One batch for every episode in flight: a generator runs several steps' episodes at once.
+        self.policy = TransformersPolicy(model, tokenizer, device=cfg.device, version=-1,
+                                         max_batch_size=cfg.max_concurrency)
         self.engine = cfg.engine(self.policy, tokenizer, seed=cfg.seed, branch_at_turn=cfg.branch_at_turn,
                                  branch_factor=cfg.branch_factor, **spec.sampling)
         self.env_factory = spec.env_factory or cfg.env_factory()
@@ -115,6 +118,7 @@ class GeneratorCore:
         self.idle_s = 0.0
         self.load_s = 0.0
         self.num_loads = 0
+        self._starts: list[tuple[int, int]] = []
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -152,12 +156,19 @@ class GeneratorCore:
 
     # -- tickets -----------------------------------------------------------------------------
 
-    async def play(self, ticket: Ticket) -> tuple[int, int, str]:
-        """Wait until the weights are recent enough for ``ticket``, play it; ``(oldest, newest, json)``."""
+    async def play(self, ticket: Ticket, on_start: Callable[[int], None] | None = None) -> tuple[int, int, str]:
+        """Wait until the weights are recent enough for ``ticket``, play it; ``(oldest, newest, json)``.
+
+        ``on_start(version)`` is called as it starts (the trainer counts on groups that are due);
+        the start is also kept for :meth:`drain_starts`.
+        """
         self._ensure_loop_state()
         async with self._changed:
             await self._changed.wait_for(lambda: self.version >= ticket.target - self.spec.max_staleness)
             started_version = self.version
+        self._starts.append((ticket.task, started_version))
+        if on_start is not None:
+            on_start(started_version)
         self._busy(+1)
         try:
             groups, _ = await self.engine.run(self.env_factory, self.spec.cfg.env, [ticket.task],
@@ -169,6 +180,11 @@ class GeneratorCore:
         group.info["generator"] = self.id
         oldest, newest = span_versions(group)
         return oldest, newest, group.to_json()
+
+    def drain_starts(self) -> list[tuple[int, int]]:
+        """``(task, version)`` of the tickets started since the last call."""
+        starts, self._starts = self._starts, []
+        return starts
 
     def _busy(self, delta: int) -> None:
         now = time.monotonic()
@@ -235,7 +251,7 @@ async def _serve(core: GeneratorCore, conn: Any) -> None:
             await asyncio.sleep(core.spec.heartbeat_s)
 
     async def run_ticket(ticket: Ticket) -> None:
-        oldest, newest, payload = await core.play(ticket)
+        oldest, newest, payload = await core.play(ticket, on_start=lambda v: send("started", ticket.task, v))
         send("group", ticket.task, oldest, newest, payload)
 
     tasks: set[asyncio.Task] = set()

@@ -84,10 +84,15 @@ ASYNC_CHECKS: tuple[Check, ...] = (
 class AsyncGRPOConfig(GRPOConfig):
     """Options of ``treerl learn --learner async_grpo`` (GRPO's, plus the asynchronous pipeline's)."""
 
-    max_staleness: int = field_help(1, "Most policy versions a trained group's oldest span may lag the trainer; "
+    max_staleness: int = field_help(2, "Most policy versions a trained group's oldest span may lag the trainer; "
                                        "older groups are dropped whole. 0: synchronous GRPO's updates.")
     buffer_size: int | None = field_help(None, "Most groups in flight or waiting to be trained (the buffer bound; "
-                                               "default 2 x tasks_per_step).")
+                                               "default (max_staleness + 1) x tasks_per_step).")
+    stragglers: str = field_help("wait", "wait: a step waits for groups still being played that would be too stale "
+                                         "by the next step (no bias against long episodes); drop: it trains on what "
+                                         "has arrived and drops those later (faster with very uneven episodes).")
+    max_concurrency: int = field_help(256, "Episodes in flight at once in each generator (several steps' worth, "
+                                           "decoded as one batch).")
     num_generators: int = field_help(1, "Generator processes (or Ray actors) playing episodes.")
     generator_threads: int | None = field_help(None, "torch CPU threads of each generator (default: the cores "
                                                      "split evenly between the trainer and the generators).")
@@ -126,13 +131,16 @@ class AsyncGRPOConfig(GRPOConfig):
             raise ValueError(f"heartbeat_timeout={self.heartbeat_timeout} must be > 0 seconds (e.g. 60).")
         if self.centering_top_k < 1:
             raise ValueError(f"centering_top_k={self.centering_top_k} must be >= 1 (e.g. 20).")
+        if self.stragglers not in ("wait", "drop"):
+            raise ValueError(f"stragglers={self.stragglers!r}: use wait (unbiased) or drop (faster, biased against "
+                             "long episodes).")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}: use process (this machine) or ray (Ray actors).")
 
     @property
     def capacity(self) -> int:
-        """The buffer bound: ``buffer_size``, or two steps' groups."""
-        return self.buffer_size or 2 * self.tasks_per_step
+        """The buffer bound: ``buffer_size``, or the groups of every step a generator may run ahead."""
+        return self.buffer_size or (self.max_staleness + 1) * self.tasks_per_step
 
     def importance_config(self) -> ImportanceConfig:
         return dataclasses.replace(super().importance_config(), centering=self.objective == "score_centering")
@@ -259,7 +267,8 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
                     reward_weights=reward_weights, optimizer=optimizer, reference=cfg.beta > 0)
         with run:
             buffer = GroupBuffer(tasks_per_step=cfg.tasks_per_step, max_staleness=cfg.max_staleness,
-                                 capacity=cfg.capacity, next_task=run.state.next_task, version=run.sync.version)
+                                 capacity=cfg.capacity, next_task=run.state.next_task, version=run.sync.version,
+                                 wait_for_due=cfg.stragglers == "wait")
             if run.diagnostics is not None:
                 run.diagnostics.checks = CHECKS + ASYNC_CHECKS
                 pool.on_report = lambda kind, text: run.diagnostics.report(run.state.step, kind, 1.0, 0.0, text)

@@ -273,6 +273,8 @@ class ProcessPool:
         if kind == "group":
             _, task, oldest, newest, payload = message
             self.buffer.arrive(gen.id, task=task, oldest=oldest, newest=newest, payload=payload)
+        elif kind == "started":
+            self.buffer.start(gen.id, task=message[1], version=message[2])
         elif kind == "heartbeat":
             gen.stats = message[1]
         elif kind == "ready":

@@ -9,7 +9,9 @@ in the object store once per version (``ray.put``) and every actor loads that on
 between its batches. Ray restarts nothing by itself here: the trainer's monitor thread sees
 an actor die (its calls raise ``RayActorError``), loses its tickets and starts a new actor
 that loads the latest weights; an actor whose heartbeat call does not return within
-``heartbeat_timeout`` is reported, killed (``ray.kill``) and replaced the same way.
+``heartbeat_timeout`` is reported, killed (``ray.kill``) and replaced the same way. The
+tickets an actor started come back with its heartbeats (so the trainer learns of due groups
+up to a heartbeat late).
 
 The trainer joins a running cluster with ``--ray-address auto`` (``ray start --head`` on the
 head node, ``ray start --address HEAD:6379`` on every other machine); without an address it
@@ -59,8 +61,9 @@ class GeneratorActor:
     async def play(self, task: int, target: int) -> tuple[int, int, str]:
         return await self.core.play(Ticket(task=task, target=target))
 
-    async def heartbeat(self) -> dict[str, float]:
-        return {**self.core.stats(), "pid": os.getpid()}
+    async def heartbeat(self) -> dict[str, Any]:
+        """Alive: the figures, the process id, and the tickets started since the last heartbeat."""
+        return {**self.core.stats(), "pid": os.getpid(), "starts": self.core.drain_starts()}
 
 
 @dataclass
@@ -244,6 +247,8 @@ class RayPool:
                         self._replace(actor, "generator_died", "died")
                         continue
                     actor.pid, actor.ready, actor.beat = int(actor.stats.pop("pid")), True, None
+                    for task, version in actor.stats.pop("starts"):
+                        self.buffer.start(actor.id, task, version)
                 elif actor.ready and now - actor.beat_sent > self.heartbeat_timeout:
                     self.heartbeat_timeouts += 1
                     self._replace(actor, "heartbeat_timeout", f"answered no heartbeat for {now - actor.beat_sent:.1f} "
