@@ -158,7 +158,7 @@ def main() -> None:
         f"(1/5/15 min) sampled between runs: {', '.join(loads)}).",
         f"Calculator, {TASKS} tasks x {GROUP} generations per step, seed {args.seed}, shipped tiny model, every other "
         "option at its default. Sync: `train`, one process, torch's default threads. Async: `train_async`, one "
-        "generator process + the trainer, one torch thread each, default max_staleness (1), score centering.",
+        "generator process + the trainer, one torch thread each, default max_staleness (2), score centering.",
         "Episodes/s: trained episodes per wall second over steps 2..N (steady) and over the whole `train` call "
         "(with process start and first weights); median over the pairs, each pair run back to back.",
         "",
@@ -194,6 +194,20 @@ def main() -> None:
                 f"| {latency * 1000:.0f} ms | {s['start']:.1%} -> {s['end']:.1%} | {a['start']:.1%} -> {a['end']:.1%} | "
                 f"**{(a['end'] - s['end']) * 100:+.1f} points** | {s['wall_s'] / 60:.1f} min | {a['wall_s'] / 60:.1f} "
                 f"min | {a['dropped']} | async within 5 points of sync or better |")
+    lines += [
+        "",
+        "What a GPU deployment with vLLM generators changes: here one generator and the trainer share two CPU cores, "
+        "and the tiny model's decoding is bound by per-step overhead, so async wins by keeping several steps' "
+        "episodes in one batch while the trainer trains, and by hiding tool latency behind other episodes. With "
+        "vLLM generators on their own GPUs (`--generator-policy vllm`, or Ray actors with `--device cuda`), decoding "
+        "is continuous-batched and far cheaper per token than training, so the trainer's step time sets the pace and "
+        "the generators' job is to keep the buffer full at the staleness bound; the number of generators is then "
+        "sized so that they produce `tasks_per_step` groups per trainer step. Weights no longer fit a file on "
+        "shared memory cheaply (15 GB for a 7B model in bf16): they go by NCCL broadcast or vLLM's weight-update "
+        "path, and the publish time (`async/weight_publish_s`, about 10 ms for the tiny model here) becomes a "
+        "real cost that the staleness bound must cover. The trainer's own scaling (FSDP/DDP across GPUs) is "
+        "separate: AsyncGRPO's trainer is one process in this version.",
+    ]
     body = "\n".join(lines)
     print(body)
     if not args.no_write:

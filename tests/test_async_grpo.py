@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -143,3 +145,30 @@ def test_async_learner_end_to_end(tmp_path):
     saved = AutoModelForCausalLM.from_pretrained(result.model_dir)
     for k, v in saved.state_dict().items():
         assert torch.allclose(v, model.state_dict()[k]), k
+
+
+def test_a_generator_samples_with_vllm_where_installed(tmp_path, monkeypatch):
+    """The vLLM engine in a generator (here the fake engine of test_vllm_policy: no GPU needed)."""
+    import asyncio
+
+    from test_vllm_policy import FakeLLM
+
+    from treerl.learners.async_buffer import Ticket
+    from treerl.learners.async_generator import GeneratorCore, GeneratorSpec
+
+    module = type(sys)("vllm")
+    module.LLM, module.SamplingParams = FakeLLM, lambda **kwargs: SimpleNamespace(**kwargs)
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), **SMALL, generator_policy="vllm")
+    spec = GeneratorSpec(cfg=cfg, max_staleness=0, sampling=cfg.sampling_overrides(), policy="vllm")
+    core = GeneratorCore(spec, generator_id=0)
+    assert core.policy.llm.kwargs["max_logprobs"] == cfg.centering_top_k  # room for the sampler's head
+
+    async def play():
+        await core.load_weights(3, {"w": torch.ones(1)})
+        return await core.play(Ticket(task=0, target=3))
+
+    oldest, newest, payload = asyncio.run(play())
+    core.close()
+    assert (oldest, newest) == (3, 3) and core.policy.llm.rpc, "the weights reached the engine's workers"
+    assert '"top_logprobs"' in payload and '"generator":0' in payload

@@ -67,6 +67,8 @@ class GeneratorSpec:
     tokenizer: Any = None
     env_factory: Callable[[], Any] | None = None
     """A picklable factory; None makes ``cfg.env`` with ``cfg.env_kwargs``."""
+    policy: str = "transformers"
+    """``transformers`` (CPU or GPU) or ``vllm`` (a vLLM engine on ``cfg.model``; the vllm extra)."""
 
 
 def span_versions(group: Group) -> tuple[int, int]:
@@ -98,14 +100,17 @@ class GeneratorCore:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.spec, self.id = spec, generator_id
-        model, tokenizer = spec.model, spec.tokenizer
-        if model is None:
-            model, tokenizer = load_model(cfg.model, cfg.device)
-        self.tokenizer = tokenizer
         # No weights from the trainer yet: version -1 opens no gate.
-        # One batch for every episode in flight: a generator runs several steps' episodes at once.
-        self.policy = TransformersPolicy(model, tokenizer, device=cfg.device, version=-1,
-                                         max_batch_size=cfg.max_concurrency)
+        if spec.policy == "vllm":
+            self.policy, tokenizer = _vllm_policy(spec)
+        else:
+            model, tokenizer = spec.model, spec.tokenizer
+            if model is None:
+                model, tokenizer = load_model(cfg.model, cfg.device)
+            # One batch for every episode in flight: a generator runs several steps' episodes at once.
+            self.policy = TransformersPolicy(model, tokenizer, device=cfg.device, version=-1,
+                                             max_batch_size=cfg.max_concurrency)
+        self.tokenizer = tokenizer
         self.engine = cfg.engine(self.policy, tokenizer, seed=cfg.seed, branch_at_turn=cfg.branch_at_turn,
                                  branch_factor=cfg.branch_factor, **spec.sampling)
         self.env_factory = spec.env_factory or cfg.env_factory()
@@ -204,6 +209,20 @@ class GeneratorCore:
 
     def close(self) -> None:
         self.policy.close()
+
+
+def _vllm_policy(spec: GeneratorSpec) -> tuple[Any, Any]:
+    """A :class:`~treerl.agents.vllm_policy.VLLMPolicy` on ``cfg.model`` and its tokenizer (no weights yet: -1)."""
+    from transformers import AutoTokenizer
+
+    from treerl.agents.vllm_policy import VLLMPolicy
+    from treerl.models import default_model_path
+
+    cfg = spec.cfg
+    path = str(cfg.model or default_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    head = max(cfg.top_k or 0, spec.sampling.get("top_logprobs", 0), 1)  # vLLM's max_logprobs covers both
+    return VLLMPolicy(path, version=-1, max_candidates=head, max_batch_size=cfg.max_concurrency), tokenizer
 
 
 # -- the process --------------------------------------------------------------------------------

@@ -104,6 +104,8 @@ class AsyncGRPOConfig(GRPOConfig):
                                           "vocabulary is the support (with --top-k the candidate set is exact).")
     backend: str = field_help("process", "Where generators run: process (this machine) or ray (Ray actors, the "
                                          "treerl[ray] extra).")
+    generator_policy: str = field_help("transformers", "What a generator samples with: transformers (CPU or GPU) or "
+                                                       "vllm (a vLLM engine on --model, the treerl[vllm] extra).")
     ray_address: str | None = field_help(None, "Ray cluster to join (e.g. auto); default starts a local Ray "
                                                "instance.")
     save_groups: bool = field_help(False, "Append every trained group to output_dir/groups.jsonl, with the "
@@ -134,6 +136,8 @@ class AsyncGRPOConfig(GRPOConfig):
         if self.stragglers not in ("wait", "drop"):
             raise ValueError(f"stragglers={self.stragglers!r}: use wait (unbiased) or drop (faster, biased against "
                              "long episodes).")
+        if self.generator_policy not in ("transformers", "vllm"):
+            raise ValueError(f"generator_policy={self.generator_policy!r}: use transformers or vllm.")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}: use process (this machine) or ray (Ray actors).")
 
@@ -259,7 +263,7 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
     cfg = dataclasses.replace(cfg, num_threads=threads[0])
     spec = GeneratorSpec(cfg=dataclasses.replace(cfg, num_threads=threads[1]), max_staleness=cfg.max_staleness,
                          heartbeat_s=min(1.0, cfg.heartbeat_timeout / 4), sampling=cfg.sampling_overrides(),
-                         model=model, tokenizer=tokenizer, env_factory=env_factory)
+                         model=model, tokenizer=tokenizer, env_factory=env_factory, policy=cfg.generator_policy)
     pool = _make_pool(cfg, spec)
     pool.launch()  # generators load their model while the trainer builds and evaluates
     try:
