@@ -86,7 +86,8 @@ def one(kind: str, latency: float, steps: int, eval_episodes: int, seed: int, ou
         "kind": kind, "latency": latency, "steps": steps, "wall_s": wall,
         "steady_eps": (len(metrics) - 1) * TASKS * GROUP / steady if steady > 0 else 0.0,
         "whole_eps": steps * TASKS * GROUP / wall,
-        "start": (summary["eval_start"] or {}).get("success_rate"), "end": (summary["eval_end"] or {}).get("success_rate"),
+        "start": (summary["eval_start"] or {}).get("success_rate"),
+        "end": (summary["eval_end"] or {}).get("success_rate"),
         "staleness_mean": statistics.fmean(m.get("async/staleness_mean", 0.0) for m in metrics),
         "trainer_idle": statistics.fmean(m.get("async/trainer_idle_frac", 0.0) for m in metrics[1:]) if kind == "async"
         else None,
@@ -191,7 +192,8 @@ def main() -> None:
         ]
         for latency, s, a in learning:
             lines.append(
-                f"| {latency * 1000:.0f} ms | {s['start']:.1%} -> {s['end']:.1%} | {a['start']:.1%} -> {a['end']:.1%} | "
+                f"| {latency * 1000:.0f} ms | {s['start']:.1%} -> {s['end']:.1%} | "
+                f"{a['start']:.1%} -> {a['end']:.1%} | "
                 f"**{(a['end'] - s['end']) * 100:+.1f} points** | {s['wall_s'] / 60:.1f} min | {a['wall_s'] / 60:.1f} "
                 f"min | {a['dropped']} | async within 5 points of sync or better |")
     lines += [

@@ -181,9 +181,10 @@ def main() -> None:
         f"generators and trainer. Assumed: {args.generators} generators x {args.groups_per_generator} groups x "
         f"{args.group_size} episodes = {concurrent:,} concurrent episodes; a group takes log-normal time (median "
         f"{args.group_s:g} s, shape 0.5); {args.tasks_per_step} groups ({args.tasks_per_step * args.group_size} "
-        f"episodes) per step; {args.train_s:g} s to train a step; a publish blocks the trainer {args.publish_block_s:g} "
-        f"s and loading pauses a generator {args.load_s:g} s; weights reach the generators after 0.6 s (15 GB by NCCL "
-        f"broadcast at 25 GB/s) or 7.5 s (through Ray's object store at 2 GB/s). {args.steps} steps each.",
+        f"episodes) per step; {args.train_s:g} s to train a step; a publish blocks the trainer "
+        f"{args.publish_block_s:g} s and loading pauses a generator {args.load_s:g} s; weights reach the generators "
+        "after 0.6 s (15 GB by NCCL broadcast at 25 GB/s) or 7.5 s (through Ray's object store at 2 GB/s). "
+        f"{args.steps} steps each.",
         "",
         "| weight transfer | stragglers | max_staleness | buffer (groups) | trained episodes/s | trainer idle | "
         "generator idle | mean staleness | staleness histogram (trained groups) | mean groups waiting at a take | "

@@ -83,6 +83,27 @@ def test_take_waits_for_groups_and_takes_the_stalest_first():
     assert buf.occupancy == 1
 
 
+@pytest.mark.parametrize("wait_for_due", [True, False])
+def test_a_step_waits_for_a_due_group_still_being_played_unless_told_to_drop(wait_for_due):
+    buf = _buffer(tasks_per_step=1, max_staleness=1, capacity=3, wait_for_due=wait_for_due)
+    buf.add_generator(0)
+    assert [t.task for t in buf.issue()[0]] == [0, 1, 2]
+    buf.start(0, task=0, version=0)  # a long episode: due at version 1, too stale at 2
+    buf.start(0, task=1, version=1)
+    buf.arrive(0, task=1, oldest=1, newest=1, payload="fresh")
+    taken = buf.take(1, trainer_version=1, timeout=0)
+    if wait_for_due:
+        assert taken == [], "the fresh group would push the due one past the bound: wait for it"
+        buf.arrive(0, task=0, oldest=0, newest=1, payload="due")
+        assert [a.payload for a in buf.take(1, trainer_version=1, timeout=0)] == ["due"]
+        assert [a.payload for a in buf.take(1, trainer_version=2, timeout=0)] == ["fresh"]
+        assert buf.dropped == 0
+    else:
+        assert [a.payload for a in taken] == ["fresh"]
+        buf.arrive(0, task=0, oldest=0, newest=1, payload="due")
+        assert buf.take(1, trainer_version=2, timeout=0) == [] and buf.dropped == 1
+
+
 def test_config_errors_name_the_field_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match="max_staleness=-1 must be >= 0"):
         AsyncGRPOConfig(output_dir=str(tmp_path), max_staleness=-1)
@@ -112,7 +133,9 @@ def test_max_staleness_0_with_one_generator_is_synchronous_grpo(tmp_path):
     assert moved > 1e-4, "training must move the weights for the comparison to mean anything"
     for key, value in sync_model.state_dict().items():
         torch.testing.assert_close(async_model.state_dict()[key], value, atol=1e-5, rtol=0, msg=key)
-    read = lambda d: [json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    def read(d):
+        return [json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+
     for s, a in zip(read("sync"), read("async")):
         assert a["reward/mean"] == s["reward/mean"]
         assert a["async/staleness_0_frac"] == 1.0 and a["async/dropped_groups"] == 0

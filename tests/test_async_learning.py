@@ -11,6 +11,7 @@ import pytest
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(25 * 60)  # the run's own limit is asserted below; this only stops a hung one
 @pytest.mark.parametrize("seed", [0, 1])
 def test_async_learn_on_calculator_gains_20_points_in_10_minutes(tmp_path, seed):
     out = tmp_path / "async"

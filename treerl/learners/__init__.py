@@ -1,5 +1,5 @@
-"""Learners: the GRPO loop on the learner core, losses and advantages (pure functions), importance
-sampling, tree packing.
+"""Learners: the GRPO and AsyncGRPO loops on the learner core, losses and advantages (pure functions),
+importance sampling and score centering, tree packing.
 
 >>> from treerl.learners import GRPOConfig, train       # doctest: +SKIP
 >>> train(GRPOConfig(env="treerl/Calculator-v0", output_dir="runs/calc", steps=10))  # doctest: +SKIP
@@ -29,7 +29,8 @@ from treerl.learners.packing import PackedBatch, PackingConfig, PackingError, pa
 from treerl.learners.rewards import RewardFunc
 
 __all__ = [
-    "GRPOConfig", "train", "AsyncGRPOConfig", "train_async", "score_centering", "LearnerConfig", "TrainResult", "RewardFunc", "Run", "build", "finish",
+    "GRPOConfig", "train", "LearnerConfig", "TrainResult", "RewardFunc", "Run", "build", "finish",
+    "AsyncGRPOConfig", "train_async", "score_centering",
     "LEARNERS", "LearnerSpec", "register_learner",
     "AdvantageConfig", "compute_advantages",
     "ImportanceConfig", "importance_weights",

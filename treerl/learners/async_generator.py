@@ -251,8 +251,11 @@ async def _serve(core: GeneratorCore, conn: Any) -> None:
                 message = ("stop",)
             loop.call_soon_threadsafe(inbox.put_nowait, message)
             if message[0] == "stop":
-                # If the loop does not wind down (an environment that hangs), leave anyway.
-                threading.Timer(10.0, os._exit, args=(0,)).start()
+                # If the loop does not wind down (an environment that hangs), leave anyway; a daemon
+                # timer, so that a loop that does wind down exits at once.
+                timer = threading.Timer(10.0, os._exit, args=(0,))
+                timer.daemon = True
+                timer.start()
                 return
 
     def send(*message: Any) -> None:

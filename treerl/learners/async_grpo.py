@@ -38,7 +38,6 @@ import dataclasses
 import json
 import os
 import pickle
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -95,7 +94,7 @@ class AsyncGRPOConfig(GRPOConfig):
                                            "decoded as one batch).")
     num_generators: int = field_help(1, "Generator processes (or Ray actors) playing episodes.")
     generator_threads: int | None = field_help(None, "torch CPU threads of each generator (default: the cores "
-                                                     "split evenly between the trainer and the generators).")
+                                                     "split evenly between the trainer and the generators; 1 on Ray).")
     heartbeat_timeout: float = field_help(60.0, "Seconds without a heartbeat before a generator is reported and "
                                                 "replaced.")
     objective: str = field_help("score_centering", "score_centering (the sampler-expected score subtracted with "
@@ -314,7 +313,9 @@ def _split_threads(cfg: AsyncGRPOConfig) -> tuple[int | None, int | None]:
     if not cfg.device.startswith("cpu"):
         return cfg.num_threads, cfg.generator_threads or cfg.num_threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    share = max(1, cores // (1 + (cfg.num_generators if cfg.backend == "process" else 0)))
+    if cfg.backend == "ray":  # generators live on other machines' cores: one each unless told
+        return cfg.num_threads or cores, cfg.generator_threads or 1
+    share = max(1, cores // (1 + cfg.num_generators))
     return cfg.num_threads or share, cfg.generator_threads or cfg.num_threads or share
 
 
@@ -335,13 +336,6 @@ def _make_pool(cfg: AsyncGRPOConfig, spec: GeneratorSpec) -> Any:
     return ProcessPool(spec, num_generators=cfg.num_generators, heartbeat_timeout=cfg.heartbeat_timeout)
 
 
-def _train_cli(cfg: AsyncGRPOConfig, **kwargs: Any) -> TrainResult:
-    result = train_async(cfg, **kwargs)
-    print(f"async: {json.dumps(json.loads((result.output_dir / 'summary.json').read_text())['async'])}",
-          file=sys.stderr)
-    return result
-
-
-register_learner("async_grpo", AsyncGRPOConfig, _train_cli,
+register_learner("async_grpo", AsyncGRPOConfig, train_async,
                  "GRPO with generation and training in separate processes: bounded buffer, staleness control, "
                  "score centering.")

@@ -65,7 +65,8 @@ class CenteringOutput:
     ``centering/sampler_tail_mass`` (mean sampler mass outside a recorded head)."""
 
 
-def score_centering(trainer_logp: Tensor, sampler_logp: Tensor, exact: Tensor, cfg: ImportanceConfig) -> CenteringOutput:
+def score_centering(trainer_logp: Tensor, sampler_logp: Tensor, exact: Tensor,
+                    cfg: ImportanceConfig) -> CenteringOutput:
     """The score-centering surrogate of each term (see the module docstring).
 
     Args:

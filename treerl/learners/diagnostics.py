@@ -77,8 +77,8 @@ class Diagnostics:
                 after = sum(self._tool_errors[self.window:]) / self.window
                 if after > before + 0.1:
                     self.report(step, "tool_errors_rising", after, before + 0.1,
-                               "The tool-call error rate is rising: inspect tools/* metrics and the rollouts; "
-                               "lower the learning rate or reward well-formed calls.")
+                                "The tool-call error rate is rising: inspect tools/* metrics and the rollouts; "
+                                "lower the learning rate or reward well-formed calls.")
                     fired["diag/tool_errors_rising"] = 1.0
         return fired
 

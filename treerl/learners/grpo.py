@@ -14,6 +14,9 @@ one function each::
         run.end_step(...)                                 # log, diagnose, checkpoint
     finish(run)
 
+Everything after the rollout is :func:`update`, which AsyncGRPO (:mod:`~treerl.learners.async_grpo`)
+calls with the groups it takes from its buffer instead.
+
 The loss is any of :data:`~treerl.learners.losses.POLICY_LOSSES` (``--loss dapo`` and its
 variants, or one added with :func:`~treerl.learners.losses.register_loss`). On-policy with one
 update per step, the PPO ratio is 1 and the sampler/trainer gap is corrected by importance

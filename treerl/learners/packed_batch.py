@@ -14,7 +14,8 @@ from torch import Tensor
 from treerl.errors import TreerlError
 from treerl.kernels.tree_layout import TreeBatch
 
-__all__ = ["PACK_MODES", "PackedBatch", "PackingConfig", "PackingError", "SamplerHead", "head_tensors", "packing_metrics"]
+__all__ = ["PACK_MODES", "PackedBatch", "PackingConfig", "PackingError", "SamplerHead", "head_tensors",
+           "packing_metrics"]
 
 PACK_MODES: tuple[str, ...] = ("tree", "flat", "padded")
 
