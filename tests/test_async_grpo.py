@@ -195,3 +195,54 @@ def test_a_generator_samples_with_vllm_where_installed(tmp_path, monkeypatch):
     core.close()
     assert (oldest, newest) == (3, 3) and core.policy.llm.rpc, "the weights reached the engine's workers"
     assert '"top_logprobs"' in payload and '"generator":0' in payload
+
+
+def test_weights_that_land_mid_episode_serve_its_next_turns_and_each_span_keeps_its_version(tmp_path):
+    import asyncio
+
+    from treerl.envs.builtin.calculator import CalculatorEnv
+    from treerl.envs.builtin.calculator_tasks import calculator
+    from treerl.envs.tools import tool
+    from treerl.learners.async_buffer import Ticket
+    from treerl.learners.async_generator import GeneratorCore, GeneratorSpec
+    from treerl.rollout.trajectory import Group
+
+    called, proceed = asyncio.Event(), asyncio.Event()
+
+    class PausingCalculator(CalculatorEnv):
+        """The calculator waits for the test: new weights arrive while episodes are between turns."""
+
+        def __init__(self, **kwargs):
+            @tool(name="calculator", timeout=60.0)
+            async def calc(expression: str) -> str:
+                """Evaluate an arithmetic expression.
+
+                Args:
+                    expression: Arithmetic using numbers, + - * / and parentheses, e.g. "(3 + 4) * 2".
+                """
+                called.set()
+                await proceed.wait()
+                return calculator(expression)
+
+            super().__init__(tools=[calc], **kwargs)
+
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), **SMALL, max_staleness=0)
+    core = GeneratorCore(GeneratorSpec(cfg=cfg, max_staleness=0, env_factory=PausingCalculator), generator_id=0)
+    weights = {k: v.clone() for k, v in core.policy.model.state_dict().items()}
+
+    async def play():
+        await core.load_weights(0, weights)
+        episode = asyncio.create_task(core.play(Ticket(task=0, target=0)))
+        await asyncio.wait_for(called.wait(), timeout=60)  # a first turn was sampled with version 0
+        await core.load_weights(1, weights)
+        proceed.set()
+        return await episode
+
+    oldest, newest, payload = asyncio.run(play())
+    core.close()
+    assert (oldest, newest) == (0, 1)
+    group = Group.from_json(payload)
+    for episode in group.episodes:
+        versions = [s.policy_version for s in episode.path() if s.kind == "sampled"]
+        assert versions == sorted(versions) and versions[0] == 0, "the episode went on with the new weights"
+    assert any(len(set(s.policy_version for s in e.path() if s.kind == "sampled")) == 2 for e in group.episodes)

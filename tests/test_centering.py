@@ -164,3 +164,55 @@ def test_the_loss_adds_the_advantage_times_the_centering():
     norm = LossNormalizer.from_inputs(plain)
     diff = compute_loss(with_c, LossConfig(), norm).loss - compute_loss(plain, LossConfig(), norm).loss
     assert diff.item() == pytest.approx((0.3 - 0.2 - 0.4) / 3)  # token mean of adv * C
+
+
+# -- the head's log-probs in the packed forward -----------------------------------------------------
+
+
+def test_packed_forward_gives_the_head_logprobs_of_a_plain_forward():
+    """``packed_logprobs(head=True)``: the vocabulary log-probs of each term's recorded head ids, with gradient."""
+    import copy
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from treerl.kernels.tree_attention import enable_tree_attention
+    from treerl.learners.forward import packed_logprobs
+    from treerl.learners.packing import PackingConfig, pack_groups
+    from treerl.rollout.trajectory import Group
+
+    torch.manual_seed(0)
+    vocab, temperature = 53, 0.7
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                         tie_word_embeddings=False)).float().eval()
+    model.set_attn_implementation("sdpa")
+    group = Group(task_key="t", env_id="e")
+    root = group.add_segment("prompt", [3, 7, 9, 11])
+    exact = group.add_segment("sampled", [5, 8], parent=root, logprobs=[-0.5, -0.7], candidates=[[5, 6], [8, 2, 4]],
+                              top_logprobs=[[-0.5, -0.9], [-0.7, -1.0, -2.0]])
+    head = group.add_segment("sampled", [12, 13, 14], parent=root, logprobs=[-1.0] * 3,
+                             top_ids=[[12, 1], [13, 40], [30, 14]], top_logprobs=[[-1.0, -1.5]] * 3)
+    group.add_episode(leaf=exact, reward=1.0)
+    group.add_episode(leaf=head, reward=0.0)
+    [batch] = pack_groups([group], torch.tensor([0.5, -0.5]), PackingConfig(max_tokens_per_row=64))
+    assert batch.loss_head_exact.tolist() == [True, True, False, False, False]
+
+    packed = copy.deepcopy(model)
+    enable_tree_attention(packed, impl="reference")
+    out = packed_logprobs(packed, batch, temperature=temperature, head=True)
+    weights = torch.randn(out.head_logp.shape)
+    valid = torch.isfinite(out.head_logp)
+    (out.head_logp.where(valid, 0.0) * weights).sum().backward()
+
+    expected, rows = [], []
+    for leaf, heads in ((exact, [[5, 6], [8, 2, 4]]), (head, [[12, 1], [13, 40], [30, 14]])):
+        ids = [t for s in group.path(leaf) for t in s.token_ids]
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0] / temperature, -1)  # (T, V)
+        first = len(ids) - len(heads)
+        for j, h in enumerate(heads):
+            expected.append(torch.nn.functional.pad(logp[first - 1 + j, h], (0, 3 - len(h)), value=-math.inf))
+    reference = torch.stack(expected)  # (M, K), terms in packing order
+    assert torch.equal(torch.isfinite(reference), valid)
+    torch.testing.assert_close(out.head_logp[valid], reference[valid], atol=1e-5, rtol=0)
+    (reference.where(valid, 0.0) * weights).sum().backward()
+    torch.testing.assert_close(packed.lm_head.weight.grad, model.lm_head.weight.grad, atol=1e-5, rtol=0)
