@@ -207,8 +207,8 @@ def main() -> None:
         "sized so that they produce `tasks_per_step` groups per trainer step. Weights no longer fit a file on "
         "shared memory cheaply (15 GB for a 7B model in bf16): they go by NCCL broadcast or vLLM's weight-update "
         "path, and the publish time (`async/weight_publish_s`, about 10 ms for the tiny model here) becomes a "
-        "real cost that the staleness bound must cover. The trainer's own scaling (FSDP/DDP across GPUs) is "
-        "separate: AsyncGRPO's trainer is one process in this version.",
+        "real cost that the staleness bound must cover. The trainer scales on its own GPUs under `accelerate "
+        "launch` (rank 0 feeds every rank its share of each step's groups).",
     ]
     body = "\n".join(lines)
     print(body)

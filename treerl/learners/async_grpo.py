@@ -169,14 +169,23 @@ class _Clock:
         self.lost = 0
 
 
-def async_step(run: Run, buffer: GroupBuffer, pool: Any, clock: _Clock, step: int) -> dict[str, float]:
-    """One AsyncGRPO step: take admitted groups from the buffer, then GRPO's update; returns the metrics."""
+def async_step(run: Run, buffer: GroupBuffer | None, pool: Any, clock: _Clock, step: int) -> dict[str, float]:
+    """One AsyncGRPO step: take admitted groups from the buffer, then GRPO's update; returns the metrics.
+
+    With several trainer processes, rank 0 owns the buffer and the generators: it takes the
+    step's groups and hands them to every rank, and each trains on its share as in GRPO.
+    """
     cfg, metrics = run.cfg, {}
     version = run.sync.version
+    payloads, next_task = [], None
     start = time.perf_counter()
-    arrivals = buffer.take(cfg.tasks_per_step, trainer_version=version, on_wait=pool.check)
+    if buffer is not None:
+        arrivals = buffer.take(cfg.tasks_per_step, trainer_version=version, on_wait=pool.check)
+        payloads, next_task = [a.payload for a in arrivals], buffer.next_task
+    if run.ranks.enabled:
+        payloads, next_task = run.ranks.gather((payloads, next_task))[0]
     now = time.perf_counter()
-    groups = sorted((Group.from_json(a.payload) for a in arrivals), key=lambda g: g.info["task_seed"])
+    groups = sorted((Group.from_json(p) for p in payloads), key=lambda g: g.info["task_seed"])
     stats = RolloutStats()
     for group in groups:
         stats.add(group)
@@ -187,24 +196,32 @@ def async_step(run: Run, buffer: GroupBuffer, pool: Any, clock: _Clock, step: in
     # which is all warm-up, so its idle fraction is not reported).
     cycle = now - (clock.last_take if clock.last_take is not None else start)
     stats.wall_s = cycle
-    metrics.update(_async_metrics(groups, version, buffer, pool, clock, stats, cfg.max_staleness))
-    metrics.update({
-        "perf/rollout_s": now - start,  # the wait for groups: what generation costs the trainer
-        "async/trainer_wait_s": now - start,
-        "async/weight_publish_s": pool.last_publish_s,  # the latest publish to the generators (last step's)
-        # Since the last step's take (a generator may die between steps).
-        "async/dropped_groups_step": float(buffer.dropped - clock.dropped),
-        "async/lost_groups_step": float(buffer.lost - clock.lost),
-    })
-    clock.dropped, clock.lost = buffer.dropped, buffer.lost
-    if clock.last_take is not None:
-        metrics["async/trainer_idle_frac"] = (now - start) / cycle if cycle > 0 else 0.0
-        clock.starved = clock.starved + 1 if metrics["async/trainer_idle_frac"] > 0.5 else 0
-    clock.at_bound = (clock.at_bound + 1 if metrics["async/at_bound_frac"] > 0.5
-                      and metrics["async/generator_idle_frac"] > 0.25 else 0)
-    metrics["async/starved_streak"], metrics["async/at_bound_streak"] = float(clock.starved), float(clock.at_bound)
+    metrics["perf/rollout_s"] = now - start  # the wait for groups: what generation costs the trainer
+    if buffer is not None:
+        metrics.update(_async_metrics(groups, version, buffer, pool, clock, stats, cfg.max_staleness))
+        metrics.update({
+            "async/trainer_wait_s": now - start,
+            "async/weight_publish_s": pool.last_publish_s,  # the latest publish to the generators (last step's)
+            # Since the last step's take (a generator may die between steps).
+            "async/dropped_groups_step": float(buffer.dropped - clock.dropped),
+            "async/lost_groups_step": float(buffer.lost - clock.lost),
+        })
+        clock.dropped, clock.lost = buffer.dropped, buffer.lost
+        if clock.last_take is not None:
+            metrics["async/trainer_idle_frac"] = (now - start) / cycle if cycle > 0 else 0.0
+            clock.starved = clock.starved + 1 if metrics["async/trainer_idle_frac"] > 0.5 else 0
+        clock.at_bound = (clock.at_bound + 1 if metrics["async/at_bound_frac"] > 0.5
+                          and metrics["async/generator_idle_frac"] > 0.25 else 0)
+        metrics["async/starved_streak"] = float(clock.starved)
+        metrics["async/at_bound_streak"] = float(clock.at_bound)
     clock.last_take = now
-    return update(run, step, groups, stats, metrics, next_task=buffer.next_task)
+    mine = groups[run.ranks.rank::run.ranks.world_size]
+    if run.ranks.enabled:
+        stats = RolloutStats()
+        for group in mine:
+            stats.add(group)
+        stats.wall_s = cycle
+    return update(run, step, mine, stats, metrics, next_task=next_task)
 
 
 def _async_metrics(groups: Sequence[Group], version: int, buffer: GroupBuffer, pool: Any, clock: _Clock,
@@ -252,10 +269,10 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
     ``functools.partial`` rather than a lambda. ``reward_funcs`` run in the trainer.
     ``on_step(step, metrics, pool)`` is called after each step (tests use it to inject faults).
     The generators are stopped when training ends, however it ends.
+
+    Under ``accelerate launch``/``torchrun`` rank 0 runs the generators and takes each step's
+    groups; every rank trains on its share and gradients are summed as in GRPO.
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("AsyncGRPO trains in one process (its generators are the other processes); run it "
-                         "without accelerate launch/torchrun, or use --learner grpo for data-parallel training.")
     if env_factory is not None:
         _require_picklable(env_factory, "env_factory")
     threads = _split_threads(cfg)
@@ -263,33 +280,39 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
     spec = GeneratorSpec(cfg=dataclasses.replace(cfg, num_threads=threads[1]), max_staleness=cfg.max_staleness,
                          heartbeat_s=min(1.0, cfg.heartbeat_timeout / 4), sampling=cfg.sampling_overrides(),
                          model=model, tokenizer=tokenizer, env_factory=env_factory, policy=cfg.generator_policy)
-    pool = _make_pool(cfg, spec)
-    pool.launch()  # generators load their model while the trainer builds and evaluates
+    # Under accelerate/torchrun only rank 0 runs generators; the others train on their share of its groups.
+    pool = _make_pool(cfg, spec) if int(os.environ.get("RANK", "0")) == 0 else None
+    if pool is not None:
+        pool.launch()  # generators load their model while the trainer builds and evaluates
+    buffer, totals = None, {}
     try:
         run = build(cfg, model=model, tokenizer=tokenizer, env_factory=env_factory, reward_funcs=reward_funcs,
                     reward_weights=reward_weights, optimizer=optimizer, reference=cfg.beta > 0)
         with run:
-            buffer = GroupBuffer(tasks_per_step=cfg.tasks_per_step, max_staleness=cfg.max_staleness,
-                                 capacity=cfg.capacity, next_task=run.state.next_task, version=run.sync.version,
-                                 wait_for_due=cfg.stragglers == "wait")
-            if run.diagnostics is not None:
+            if pool is not None:
+                buffer = GroupBuffer(tasks_per_step=cfg.tasks_per_step, max_staleness=cfg.max_staleness,
+                                     capacity=cfg.capacity, next_task=run.state.next_task, version=run.sync.version,
+                                     wait_for_due=cfg.stragglers == "wait")
                 run.diagnostics.checks = CHECKS + ASYNC_CHECKS
                 pool.on_report = lambda kind, text: run.diagnostics.report(run.state.step, kind, 1.0, 0.0, text)
-            pool.set_weights(policy_state_dict(run.model), run.sync.version)
-            run.sync.targets.append(pool)
-            pool.attach(buffer)
-            clock = _Clock(_group_writer(run) if cfg.save_groups else None)
+                pool.set_weights(policy_state_dict(run.model), run.sync.version)
+                run.sync.targets.append(pool)
+                pool.attach(buffer)
+            clock = _Clock(_group_writer(run) if cfg.save_groups and pool is not None else None)
             for step in run.steps():
                 metrics = async_step(run, buffer, pool, clock, step)
                 if on_step is not None:
                     on_step(step, metrics, pool)
             if clock.writer is not None:
                 clock.writer.close()
-            totals = {"dropped_groups": buffer.dropped, "lost_groups": buffer.lost, "ignored_groups": buffer.ignored,
-                      "generator_restarts": pool.restarts, "heartbeat_timeouts": pool.heartbeat_timeouts,
-                      "group_staleness": {str(k): v for k, v in sorted(buffer.staleness.items())}}
+            if buffer is not None:
+                totals = {"dropped_groups": buffer.dropped, "lost_groups": buffer.lost,
+                          "ignored_groups": buffer.ignored, "generator_restarts": pool.restarts,
+                          "heartbeat_timeouts": pool.heartbeat_timeouts,
+                          "group_staleness": {str(k): v for k, v in sorted(buffer.staleness.items())}}
     finally:
-        pool.close()
+        if pool is not None:
+            pool.close()
     result = finish(run)
     if run.ranks.is_main:
         summary_path = run.out_dir / "summary.json"
