@@ -118,3 +118,17 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_generators_load_that_v
     assert first_resumed["async/span_version_min"] == resumed  # the checkpoint's version, nothing older
     assert first_resumed["async/staleness_0_frac"] == 1.0
     assert json.loads((out / "summary.json").read_text())["policy_version"] == 8
+
+
+def test_generators_that_keep_dying_stop_the_run_with_a_clear_error(tmp_path):
+    import functools
+
+    import pytest
+
+    from treerl.envs.registry import make
+    from treerl.learners.async_pool import GeneratorFailed
+
+    broken = functools.partial(make, "treerl/NoSuchEnvironment-v0")  # fails in the generator, at its first task
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), steps=1, **SMALL)
+    with pytest.raises(GeneratorFailed, match="died 3 times in a row before they delivered a group"):
+        train_async(cfg, env_factory=broken)

@@ -17,8 +17,8 @@ where it exists, else a temporary directory): written once per version, renamed 
 and announced to every generator, which loads it between its batches. No generator ever gets
 a copy per episode; a generator that starts later loads the latest file.
 
-A generator that keeps dying before it is ready (a broken environment or model) stops the
-run with its exit code rather than restarting forever.
+Generators that keep dying before they deliver a group (a broken environment or model) stop
+the run with the exit code rather than restart forever.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ __all__ = ["ProcessPool", "GeneratorFailed", "weights_dir"]
 
 logger = logging.getLogger(__name__)
 
-# A generator that dies this many times in a row before it is ready stops the run.
+# Generators that die this many times in a row before delivering a group stop the run (a broken
+# environment or model would otherwise be restarted forever).
 _MAX_FAILED_STARTS = 3
 
 
@@ -68,6 +69,8 @@ class _Generator:
     conn: Any
     started: float = field(default_factory=time.monotonic)
     ready: bool = False
+    delivered: bool = False
+    """It sent at least one group: a death before that counts towards giving up."""
     last_beat: float = field(default_factory=time.monotonic)
     stats: dict[str, float] = field(default_factory=dict)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -224,13 +227,13 @@ class ProcessPool:
         gen.process.join(timeout=5.0)
         gen.conn.close()
         lost = self.buffer.lose(gen.id)
-        if not gen.ready:
+        if not gen.delivered:
             self._failed_starts += 1
             if self._failed_starts >= _MAX_FAILED_STARTS:
                 raise GeneratorFailed(
-                    f"generator processes died {self._failed_starts} times in a row before they were ready (last "
-                    f"exit code {gen.process.exitcode}); run the same environment and model with `treerl rollout` "
-                    "to see the error.")
+                    f"generator processes died {self._failed_starts} times in a row before they delivered a group "
+                    f"(last exit code {gen.process.exitcode}); run the same environment and model with `treerl "
+                    "rollout` to see the error.")
         self.restarts += 1
         text = f"generator {gen.id} (pid {gen.process.pid}) {message}; {lost} groups in flight lost; replaced"
         logger.warning(text)
@@ -273,13 +276,13 @@ class ProcessPool:
         if kind == "group":
             _, task, oldest, newest, payload = message
             self.buffer.arrive(gen.id, task=task, oldest=oldest, newest=newest, payload=payload)
+            gen.delivered, self._failed_starts = True, 0
         elif kind == "started":
             self.buffer.start(gen.id, task=message[1], version=message[2])
         elif kind == "heartbeat":
             gen.stats = message[1]
         elif kind == "ready":
             gen.ready = True
-            self._failed_starts = 0
 
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
