@@ -66,6 +66,8 @@ class Row:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     candidates: list[list[int]] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
     uniforms: Tensor | None = None
     """(max_new_tokens,) the row's own stream, seeded by its request."""
     deliver: Callable[[Generation | BaseException], None] | None = None
@@ -79,6 +81,8 @@ class Row:
             finish_reason="stop" if self.token_ids[-1] in self.stop_ids else "length",
             policy_version=self.version,
             num_prompt_tokens_processed=self.num_prompt_tokens_processed,
+            top_ids=self.top_ids,
+            top_logprobs=self.top_logprobs,
         )
 
 
@@ -160,7 +164,7 @@ class DecodeBatch:
         if self._partitions is None:
             self._partitions = _partition([row.request.params for row in self.rows], self.policy.device)
         uniforms = torch.stack([row.uniforms[len(row.token_ids)] for row in self.rows])  # (B,)
-        token_ids, logprobs, candidates = self.policy._sample_step(self.logits, self._partitions, uniforms)
+        token_ids, logprobs, candidates, heads = self.policy._sample_step(self.logits, self._partitions, uniforms)
         token_list, logprob_list = token_ids.tolist(), logprobs.tolist()
         finished: list[Row] = []
         keep: list[int] = []
@@ -172,6 +176,13 @@ class DecodeBatch:
                 if row.candidates is None:
                     row.candidates = []
                 row.candidates.append(candidates[b])
+            if heads[b] is not None:
+                head_ids, head_logprobs = heads[b]
+                if row.top_logprobs is None:
+                    row.top_logprobs, row.top_ids = [], None if head_ids is None else []
+                row.top_logprobs.append(head_logprobs)
+                if head_ids is not None:
+                    row.top_ids.append(head_ids)
             if token in row.stop_ids or len(row.token_ids) >= row.request.params.max_new_tokens:
                 # The cache holds the context and every sampled token but this last one.
                 self.policy._save_session(row, self.cache, b, self.start[b], self.cur)

@@ -60,6 +60,10 @@ class SamplingParams:
     """Stop with finish_reason "length" after this many sampled tokens."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra stop ids, added to the model's own end-of-turn ids."""
+    top_logprobs: int = 0
+    """Also record, per sampled token, the sampler's log-probs over the head of its support:
+    the whole candidate set when ``top_k`` bounds it, else the ``top_logprobs`` most likely
+    tokens (0: record nothing more). Score centering reads them."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -95,6 +99,11 @@ class SamplingParams:
                 f"SamplingParams.max_new_tokens={self.max_new_tokens!r} must be an int >= 1; "
                 "it bounds the length of one turn, e.g. max_new_tokens=256."
             )
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) or self.top_logprobs < 0:
+            raise ValueError(
+                f"SamplingParams.top_logprobs={self.top_logprobs!r} must be an int >= 0 (0 records no more than "
+                "the sampled token's log-prob), e.g. top_logprobs=20."
+            )
         # A list would make the dataclass unhashable, and backends key batches by params.
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if any(t < 0 for t in self.stop_token_ids):
@@ -108,7 +117,7 @@ class SamplingOptions:
     """The sampling options of every command that generates (a base of its config dataclass).
 
     >>> SamplingOptions(temperature=0.7, top_k=20).sampling(max_new_tokens=8)
-    SamplingParams(temperature=0.7, top_k=20, top_p=1.0, min_p=0.0, max_new_tokens=8, stop_token_ids=())
+    SamplingParams(temperature=0.7, top_k=20, top_p=1.0, min_p=0.0, max_new_tokens=8, stop_token_ids=(), top_logprobs=0)
     """
 
     temperature: float = field_help(1.0, "Sampling temperature (a trainer applies the same).")
@@ -166,6 +175,12 @@ class Generation:
     """The weights version that produced every token of this generation."""
     num_prompt_tokens_processed: int
     """Prompt tokens the model actually ran for this request (0 when shared or cached)."""
+    top_ids: list[list[int]] | None = None
+    """With ``SamplingParams.top_logprobs`` and no bounded candidate set: per token, the ids
+    of the sampler's most likely tokens (most likely first); None otherwise."""
+    top_logprobs: list[list[float]] | None = None
+    """With ``SamplingParams.top_logprobs``: per token, the sampler's log-probs of ``top_ids``,
+    or of ``candidates`` (in that order) when a candidate set was recorded; None otherwise."""
 
 
 @runtime_checkable

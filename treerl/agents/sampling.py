@@ -38,6 +38,7 @@ __all__ = [
     "process_logits",
     "sample_processed",
     "candidate_lists",
+    "head_lists",
     "draw_uniforms",
     "sample",
 ]
@@ -126,6 +127,25 @@ def candidate_lists(processed: ProcessedLogits) -> list[list[int]] | None:
         return None
     ids = processed.candidate_ids.tolist()
     return [row[:n] for row, n in zip(ids, processed.num_candidates.tolist())]
+
+
+def head_lists(processed: ProcessedLogits, num: int) -> tuple[list[list[int]] | None, list[list[float]]]:
+    """Per row, the sampler's log-probs over the head of its support, for the learner's score centering.
+
+    A bounded support (top-k) is recorded whole and its ids are the candidates, so only the
+    log-probs are returned (ids None); over the whole vocabulary, the ``num`` most likely ids
+    and their log-probs.
+
+    >>> p = process_logits(torch.log(torch.tensor([[0.5, 0.3, 0.2]])), SamplingParams())
+    >>> ids, logps = head_lists(p, 2)
+    >>> ids, [round(x, 4) for x in logps[0]]
+    ([[0, 1]], [-0.6931, -1.204])
+    """
+    if processed.candidate_ids is not None:
+        rows = processed.logprobs.tolist()
+        return None, [row[:n] for row, n in zip(rows, processed.num_candidates.tolist())]
+    values, ids = torch.topk(processed.logprobs, min(num, processed.logprobs.shape[-1]), dim=-1)  # (B, num)
+    return ids.tolist(), values.tolist()
 
 
 def draw_uniforms(generators: Sequence[torch.Generator], num: int = 1) -> Tensor:

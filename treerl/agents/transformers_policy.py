@@ -41,7 +41,7 @@ from torch import Tensor
 
 from treerl.agents.decode import KV, ContinuousDecoder, DecodeBatch, Row, Unit
 from treerl.agents.policy import AsyncBatcher, Generation, GenerationRequest
-from treerl.agents.sampling import candidate_lists, process_logits, sample_processed
+from treerl.agents.sampling import candidate_lists, head_lists, process_logits, sample_processed
 
 __all__ = ["TransformersPolicy", "END_OF_TURN_TOKENS", "end_of_turn_ids", "load_state_dict"]
 
@@ -312,21 +312,33 @@ class TransformersPolicy:
 
     @staticmethod
     def _sample_step(logits: Tensor, partitions, uniforms: Tensor):
-        """Sample every batch row; returns (token_ids (B,), logprobs (B,), candidates or None)."""
-        if len(partitions) == 1:
-            params, _, _ = partitions[0]
-            processed = process_logits(logits, params)
-            token_ids, logprobs = sample_processed(processed, uniforms)
-            return token_ids, logprobs, candidate_lists(processed)
+        """Sample every batch row; returns (token_ids (B,), logprobs (B,), candidates or None, heads).
+
+        ``heads[b]`` is ``(ids or None, logprobs)`` of the sampler's head (see :func:`head_lists`)
+        for a row whose params ask for ``top_logprobs``, else None.
+        """
         token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         logprobs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        candidates: list[list[int] | None] = [None] * logits.shape[0]
+        candidates: list[list[int] | None] | None = None
+        heads: list[tuple[list[int] | None, list[float]] | None] = [None] * logits.shape[0]
         for params, index, index_list in partitions:
-            processed = process_logits(logits[index], params)
-            token_ids[index], logprobs[index] = sample_processed(processed, uniforms[index])
-            for b, c in zip(index_list, candidate_lists(processed) or [None] * len(index_list)):
-                candidates[b] = c
-        return token_ids, logprobs, candidates
+            whole = len(partitions) == 1  # one partition: every row, no gather
+            processed = process_logits(logits if whole else logits[index], params)
+            sampled, sampled_logp = sample_processed(processed, uniforms if whole else uniforms[index])
+            if whole:
+                token_ids, logprobs = sampled, sampled_logp
+            else:
+                token_ids[index], logprobs[index] = sampled, sampled_logp
+            lists = candidate_lists(processed)
+            if lists is not None:
+                candidates = candidates or [None] * logits.shape[0]
+                for b, c in zip(index_list, lists):
+                    candidates[b] = c
+            if params.top_logprobs > 0:
+                head_ids, head_logprobs = head_lists(processed, params.top_logprobs)
+                for j, b in enumerate(index_list):
+                    heads[b] = (None if head_ids is None else head_ids[j], head_logprobs[j])
+        return token_ids, logprobs, candidates, heads
 
     def _save_session(self, row: Row, cache, b: int, start: int, stop: int) -> None:
         """Keep batch row b's cache columns [start, stop) as its session's state."""

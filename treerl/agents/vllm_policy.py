@@ -59,8 +59,9 @@ def to_vllm_sampling_kwargs(request: GenerationRequest, stop_token_ids: frozense
         "max_tokens": params.max_new_tokens,
         "seed": request.seed,
         "stop_token_ids": sorted(stop_token_ids | set(params.stop_token_ids)),
-        # top_k processed log-probs per step reveal the whole candidate set; 0: the sampled token only.
-        "logprobs": params.top_k if params.top_k is not None else 0,
+        # top_k processed log-probs per step reveal the whole candidate set; else the head score
+        # centering asks for (top_logprobs), or 0: the sampled token only.
+        "logprobs": params.top_k if params.top_k is not None else params.top_logprobs,
         "detokenize": False,
         "skip_special_tokens": False,
     }
@@ -78,6 +79,9 @@ def to_generation(
     >>> g = to_generation(out, SamplingParams(top_k=3), num_prompt_tokens=4, num_cached_tokens=None, version=2)
     >>> g.token_ids, g.logprobs, g.candidates, g.num_prompt_tokens_processed
     ([5], [-0.1], [[5, 6]], 4)
+    >>> g = to_generation(out, SamplingParams(top_logprobs=1), num_prompt_tokens=4, num_cached_tokens=0, version=2)
+    >>> g.candidates, g.top_ids, g.top_logprobs
+    (None, [[5]], [[-0.1]])
     """
     token_ids = [int(t) for t in completion.token_ids]
     steps = completion.logprobs
@@ -94,6 +98,14 @@ def to_generation(
              if math.isfinite(lp.logprob)]
             for step in steps
         ]
+    top_ids = top_logprobs = None
+    if params.top_logprobs > 0:
+        ranked = [sorted(((int(t), float(lp.logprob)) for t, lp in step.items() if math.isfinite(lp.logprob)),
+                         key=lambda item: (-item[1], item[0])) for step in steps]
+        if candidates is None:  # the whole vocabulary: its head (vLLM adds the sampled token beyond it)
+            ranked = [pairs[:params.top_logprobs] for pairs in ranked]
+            top_ids = [[t for t, _ in pairs] for pairs in ranked]
+        top_logprobs = [[lp for _, lp in pairs] for pairs in ranked]
     if completion.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r} (aborted?).")
     return Generation(
@@ -103,6 +115,8 @@ def to_generation(
         finish_reason=completion.finish_reason,
         policy_version=version,
         num_prompt_tokens_processed=num_prompt_tokens - (num_cached_tokens or 0),
+        top_ids=top_ids,
+        top_logprobs=top_logprobs,
     )
 
 

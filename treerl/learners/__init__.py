@@ -1,11 +1,13 @@
-"""Learners: the GRPO loop on the learner core, losses and advantages (pure functions), importance
-sampling, tree packing.
+"""Learners: the GRPO and AsyncGRPO loops on the learner core, losses and advantages (pure functions),
+importance sampling and score centering, tree packing.
 
 >>> from treerl.learners import GRPOConfig, train       # doctest: +SKIP
 >>> train(GRPOConfig(env="treerl/Calculator-v0", output_dir="runs/calc", steps=10))  # doctest: +SKIP
 """
 
 from treerl.learners.advantages import AdvantageConfig, compute_advantages
+from treerl.learners.async_grpo import AsyncGRPOConfig, train_async
+from treerl.learners.centering import score_centering
 from treerl.learners.config import LearnerConfig
 from treerl.learners.core import LEARNERS, LearnerSpec, Run, TrainResult, build, finish, register_learner
 from treerl.learners.forward import loss_inputs, packed_logprobs, packed_loss, window_normalizer
@@ -28,6 +30,7 @@ from treerl.learners.rewards import RewardFunc
 
 __all__ = [
     "GRPOConfig", "train", "LearnerConfig", "TrainResult", "RewardFunc", "Run", "build", "finish",
+    "AsyncGRPOConfig", "train_async", "score_centering",
     "LEARNERS", "LearnerSpec", "register_learner",
     "AdvantageConfig", "compute_advantages",
     "ImportanceConfig", "importance_weights",

@@ -199,11 +199,13 @@ class Run:
         return write_groups(sample_path(self.out_dir, step + 1), sample)
 
     def end_step(self, step: int, metrics: dict[str, float], stats: RolloutStats, *, num_episodes: int,
-                 batches: Sequence[PackedBatch] = ()) -> dict[str, float]:
+                 batches: Sequence[PackedBatch] = (), next_task: int | None = None) -> dict[str, float]:
         """The step's summary, diagnostics, metrics line and checkpoint; returns the logged metrics.
 
         ``metrics`` holds the algorithm's own (losses, rewards, ``perf/rollout_s``); the
         rollout summary, packing figures and times are added here, combined over ranks.
+        ``next_task`` is the first task index a resumed run plays (default: the step's
+        ``tasks_per_step`` tasks after this step's first).
         """
         summary = RolloutStats.merge(self.ranks.gather(stats)).summary()
         local = {  # this rank's own: averaged over ranks by episodes (times: the slowest rank)
@@ -223,8 +225,9 @@ class Run:
             "policy/version": self.sync.version,
             **self.ranks.mean_metrics(local, weight=num_episodes),
         })
-        self.state = TrainerState(step=step + 1, policy_version=self.sync.version,
-                                  next_task=self.state.next_task + self.cfg.tasks_per_step)
+        if next_task is None:
+            next_task = self.state.next_task + self.cfg.tasks_per_step
+        self.state = TrainerState(step=step + 1, policy_version=self.sync.version, next_task=next_task)
         if self.ranks.is_main:
             metrics.update(self.diagnostics.check(step + 1, metrics))
             self.log.log(step + 1, metrics)

@@ -65,7 +65,7 @@ class Diagnostics:
             if value is None:
                 continue
             if (value > c.threshold) if c.above else (value < c.threshold):
-                self._emit(step, c.kind, float(value), c.threshold, c.action)
+                self.report(step, c.kind, float(value), c.threshold, c.action)
                 fired[f"diag/{c.kind}"] = 1.0
         rate = metrics.get("tools/invalid_rate")
         if rate is not None:
@@ -76,13 +76,14 @@ class Diagnostics:
                 before = sum(self._tool_errors[: self.window]) / self.window
                 after = sum(self._tool_errors[self.window:]) / self.window
                 if after > before + 0.1:
-                    self._emit(step, "tool_errors_rising", after, before + 0.1,
-                               "The tool-call error rate is rising: inspect tools/* metrics and the rollouts; "
-                               "lower the learning rate or reward well-formed calls.")
+                    self.report(step, "tool_errors_rising", after, before + 0.1,
+                                "The tool-call error rate is rising: inspect tools/* metrics and the rollouts; "
+                                "lower the learning rate or reward well-formed calls.")
                     fired["diag/tool_errors_rising"] = 1.0
         return fired
 
-    def _emit(self, step: int, kind: str, value: float, threshold: float, action: str) -> None:
+    def report(self, step: int, kind: str, value: float, threshold: float, action: str) -> None:
+        """Write one diagnostic line and log it (the checks call this; a learner may too)."""
         record = {"step": step, "kind": kind, "value": value, "threshold": threshold, "action": action}
         logger.warning("diagnostic %s at step %d: %.4g (threshold %.4g). %s", kind, step, value, threshold, action)
         with open(self.path, "a", encoding="utf-8") as f:

@@ -44,6 +44,7 @@ __all__ = [
     "packed_hidden_states",
     "packed_logprobs",
     "packed_loss",
+    "head_weights",
     "uses_tree_attention",
     "window_normalizer",
 ]
@@ -66,6 +67,9 @@ class PackedLogprobs:
     """Log-prob over the full vocabulary (equals ``logp`` where no candidate set was recorded)."""
     choice: ImplChoice | None = None
     """Which log-prob implementation ran, and why."""
+    head_logp: Tensor | None = None
+    """(M, K) with ``head=True``: the vocabulary log-probs of each term's ``loss_head_ids``
+    (the sampler's recorded head; -inf on padding), for score centering."""
 
 
 def uses_tree_attention(model: torch.nn.Module) -> bool:
@@ -136,6 +140,7 @@ def packed_logprobs(
     impl: str = "auto",
     chunk_tokens: int = 1024,
     chunk_vocab: int = 8192,
+    head: bool = False,
 ) -> PackedLogprobs:
     """Log-probs, entropies and candidate-renormalized log-probs of every term of ``batch``.
 
@@ -146,6 +151,7 @@ def packed_logprobs(
             model's device (``batch.to(device)``).
         temperature: the sampler's temperature; logits are divided by it.
         impl, chunk_tokens, chunk_vocab: passed to :func:`token_logprobs`.
+        head: also the log-probs of the sampler's recorded head ids (``head_logp``).
 
     The LM head runs once per loss position (``N``), not per term (``M``): episodes that
     share a sampled token share its head computation, and the gather's gradient adds their
@@ -170,12 +176,46 @@ def packed_logprobs(
     logp = out.logp  # (N,)
     if out.logp_candidates is not None:
         logp = torch.where(batch.loss_has_candidates, out.logp_candidates, out.logp)
+    head_logp = None
+    if head and batch.loss_head_ids is not None:
+        head_logp = _head_logprobs(hidden_at_loss, head_weights(model), batch, out.logp, temperature,
+                                   chunk_tokens)[batch.term_loss]  # (M, K)
     return PackedLogprobs(
         logp=logp[batch.term_loss],  # (M,)
         entropy=out.entropy[batch.term_loss],
         logp_vocab=out.logp[batch.term_loss],
         choice=out.choice,
+        head_logp=head_logp,
     )
+
+
+def head_weights(model: torch.nn.Module) -> tuple[Tensor, Tensor | None]:
+    """The LM head's weight ``(V, H)`` and bias ``(V,)`` or None."""
+    lm_head = model.get_output_embeddings()
+    return lm_head.weight, lm_head.bias
+
+
+def _head_logprobs(hidden: Tensor, weights: tuple[Tensor, Tensor | None], batch: PackedBatch, logp_target: Tensor,
+                   temperature: float, chunk: int) -> Tensor:
+    """(N, K) vocabulary log-probs of ``batch.loss_head_ids`` at each loss position.
+
+    Only K logits per position are formed: the log-normalizer comes from the target's
+    vocabulary log-prob, ``log Z = z_target - logp_target``, which keeps the gradient of Z.
+    """
+    weight, bias = weights
+    ids = batch.loss_head_ids.clamp(min=0)  # (N, K); padding reads id 0 and is masked below
+    out = []
+    for start in range(0, ids.shape[0], chunk):
+        h = hidden[start:start + chunk].to(weight.dtype)  # (n, H)
+        z = torch.einsum("nh,nkh->nk", h, weight[ids[start:start + chunk]])  # (n, K)
+        z_target = (h * weight[batch.loss_target[start:start + chunk]]).sum(-1)  # (n,)
+        if bias is not None:
+            z = z + bias[ids[start:start + chunk]]
+            z_target = z_target + bias[batch.loss_target[start:start + chunk]]
+        log_z = z_target.float() / temperature - logp_target[start:start + chunk]  # (n,)
+        out.append(z.float() / temperature - log_z.unsqueeze(-1))
+    logp = torch.cat(out) if out else hidden.new_zeros((0, ids.shape[1]), dtype=torch.float32)
+    return logp.masked_fill(batch.loss_head_ids < 0, -torch.inf)
 
 
 def window_normalizer(batches: Sequence[PackedBatch]) -> LossNormalizer:
@@ -197,6 +237,7 @@ def loss_inputs(
     ref_logp: Tensor | None = None,
     is_weight: Tensor | None = None,
     is_mask: Tensor | None = None,
+    centering: Tensor | None = None,
 ) -> LossInputs:
     """The :class:`LossInputs` of one packed micro-batch.
 
@@ -220,6 +261,7 @@ def loss_inputs(
         entropy=logprobs.entropy,
         is_weight=is_weight,
         is_mask=is_mask,
+        centering=centering,
     )
 
 

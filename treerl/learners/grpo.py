@@ -15,6 +15,9 @@ one function each::
         run.end_step(...)                                 # log, diagnose, checkpoint
     finish(run)
 
+Everything after the rollout is :func:`update`, which AsyncGRPO (:mod:`~treerl.learners.async_grpo`)
+calls with the groups it takes from its buffer instead.
+
 The loss is any of :data:`~treerl.learners.losses.POLICY_LOSSES` (``--loss dapo`` and its
 variants, or one added with :func:`~treerl.learners.losses.register_loss`). On-policy with one
 update per step, the PPO ratio is 1 and the sampler/trainer gap is corrected by importance
@@ -42,6 +45,7 @@ import torch
 from treerl.agents.policy import Policy
 from treerl.config import field_help
 from treerl.learners.advantages import AdvantageConfig, compute_advantages
+from treerl.learners.centering import batch_centering
 from treerl.learners.config import LearnerConfig
 from treerl.learners.core import OptimizerSpec, Run, TrainResult, build, finish, register_learner
 from treerl.learners.distributed import Ranks
@@ -50,6 +54,7 @@ from treerl.learners.importance import ImportanceConfig, importance_weights
 from treerl.learners.losses import POLICY_LOSSES, LossCoefficients, LossConfig, LossNormalizer, compute_loss
 from treerl.learners.packing import PackedBatch, pack_groups
 from treerl.learners.rewards import RewardFunc, score
+from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group
 
 __all__ = ["GRPOConfig", "TrainResult", "train", "RewardFunc"]
@@ -156,21 +161,23 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     model.train()
     for batch in batches:
         batch = batch.to(device)
-        out = packed_logprobs(model, batch, temperature=cfg.temperature, impl="auto")
+        out = packed_logprobs(model, batch, temperature=cfg.temperature, impl="auto", head=is_cfg.centering)
         # On-policy, one update per batch: the old policy is the current one (ratio 1); the
         # sampler/trainer gap is corrected by importance weights, detached.
         iw = importance_weights(out.logp.detach(), batch.term_sampler_logp.to(out.logp.device),
                                 batch.term_episode.to(out.logp.device), batch.num_episodes, is_cfg,
                                 adv=batch.term_adv.to(out.logp.device))
+        centering = batch_centering(batch, out.head_logp, is_cfg) if is_cfg.centering else None
         ref_logp = None
         if ref_model is not None:
             with torch.no_grad():
                 ref_logp = packed_logprobs(ref_model, batch, temperature=cfg.temperature, impl="auto").logp
-        inputs = loss_inputs(batch, out, ref_logp=ref_logp, is_weight=iw.weight, is_mask=iw.mask)
+        inputs = loss_inputs(batch, out, ref_logp=ref_logp, is_weight=iw.weight, is_mask=iw.mask,
+                             centering=None if centering is None else centering.terms)
         result = compute_loss(inputs, loss_cfg, normalizer)
         result.loss.backward()
         n = batch.num_terms
-        for k, v in {**result.metrics, **iw.metrics}.items():
+        for k, v in {**result.metrics, **iw.metrics, **(centering.metrics if centering else {})}.items():
             totals[k] = totals.get(k, 0.0) + float(v) * (1.0 if k.startswith("loss/") else n)
         totals["_terms"] = totals.get("_terms", 0.0) + n
         totals["entropy/mean"] = totals.get("entropy/mean", 0.0) + float(out.entropy.detach().sum())
@@ -194,10 +201,21 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
 
 def grpo_step(run: Run, step: int) -> dict[str, float]:
     """One GRPO step on the run's parts; returns the logged metrics."""
-    cfg, metrics = run.cfg, {}
+    metrics: dict[str, float] = {}
     start = time.perf_counter()
     groups, stats = run.rollout()
     metrics["perf/rollout_s"] = time.perf_counter() - start
+    return update(run, step, groups, stats, metrics)
+
+
+def update(run: Run, step: int, groups: Sequence[Group], stats: RolloutStats, metrics: dict[str, float], *,
+           next_task: int | None = None) -> dict[str, float]:
+    """Everything of a step after its rollout: score, advantages, pack, optimize, publish, log.
+
+    AsyncGRPO calls it with the groups it took from its buffer; ``next_task`` is then the
+    first task index its generators have not been handed yet (see :meth:`Run.end_step`).
+    """
+    cfg = run.cfg
     rewards = score(groups, run.reward_funcs, metrics)
     adv = advantages(groups, rewards, run.reward_weights, cfg, metrics, run.ranks)
     run.keep_sample(step, groups, adv)
@@ -208,7 +226,7 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     optimize(run.model, run.optimizer, run.scheduler, batches, cfg, run.device, metrics, run.ranks,
              ref_model=run.reference, normalizer=normalizer)
     run.publish_weights(metrics)
-    return run.end_step(step, metrics, stats, num_episodes=len(adv), batches=batches)
+    return run.end_step(step, metrics, stats, num_episodes=len(adv), batches=batches, next_task=next_task)
 
 
 def train(cfg: GRPOConfig, *, model: torch.nn.Module | None = None, tokenizer: Any = None,

@@ -49,7 +49,8 @@ from torch import Tensor
 
 from treerl.learners.losses import episode_sum
 
-__all__ = ["IMPORTANCE_LEVELS", "IMPORTANCE_MODES", "ImportanceConfig", "ImportanceOutput", "importance_weights"]
+__all__ = ["IMPORTANCE_LEVELS", "IMPORTANCE_MODES", "ImportanceConfig", "ImportanceOutput", "importance_weights",
+           "ratio_weight"]
 
 IMPORTANCE_LEVELS = ("token", "sequence")
 IMPORTANCE_MODES = ("truncate", "mask", "off")
@@ -79,6 +80,9 @@ class ImportanceConfig:
     opsm_threshold: float | None = None
     """Off-policy sequence masking: mask an episode with advantage < 0 whose mean
     ``sampler_logp - trainer_logp`` exceeds this; None disables."""
+    centering: bool = False
+    """Score centering: also subtract each token's sampler-expected score, weighted the same
+    way (:mod:`treerl.learners.centering`); token level only."""
 
     def __post_init__(self) -> None:
         if self.level not in IMPORTANCE_LEVELS:
@@ -99,6 +103,11 @@ class ImportanceConfig:
         if low is not None and high is not None and not low < high:
             raise ValueError(
                 f"ImportanceConfig.geo_mask_low ({low}) must be below geo_mask_high ({high})."
+            )
+        if self.centering and self.level != "token":
+            raise ValueError(
+                "ImportanceConfig.centering needs level='token': each token's score is centered with its own "
+                "importance weight. Use level='token', or centering=False."
             )
         if self.opsm_threshold is not None and not math.isfinite(self.opsm_threshold):
             raise ValueError(
@@ -165,16 +174,8 @@ def importance_weights(
             ratio = torch.exp(seq_log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))[episode]  # (M,)
 
         outside = (ratio < cfg.ratio_low) | (ratio > cfg.ratio_high)  # (M,)
-        keep = torch.ones_like(ratio, dtype=torch.bool)
-        truncated = torch.zeros_like(keep)
-        if cfg.mode == "truncate":
-            weight = ratio.clamp(min=cfg.ratio_low, max=cfg.ratio_high)
-            truncated = outside
-        elif cfg.mode == "mask":
-            weight = ratio
-            keep = keep & ~outside
-        else:
-            weight = torch.ones_like(ratio)
+        weight, keep = ratio_weight(ratio, cfg)
+        truncated = outside if cfg.mode == "truncate" else torch.zeros_like(keep)
 
         metrics: dict[str, Tensor] = {}
         if cfg.geo_mask_low is not None or cfg.geo_mask_high is not None:
@@ -201,6 +202,22 @@ def importance_weights(
         metrics["is/masked_frac"] = _frac(~keep)
         metrics["is/truncated_frac"] = _frac(truncated)
         return ImportanceOutput(weight=weight, mask=keep.to(dtype), metrics=dict(sorted(metrics.items())))
+
+
+def ratio_weight(ratio: Tensor, cfg: ImportanceConfig) -> tuple[Tensor, Tensor]:
+    """The mode's weight and keep-mask of raw ratios (any shape): clamp, mask or 1.
+
+    >>> import torch
+    >>> w, keep = ratio_weight(torch.tensor([0.5, 3.0]), ImportanceConfig(mode="mask", ratio_high=2.0))
+    >>> w.tolist(), keep.tolist()
+    ([0.5, 3.0], [True, False])
+    """
+    keep = torch.ones_like(ratio, dtype=torch.bool)
+    if cfg.mode == "truncate":
+        return ratio.clamp(min=cfg.ratio_low, max=cfg.ratio_high), keep
+    if cfg.mode == "mask":
+        return ratio, keep & ~((ratio < cfg.ratio_low) | (ratio > cfg.ratio_high))
+    return torch.ones_like(ratio), keep
 
 
 def _frac(mask: Tensor) -> Tensor:

@@ -14,7 +14,8 @@ from torch import Tensor
 from treerl.errors import TreerlError
 from treerl.kernels.tree_layout import TreeBatch
 
-__all__ = ["PACK_MODES", "PackedBatch", "PackingConfig", "PackingError", "packing_metrics"]
+__all__ = ["PACK_MODES", "PackedBatch", "PackingConfig", "PackingError", "SamplerHead", "head_tensors",
+           "packing_metrics"]
 
 PACK_MODES: tuple[str, ...] = ("tree", "flat", "padded")
 
@@ -109,6 +110,13 @@ class PackedBatch:
     term_old_logp: Tensor | None = None
     """(M,) detached log-prob under the policy that defines the trust region, once the
     learner has computed it (:meth:`with_old_logp`); None until then."""
+    loss_head_ids: Tensor | None = None
+    """(N, K) long: the sampler's recorded head at each loss position (the whole candidate set,
+    or its most likely ids over the vocabulary), padded with -1; None when none was recorded."""
+    loss_head_logp: Tensor | None = None
+    """(N, K) float32: the sampler's log-probs of ``loss_head_ids``; -inf on padding."""
+    loss_head_exact: Tensor | None = None
+    """(N,) bool: True where the head is the sampler's whole support (a bounded candidate set)."""
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -173,6 +181,36 @@ class PackedBatch:
             if isinstance(getattr(self, f.name), Tensor)
         }
         return replace(self, **moved)
+
+
+@dataclass(frozen=True)
+class SamplerHead:
+    """What the sampler recorded about its distribution at one sampled token (for score centering)."""
+
+    ids: list[int]
+    logprobs: list[float]
+    exact: bool
+    """True when ``ids`` is the whole support (top-k was on), False for the vocabulary's head."""
+
+
+def head_tensors(heads: Sequence[SamplerHead | None]) -> dict[str, Tensor | None]:
+    """The ``loss_head_*`` fields of a :class:`PackedBatch` from each loss position's head.
+
+    >>> out = head_tensors([SamplerHead([4, 2], [-0.1, -2.4], exact=True), None])
+    >>> out["loss_head_ids"].tolist(), out["loss_head_exact"].tolist()
+    ([[4, 2], [-1, -1]], [True, False])
+    """
+    if all(h is None for h in heads):
+        return {"loss_head_ids": None, "loss_head_logp": None, "loss_head_exact": None}
+    width = max(len(h.ids) for h in heads if h is not None)
+    ids = torch.full((len(heads), width), -1, dtype=torch.long)  # (N, K)
+    logp = torch.full((len(heads), width), float("-inf"), dtype=torch.float32)  # (N, K)
+    for n, head in enumerate(heads):
+        if head is not None:
+            ids[n, : len(head.ids)] = torch.tensor(head.ids, dtype=torch.long)
+            logp[n, : len(head.ids)] = torch.tensor(head.logprobs, dtype=torch.float32)
+    exact = torch.tensor([h is not None and h.exact for h in heads], dtype=torch.bool)  # (N,)
+    return {"loss_head_ids": ids, "loss_head_logp": logp, "loss_head_exact": exact}
 
 
 # -- pieces: the trees that go into rows ------------------------------------------------------

@@ -76,8 +76,16 @@ import torch
 from torch import Tensor
 
 from treerl.kernels.tree_layout import TreeBatch, TreeLayout
-from treerl.learners.packed_batch import PACK_MODES, PackedBatch, PackingConfig, PackingError, packing_metrics
-from treerl.rollout.trajectory import Group
+from treerl.learners.packed_batch import (
+    PACK_MODES,
+    PackedBatch,
+    PackingConfig,
+    PackingError,
+    SamplerHead,
+    head_tensors,
+    packing_metrics,
+)
+from treerl.rollout.trajectory import Group, Segment
 
 __all__ = [
     "PACK_MODES",
@@ -109,7 +117,7 @@ class _Unit:
     """Episodes that stay together (one micro-batch), their pieces and their loss terms."""
 
     pieces: list[_Piece]
-    targets: list[tuple[int, int, float, list[int] | None]]
+    targets: list[tuple[int, int, float, list[int] | None, SamplerHead | None]]
     """Loss positions: (piece, token index, sampler log-prob, candidate set or None)."""
     terms: list[tuple[int, int]]
     """(index into ``targets``, global episode)."""
@@ -293,9 +301,18 @@ def _unit(
                     if (p, index) not in target_of:
                         target_of[(p, index)] = len(unit.targets)
                         candidates = None if seg.candidates is None else seg.candidates[off]
-                        unit.targets.append((p, index, float(seg.logprobs[off]), candidates))
+                        unit.targets.append((p, index, float(seg.logprobs[off]), candidates, _head(seg, off)))
                     unit.terms.append((target_of[(p, index)], first_episode + i))
     return unit
+
+
+def _head(seg: Segment, off: int) -> SamplerHead | None:
+    """The sampler's recorded head at token ``off`` of a sampled segment, if it recorded one."""
+    if seg.top_logprobs is None:
+        return None
+    if seg.candidates is not None:  # the whole support, exactly
+        return SamplerHead(seg.candidates[off], seg.top_logprobs[off], exact=True)
+    return SamplerHead(seg.top_ids[off], seg.top_logprobs[off], exact=False)
 
 
 def _group_units(group: Group, g: int, first_episode: int, cfg: PackingConfig) -> list[_Unit]:
@@ -486,12 +503,13 @@ def _assemble(
 
     loss_row, loss_pos, loss_target_pos, loss_target, sampler_logp = [], [], [], [], []
     candidates: list[list[int] | None] = []
+    heads: list[SamplerHead | None] = []
     term_loss, term_episode = [], []
     num_path_tokens = 0
     for u in unit_order:
         unit = units[u]
         offset = len(loss_row)
-        for p, index, logp, cands in unit.targets:
+        for p, index, logp, cands, head in unit.targets:
             r, start = base[(u, p)]
             piece = unit.pieces[p]
             loss_row.append(r)
@@ -500,6 +518,7 @@ def _assemble(
             loss_target.append(piece.token_ids[index])
             sampler_logp.append(logp)
             candidates.append(cands)
+            heads.append(head)
         for target, episode in unit.terms:
             term_loss.append(offset + target)
             term_episode.append(episode)
@@ -534,4 +553,5 @@ def _assemble(
         episode_num_tokens=episode_num_tokens,
         row_work=tuple(row_work),
         num_path_tokens=num_path_tokens,
+        **head_tensors(heads),
     )

@@ -95,6 +95,7 @@ async def sample_turn(policy: Policy, state: EpisodeState, group: Group, rendere
     leaf = group.add_segment(
         "sampled", gen.token_ids, parent=state.parent, logprobs=gen.logprobs, candidates=gen.candidates,
         policy_version=gen.policy_version, finish_reason=gen.finish_reason,
+        top_ids=gen.top_ids, top_logprobs=gen.top_logprobs,
     )
     text = renderer.completion_text(gen.token_ids)
     before = state.messages

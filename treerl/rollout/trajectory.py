@@ -83,6 +83,12 @@ class Segment:
     trainer_logprobs: list[float] | None = None
     """Sampled segments in a learner's trajectory sample: the trainer's log-prob of each token
     when it trained on them (optional; stored only when set)."""
+    top_ids: list[list[int]] | None = None
+    """Sampled segments, when the sampler recorded its head over the whole vocabulary: per
+    token, its most likely ids (see ``top_logprobs``)."""
+    top_logprobs: list[list[float]] | None = None
+    """Sampled segments, when recorded: per token, the sampler's log-probs of ``candidates``
+    (the whole support) or else of ``top_ids``. Score centering reads them."""
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind, "parent": self.parent, "token_ids": self.token_ids}
@@ -91,6 +97,8 @@ class Segment:
                      finish_reason=self.finish_reason)
             if self.trainer_logprobs is not None:
                 d["trainer_logprobs"] = self.trainer_logprobs
+            if self.top_logprobs is not None:  # only when recorded: files without them stay as they were
+                d.update(top_ids=self.top_ids, top_logprobs=self.top_logprobs)
         return d
 
     @classmethod
@@ -98,7 +106,8 @@ class Segment:
         return cls(kind=d["kind"], token_ids=list(d["token_ids"]), parent=d.get("parent"),
                    logprobs=d.get("logprobs"), candidates=d.get("candidates"),
                    policy_version=d.get("policy_version"), finish_reason=d.get("finish_reason"),
-                   trainer_logprobs=d.get("trainer_logprobs"))
+                   trainer_logprobs=d.get("trainer_logprobs"), top_ids=d.get("top_ids"),
+                   top_logprobs=d.get("top_logprobs"))
 
 
 @dataclass
@@ -202,7 +211,9 @@ class Group:
 
     def add_segment(self, kind: SegmentKind, token_ids: Sequence[int], *, parent: int | None = None,
                     logprobs: Sequence[float] | None = None, candidates: Sequence[Sequence[int]] | None = None,
-                    policy_version: int | None = None, finish_reason: str | None = None) -> int:
+                    policy_version: int | None = None, finish_reason: str | None = None,
+                    top_ids: Sequence[Sequence[int]] | None = None,
+                    top_logprobs: Sequence[Sequence[float]] | None = None) -> int:
         """Append a segment and return its index (parents must already exist)."""
         if parent is not None and not 0 <= parent < len(self.segments):
             raise ValueError(f"parent={parent} does not name an existing segment (have {len(self.segments)}).")
@@ -211,11 +222,19 @@ class Group:
                 raise ValueError("A sampled segment needs one sampler log-prob per token.")
             if candidates is not None and len(candidates) != len(token_ids):
                 raise ValueError("A sampled segment needs one candidate set per token (or None for the full vocab).")
+            if top_logprobs is not None:
+                heads = candidates if candidates is not None else top_ids
+                if heads is None or len(top_logprobs) != len(token_ids) or any(
+                        len(lp) != len(h) for lp, h in zip(top_logprobs, heads)):
+                    raise ValueError("top_logprobs needs, per token, one log-prob per candidate (or per top_ids "
+                                     "entry when the whole vocabulary is the support).")
         self.segments.append(Segment(
             kind=kind, token_ids=[int(t) for t in token_ids], parent=parent,
             logprobs=[float(x) for x in logprobs] if logprobs is not None else None,
             candidates=[[int(c) for c in cs] for cs in candidates] if candidates is not None else None,
             policy_version=policy_version, finish_reason=finish_reason,
+            top_ids=[[int(c) for c in cs] for cs in top_ids] if top_ids is not None else None,
+            top_logprobs=[[float(x) for x in lp] for lp in top_logprobs] if top_logprobs is not None else None,
         ))
         return len(self.segments) - 1
 

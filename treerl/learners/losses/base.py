@@ -95,6 +95,9 @@ class LossInputs:
     :func:`treerl.learners.importance.importance_weights`; ``None`` means 1."""
     is_mask: Tensor | None = None
     """(M,) 0/1 mask from the same function; ``None`` keeps every term."""
+    centering: Tensor | None = None
+    """(M,) score-centering surrogate of each term (:mod:`treerl.learners.centering`); the
+    loss adds ``adv * centering`` after the IS weight and mask, which it already carries."""
 
     def __post_init__(self) -> None:
         if self.logp.dim() != 1:
@@ -104,7 +107,8 @@ class LossInputs:
                 "positions and flatten them first."
             )
         m = self.logp.shape[0]
-        for name in ("old_logp", "sampler_logp", "adv", "episode", "ref_logp", "entropy", "is_weight", "is_mask"):
+        for name in ("old_logp", "sampler_logp", "adv", "episode", "ref_logp", "entropy", "is_weight", "is_mask",
+                     "centering"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (m,):
                 raise ValueError(
@@ -471,6 +475,9 @@ def finish_policy_loss(
         policy_terms = policy_terms * inputs.is_weight.to(policy_terms.dtype)
     if inputs.is_mask is not None:
         policy_terms = policy_terms * inputs.is_mask.to(policy_terms.dtype)
+    if inputs.centering is not None:
+        # The sampler-expected score, weighted as the sampled token is: subtracted from its score.
+        policy_terms = policy_terms + at_least_f32(inputs.adv) * inputs.centering.to(policy_terms.dtype)
     aggregate = AGGREGATIONS[cfg.aggregation or DEFAULT_AGGREGATIONS[loss_name]]
 
     policy = aggregate(policy_terms, inputs, cfg, normalizer)

@@ -1,0 +1,248 @@
+"""AsyncGRPO: the buffer's tickets and staleness, the equality with synchronous GRPO, and a run end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from treerl.learners.async_buffer import GroupBuffer
+from treerl.learners.async_grpo import AsyncGRPOConfig, train_async
+from treerl.learners.grpo import GRPOConfig, train
+
+SMALL = dict(steps=2, tasks_per_step=2, group_size=4, max_new_tokens=48, eval_episodes=0, progress=False,
+             num_threads=1)
+
+
+def _load():
+    from treerl.models import load_default_model
+
+    return load_default_model()
+
+
+# -- the buffer -----------------------------------------------------------------------------------
+
+
+def _buffer(**kw) -> GroupBuffer:
+    args = dict(tasks_per_step=2, max_staleness=1, capacity=4, next_task=0, version=0)
+    return GroupBuffer(**{**args, **kw})
+
+
+def test_tickets_target_the_step_that_will_train_them_and_fill_the_capacity():
+    buf = _buffer(capacity=5, next_task=10, version=3)
+    buf.add_generator(0)
+    buf.add_generator(1)
+    issued = buf.issue()
+    tickets = sorted((t for ts in issued.values() for t in ts), key=lambda t: t.task)
+    assert [t.task for t in tickets] == [10, 11, 12, 13, 14]
+    assert [t.target for t in tickets] == [3, 3, 4, 4, 5]  # tasks_per_step groups per version
+    assert sorted(len(ts) for ts in issued.values()) == [2, 3]  # spread over the generators
+    assert buf.issue() == {}  # full: backpressure until something is taken
+
+
+def test_stale_groups_are_dropped_whole_and_their_slot_is_reissued():
+    buf = _buffer(max_staleness=1)
+    buf.add_generator(0)
+    buf.issue()
+    buf.arrive(0, task=0, oldest=0, newest=2, payload="old")  # its oldest span is 2 behind version 2
+    buf.arrive(0, task=1, oldest=1, newest=2, payload="ok")
+    taken = buf.take(2, trainer_version=2, timeout=0)
+    assert [a.payload for a in taken] == ["ok"] and buf.dropped == 1
+    assert buf.staleness == {1: 1}
+    # Two slots freed (the dropped group's and the taken one's): fresh tasks, trained as soon as possible.
+    assert [(t.task, t.target) for t in buf.issue()[0]] == [(4, 2), (5, 2)]
+
+
+def test_a_lost_generator_loses_its_tickets_and_its_late_groups_are_ignored():
+    buf = _buffer(capacity=4)
+    buf.add_generator(0)
+    buf.add_generator(1)
+    held = {g: [t.task for t in ts] for g, ts in buf.issue().items()}
+    assert buf.lose(0) == len(held[0]) == 2
+    assert not buf.arrive(0, task=held[0][0], oldest=0, newest=0, payload="late")  # never trained
+    assert buf.ignored == 1 and buf.lost == 2
+    fresh = [t.task for t in buf.issue()[1]]
+    assert fresh == [4, 5], "lost tickets are replaced by new tasks, never replayed"
+
+
+def test_take_waits_for_groups_and_takes_the_stalest_first():
+    buf = _buffer(max_staleness=2)
+    buf.add_generator(0)
+    buf.issue()
+    threading.Timer(0.2, buf.arrive, args=(0,), kwargs=dict(task=3, oldest=2, newest=2, payload="late")).start()
+    assert [a.payload for a in buf.take(1, trainer_version=2, timeout=10)] == ["late"]  # waited for it
+    buf.arrive(0, task=1, oldest=1, newest=1, payload="fresh")
+    buf.arrive(0, task=0, oldest=0, newest=1, payload="stale")
+    buf.arrive(0, task=2, oldest=1, newest=1, payload="fresh too")
+    assert [a.payload for a in buf.take(2, trainer_version=2, timeout=0)] == ["stale", "fresh"]
+    assert buf.occupancy == 1
+
+
+@pytest.mark.parametrize("wait_for_due", [True, False])
+def test_a_step_waits_for_a_due_group_still_being_played_unless_told_to_drop(wait_for_due):
+    buf = _buffer(tasks_per_step=1, max_staleness=1, capacity=3, wait_for_due=wait_for_due)
+    buf.add_generator(0)
+    assert [t.task for t in buf.issue()[0]] == [0, 1, 2]
+    buf.start(0, task=0, version=0)  # a long episode: due at version 1, too stale at 2
+    buf.start(0, task=1, version=1)
+    buf.arrive(0, task=1, oldest=1, newest=1, payload="fresh")
+    taken = buf.take(1, trainer_version=1, timeout=0)
+    if wait_for_due:
+        assert taken == [], "the fresh group would push the due one past the bound: wait for it"
+        buf.arrive(0, task=0, oldest=0, newest=1, payload="due")
+        assert [a.payload for a in buf.take(1, trainer_version=1, timeout=0)] == ["due"]
+        assert [a.payload for a in buf.take(1, trainer_version=2, timeout=0)] == ["fresh"]
+        assert buf.dropped == 0
+    else:
+        assert [a.payload for a in taken] == ["fresh"]
+        buf.arrive(0, task=0, oldest=0, newest=1, payload="due")
+        assert buf.take(1, trainer_version=2, timeout=0) == [] and buf.dropped == 1
+
+
+def test_config_errors_name_the_field_and_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="max_staleness=-1 must be >= 0"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), max_staleness=-1)
+    with pytest.raises(ValueError, match="--is-level token"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), is_level="sequence")
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), is_level="sequence", objective="clipped")
+    assert cfg.capacity == (2 + 1) * 8  # every step a generator may run ahead
+    with pytest.raises(ValueError, match="objective='ppo'"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), objective="ppo")
+    with pytest.raises(ValueError, match="cannot be pickled"):
+        train_async(AsyncGRPOConfig(output_dir=str(tmp_path)), env_factory=lambda: None)
+
+
+# -- end to end -----------------------------------------------------------------------------------
+
+
+def test_max_staleness_0_with_one_generator_is_synchronous_grpo(tmp_path):
+    """The same groups, the same weights, so the same update as `train`: checked to 1e-5 after 3 steps."""
+    common = {**SMALL, "steps": 3}
+    sync_model, tok = _load()
+    train(GRPOConfig(output_dir=str(tmp_path / "sync"), **common), model=sync_model, tokenizer=tok)
+    async_model, tok = _load()
+    train_async(AsyncGRPOConfig(output_dir=str(tmp_path / "async"), max_staleness=0, num_generators=1, **common),
+                model=async_model, tokenizer=tok)
+    start, _ = _load()
+    moved = max((v - start.state_dict()[k]).abs().max().item() for k, v in sync_model.state_dict().items())
+    assert moved > 1e-4, "training must move the weights for the comparison to mean anything"
+    for key, value in sync_model.state_dict().items():
+        torch.testing.assert_close(async_model.state_dict()[key], value, atol=1e-5, rtol=0, msg=key)
+    def read(d):
+        return [json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+
+    for s, a in zip(read("sync"), read("async")):
+        assert a["reward/mean"] == s["reward/mean"]
+        assert a["async/staleness_0_frac"] == 1.0 and a["async/dropped_groups"] == 0
+
+
+def test_async_learner_end_to_end(tmp_path):
+    """Two steps ahead at most: the run trains, logs staleness and buffer figures, evaluates and saves."""
+    model, tok = _load()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), **{**SMALL, "steps": 4, "eval_episodes": 4}, max_staleness=2)
+    result = train_async(cfg, model=model, tokenizer=tok)
+    assert result.policy_version == 4
+    assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    for m in lines:
+        assert m["async/staleness_max"] <= 2 and m["async/dropped_groups"] == 0
+        fracs = [v for k, v in m.items() if k.startswith("async/staleness_") and k.endswith("_frac")]
+        assert math.isclose(sum(fracs), 1.0)
+        for key in ("async/buffer_occupancy", "async/generator_idle_frac", "async/weight_publish_s",
+                    "async/episodes_per_s", "perf/tokens_per_s", "loss/policy"):
+            assert math.isfinite(m[key]), key
+    assert any(m["async/staleness_max"] >= 1 for m in lines[1:]), "generators must run ahead of the trainer"
+    assert all("async/trainer_idle_frac" in m for m in lines[1:])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["eval_end"]["episodes"] == 4 and summary["async"]["lost_groups"] == 0
+    assert sum(summary["async"]["group_staleness"].values()) == 4 * 2
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(result.model_dir)
+    for k, v in saved.state_dict().items():
+        assert torch.allclose(v, model.state_dict()[k]), k
+
+
+def test_a_generator_samples_with_vllm_where_installed(tmp_path, monkeypatch):
+    """The vLLM engine in a generator (here the fake engine of test_vllm_policy: no GPU needed)."""
+    import asyncio
+
+    from test_vllm_policy import FakeLLM
+
+    from treerl.learners.async_buffer import Ticket
+    from treerl.learners.async_generator import GeneratorCore, GeneratorSpec
+
+    module = type(sys)("vllm")
+    module.LLM, module.SamplingParams = FakeLLM, lambda **kwargs: SimpleNamespace(**kwargs)
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), **SMALL, generator_policy="vllm")
+    spec = GeneratorSpec(cfg=cfg, max_staleness=0, sampling=cfg.sampling_overrides(), policy="vllm")
+    core = GeneratorCore(spec, generator_id=0)
+    assert core.policy.llm.kwargs["max_logprobs"] == cfg.centering_top_k  # room for the sampler's head
+
+    async def play():
+        await core.load_weights(3, {"w": torch.ones(1)})
+        return await core.play(Ticket(task=0, target=3))
+
+    oldest, newest, payload = asyncio.run(play())
+    core.close()
+    assert (oldest, newest) == (3, 3) and core.policy.llm.rpc, "the weights reached the engine's workers"
+    assert '"top_logprobs"' in payload and '"generator":0' in payload
+
+
+def test_weights_that_land_mid_episode_serve_its_next_turns_and_each_span_keeps_its_version(tmp_path):
+    import asyncio
+
+    from treerl.envs.builtin.calculator import CalculatorEnv
+    from treerl.envs.builtin.calculator_tasks import calculator
+    from treerl.envs.tools import tool
+    from treerl.learners.async_buffer import Ticket
+    from treerl.learners.async_generator import GeneratorCore, GeneratorSpec
+    from treerl.rollout.trajectory import Group
+
+    called, proceed = asyncio.Event(), asyncio.Event()
+
+    class PausingCalculator(CalculatorEnv):
+        """The calculator waits for the test: new weights arrive while episodes are between turns."""
+
+        def __init__(self, **kwargs):
+            @tool(name="calculator", timeout=60.0)
+            async def calc(expression: str) -> str:
+                """Evaluate an arithmetic expression.
+
+                Args:
+                    expression: Arithmetic using numbers, + - * / and parentheses, e.g. "(3 + 4) * 2".
+                """
+                called.set()
+                await proceed.wait()
+                return calculator(expression)
+
+            super().__init__(tools=[calc], **kwargs)
+
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), **SMALL, max_staleness=0)
+    core = GeneratorCore(GeneratorSpec(cfg=cfg, max_staleness=0, env_factory=PausingCalculator), generator_id=0)
+    weights = {k: v.clone() for k, v in core.policy.model.state_dict().items()}
+
+    async def play():
+        await core.load_weights(0, weights)
+        episode = asyncio.create_task(core.play(Ticket(task=0, target=0)))
+        await asyncio.wait_for(called.wait(), timeout=60)  # a first turn was sampled with version 0
+        await core.load_weights(1, weights)
+        proceed.set()
+        return await episode
+
+    oldest, newest, payload = asyncio.run(play())
+    core.close()
+    assert (oldest, newest) == (0, 1)
+    group = Group.from_json(payload)
+    for episode in group.episodes:
+        versions = [s.policy_version for s in episode.path() if s.kind == "sampled"]
+        assert versions == sorted(versions) and versions[0] == 0, "the episode went on with the new weights"
+    assert any(len(set(s.policy_version for s in e.path() if s.kind == "sampled")) == 2 for e in group.episodes)
