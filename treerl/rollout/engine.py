@@ -186,7 +186,7 @@ class RolloutEngine:
             state.turn += 1
             state.rewards.append(float(reward))
             # Each call record names the sampled segment that made it (the viewer places it there).
-            state.tool_calls.extend({**r, "segment": leaf} for r in info.get("tool_calls", []))
+            state.tool_calls.extend({**r, "segment": turn.leaf} for r in info.get("tool_calls", []))
             state.metrics.update(info.get("metrics", {}))
             if terminated or truncated:
                 termination = info.get("termination") or ("max_turns" if truncated else "terminated")
