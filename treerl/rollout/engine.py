@@ -11,7 +11,8 @@ Episodes run as asyncio tasks under one concurrency bound: while some wait on to
 the policy batches the others' generation requests. Limits per episode: turns (the
 environment's), tokens (``max_episode_tokens``) and wall clock (``max_episode_seconds``);
 the reason an episode ended is recorded. An environment that raises is recorded as an
-``env_error`` termination, never a crashed run.
+``env_error`` termination, never a crashed run. When an episode ends, the environment's
+``feedback()`` (what went wrong, in words) is recorded as the episode's ``metrics["feedback"]``.
 """
 
 from __future__ import annotations
@@ -253,6 +254,9 @@ class RolloutEngine:
         metrics = dict(state.metrics)
         metrics.update({"generation": list(state.path), "turns": state.turn,
                         "wall_s": round(time.monotonic() - state.started, 3)})
+        feedback = _feedback(state.env, group.env_id)
+        if feedback:
+            metrics["feedback"] = feedback  # what a teacher may read about this attempt (SDPO)
         group.add_episode(
             leaf=leaf, reward=sum(state.rewards), rewards=list(state.rewards), messages=state.messages,
             tool_calls=state.tool_calls, termination=termination, metrics=metrics,
@@ -302,6 +306,20 @@ class RolloutEngine:
         stats.wall_s = time.monotonic() - start
         groups.sort(key=lambda g: g.info["task_seed"])
         return groups, stats
+
+
+def _feedback(env: Any, env_id: str) -> str | None:
+    """``env.feedback()`` (see :meth:`treerl.envs.Env.feedback`); an environment bug there is logged, not raised."""
+    hook = getattr(env, "feedback", None)
+    if hook is None:
+        return None
+    try:
+        text = hook()
+    except Exception as exc:
+        logger.warning("environment %s raised in feedback(): %s", env_id,
+                       "".join(traceback.format_exception_only(exc)).strip())
+        return None
+    return text if isinstance(text, str) and text.strip() else None
 
 
 def _params_dict(params: SamplingParams) -> dict[str, Any]:
