@@ -14,9 +14,9 @@ from treerl.agents.policy import Generation, GenerationRequest
 
 
 class ScriptedPolicy:
-    """``script(generation, turn, prompt_ids) -> text`` decides every turn."""
+    """``script(task_key, generation, turn) -> text`` decides every turn."""
 
-    def __init__(self, tokenizer, script: Callable[[int, int, Sequence[int]], str], end_id: int):
+    def __init__(self, tokenizer, script: Callable[[str, int, int], str], end_id: int):
         self.tokenizer, self.script, self.end_id = tokenizer, script, end_id
         self.version = 0
         self.turns: Counter[str] = Counter()
@@ -24,9 +24,9 @@ class ScriptedPolicy:
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         out = []
         for r in requests:
-            session = r.session or ""
-            generation = int(session.rsplit("/", 1)[-1].split(".")[0]) if "/" in session else 0
-            text = self.script(generation, self.turns[session], r.prompt_ids)
+            session = r.session or "/0"
+            task_key, _, name = session.rpartition("/")
+            text = self.script(task_key, int(name.split(".")[0]), self.turns[session])
             self.turns[session] += 1
             ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.end_id]
             ids = ids[: r.params.max_new_tokens]

@@ -90,7 +90,7 @@ def tiny():
 
 
 def _engine(tok, lines):
-    policy = ScriptedPolicy(tok, lambda g, turn, ids: lines[g], end_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    policy = ScriptedPolicy(tok, lambda task, g, turn: lines[g], end_id=tok.convert_tokens_to_ids("<|im_end|>"))
     return RolloutEngine(policy, tok, seed=0)
 
 
@@ -114,7 +114,7 @@ def test_an_environment_whose_feedback_raises_is_logged_not_fatal(tiny, caplog):
 def test_the_calculator_records_tool_errors_through_the_engine(tiny):
     _, tok = tiny
     call = treerl.make("treerl/Calculator-v0").parser.render([ToolCall("calculator", {"expression": "2 +"})])
-    policy = ScriptedPolicy(tok, lambda g, turn, ids: [call, "\\boxed{1}"][turn],
+    policy = ScriptedPolicy(tok, lambda task, g, turn: [call, "\\boxed{1}"][turn],
                             end_id=tok.convert_tokens_to_ids("<|im_end|>"))
     (group,), _ = asyncio.run(RolloutEngine(policy, tok, seed=0).run(
         lambda: treerl.make("treerl/Calculator-v0"), "treerl/Calculator-v0", range(1), 1))

@@ -1,4 +1,4 @@
-"""Learners: the GRPO loop on the learner core, losses and advantages (pure functions), importance
+"""Learners: the GRPO and SDPO loops on the learner core, losses and advantages (pure functions), importance
 sampling, tree packing.
 
 >>> from treerl.learners import GRPOConfig, train       # doctest: +SKIP
@@ -25,9 +25,10 @@ from treerl.learners.losses import (
 )
 from treerl.learners.packing import PackedBatch, PackingConfig, PackingError, pack_groups, packing_metrics
 from treerl.learners.rewards import RewardFunc
+from treerl.learners.sdpo import SDPOConfig, train as train_sdpo
 
 __all__ = [
-    "GRPOConfig", "train", "LearnerConfig", "TrainResult", "RewardFunc", "Run", "build", "finish",
+    "GRPOConfig", "train", "SDPOConfig", "train_sdpo", "LearnerConfig", "TrainResult", "RewardFunc", "Run", "build", "finish",
     "LEARNERS", "LearnerSpec", "register_learner",
     "AdvantageConfig", "compute_advantages",
     "ImportanceConfig", "importance_weights",

@@ -66,6 +66,9 @@ class PackedLogprobs:
     """Log-prob over the full vocabulary (equals ``logp`` where no candidate set was recorded)."""
     choice: ImplChoice | None = None
     """Which log-prob implementation ran, and why."""
+    hidden: Tensor | None = None
+    """(N, H) the final hidden states at the loss positions (with their graph), for losses that
+    need the distribution and not only the target's log-prob (SDPO's distillation)."""
 
 
 def uses_tree_attention(model: torch.nn.Module) -> bool:
@@ -175,6 +178,7 @@ def packed_logprobs(
         entropy=out.entropy[batch.term_loss],
         logp_vocab=out.logp[batch.term_loss],
         choice=out.choice,
+        hidden=hidden_at_loss,
     )
 
 
