@@ -221,6 +221,29 @@ def test_the_distillation_loss_and_gradient_equal_an_unpacked_reference(tiny, gr
     assert math.isfinite(metrics["sdpo/teacher_logp"]) and metrics["sdpo/teacher_logp"] < 0
 
 
+def test_a_teacher_that_reads_the_students_prompt_agrees_with_the_student(tiny, groups, tmp_path):
+    """The whole path (contexts, teacher trees, packing, alignment) on a teacher that sees nothing more."""
+    model, tok = tiny
+    cfg = _cfg(tmp_path, reprompt_template="{prompt}", solution_template="", feedback_template="", teacher="live")
+    prompts, _ = _prompts(tok, groups, cfg)
+    own = [g.segments[0].token_ids for g in groups for _ in g.episodes]
+    assert all(p == o for p, o in zip(prompts, own) if p is not None)
+    student = _tree_model(model)
+    batches = pack_groups(groups, torch.zeros(8), cfg.packing_config())
+    success = torch.tensor([e.reward >= 1.0 for g in groups for e in g.episodes])
+    distill = Distillation(_run(cfg, student), student, groups, prompts, batches, success)
+    for b in batches:
+        out = packed_logprobs(student, b, temperature=TEMPERATURE)
+        loss = distill(b, out)
+        teacher = teacher_terms(student, groups, prompts, b, cfg.packing_config(), temperature=TEMPERATURE,
+                                device="cpu")
+        assert torch.allclose(teacher.logp[teacher.mask], out.logp_vocab.detach()[teacher.mask], atol=1e-5)
+        assert abs(float(loss.detach())) < 1e-6
+    metrics = distill.step_metrics()
+    assert abs(metrics["sdpo/divergence"]) < 1e-6
+    assert abs(metrics["sdpo/logp_gap_success"]) < 1e-5 and abs(metrics["sdpo/logp_gap_failure"]) < 1e-5
+
+
 def test_the_blend_is_linear_in_distillation_weight(tiny, groups, tmp_path):
     model, tok = tiny
     base = _cfg(tmp_path, use_feedback=True, teacher="initial", max_grad_norm=0.0)

@@ -173,10 +173,15 @@ class SDPOConfig(GRPOConfig):
 # -- the stages -----------------------------------------------------------------------------------
 
 
+def weighted_rewards(rewards: torch.Tensor, weights: Sequence[float]) -> torch.Tensor:
+    """(E, R) reward columns -> (E,) each episode's reward as the advantages weigh it."""
+    return (rewards * torch.tensor(weights, dtype=rewards.dtype)).sum(1)
+
+
 def teacher_prompts(groups: Sequence[Group], rewards: torch.Tensor, weights: Sequence[float],
                     prompter: TeacherPrompter, metrics: dict[str, float]) -> list[list[int] | None]:
     """(E,) per episode (groups in order) its teacher prompt ids, or None when it has no teacher."""
-    totals = (rewards * torch.tensor(weights, dtype=rewards.dtype)).sum(1).tolist()  # (E,) weighted rewards
+    totals = weighted_rewards(rewards, weights).tolist()
     contexts, prompts, first = [], [], 0
     for group in groups:
         group_contexts = prompter.group_contexts(group, totals[first:first + len(group.episodes)])
@@ -194,14 +199,19 @@ class Distillation:
     """SDPO's loss for :func:`~treerl.learners.grpo.optimize`'s ``extra_loss``: one micro-batch at a time.
 
     Holds the step's teacher prompts and the normalizer over every term that has a teacher
-    (all micro-batches, all ranks), and accumulates the step's ``sdpo/*`` metrics.
+    (all micro-batches, all ranks), and accumulates the step's ``sdpo/*`` metrics. With
+    ``success`` (E,) it also reports the teacher's log-prob minus the student's on the tokens
+    of successful and of failed episodes (``sdpo/logp_gap_success``, ``.._failure``): an
+    informative teacher raises the first and lowers the second.
     """
 
     def __init__(self, run: Run, teacher: torch.nn.Module, groups: Sequence[Group],
-                 prompts: Sequence[list[int] | None], batches: Sequence[PackedBatch]):
+                 prompts: Sequence[list[int] | None], batches: Sequence[PackedBatch],
+                 success: torch.Tensor | None = None):
         cfg = run.cfg
         self.run, self.cfg, self.teacher, self.groups, self.prompts = run, cfg, teacher, groups, prompts
         self.has_teacher = torch.tensor([p is not None for p in prompts], dtype=torch.bool)  # (E,)
+        self.success = success
         counts = torch.zeros(len(prompts), dtype=torch.long)  # (E,) each episode's terms with a teacher
         for b in batches:
             counts += torch.bincount(b.term_episode[self.has_teacher[b.term_episode]], minlength=len(prompts))
@@ -249,6 +259,13 @@ class Distillation:
         if cfg.distillation_is_clip is not None:
             raw = (out.logp[idx].detach() - sampler_logp).clamp(max=20.0).exp()
             self._add("_is_clipped", float((raw > cfg.distillation_is_clip).sum()))
+        if self.success is not None:
+            gap = t.logp[idx] - student_logp.detach()  # (K,)
+            won = self.success.to(device)[episode]
+            self._add("_gap_success", float(gap[won].sum()))
+            self._add("_terms_success", float(won.sum()))
+            self._add("_gap_failure", float(gap[~won].sum()))
+            self._add("_terms_failure", float((~won).sum()))
         return cfg.distillation_weight * loss
 
     def _add(self, key: str, value: float) -> None:
@@ -257,7 +274,8 @@ class Distillation:
     def step_metrics(self) -> dict[str, float]:
         """The step's distillation metrics, summed over ranks (means over the terms with a teacher)."""
         keys = ["loss/distill", "_terms", "_divergence", "_teacher_logp", "_student_logp", "_is_clipped",
-                "_teacher_tokens", "_teacher_path_tokens"]
+                "_teacher_tokens", "_teacher_path_tokens", "_gap_success", "_terms_success", "_gap_failure",
+                "_terms_failure"]
         totals = dict(zip(keys, self.run.ranks.sum([self.totals.get(k, 0.0) for k in keys])))
         terms = totals["_terms"]
         metrics = {"loss/distill": totals["loss/distill"], "sdpo/distill_terms": terms,
@@ -270,6 +288,9 @@ class Distillation:
                 "sdpo/is_clip_frac": totals["_is_clipped"] / terms,
                 "sdpo/teacher_packing_ratio": totals["_teacher_path_tokens"] / max(totals["_teacher_tokens"], 1.0),
             })
+        for side in ("success", "failure"):
+            if totals[f"_terms_{side}"] > 0:
+                metrics[f"sdpo/logp_gap_{side}"] = totals[f"_gap_{side}"] / totals[f"_terms_{side}"]
         return metrics
 
 
@@ -286,7 +307,8 @@ def sdpo_step(run: Run, teacher: torch.nn.Module, prompter: TeacherPrompter, ste
     normalizer = run.ranks.normalizer(batches)
     distill = None
     if cfg.distillation_weight > 0:
-        distill = Distillation(run, teacher, groups, prompts, batches)
+        success = weighted_rewards(rewards, run.reward_weights) >= cfg.success_threshold
+        distill = Distillation(run, teacher, groups, prompts, batches, success)
     elif skips_zero_advantage_groups(cfg, run.ranks):  # GRPO alone: its shortcut holds
         batches = without_zero_advantage_groups(groups, adv, batches, cfg, metrics)
     optimize(run.model, run.optimizer, run.scheduler, batches, cfg, run.device, metrics, run.ranks,
