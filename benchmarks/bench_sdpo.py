@@ -16,6 +16,11 @@ run, the same for every learner), the shipped tiny model, learning rate 2e-4, ev
 The runs of one environment and seed follow each other (grpo, sdpo, sdpo+grpo), so a change
 in the machine's load hits the learners alike. Each finished run keeps its ``summary.json``
 in ``--workdir``; rerunning with the same workdir skips the finished runs.
+
+It also measures whether the shipped model can be its own teacher at all (the **copy
+check**): Calculator tasks played with their gold actions, then the student's log-prob of
+those tokens against SDPO's teacher's, whose prompt shows an attempt with the very same
+text. A model that reads its context puts the teacher above the student.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ def run_one(env: str, learner: str, seed: int, workdir: Path, extra: list[str]) 
     record = out / "bench.json"
     if record.exists():
         return json.loads(record.read_text())
-    start = time.monotonic()
+    start, load = time.monotonic(), _load()
     cmd = [sys.executable, "-m", "treerl.cli", "learn", *LEARNERS[learner], "--env", env, "--output-dir", str(out),
            "--seed", str(seed), "--progress", "false", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -60,7 +65,7 @@ def run_one(env: str, learner: str, seed: int, workdir: Path, extra: list[str]) 
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    result = {"env": env, "learner": learner, "seed": seed, "wall_s": wall,
+    result = {"env": env, "learner": learner, "seed": seed, "wall_s": wall, "load": load, "load_after": _load(),
               "start": summary["eval_start"]["success_rate"], "end": summary["eval_end"]["success_rate"],
               "reward_start": summary["eval_start"]["reward/mean"], "reward_end": summary["eval_end"]["reward/mean"],
               "step_s": statistics.median(m["perf/step_s"] for m in metrics),
@@ -76,16 +81,64 @@ def run_one(env: str, learner: str, seed: int, workdir: Path, extra: list[str]) 
     return result
 
 
+def copy_check(num_tasks: int) -> dict[str, float]:
+    """Student vs teacher log-prob of gold Calculator episodes when the teacher is shown the same text."""
+    import asyncio
+    import copy
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from _scripted import ScriptedPolicy  # a policy that plays given texts (the tests' helper)
+
+    import treerl
+    from treerl.kernels.tree_attention import enable_tree_attention
+    from treerl.learners.forward import packed_logprobs
+    from treerl.learners.packing import PackingConfig, pack_groups
+    from treerl.learners.sdpo import SDPOConfig, teacher_prompts
+    from treerl.learners.teacher import teacher_terms
+    from treerl.learners.teacher_context import TeacherPrompter
+    from treerl.models import load_default_model
+    from treerl.rollout.engine import RolloutEngine
+
+    model, tok = load_default_model()
+    env = treerl.make("treerl/Calculator-v0")
+    gold = {}
+    for seed in range(num_tasks):
+        env.reset(seed=seed)
+        gold[f"seed-{seed}"] = env.gold_actions(env.task)
+    policy = ScriptedPolicy(tok, lambda task, g, turn: gold[task][min(turn, len(gold[task]) - 1)],
+                            tok.convert_tokens_to_ids("<|im_end|>"))
+    groups, _ = asyncio.run(RolloutEngine(policy, tok, seed=0).run(
+        lambda: treerl.make("treerl/Calculator-v0"), "treerl/Calculator-v0", range(num_tasks), 2))
+    cfg = SDPOConfig(output_dir="unused", use_feedback=False)  # the default templates, demonstrations only
+    rewards = torch.tensor([[e.reward] for g in groups for e in g.episodes])
+    prompts = teacher_prompts(groups, rewards, [1.0], TeacherPrompter(tok, cfg.context_config(),
+                                                                      tools=env.tool_schemas), {})
+    tree = copy.deepcopy(model)
+    enable_tree_attention(tree)
+    student, teacher = [], []
+    with torch.no_grad():
+        for batch in pack_groups(groups, torch.zeros(len(prompts)), PackingConfig()):
+            out = packed_logprobs(tree, batch, temperature=cfg.temperature)
+            t = teacher_terms(tree, groups, prompts, batch, PackingConfig(), temperature=cfg.temperature,
+                              device="cpu")
+            student.append(out.logp_vocab[t.mask])
+            teacher.append(t.logp[t.mask])
+    return {"tasks": num_tasks, "success": float(rewards.mean()), "student_logp": float(torch.cat(student).mean()),
+            "teacher_logp": float(torch.cat(teacher).mean())}
+
+
 def _load() -> str:
     with open("/proc/loadavg") as f:
         return " ".join(f.read().split()[:3])
 
 
-def report(runs: list[dict], envs: list[str], seeds: list[int], loads: list[str], extra: list[str]) -> str:
+def report(runs: list[dict], envs: list[str], seeds: list[int], loads: list[str], extra: list[str],
+           note: str = "", check: dict[str, float] | None = None) -> str:
     lines = [
         f"Command: `python benchmarks/bench_sdpo.py` (run {datetime.date.today()}, torch {torch.__version__}, "
-        f"{platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs; load average before the runs "
-        f"{loads[0]}, after {loads[-1]}). Per environment, seed and learner:",
+        f"{platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs; "
+        + (note or f"load average before the runs {loads[0]}, after {loads[-1]}") + "). Per environment, seed "
+        "and learner:",
         "`treerl learn [--learner sdpo [--distillation-weight 0.5]] --env ENV --output-dir DIR --seed S`"
         + (f" `{' '.join(extra)}`" if extra else "") + ", every other option at its default: 60 steps x 8 tasks x "
         "8 generations = 3,840 episodes for every learner, the shipped tiny model, learning rate 2e-4. "
@@ -125,6 +178,11 @@ def report(runs: list[dict], envs: list[str], seeds: list[int], loads: list[str]
                 lines.append(f"| {r['learner']} seed {r['seed']} | "
                              + " | ".join(f"{r['sdpo'].get(k, float('nan')):.3f}" for k in keys) + " |")
         lines.append("")
+    if check is not None:
+        lines += [f"Copy check: {check['tasks']} Calculator tasks played with their gold actions (success "
+                  f"{check['success']:.0%}); mean log-prob of those sampled tokens under the shipped model as the "
+                  f"student: {check['student_logp']:.3f}; as SDPO's teacher, whose prompt shows an attempt with the "
+                  f"very same text: {check['teacher_logp']:.3f}.", ""]
     return "\n".join(lines)
 
 
@@ -135,17 +193,30 @@ def main() -> None:
     parser.add_argument("--learners", nargs="+", default=list(LEARNERS), choices=list(LEARNERS))
     parser.add_argument("--workdir", type=Path, default=None, help="Keep runs here (rerunning skips finished ones).")
     parser.add_argument("--no-write", action="store_true", help="Print without updating BENCHMARKS.md.")
+    parser.add_argument("--report-only", action="store_true",
+                        help="Report the finished runs in --workdir (of the given envs, seeds, learners); run nothing.")
+    parser.add_argument("--copy-check-tasks", type=int, default=16, help="Tasks of the copy check (0 skips it).")
+    parser.add_argument("--note", default="", help="Replaces the load figures in the report's first line.")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="More flags for every run, after --, e.g. -- --steps 5")
     args = parser.parse_args()
     extra = [a for a in args.extra if a != "--"]
     loads = [_load()]
-    with tempfile.TemporaryDirectory() as tmp:
-        workdir = args.workdir or Path(tmp)
-        workdir.mkdir(parents=True, exist_ok=True)
-        runs = [run_one(env, learner, seed, workdir, extra)
-                for env in args.envs for seed in args.seeds for learner in args.learners]
-    loads.append(_load())
-    body = report(runs, args.envs, args.seeds, loads, extra)
+    if args.report_only:
+        if args.workdir is None:
+            parser.error("--report-only reads the runs of --workdir DIR")
+        records = [args.workdir / f"{env.split('/')[-1]}-{learner}-{seed}" / "bench.json"
+                   for env in args.envs for seed in args.seeds for learner in args.learners]
+        runs = [json.loads(r.read_text()) for r in records if r.exists()]
+        loads = [r.get("load", "?") for r in runs[:1]] + [r.get("load_after", "?") for r in runs[-1:]] or ["?"]
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            workdir = args.workdir or Path(tmp)
+            workdir.mkdir(parents=True, exist_ok=True)
+            runs = [run_one(env, learner, seed, workdir, extra)
+                    for env in args.envs for seed in args.seeds for learner in args.learners]
+        loads.append(_load())
+    check = copy_check(args.copy_check_tasks) if args.copy_check_tasks else None
+    body = report(runs, args.envs, args.seeds, loads, extra, args.note, check)
     print(body)
     if not args.no_write:
         write_section(SECTION, body)
