@@ -3,7 +3,8 @@
 Gymnasium's ``check_env`` covers the API shapes, spaces and seeding. treerl adds what
 multi-turn tool environments need: seeded tasks are reproducible, ``fork()`` is independent,
 ``validate()`` proves gold answers earn the full reward, tool schemas are valid JSON Schema,
-``astep`` agrees with ``step``, and malformed model output never raises.
+``astep`` agrees with ``step``, and malformed model output never raises (nor does
+``feedback()`` on what it led to).
 """
 
 from __future__ import annotations
@@ -136,6 +137,14 @@ def _check_adversarial(env: Env, seed: int) -> None:
             kind = record.get("error")
             if kind is not None and kind not in _KINDS:
                 raise EnvCheckError(f"step({action!r}) recorded error kind {kind!r}: use one of {sorted(_KINDS)}.")
+        try:
+            feedback = env.feedback()
+        except Exception as exc:
+            raise EnvCheckError(f"feedback() after step({action!r}) raised {type(exc).__name__}: {exc}. It must say "
+                                "what went wrong in words (a str), or return None.") from exc
+        if feedback is not None and not isinstance(feedback, str):
+            raise EnvCheckError(f"feedback() after step({action!r}) returned {type(feedback).__name__}: return a "
+                                "str or None.")
 
 
 def check_registered(env_id: str, **kwargs: Any) -> None:

@@ -155,6 +155,15 @@ class Env(gymnasium.Env[list[Message], str]):
         """Check that gold answers earn the full reward. Environments with gold answers override this."""
         raise NotImplementedError(f"{type(self).__name__} has no gold answers to validate.")
 
+    def feedback(self) -> str | None:
+        """What went wrong in the episode so far, in words a model can read; None when nothing did.
+
+        The rollout engine asks when an episode ends and records the text as the episode's
+        ``metrics["feedback"]``; SDPO's teacher reads it (a failed attempt's tool errors,
+        failed tests, wrong answer). Override it to give your environment's verdict.
+        """
+        return None
+
     def render(self) -> str | None:
         if self.render_mode != "ansi":
             return None
@@ -171,7 +180,8 @@ class ToolEnv(Env):
     model as messages that say what was wrong, and are counted in ``info["metrics"]``.
 
     Subclasses set ``system_prompt`` and override :meth:`sample_task` (or pass ``dataset``),
-    :meth:`score`, and optionally :meth:`is_final`, :meth:`gold_actions`.
+    :meth:`score`, and optionally :meth:`is_final`, :meth:`gold_actions`, and
+    :meth:`answer_feedback` (what :meth:`feedback` says about a final answer).
 
     Args:
         tools: Tools available to the model (default: the class attribute ``tool_list``).
@@ -235,6 +245,10 @@ class ToolEnv(Env):
         self.turn = 0
         self.done = True
         self.metrics: Counter[str] = Counter()
+        self.tool_records: list[dict[str, Any]] = []
+        """The episode's tool-call records so far (what :meth:`feedback` reports)."""
+        self.final_answer: str | None = None
+        self.final_reward = 0.0
 
     @property
     def tools(self) -> Sequence[Tool]:
@@ -268,6 +282,34 @@ class ToolEnv(Env):
         """Completions that solve ``task`` (used by ``validate()``). Override to enable it."""
         raise NotImplementedError(f"{type(self).__name__} has no gold actions: override gold_actions(task).")
 
+    def answer_feedback(self, task: Task, completion: str, reward: float) -> str | None:
+        """The verifier's word on a final answer that earned ``reward`` (part of :meth:`feedback`).
+
+        The default only says that it fell short of ``max_reward``; environments override it
+        with what their verifier knows (the gold check, the failed tests).
+        """
+        if reward >= self.max_reward:
+            return None
+        return f"The final answer earned a reward of {reward:g} out of {self.max_reward:g}."
+
+    def feedback(self) -> str | None:
+        """The failed tool calls of the episode (the last few, with their messages), then
+        :meth:`answer_feedback` on the final answer, or that none came within the turns."""
+        failed = [r for r in self.tool_records if r.get("error")]
+        parts = []
+        if failed:
+            lines = [f"- {r.get('name') or 'reply'}: {r['error']}: {_clip(r.get('message') or '', 300)}"
+                     for r in failed[-_MAX_FEEDBACK_ERRORS:]]
+            more = f" (the last {_MAX_FEEDBACK_ERRORS} of {len(failed)})" if len(failed) > _MAX_FEEDBACK_ERRORS else ""
+            parts.append(f"Tool calls that failed{more}:\n" + "\n".join(lines))
+        if self.final_answer is not None and self.task is not None:
+            verdict = self.answer_feedback(self.task, self.final_answer, self.final_reward)
+            if verdict:
+                parts.append(verdict)
+        elif self.done:
+            parts.append(f"There was no final answer within {self.max_turns} turns.")
+        return "\n\n".join(parts) or None
+
     def no_call_message(self) -> str:
         """What the model is told when a turn has neither a tool call nor a final answer."""
         example = self.parser.render([ToolCall(self._tools[0].name, {})]) if self._tools else ""
@@ -286,6 +328,7 @@ class ToolEnv(Env):
         self.turn = 0
         self.done = False
         self.metrics = Counter()
+        self.tool_records, self.final_answer, self.final_reward = [], None, 0.0
         messages: list[Message] = []
         if self.system_prompt:
             messages.append({"role": "system", "content": self.system_prompt})
@@ -325,6 +368,7 @@ class ToolEnv(Env):
         if not records:
             if final:
                 reward, terminated, termination = await self._score_turn(action), True, "final_answer"
+                self.final_answer, self.final_reward = action, reward
             else:
                 records.append({"name": None, "arguments": None, "error": ToolErrorKind.NO_CALL.value,
                                 "message": self.no_call_message()})
@@ -335,6 +379,7 @@ class ToolEnv(Env):
         self.done = terminated or truncated
 
         self._count(records, terminated, truncated)
+        self.tool_records.extend(copy.deepcopy(records))
         if obs and not self.done:
             self.messages.extend(copy.deepcopy(obs))
         else:
@@ -421,6 +466,14 @@ class ToolEnv(Env):
             m["episode/final_answer"] = 1
         if truncated:
             m["episode/max_turns"] = 1
+
+
+_MAX_FEEDBACK_ERRORS = 3
+"""Failed tool calls :meth:`ToolEnv.feedback` lists: the last few say what the attempt ended on."""
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _as_task(item: Task | Mapping[str, Any], index: int | None) -> Task:

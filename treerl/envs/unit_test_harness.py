@@ -3,8 +3,10 @@
 :func:`treerl.envs.verifiers.unit_test_reward` runs this file's source with
 :func:`treerl.envs.sandbox.run_python` and sends the job on stdin as one JSON object:
 ``{"nonce": str, "code": str, "tests": [str, ...], "budget_s": float}``. For each test
-that was run it writes one line ``NONCE INDEX PASSED`` (``PASSED`` is ``1`` or ``0``) to
-the original stdout; tests that were never reached write nothing and count as failed.
+that was run it writes one line ``NONCE INDEX PASSED ERROR`` (``PASSED`` is ``1`` or ``0``,
+``ERROR`` a JSON string naming what the failed test raised, ``""`` when it passed) to the
+original stdout; when the code itself raises, one line ``NONCE code 0 ERROR``. Tests that
+were never reached write nothing and count as failed.
 
 Invariants:
 
@@ -33,6 +35,15 @@ class _TestTimeout(BaseException):
     """Raised by the alarm when a piece of code overruns its share of the budget."""
 
 
+def _describe(exc):
+    """What a failed piece of code raised, in one short line (what a teacher reads)."""
+    if isinstance(exc, _TestTimeout):
+        return "timed out"
+    text = str(exc)
+    line = type(exc).__name__ + (": " + text if text else "")
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
 def _alarm(signum, frame):
     raise _TestTimeout()
 
@@ -49,20 +60,24 @@ def main() -> None:
     namespace = {"__name__": "__main__", "__builtins__": builtins}
 
     def run(source, share):
+        """None when ``source`` ran through, else what it raised."""
         signal.setitimer(signal.ITIMER_REAL, max(share, 0.001))
         try:
             exec(compile(source, "<candidate>", "exec"), namespace)
-            return True
-        except BaseException:
-            return False
+            return None
+        except BaseException as exc:
+            return _describe(exc)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
 
-    if run(code, (deadline - time.monotonic()) / 2):
-        for i, test in enumerate(tests):
-            share = (deadline - time.monotonic()) / (len(tests) - i)
-            passed = run(test, share)
-            os.write(out, ("%s %d %d\n" % (nonce, i, passed)).encode())
+    error = run(code, (deadline - time.monotonic()) / 2)
+    if error is not None:
+        os.write(out, ("%s code 0 %s\n" % (nonce, json.dumps(error))).encode())
+        return
+    for i, test in enumerate(tests):
+        share = (deadline - time.monotonic()) / (len(tests) - i)
+        error = run(test, share)
+        os.write(out, ("%s %d %d %s\n" % (nonce, i, error is None, json.dumps(error or ""))).encode())
 
 
 if __name__ == "__main__":

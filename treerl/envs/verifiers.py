@@ -15,7 +15,8 @@ all score 0.0. They raise ``ValueError`` only for the caller's own mistakes (no 
   answers are compared in process, exactly.
 - :func:`exact_match_reward` and :func:`numeric_reward` are cheap string and number checks.
 - :func:`unit_test_reward` runs candidate code and assert-style tests in the sandbox
-  (:mod:`treerl.envs.unit_test_harness`).
+  (:mod:`treerl.envs.unit_test_harness`); :func:`unit_test_results` says which tests
+  failed and what they raised.
 
 Costs measured on a 2-core CPU: the in-process fast path is a few microseconds; a worker
 round trip is about 1 ms on top of math-verify's own work; starting a worker (importing
@@ -36,6 +37,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
@@ -50,6 +52,8 @@ __all__ = [
     "exact_match_reward",
     "numeric_reward",
     "unit_test_reward",
+    "unit_test_results",
+    "UnitTestReport",
     "MathVerifier",
 ]
 
@@ -401,6 +405,23 @@ def math_verify_reward(completion: str, gold: str, *, timeout_s: float = 5.0) ->
 
 # --- unit tests -------------------------------------------------------------------------
 
+@dataclass
+class UnitTestReport:
+    """Which tests a candidate passed, and what the others raised."""
+
+    passed: list[bool]
+    """Per test, whether it ran without raising."""
+    errors: list[str | None]
+    """Per test, what it raised (``"AssertionError"``, ``"NameError: name 'x' is not defined"``,
+    ``"timed out"``), ``"not run"`` for a test never reached, None when it passed."""
+    code_error: str | None = None
+    """What the candidate's code itself raised (then every test failed), if it did."""
+
+    @property
+    def fraction(self) -> float:
+        return sum(self.passed) / len(self.passed) if self.passed else 0.0
+
+
 def unit_test_reward(code: str, tests: Sequence[str], *, limits: SandboxLimits = SandboxLimits()) -> float:
     """The fraction of ``tests`` (assert statements or small snippets) that pass for ``code``.
 
@@ -415,21 +436,39 @@ def unit_test_reward(code: str, tests: Sequence[str], *, limits: SandboxLimits =
     ...                  ["assert add(1, 2) == 3", "assert add(2, 2) == 5"])  # doctest: +SKIP
     0.5
     """
+    return unit_test_results(code, tests, limits=limits).fraction
+
+
+def unit_test_results(code: str, tests: Sequence[str], *, limits: SandboxLimits = SandboxLimits()) -> UnitTestReport:
+    """:func:`unit_test_reward`'s run, test by test: which passed and what the others raised."""
     if isinstance(tests, str) or not tests:
         raise ValueError(
             "unit_test_reward(tests=...) needs a non-empty sequence of test snippets, got "
             f"{tests!r}. Pass a list such as ['assert add(1, 2) == 3']."
         )
     if not isinstance(code, str):
-        return 0.0
+        return UnitTestReport([False] * len(tests), ["not run"] * len(tests), "the code is not text")
     nonce = secrets.token_hex(16)
     # Leave part of the wall clock for interpreter start-up and reporting.
     budget_s = max(limits.timeout_s * 0.9 - 0.2, limits.timeout_s * 0.5)
     job = {"nonce": nonce, "code": code, "tests": [str(t) for t in tests], "budget_s": budget_s}
     result = run_python(_HARNESS_PATH.read_text(encoding="utf-8"), stdin=json.dumps(job), limits=limits)
-    passed: set[int] = set()
+    passed, errors = [False] * len(tests), ["not run"] * len(tests)
+    code_error = None
     for line in result.stdout.splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == nonce and parts[2] == "1" and parts[1].isdigit():
-            passed.add(int(parts[1]))
-    return len(passed & set(range(len(tests)))) / len(tests)
+        parts = line.split(" ", 3)
+        if len(parts) != 4 or parts[0] != nonce:
+            continue
+        try:
+            message = json.loads(parts[3])
+        except json.JSONDecodeError:
+            continue
+        if parts[1] == "code":
+            code_error = str(message)
+        elif parts[1].isdigit() and int(parts[1]) < len(tests):
+            i = int(parts[1])
+            passed[i] = parts[2] == "1"
+            errors[i] = None if passed[i] else str(message)
+    if code_error is None and result.error is not None and not any(passed) and all(e == "not run" for e in errors):
+        code_error = result.error.value  # the whole run was stopped (timeout, memory, a crash)
+    return UnitTestReport(passed, errors, code_error)

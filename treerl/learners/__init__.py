@@ -1,5 +1,5 @@
-"""Learners: the GRPO and AsyncGRPO loops on the learner core, losses and advantages (pure functions),
-importance sampling and score centering, tree packing.
+"""Learners: the GRPO, SDPO and AsyncGRPO loops on the learner core, losses and advantages (pure
+functions), importance sampling and score centering, tree packing.
 
 >>> from treerl.learners import GRPOConfig, train       # doctest: +SKIP
 >>> train(GRPOConfig(env="treerl/Calculator-v0", output_dir="runs/calc", steps=10))  # doctest: +SKIP
@@ -27,10 +27,11 @@ from treerl.learners.losses import (
 )
 from treerl.learners.packing import PackedBatch, PackingConfig, PackingError, pack_groups, packing_metrics
 from treerl.learners.rewards import RewardFunc
+from treerl.learners.sdpo import SDPOConfig, train as train_sdpo
 
 __all__ = [
-    "GRPOConfig", "train", "LearnerConfig", "TrainResult", "RewardFunc", "Run", "build", "finish",
-    "AsyncGRPOConfig", "train_async", "score_centering",
+    "GRPOConfig", "train", "SDPOConfig", "train_sdpo", "LearnerConfig", "TrainResult", "RewardFunc", "Run", "build",
+    "finish", "AsyncGRPOConfig", "train_async", "score_centering",
     "LEARNERS", "LearnerSpec", "register_learner",
     "AdvantageConfig", "compute_advantages",
     "ImportanceConfig", "importance_weights",

@@ -70,6 +70,9 @@ class PackedLogprobs:
     head_logp: Tensor | None = None
     """(M, K) with ``head=True``: the vocabulary log-probs of each term's ``loss_head_ids``
     (the sampler's recorded head; -inf on padding), for score centering."""
+    hidden: Tensor | None = None
+    """(N, H) the final hidden states at the loss positions (with their graph), for losses that
+    need the distribution and not only the target's log-prob (SDPO's distillation)."""
 
 
 def uses_tree_attention(model: torch.nn.Module) -> bool:
@@ -186,6 +189,7 @@ def packed_logprobs(
         logp_vocab=out.logp[batch.term_loss],
         choice=out.choice,
         head_logp=head_logp,
+        hidden=hidden_at_loss,
     )
 
 

@@ -49,7 +49,7 @@ from treerl.learners.centering import batch_centering
 from treerl.learners.config import LearnerConfig
 from treerl.learners.core import OptimizerSpec, Run, TrainResult, build, finish, register_learner
 from treerl.learners.distributed import Ranks
-from treerl.learners.forward import loss_inputs, packed_logprobs
+from treerl.learners.forward import PackedLogprobs, loss_inputs, packed_logprobs
 from treerl.learners.importance import ImportanceConfig, importance_weights
 from treerl.learners.losses import POLICY_LOSSES, LossCoefficients, LossConfig, LossNormalizer, compute_loss
 from treerl.learners.packing import PackedBatch, pack_groups
@@ -144,15 +144,23 @@ def without_zero_advantage_groups(groups: Sequence[Group], adv: torch.Tensor, ba
                                 episode_num_tokens=full.episode_num_tokens) for b in sub]
 
 
+ExtraLoss = Callable[[PackedBatch, PackedLogprobs], torch.Tensor]
+"""``extra_loss(batch, out) -> loss``: another objective's share of the window loss for one
+micro-batch (on the device), from the same forward (``out.hidden`` holds its hidden states)."""
+
+
 def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
              batches: Sequence[PackedBatch], cfg: GRPOConfig, device: str, metrics: dict[str, float],
              ranks: Ranks = Ranks(), ref_model: torch.nn.Module | None = None,
-             normalizer: LossNormalizer | None = None) -> None:
+             normalizer: LossNormalizer | None = None, policy_coef: float = 1.0,
+             extra_loss: ExtraLoss | None = None) -> None:
     """One optimizer step over all micro-batches of the step (one accumulation window).
 
     With several ranks the window is every rank's micro-batches: the normalizer counts them
     all, and the gradients are summed over ranks before clipping. ``normalizer`` defaults to
-    the one of ``batches``; pass the full window's when some batches were left out.
+    the one of ``batches``; pass the full window's when some batches were left out. The loss
+    backpropagated is ``policy_coef * policy loss + extra_loss(batch, out)`` (SDPO blends its
+    distillation loss in this way).
     """
     loss_cfg, is_cfg = cfg.loss_config(), cfg.importance_config()
     if normalizer is None:
@@ -175,7 +183,10 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
         inputs = loss_inputs(batch, out, ref_logp=ref_logp, is_weight=iw.weight, is_mask=iw.mask,
                              centering=None if centering is None else centering.terms)
         result = compute_loss(inputs, loss_cfg, normalizer)
-        result.loss.backward()
+        loss = result.loss if policy_coef == 1.0 else policy_coef * result.loss
+        if extra_loss is not None:
+            loss = loss + extra_loss(batch, out)
+        loss.backward()
         n = batch.num_terms
         for k, v in {**result.metrics, **iw.metrics, **(centering.metrics if centering else {})}.items():
             totals[k] = totals.get(k, 0.0) + float(v) * (1.0 if k.startswith("loss/") else n)

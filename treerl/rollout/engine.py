@@ -11,7 +11,8 @@ Episodes run as asyncio tasks under one concurrency bound: while some wait on to
 the policy batches the others' generation requests. Limits per episode: turns (the
 environment's), tokens (``max_episode_tokens``) and wall clock (``max_episode_seconds``);
 the reason an episode ended is recorded. An environment that raises is recorded as an
-``env_error`` termination, never a crashed run.
+``env_error`` termination, never a crashed run. When an episode ends, the environment's
+``feedback()`` (what went wrong, in words) is recorded as the episode's ``metrics["feedback"]``.
 
 The steps of one turn (sample, observe, bridge or branch, finish) live in
 :mod:`treerl.rollout.episode`, where ``treerl serve`` takes them too.
@@ -210,6 +211,9 @@ class RolloutEngine:
                 return children
 
     def _finish(self, state: EpisodeState, group: Group, leaf: int, termination: str) -> list[EpisodeState]:
+        feedback = _feedback(state.env, group.env_id)
+        if feedback:
+            state.metrics["feedback"] = feedback  # what a teacher may read about this attempt (SDPO)
         finish_episode(state, group, leaf, termination)
         state.env.close()
         return []
@@ -262,6 +266,20 @@ class RolloutEngine:
         stats.wall_s = time.monotonic() - start
         groups.sort(key=lambda g: g.info["task_seed"])
         return groups, stats
+
+
+def _feedback(env: Any, env_id: str) -> str | None:
+    """``env.feedback()`` (see :meth:`treerl.envs.Env.feedback`); an environment bug there is logged, not raised."""
+    hook = getattr(env, "feedback", None)
+    if hook is None:
+        return None
+    try:
+        text = hook()
+    except Exception as exc:
+        logger.warning("environment %s raised in feedback(): %s", env_id,
+                       "".join(traceback.format_exception_only(exc)).strip())
+        return None
+    return text if isinstance(text, str) and text.strip() else None
 
 
 def _params_dict(params: SamplingParams) -> dict[str, Any]:

@@ -27,15 +27,20 @@ class CalculatorEnv(ToolEnv):
 
     Tasks are generated from the seed (``reset(seed=s)`` always poses the same problem), or
     taken from ``dataset`` rows with ``prompt`` and ``answer``.
+
+    Args:
+        feedback_reveals_answer: Whether :meth:`feedback` on a wrong answer names the
+            correct one (the gold check), or only says that it is wrong.
     """
 
     description = "Arithmetic word problems with a calculator(expression) tool; answer in \\boxed{}, graded by math-verify."
     system_prompt = SYSTEM_PROMPT
     tool_list = (calculator_tool,)
 
-    def __init__(self, **kwargs: Any):
+    def __init__(self, *, feedback_reveals_answer: bool = True, **kwargs: Any):
         kwargs.setdefault("max_turns", 4)
         super().__init__(**kwargs)
+        self.feedback_reveals_answer = feedback_reveals_answer
 
     def sample_task(self, rng: np.random.Generator) -> Task:
         t = sample_task(rng)
@@ -53,6 +58,13 @@ class CalculatorEnv(ToolEnv):
 
     def score(self, task: Task, completion: str) -> float:
         return math_verify_reward(completion, str(task.answer))
+
+    def answer_feedback(self, task: Task, completion: str, reward: float) -> str | None:
+        """The gold check: whether the boxed answer is right, and (by default) what is."""
+        if reward >= self.max_reward:
+            return None
+        gold = f" The correct answer is {task.answer}." if self.feedback_reveals_answer else ""
+        return f"The final answer \\boxed{{{extract_boxed(completion)}}} is wrong.{gold}"
 
     def gold_actions(self, task: Task) -> list[str]:
         expression = task.info.get("expression") or str(task.answer)

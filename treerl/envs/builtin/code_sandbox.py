@@ -19,9 +19,12 @@ from treerl.errors import ToolCallError, ToolErrorKind, ToolTimeout
 from treerl.envs.parsers import ParseResult, ToolCall
 from treerl.envs.sandbox import SandboxErrorKind, SandboxLimits, run_python
 from treerl.envs.tools import Tool, tool
-from treerl.envs.verifiers import unit_test_reward
+from treerl.envs.verifiers import UnitTestReport, unit_test_results
 
 __all__ = ["CodeSandboxEnv", "make_run_python_tool", "extract_code"]
+
+_MAX_FAILED_TESTS = 3
+"""Failed tests the feedback shows: enough to point at the mistake, short enough to read."""
 
 _CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -107,7 +110,21 @@ class CodeSandboxEnv(ToolEnv):
 
     def score(self, task: Task, completion: str) -> float:
         code = extract_code(completion)
-        return 0.0 if code is None else unit_test_reward(code, task.info["tests"], limits=self.limits)
+        self.test_report = None if code is None else unit_test_results(code, task.info["tests"], limits=self.limits)
+        return 0.0 if self.test_report is None else self.test_report.fraction
+
+    def answer_feedback(self, task: Task, completion: str, reward: float) -> str | None:
+        """Which hidden tests failed and what they raised (the first few), or what the code raised."""
+        report: UnitTestReport | None = getattr(self, "test_report", None)
+        if report is None or reward >= self.max_reward:
+            return None
+        if report.code_error is not None:
+            return f"Running the final code raised {report.code_error}, so none of the tests ran."
+        failed = [(test, error) for test, ok, error in zip(task.info["tests"], report.passed, report.errors) if not ok]
+        lines = [f"- `{test}` raised {error}" for test, error in failed[:_MAX_FAILED_TESTS]]
+        more = f" (the first {_MAX_FAILED_TESTS})" if len(failed) > _MAX_FAILED_TESTS else ""
+        return (f"The final code passed {sum(report.passed)} of {len(report.passed)} tests. "
+                f"Failed tests{more}:\n" + "\n".join(lines))
 
     def gold_actions(self, task: Task) -> list[str]:
         solution = task.info.get("solution")

@@ -41,12 +41,15 @@ class GuessNumberEnv(Env):
         self.high, self.max_turns, self.shaping_coef = high, max_turns, shaping_coef
         self.secret: int | None = None
         self.low_bound, self.high_bound, self.turn, self.done = 1, high, 0, True
+        self.history: list[tuple[int | None, str]] = []
+        """(guess, outcome) per turn: what :meth:`feedback` retells."""
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
         options = options or {}
         self.secret = int(options["secret"]) if "secret" in options else int(self.np_random.integers(1, self.high + 1))
         self.low_bound, self.high_bound, self.turn, self.done = 1, self.high, 0, False
+        self.history = []
         prompt = (
             f"I am thinking of a whole number between 1 and {self.high}. Guess it. After each guess I will say "
             "'Higher.' or 'Lower.'. Reply with your guess as \\boxed{n}."
@@ -76,6 +79,7 @@ class GuessNumberEnv(Env):
             reward = self.shaping_coef * (before - after) / self.high
         truncated = not terminated and self.turn >= self.max_turns
         self.done = terminated or truncated
+        self.history.append((guess, outcome))
         obs = [] if self.done else [{"role": "user", "content": feedback}]
         self.messages.extend(dict(m) for m in obs)
         info = {
@@ -86,6 +90,15 @@ class GuessNumberEnv(Env):
             "metrics": {"turns": self.turn, "episode/solved": int(terminated)},
         }
         return obs, float(reward), terminated, truncated, info
+
+    def feedback(self) -> str | None:
+        """The higher/lower history of an unsolved game and the range it leaves; None once solved."""
+        if not self.history or self.history[-1][1] == "correct":
+            return None
+        said = {"higher": "higher", "lower": "lower", "invalid": "not a valid guess"}
+        guesses = ", ".join(f"{'no number' if g is None else g} ({said[o]})" for g, o in self.history)
+        return (f"Your guesses and the answers: {guesses}. The number is between {self.low_bound} and "
+                f"{self.high_bound}.")
 
     @staticmethod
     def _parse_guess(text: str) -> int | None:

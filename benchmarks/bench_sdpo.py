@@ -1,0 +1,226 @@
+"""SDPO vs GRPO at equal samples, from the shipped model: held-out success at the end of training.
+
+    python benchmarks/bench_sdpo.py                  # Calculator and CodeSandbox, seeds 0 and 1; writes "## SDPO vs GRPO"
+    python benchmarks/bench_sdpo.py --envs treerl/Calculator-v0 --seeds 0 --no-write --workdir runs/bench-sdpo
+
+Every run is ``treerl learn [--learner sdpo ...] --env ENV --output-dir DIR --seed S`` with
+every other option at its default: 60 steps of 8 tasks x 8 generations (3,840 episodes per
+run, the same for every learner), the shipped tiny model, learning rate 2e-4, evaluation on
+64 held-out episodes (task seeds 10000-10063, temperature 1.0) before and after. The learners:
+
+- ``grpo``: the default learner (``dapo`` loss);
+- ``sdpo``: ``--learner sdpo`` with its defaults (distillation alone, top-k 100 with a tail,
+  alpha 0.5, EMA teacher at rate 0.05, IS clip 2, demonstrations and environment feedback);
+- ``sdpo+grpo``: the same with ``--distillation-weight 0.5`` (half GRPO's loss, half SDPO's).
+
+The runs of one environment and seed follow each other (grpo, sdpo, sdpo+grpo), so a change
+in the machine's load hits the learners alike. Each finished run keeps its ``summary.json``
+in ``--workdir``; rerunning with the same workdir skips the finished runs.
+
+It also measures whether the shipped model can be its own teacher at all (the **copy
+check**): Calculator tasks played with their gold actions, then the student's log-prob of
+those tokens against SDPO's teacher's, whose prompt shows an attempt with the very same
+text. A model that reads its context puts the teacher above the student.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_section  # noqa: E402
+
+SECTION = "## SDPO vs GRPO at equal samples"
+LEARNERS: dict[str, list[str]] = {
+    "grpo": [],
+    "sdpo": ["--learner", "sdpo"],
+    "sdpo+grpo": ["--learner", "sdpo", "--distillation-weight", "0.5"],
+}
+ENVS = ("treerl/Calculator-v0", "treerl/CodeSandbox-v0")
+
+
+def run_one(env: str, learner: str, seed: int, workdir: Path, extra: list[str]) -> dict:
+    out = workdir / f"{env.split('/')[-1]}-{learner}-{seed}"
+    record = out / "bench.json"
+    if record.exists():
+        return json.loads(record.read_text())
+    start, load = time.monotonic(), _load()
+    cmd = [sys.executable, "-m", "treerl.cli", "learn", *LEARNERS[learner], "--env", env, "--output-dir", str(out),
+           "--seed", str(seed), "--progress", "false", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.monotonic() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    result = {"env": env, "learner": learner, "seed": seed, "wall_s": wall, "load": load, "load_after": _load(),
+              "start": summary["eval_start"]["success_rate"], "end": summary["eval_end"]["success_rate"],
+              "reward_start": summary["eval_start"]["reward/mean"], "reward_end": summary["eval_end"]["reward/mean"],
+              "step_s": statistics.median(m["perf/step_s"] for m in metrics),
+              "train_reward": [m["reward/mean"] for m in metrics],
+              "sdpo": {k: statistics.mean(m[k] for m in metrics if k in m) for k in
+                       ("sdpo/reprompt_frac", "sdpo/demonstration_frac", "sdpo/feedback_used_frac",
+                        "sdpo/no_teacher_group_frac", "sdpo/divergence", "sdpo/teacher_logp", "sdpo/student_logp",
+                        "sdpo/logp_gap_success", "sdpo/logp_gap_failure")
+                       if any(k in m for m in metrics)}}
+    record.write_text(json.dumps(result))
+    print(f"{env} {learner} seed {seed}: {result['start']:.1%} -> {result['end']:.1%} "
+          f"({wall / 60:.1f} min)", file=sys.stderr, flush=True)
+    return result
+
+
+def copy_check(num_tasks: int) -> dict[str, float]:
+    """Student vs teacher log-prob of gold Calculator episodes when the teacher is shown the same text."""
+    import asyncio
+    import copy
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from _scripted import ScriptedPolicy  # a policy that plays given texts (the tests' helper)
+
+    import treerl
+    from treerl.kernels.tree_attention import enable_tree_attention
+    from treerl.learners.forward import packed_logprobs
+    from treerl.learners.packing import PackingConfig, pack_groups
+    from treerl.learners.sdpo import SDPOConfig, teacher_prompts
+    from treerl.learners.teacher import teacher_terms
+    from treerl.learners.teacher_context import TeacherPrompter
+    from treerl.models import load_default_model
+    from treerl.rollout.engine import RolloutEngine
+
+    model, tok = load_default_model()
+    env = treerl.make("treerl/Calculator-v0")
+    gold = {}
+    for seed in range(num_tasks):
+        env.reset(seed=seed)
+        gold[f"seed-{seed}"] = env.gold_actions(env.task)
+    policy = ScriptedPolicy(tok, lambda task, g, turn: gold[task][min(turn, len(gold[task]) - 1)],
+                            tok.convert_tokens_to_ids("<|im_end|>"))
+    groups, _ = asyncio.run(RolloutEngine(policy, tok, seed=0).run(
+        lambda: treerl.make("treerl/Calculator-v0"), "treerl/Calculator-v0", range(num_tasks), 2))
+    cfg = SDPOConfig(output_dir="unused", use_feedback=False)  # the default templates, demonstrations only
+    rewards = torch.tensor([[e.reward] for g in groups for e in g.episodes])
+    prompts = teacher_prompts(groups, rewards, [1.0], TeacherPrompter(tok, cfg.context_config(),
+                                                                      tools=env.tool_schemas), {})
+    tree = copy.deepcopy(model)
+    enable_tree_attention(tree)
+    student, teacher = [], []
+    with torch.no_grad():
+        for batch in pack_groups(groups, torch.zeros(len(prompts)), PackingConfig()):
+            out = packed_logprobs(tree, batch, temperature=cfg.temperature)
+            t = teacher_terms(tree, groups, prompts, batch, PackingConfig(), temperature=cfg.temperature,
+                              device="cpu")
+            student.append(out.logp_vocab[t.mask])
+            teacher.append(t.logp[t.mask])
+    return {"tasks": num_tasks, "success": float(rewards.mean()), "student_logp": float(torch.cat(student).mean()),
+            "teacher_logp": float(torch.cat(teacher).mean())}
+
+
+def _load() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def report(runs: list[dict], envs: list[str], seeds: list[int], loads: list[str], extra: list[str],
+           note: str = "", check: dict[str, float] | None = None) -> str:
+    lines = [
+        f"Command: `python benchmarks/bench_sdpo.py` (run {datetime.date.today()}, torch {torch.__version__}, "
+        f"{platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs; "
+        + (note or f"load average before the runs {loads[0]}, after {loads[-1]}") + "). Per environment, seed "
+        "and learner:",
+        "`treerl learn [--learner sdpo [--distillation-weight 0.5]] --env ENV --output-dir DIR --seed S`"
+        + (f" `{' '.join(extra)}`" if extra else "") + ", every other option at its default: 60 steps x 8 tasks x "
+        "8 generations = 3,840 episodes for every learner, the shipped tiny model, learning rate 2e-4. "
+        "Held-out success: 64 episodes (task seeds 10000-10063) at temperature 1.0, before and after.",
+        "`sdpo` is distillation alone (top-k 100 with a tail, alpha 0.5, EMA teacher 0.05, IS clip 2, "
+        "demonstrations and environment feedback); `sdpo+grpo` blends it half and half with GRPO's loss.",
+        "",
+    ]
+    for env in envs:
+        env_runs = [r for r in runs if r["env"] == env]
+        lines += [f"**{env}**", "",
+                  "| learner | seed | held-out success at start | at end | gain | held-out mean reward at end | "
+                  "median step | wall time |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for learner in LEARNERS:
+            for r in (r for r in env_runs if r["learner"] == learner):
+                lines.append(f"| {learner} | {r['seed']} | {r['start']:.1%} | {r['end']:.1%} | "
+                             f"{(r['end'] - r['start']) * 100:+.1f} pts | {r['reward_end']:.3f} | "
+                             f"{r['step_s']:.1f} s | {r['wall_s'] / 60:.1f} min |")
+        lines += ["", "| learner | mean success at end over seeds " + ", ".join(map(str, seeds))
+                  + " | mean gain | step time / GRPO's (median steps, same seeds) |", "|---|---:|---:|---:|"]
+        grpo = [r["step_s"] for r in env_runs if r["learner"] == "grpo"]
+        for learner in LEARNERS:
+            own = [r for r in env_runs if r["learner"] == learner]
+            if not own:
+                continue
+            ratio = f"{statistics.mean(r['step_s'] for r in own) / statistics.mean(grpo):.2f}x" if grpo else "-"
+            lines.append(f"| {learner} | {statistics.mean(r['end'] for r in own):.1%} | "
+                         f"{statistics.mean((r['end'] - r['start']) * 100 for r in own):+.1f} pts | {ratio} |")
+        sdpo_runs = [r for r in env_runs if r["sdpo"]]
+        if sdpo_runs:
+            keys = list(sdpo_runs[0]["sdpo"])
+            lines += ["", "SDPO's own metrics, mean over the steps of each run:", "",
+                      "| run | " + " | ".join(k.removeprefix("sdpo/") for k in keys) + " |",
+                      "|---|" + "---:|" * len(keys)]
+            for r in sdpo_runs:
+                lines.append(f"| {r['learner']} seed {r['seed']} | "
+                             + " | ".join(f"{r['sdpo'].get(k, float('nan')):.3f}" for k in keys) + " |")
+        lines.append("")
+    if check is not None:
+        lines += [f"Copy check: {check['tasks']} Calculator tasks played with their gold actions (success "
+                  f"{check['success']:.0%}); mean log-prob of those sampled tokens under the shipped model as the "
+                  f"student: {check['student_logp']:.3f}; as SDPO's teacher, whose prompt shows an attempt with the "
+                  f"very same text: {check['teacher_logp']:.3f}.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--envs", nargs="+", default=list(ENVS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--learners", nargs="+", default=list(LEARNERS), choices=list(LEARNERS))
+    parser.add_argument("--workdir", type=Path, default=None, help="Keep runs here (rerunning skips finished ones).")
+    parser.add_argument("--no-write", action="store_true", help="Print without updating BENCHMARKS.md.")
+    parser.add_argument("--report-only", action="store_true",
+                        help="Report the finished runs in --workdir (of the given envs, seeds, learners); run nothing.")
+    parser.add_argument("--copy-check-tasks", type=int, default=16, help="Tasks of the copy check (0 skips it).")
+    parser.add_argument("--note", default="", help="Replaces the load figures in the report's first line.")
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help="More flags for every run, after --, e.g. -- --steps 5")
+    args = parser.parse_args()
+    extra = [a for a in args.extra if a != "--"]
+    loads = [_load()]
+    if args.report_only:
+        if args.workdir is None:
+            parser.error("--report-only reads the runs of --workdir DIR")
+        records = [args.workdir / f"{env.split('/')[-1]}-{learner}-{seed}" / "bench.json"
+                   for env in args.envs for seed in args.seeds for learner in args.learners]
+        runs = [json.loads(r.read_text()) for r in records if r.exists()]
+        loads = [r.get("load", "?") for r in runs[:1]] + [r.get("load_after", "?") for r in runs[-1:]] or ["?"]
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            workdir = args.workdir or Path(tmp)
+            workdir.mkdir(parents=True, exist_ok=True)
+            runs = [run_one(env, learner, seed, workdir, extra)
+                    for env in args.envs for seed in args.seeds for learner in args.learners]
+        loads.append(_load())
+    check = copy_check(args.copy_check_tasks) if args.copy_check_tasks else None
+    body = report(runs, args.envs, args.seeds, loads, extra, args.note, check)
+    print(body)
+    if not args.no_write:
+        write_section(SECTION, body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,378 @@
+"""The SDPO learner: self-distillation from successful siblings and environment feedback.
+
+SDPO (Hübotter et al., "Reinforcement Learning via Self-Distillation", arXiv 2601.20802)
+turns what an attempt could have known into a dense, per-token signal. The **teacher** is
+the policy itself (an EMA of it, its starting weights, or the live student) reading a
+prompt that also shows a successful sibling's attempt and/or the environment's feedback
+on this attempt (:mod:`treerl.learners.teacher_context`). It re-scores the **same sampled
+tokens** the student produced, and the student is trained towards it token by token
+(:mod:`treerl.learners.divergences`), blended with GRPO's loss by ``distillation_weight``::
+
+    run = build(cfg, ...)
+    for step in run.steps():
+        groups, stats = run.rollout()                       # the engine records each episode's feedback
+        rewards = score(groups, ...)                        # environment reward + reward functions
+        adv = advantages(groups, rewards, ...)              # GRPO's, for the blended part
+        prompts = teacher_prompts(groups, rewards, ...)     # per episode: demonstration / feedback -> tokens
+        batches = pack_groups(groups, adv, ...)
+        optimize(..., policy_coef=1 - w, extra_loss=Distillation(...))   # + w * distillation, per micro-batch
+        ema_update(teacher, model, rate)                    # the EMA teacher follows the student
+        run.publish_weights(...); run.end_step(...)
+    finish(run)
+
+Per micro-batch, :class:`Distillation` runs the teacher over the same episodes packed as
+teacher trees (the teacher prompt once per distinct prompt, each completion a branch:
+:mod:`treerl.learners.teacher`), then computes per term the divergence of the student
+from the teacher, weighted by the detached IS ratio ``min(exp(logp - sampler_logp),
+is_clip)``, and aggregates over the terms that have a teacher (``token_mean`` as in the
+authors' code, or ``sequence_mean``). Terms without a teacher (no successful sibling and
+no feedback) add nothing to the distillation loss; a step where most groups have nothing
+to learn from raises the ``sdpo_no_teacher`` diagnostic.
+
+Defaults follow the authors' runs (top-k 100 with a tail bucket, ``alpha = 0.5``, EMA
+rate 0.05, IS clip 2, a successful sample taught by another) with the environment's
+feedback on (treerl's environments give it); ``--distillation-mode sampled_token
+--distillation-alpha 1`` is TRL's default objective.
+
+    treerl learn --learner sdpo --env treerl/Calculator-v0 --output-dir runs/sdpo
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from treerl.agents.policy import Policy
+from treerl.config import field_help
+from treerl.learners.checkpoints import checkpoint_path, latest_checkpoint
+from treerl.learners.core import OptimizerSpec, Run, TrainResult, build, finish, register_learner
+from treerl.learners.diagnostics import Check
+from treerl.learners.divergences import (
+    DISTILLATION_MODES,
+    LMHead,
+    chunked_divergence,
+    importance_clip,
+    sampled_token_reverse_kl,
+)
+from treerl.learners.forward import PackedLogprobs
+from treerl.learners.grpo import (
+    GRPOConfig,
+    advantages,
+    optimize,
+    skips_zero_advantage_groups,
+    without_zero_advantage_groups,
+)
+from treerl.learners.losses import AGGREGATIONS, LossInputs, LossNormalizer
+from treerl.learners.packing import PackedBatch, pack_groups
+from treerl.learners.rewards import RewardFunc, score
+from treerl.learners.teacher import TEACHER_KINDS, ema_update, make_teacher, rebasable, teacher_terms
+from treerl.learners.teacher_context import TeacherContextConfig, TeacherPrompter, context_metrics
+from treerl.rollout.trajectory import Group
+
+__all__ = ["SDPOConfig", "Distillation", "SDPO_CHECKS", "teacher_prompts", "train"]
+
+DISTILLATION_AGGREGATIONS = ("token_mean", "sequence_mean")
+
+SDPO_CHECKS: tuple[Check, ...] = (
+    Check("sdpo_no_teacher", "sdpo/no_teacher_group_frac", 0.9, True,
+          "Most groups gave SDPO nothing to learn from: no episode reached success_threshold (so no sibling "
+          "could demonstrate) and the environment gave no feedback. Lower --success-threshold, raise "
+          "--group-size, keep --use-feedback on with an environment whose feedback() says what went wrong, or "
+          "blend in GRPO with --distillation-weight below 1."),
+)
+
+
+@dataclass
+class SDPOConfig(GRPOConfig):
+    """Options of ``treerl learn --learner sdpo`` (GRPO's, plus the distillation, the teacher and its prompts)."""
+
+    distillation_weight: float = field_help(1.0, "Loss = (1 - w) * GRPO loss + w * distillation loss; 1 is SDPO "
+                                                 "alone, 0 is GRPO.")
+    distillation_mode: str = field_help("topk", "sampled_token (reverse KL at the sampled token), topk (over the "
+                                                "student's top-k) or full (the whole vocabulary).")
+    distillation_alpha: float = field_help(0.5, "0 forward KL(teacher||student), 1 reverse KL, between: generalized "
+                                                "JSD (sampled_token needs 1).")
+    distillation_topk: int = field_help(100, "Tokens of the student's top-k support (topk mode).")
+    distillation_add_tail: bool = field_help(True, "topk: the mass outside the top-k is one more category (else "
+                                                   "the top-k are renormalized).")
+    distillation_is_clip: float | None = field_help(2.0, "Clip of the detached ratio exp(logp - sampler_logp) "
+                                                         "weighting each distillation term; unset: no weight.")
+    distillation_aggregation: str = field_help("token_mean", "Over the terms that have a teacher: token_mean or "
+                                                             "sequence_mean.")
+    distillation_chunk_tokens: int = field_help(256, "Rows of logits built at once for topk/full (memory bound).")
+    teacher: str = field_help("ema", "The teacher's weights: ema (of the student), initial (frozen start) or "
+                                     "live (the student).")
+    teacher_update_rate: float = field_help(0.05, "EMA teacher: teacher <- (1 - rate) teacher + rate student, "
+                                                  "each step.")
+    success_threshold: float = field_help(1.0, "An episode whose reward reaches this can demonstrate for its "
+                                               "siblings.")
+    use_successful_as_teacher: bool = field_help(True, "Show a successful sibling's attempt to the teacher.")
+    use_feedback: bool = field_help(True, "Show the environment's feedback on the attempt (Env.feedback()) to the "
+                                          "teacher.")
+    feedback_only_without_solution: bool = field_help(False, "Show feedback only when no sibling demonstrates.")
+    remove_thinking_from_demonstration: bool = field_help(False, "Drop <think>...</think> from demonstrations.")
+    max_teacher_prompt_tokens: int = field_help(1024, "Length bound of a teacher prompt; the demonstration and "
+                                                      "feedback are shortened to fit.")
+    reprompt_template: str = field_help(TeacherContextConfig.reprompt_template,
+                                        "The teacher's last user turn, from {prompt}, {solution} and {feedback}.")
+    solution_template: str = field_help(TeacherContextConfig.solution_template,
+                                        "The {solution} part, around {successful_previous_attempt}.")
+    feedback_template: str = field_help(TeacherContextConfig.feedback_template,
+                                        "The {feedback} part, around {feedback_raw}.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.distillation_weight <= 1.0:
+            raise ValueError(f"distillation_weight={self.distillation_weight} must be in [0, 1] (1: SDPO alone, "
+                             "0: GRPO alone, between: a blend).")
+        if self.distillation_mode not in DISTILLATION_MODES:
+            raise ValueError(f"distillation_mode={self.distillation_mode!r}: use one of {DISTILLATION_MODES}.")
+        if not 0.0 <= self.distillation_alpha <= 1.0:
+            raise ValueError(f"distillation_alpha={self.distillation_alpha} must be in [0, 1] (0 forward KL, "
+                             "1 reverse KL, 0.5 JSD).")
+        if self.distillation_mode == "sampled_token" and self.distillation_alpha != 1.0:
+            raise ValueError(f"distillation_alpha={self.distillation_alpha} with distillation_mode=sampled_token: "
+                             "the sampled-token form estimates the reverse KL only; pass --distillation-alpha 1, "
+                             "or --distillation-mode topk for other divergences.")
+        if self.distillation_topk < 1:
+            raise ValueError(f"distillation_topk={self.distillation_topk} must be >= 1 (the authors use 100).")
+        if self.distillation_is_clip is not None and not self.distillation_is_clip > 0:
+            raise ValueError(f"distillation_is_clip={self.distillation_is_clip} must be > 0 (e.g. 2), or unset for "
+                             "no importance weight.")
+        if self.distillation_aggregation not in DISTILLATION_AGGREGATIONS:
+            raise ValueError(f"distillation_aggregation={self.distillation_aggregation!r}: use one of "
+                             f"{DISTILLATION_AGGREGATIONS}.")
+        if self.distillation_chunk_tokens < 1:
+            raise ValueError(f"distillation_chunk_tokens={self.distillation_chunk_tokens} must be >= 1.")
+        if self.teacher not in TEACHER_KINDS:
+            raise ValueError(f"teacher={self.teacher!r}: use one of {TEACHER_KINDS}.")
+        if not 0.0 <= self.teacher_update_rate <= 1.0:
+            raise ValueError(f"teacher_update_rate={self.teacher_update_rate} must be in [0, 1] (the authors use "
+                             "0.05).")
+        if self.max_teacher_prompt_tokens + self.max_episode_tokens > self.max_tokens_per_row:
+            raise ValueError(f"max_teacher_prompt_tokens={self.max_teacher_prompt_tokens} plus max_episode_tokens="
+                             f"{self.max_episode_tokens} exceed max_tokens_per_row={self.max_tokens_per_row}, so a "
+                             "teacher sequence might not fit one packed row; raise --max-tokens-per-row or lower "
+                             "--max-teacher-prompt-tokens.")
+        self.context_config()
+
+    def context_config(self) -> TeacherContextConfig:
+        return TeacherContextConfig(
+            success_threshold=self.success_threshold, use_successful=self.use_successful_as_teacher,
+            use_feedback=self.use_feedback, feedback_only_without_solution=self.feedback_only_without_solution,
+            remove_thinking=self.remove_thinking_from_demonstration, max_prompt_tokens=self.max_teacher_prompt_tokens,
+            reprompt_template=self.reprompt_template, solution_template=self.solution_template,
+            feedback_template=self.feedback_template)
+
+
+# -- the stages -----------------------------------------------------------------------------------
+
+
+def weighted_rewards(rewards: torch.Tensor, weights: Sequence[float]) -> torch.Tensor:
+    """(E, R) reward columns -> (E,) each episode's reward as the advantages weigh it."""
+    return (rewards * torch.tensor(weights, dtype=rewards.dtype)).sum(1)
+
+
+def teacher_prompts(groups: Sequence[Group], rewards: torch.Tensor, weights: Sequence[float],
+                    prompter: TeacherPrompter, metrics: dict[str, float]) -> list[list[int] | None]:
+    """(E,) per episode (groups in order) its teacher prompt ids, or None when it has no teacher."""
+    totals = weighted_rewards(rewards, weights).tolist()
+    contexts, prompts, first = [], [], 0
+    for group in groups:
+        group_contexts = prompter.group_contexts(group, totals[first:first + len(group.episodes)])
+        for i, context in enumerate(group_contexts):
+            if context.prompt_ids is not None and not rebasable(group, i):
+                context.prompt_ids = None  # re-rooted by a template that was not append-only
+            prompts.append(context.prompt_ids)
+        contexts.append(group_contexts)
+        first += len(group.episodes)
+    metrics.update(context_metrics(contexts))
+    return prompts
+
+
+class Distillation:
+    """SDPO's loss for :func:`~treerl.learners.grpo.optimize`'s ``extra_loss``: one micro-batch at a time.
+
+    Holds the step's teacher prompts and the normalizer over every term that has a teacher
+    (all micro-batches, all ranks), and accumulates the step's ``sdpo/*`` metrics. With
+    ``success`` (E,) it also reports the teacher's log-prob minus the student's on the tokens
+    of successful and of failed episodes (``sdpo/logp_gap_success``, ``.._failure``): an
+    informative teacher raises the first and lowers the second.
+    """
+
+    def __init__(self, run: Run, teacher: torch.nn.Module, groups: Sequence[Group],
+                 prompts: Sequence[list[int] | None], batches: Sequence[PackedBatch],
+                 success: torch.Tensor | None = None):
+        cfg = run.cfg
+        self.run, self.cfg, self.teacher, self.groups, self.prompts = run, cfg, teacher, groups, prompts
+        self.has_teacher = torch.tensor([p is not None for p in prompts], dtype=torch.bool)  # (E,)
+        self.success = success
+        counts = torch.zeros(len(prompts), dtype=torch.long)  # (E,) each episode's terms with a teacher
+        for b in batches:
+            counts += torch.bincount(b.term_episode[self.has_teacher[b.term_episode]], minlength=len(prompts))
+        num_tokens, num_sequences = run.ranks.sum([int(counts.sum()), int((counts > 0).sum())])
+        self.normalizer = None if num_tokens == 0 else LossNormalizer(
+            num_tokens=num_tokens, num_sequences=num_sequences, episode_num_tokens=counts)
+        self.totals: dict[str, float] = {}
+
+    def __call__(self, batch: PackedBatch, out: PackedLogprobs) -> torch.Tensor:
+        """The micro-batch's share of ``distillation_weight * distillation loss`` (0 without teacher terms)."""
+        zero = out.logp.sum() * 0.0  # keeps the graph whole when there is nothing to distill
+        if self.normalizer is None or not bool(self.has_teacher[batch.term_episode.cpu()].any()):
+            return zero
+        cfg, device = self.cfg, out.logp.device
+        start = time.perf_counter()
+        t = teacher_terms(self.teacher, self.groups, self.prompts, batch, cfg.packing_config(),
+                          temperature=cfg.temperature, device=device)
+        self._add("perf/teacher_s", time.perf_counter() - start)
+        self._add("_teacher_tokens", t.num_tokens)
+        self._add("_teacher_path_tokens", t.num_path_tokens)
+        idx = t.mask.nonzero().squeeze(1)  # (K,) terms with a teacher
+        student_logp = out.logp_vocab[idx]  # (K,) full vocabulary, as the teacher's
+        if cfg.distillation_mode == "sampled_token":
+            per_term = sampled_token_reverse_kl(student_logp, t.logp[idx])
+            divergence = (student_logp - t.logp[idx]).detach()  # the sampled estimate of KL(student || teacher)
+        else:
+            per_term = chunked_divergence(
+                out.hidden[batch.term_loss.to(device)[idx]], LMHead.of(self.run.model), t.hidden[idx],
+                LMHead.of(self.teacher), mode=cfg.distillation_mode, alpha=cfg.distillation_alpha,
+                topk=cfg.distillation_topk, add_tail=cfg.distillation_add_tail, temperature=cfg.temperature,
+                chunk_tokens=cfg.distillation_chunk_tokens)
+            divergence = per_term.detach()
+        sampler_logp = batch.term_sampler_logp.to(device)[idx]
+        weight = importance_clip(out.logp[idx], sampler_logp, cfg.distillation_is_clip)  # (K,) detached
+        per_term = per_term * weight
+        episode = batch.term_episode.to(device)[idx]
+        inputs = LossInputs(logp=student_logp, old_logp=student_logp.detach(), sampler_logp=sampler_logp,
+                            adv=torch.zeros_like(sampler_logp), episode=episode, num_episodes=batch.num_episodes)
+        loss = AGGREGATIONS[cfg.distillation_aggregation](per_term, inputs, cfg.loss_config(), self.normalizer)
+        self._add("loss/distill", float(loss.detach()))
+        self._add("_terms", idx.numel())
+        self._add("_divergence", float(divergence.sum()))
+        self._add("_teacher_logp", float(t.logp[idx].sum()))
+        self._add("_student_logp", float(student_logp.detach().sum()))
+        if cfg.distillation_is_clip is not None:
+            raw = (out.logp[idx].detach() - sampler_logp).clamp(max=20.0).exp()
+            self._add("_is_clipped", float((raw > cfg.distillation_is_clip).sum()))
+        if self.success is not None:
+            gap = t.logp[idx] - student_logp.detach()  # (K,)
+            won = self.success.to(device)[episode]
+            self._add("_gap_success", float(gap[won].sum()))
+            self._add("_terms_success", float(won.sum()))
+            self._add("_gap_failure", float(gap[~won].sum()))
+            self._add("_terms_failure", float((~won).sum()))
+        return cfg.distillation_weight * loss
+
+    def _add(self, key: str, value: float) -> None:
+        self.totals[key] = self.totals.get(key, 0.0) + float(value)
+
+    def step_metrics(self) -> dict[str, float]:
+        """The step's distillation metrics, summed over ranks (means over the terms with a teacher)."""
+        keys = ["loss/distill", "_terms", "_divergence", "_teacher_logp", "_student_logp", "_is_clipped",
+                "_teacher_tokens", "_teacher_path_tokens", "_gap_success", "_terms_success", "_gap_failure",
+                "_terms_failure"]
+        totals = dict(zip(keys, self.run.ranks.sum([self.totals.get(k, 0.0) for k in keys])))
+        terms = totals["_terms"]
+        metrics = {"loss/distill": totals["loss/distill"], "sdpo/distill_terms": terms,
+                   "perf/teacher_s": self.totals.get("perf/teacher_s", 0.0)}
+        if terms > 0:
+            metrics.update({
+                "sdpo/divergence": totals["_divergence"] / terms,
+                "sdpo/teacher_logp": totals["_teacher_logp"] / terms,
+                "sdpo/student_logp": totals["_student_logp"] / terms,
+                "sdpo/is_clip_frac": totals["_is_clipped"] / terms,
+                "sdpo/teacher_packing_ratio": totals["_teacher_path_tokens"] / max(totals["_teacher_tokens"], 1.0),
+            })
+        for side in ("success", "failure"):
+            if totals[f"_terms_{side}"] > 0:
+                metrics[f"sdpo/logp_gap_{side}"] = totals[f"_gap_{side}"] / totals[f"_terms_{side}"]
+        return metrics
+
+
+def sdpo_step(run: Run, teacher: torch.nn.Module, prompter: TeacherPrompter, step: int) -> dict[str, float]:
+    """One SDPO step on the run's parts; returns the logged metrics."""
+    cfg, metrics = run.cfg, {}
+    start = time.perf_counter()
+    groups, stats = run.rollout()
+    metrics["perf/rollout_s"] = time.perf_counter() - start
+    rewards = score(groups, run.reward_funcs, metrics)
+    adv = advantages(groups, rewards, run.reward_weights, cfg, metrics, run.ranks)
+    prompts = teacher_prompts(groups, rewards, run.reward_weights, prompter, metrics)
+    batches = pack_groups(groups, adv, cfg.packing_config())
+    normalizer = run.ranks.normalizer(batches)
+    distill = None
+    if cfg.distillation_weight > 0:
+        success = weighted_rewards(rewards, run.reward_weights) >= cfg.success_threshold
+        distill = Distillation(run, teacher, groups, prompts, batches, success)
+    elif skips_zero_advantage_groups(cfg, run.ranks):  # GRPO alone: its shortcut holds
+        batches = without_zero_advantage_groups(groups, adv, batches, cfg, metrics)
+    optimize(run.model, run.optimizer, run.scheduler, batches, cfg, run.device, metrics, run.ranks,
+             ref_model=run.reference if cfg.beta > 0 else None, normalizer=normalizer,
+             policy_coef=1.0 - cfg.distillation_weight, extra_loss=distill)
+    if distill is not None:
+        metrics.update(distill.step_metrics())
+    if cfg.teacher == "ema":
+        ema_update(teacher, run.model, cfg.teacher_update_rate)
+    run.publish_weights(metrics)
+    return run.end_step(step, metrics, stats, num_episodes=len(adv), batches=batches)
+
+
+# -- the EMA teacher in checkpoints -------------------------------------------------------------
+
+_TEACHER_FILE = "teacher.safetensors"
+
+
+def _save_teacher(run: Run, teacher: torch.nn.Module) -> None:
+    """Next to the checkpoint the core just wrote (if any), the EMA teacher's weights."""
+    from safetensors.torch import save_model
+
+    path = checkpoint_path(run.out_dir, run.state.step)
+    if run.ranks.is_main and path.is_dir() and not (path / _TEACHER_FILE).exists():
+        save_model(teacher, str(path / _TEACHER_FILE))
+
+
+def _resume_teacher(run: Run, teacher: torch.nn.Module) -> None:
+    """A resumed run's EMA teacher continues from its checkpoint (or from the resumed student)."""
+    from safetensors.torch import load_model
+
+    ckpt = latest_checkpoint(run.out_dir) if run.state.step > 0 else None
+    if ckpt is not None and Path(ckpt, _TEACHER_FILE).exists():
+        load_model(teacher, str(Path(ckpt, _TEACHER_FILE)))
+
+
+def train(cfg: SDPOConfig, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
+          policy: Policy | None = None, env_factory: Callable[[], Any] | None = None,
+          reward_funcs: Sequence[RewardFunc] = (), reward_weights: Sequence[float] | None = None,
+          optimizer: OptimizerSpec | None = None) -> TrainResult:
+    """Train with SDPO on ``cfg.env``; the arguments are those of :func:`treerl.learners.grpo.train`."""
+    run = build(cfg, model=model, tokenizer=tokenizer, policy=policy, env_factory=env_factory,
+                reward_funcs=reward_funcs, reward_weights=reward_weights, optimizer=optimizer,
+                reference=cfg.beta > 0 or cfg.teacher == "initial")
+    teacher = make_teacher(cfg.teacher, run.model, run.reference)
+    if cfg.teacher == "ema":
+        _resume_teacher(run, teacher)
+    env = run.env_factory()
+    try:
+        prompter = TeacherPrompter(run.tokenizer, cfg.context_config(), tools=env.tool_schemas or None)
+    finally:
+        env.close()
+    if run.diagnostics is not None:
+        run.diagnostics.checks = (*run.diagnostics.checks, *SDPO_CHECKS)
+    with run:
+        for step in run.steps():
+            sdpo_step(run, teacher, prompter, step)
+            if cfg.teacher == "ema":
+                _save_teacher(run, teacher)
+    result = finish(run)
+    if cfg.teacher == "ema":
+        _save_teacher(run, teacher)
+    return result
+
+
+register_learner("sdpo", SDPOConfig, train, "SDPO: self-distillation from successful siblings and environment "
+                                            "feedback, blended with GRPO by --distillation-weight.")

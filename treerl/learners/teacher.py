@@ -1,0 +1,245 @@
+"""SDPO's teacher: its weights, its trees, and its packed forward over the student's sampled tokens.
+
+**Weights** (:data:`TEACHER_KINDS`): ``ema``, an exponential moving average of the student
+(``teacher <- (1 - rate) teacher + rate student`` after every optimizer step,
+:func:`ema_update`); ``initial``, the frozen starting weights; ``live``, the student itself
+(no copy; scored under ``no_grad`` before the step changes it).
+
+**Trees**: the teacher re-scores the **same sampled tokens** as the student, after its own
+prompt (:mod:`treerl.learners.teacher_context`). :func:`teacher_trees` rebuilds each
+student group as a teacher tree: one root per distinct teacher prompt, and under it each
+episode's segments after the student's prompt, unchanged (sampled turns with their
+log-probs, the environment's tokens in between), so sharing survives: failed siblings
+with one demonstration share the teacher prompt (forwarded once, each completion a
+branch), and branched rollouts still share their first turns. The trees pack with
+:func:`~treerl.learners.packing.pack_groups` and run with the same tree-attention forward
+as the student (:func:`~treerl.learners.forward.packed_hidden_states`).
+
+**Alignment**: an episode's terms come out of packing in path order, in both packings, so
+the ``r``-th term of student episode ``e`` and the ``r``-th term of its teacher episode
+are the same sampled token (:func:`term_ranks`). :func:`teacher_terms` returns, for every
+term of one student micro-batch, the teacher's hidden state and log-prob of that token.
+
+Episodes whose path does not start at the group's prompt (a chat template that was not
+append-only re-rooted them) get no teacher: their tokens have no single prompt to replace.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from treerl.kernels.logprobs import token_logprobs
+from treerl.learners.divergences import LMHead
+from treerl.learners.forward import packed_hidden_states
+from treerl.learners.packing import PackedBatch, PackingConfig, pack_groups
+from treerl.rollout.trajectory import Group
+
+__all__ = [
+    "TEACHER_KINDS",
+    "TeacherTerms",
+    "TeacherTrees",
+    "ema_update",
+    "make_teacher",
+    "teacher_terms",
+    "teacher_trees",
+    "term_ranks",
+    "rebasable",
+]
+
+TEACHER_KINDS = ("ema", "initial", "live")
+
+
+def make_teacher(kind: str, model: torch.nn.Module, reference: torch.nn.Module | None) -> torch.nn.Module:
+    """The teacher's model: a frozen copy of ``model`` (``ema``), ``reference`` (``initial``), or ``model``.
+
+    ``model`` is the trained model as the learner built it (tree attention on, LoRA
+    applied); ``reference`` the core's frozen copy of the starting weights.
+    """
+    if kind == "ema":
+        return copy.deepcopy(model).eval().requires_grad_(False)
+    if kind == "initial":
+        if reference is None:
+            raise ValueError("teacher='initial' needs the frozen starting weights: build(cfg, reference=True).")
+        return reference
+    if kind == "live":
+        return model
+    raise ValueError(f"teacher={kind!r}: use one of {TEACHER_KINDS}.")
+
+
+@torch.no_grad()
+def ema_update(teacher: torch.nn.Module, student: torch.nn.Module, rate: float) -> None:
+    """``teacher <- (1 - rate) * teacher + rate * student``, parameter by parameter, in place.
+
+    Only the student's trained parameters move (with LoRA, the adapters); frozen ones are
+    equal in both already. Parameters are matched by name.
+
+    >>> t, s = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    >>> _ = t.weight.data.fill_(0.0), s.weight.data.fill_(1.0)
+    >>> ema_update(t, s, 0.25); t.weight.tolist()
+    [[0.25, 0.25]]
+    """
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"teacher_update_rate={rate} must be in [0, 1].")
+    teacher_params = dict(teacher.named_parameters())
+    for name, p in student.named_parameters():
+        if not p.requires_grad:
+            continue
+        if name not in teacher_params:
+            raise ValueError(f"ema_update: the teacher has no parameter {name!r}; the EMA teacher must be a copy of "
+                             "the student (make_teacher('ema', model, ...)).")
+        teacher_params[name].lerp_(p.detach().to(teacher_params[name].dtype), rate)
+
+
+def rebasable(group: Group, episode: int) -> bool:
+    """Whether the episode's one path starts at the group's prompt segment (see the module docstring)."""
+    e = group.episodes[episode]
+    path = group.path_indices(e.leaf)
+    return not e.extra_leaves and group.segments[path[0]].kind == "prompt" and len(path) > 1
+
+
+@dataclass
+class TeacherTrees:
+    """Teacher trees and, for each of their episodes in order, the student episode it re-scores."""
+
+    groups: list[Group]
+    student_episodes: list[int]
+    """Global (whole-step) student episode index of each teacher episode."""
+
+
+def teacher_trees(groups: Sequence[Group], prompts: Sequence[Sequence[int] | None],
+                  episodes: set[int] | None = None) -> TeacherTrees:
+    """Teacher trees of ``groups`` (see the module docstring).
+
+    Args:
+        groups: the step's student groups.
+        prompts: (E,) per student episode (groups in order), its teacher prompt ids, or None.
+        episodes: only these student episodes (global indices), e.g. one micro-batch's.
+    """
+    out = TeacherTrees([], [])
+    first = 0
+    for group in groups:
+        tree = Group(task_key=group.task_key, env_id=group.env_id, info=group.info)
+        roots: dict[tuple[int, ...], int] = {}
+        copied: dict[tuple[int, int], int] = {}  # (teacher root, student segment) -> teacher segment
+        for i, episode in enumerate(group.episodes):
+            index = first + i
+            ids = prompts[index]
+            if ids is None or (episodes is not None and index not in episodes) or not rebasable(group, i):
+                continue
+            key = tuple(ids)
+            if key not in roots:
+                roots[key] = tree.add_segment("prompt", list(ids))
+            root = roots[key]
+            parent = root
+            for s in group.path_indices(episode.leaf)[1:]:
+                if (root, s) not in copied:
+                    seg = group.segments[s]
+                    copied[(root, s)] = tree.add_segment(
+                        seg.kind, seg.token_ids, parent=parent, logprobs=seg.logprobs, candidates=seg.candidates,
+                        policy_version=seg.policy_version, finish_reason=seg.finish_reason)
+                parent = copied[(root, s)]
+            tree.add_episode(leaf=parent, reward=episode.reward)
+            out.student_episodes.append(index)
+        if tree.episodes:
+            out.groups.append(tree)
+        first += len(group.episodes)
+    return out
+
+
+def term_ranks(term_episode: Tensor) -> Tensor:
+    """(M,) each term's position among its episode's terms, in order.
+
+    >>> term_ranks(torch.tensor([3, 3, 1, 3, 1])).tolist()
+    [0, 1, 0, 2, 1]
+    """
+    order = torch.argsort(term_episode, stable=True)  # (M,) terms grouped by episode, in order
+    sorted_episode = term_episode[order]
+    counts = torch.bincount(sorted_episode)
+    starts = torch.cumsum(counts, 0) - counts  # first sorted position of each episode
+    ranks = torch.empty_like(term_episode)
+    ranks[order] = torch.arange(term_episode.numel(), device=term_episode.device) - starts[sorted_episode]
+    return ranks
+
+
+@dataclass
+class TeacherTerms:
+    """The teacher at every term of one student micro-batch (rows without a teacher are zero)."""
+
+    mask: Tensor
+    """(M,) bool: the term's episode has a teacher."""
+    hidden: Tensor
+    """(M, H) the teacher's final hidden state predicting the term's token."""
+    logp: Tensor
+    """(M,) float32 the teacher's log-prob of the sampled token, full vocabulary, tempered."""
+    num_tokens: int = 0
+    """Tokens the teacher forward ran (packed)."""
+    num_path_tokens: int = 0
+    """Tokens it would have run unpacked."""
+
+
+@torch.no_grad()
+def teacher_terms(model: torch.nn.Module, groups: Sequence[Group], prompts: Sequence[Sequence[int] | None],
+                  batch: PackedBatch, packing: PackingConfig, *, temperature: float, device: str | torch.device,
+                  impl: str = "auto") -> TeacherTerms:
+    """The teacher's hidden states and log-probs at every term of the student micro-batch ``batch``.
+
+    Packs the teacher trees of the batch's episodes with ``packing``, runs the teacher's
+    decoder on them, and lines each teacher term up with its student term.
+    """
+    term_episode = batch.term_episode.to(device)
+    num_terms = term_episode.numel()
+    head = LMHead.of(model)
+    width = head.weight.shape[1]
+    out = TeacherTerms(mask=torch.zeros(num_terms, dtype=torch.bool, device=device),
+                       hidden=torch.zeros(num_terms, width, dtype=head.weight.dtype, device=device),
+                       logp=torch.zeros(num_terms, dtype=torch.float32, device=device))
+    present = set(term_episode.unique().tolist())
+    trees = teacher_trees(groups, prompts, episodes=present)
+    if not trees.student_episodes:
+        return out
+    was_training = model.training
+    model.eval()
+    try:
+        teacher_batches = pack_groups(trees.groups, torch.zeros(len(trees.student_episodes)), packing)
+        student_of = torch.tensor(trees.student_episodes, dtype=torch.long, device=device)
+        keys, hidden, targets = [], [], []
+        for tb in teacher_batches:
+            tb = tb.to(device)
+            states = packed_hidden_states(model, tb)  # (B, T, H)
+            flat = states.reshape(-1, states.shape[-1]).index_select(0, tb.loss_row * tb.length + tb.loss_pos)  # (N, H)
+            episode = student_of[tb.term_episode]  # (M_t,) student episode of each teacher term
+            keys.append(_key(episode, term_ranks(tb.term_episode), num_terms))
+            hidden.append(flat[tb.term_loss])
+            targets.append(tb.loss_target[tb.term_loss])
+            out.num_tokens += tb.num_tokens
+            out.num_path_tokens += tb.num_path_tokens
+    finally:
+        model.train(was_training)
+    teacher_keys, teacher_hidden = torch.cat(keys), torch.cat(hidden)  # (M_t,), (M_t, H)
+    student_keys = _key(term_episode, term_ranks(term_episode), num_terms)  # (M,)
+    order = torch.argsort(teacher_keys)
+    found = torch.searchsorted(teacher_keys[order], student_keys).clamp(max=teacher_keys.numel() - 1)
+    match = order[found]
+    mask = teacher_keys[match] == student_keys  # (M,)
+    has_teacher = torch.isin(term_episode, student_of)
+    if not torch.equal(mask, has_teacher) or int(mask.sum()) != teacher_keys.numel():
+        raise RuntimeError("teacher_terms: the teacher's terms do not line up with the student's (an episode has a "
+                           "different number of sampled tokens in the two packings); this is a treerl bug.")
+    target = torch.cat(targets)[match[mask]]
+    if not torch.equal(target, batch.term_target.to(device)[mask]):
+        raise RuntimeError("teacher_terms: the teacher scored other tokens than the student sampled; a treerl bug.")
+    out.mask = mask
+    out.hidden[mask] = teacher_hidden[match[mask]]
+    out.logp[mask] = token_logprobs(out.hidden[mask], head.weight, target, bias=head.bias, temperature=temperature,
+                                    impl=impl).logp.float()
+    return out
+
+
+def _key(episode: Tensor, rank: Tensor, num_terms: int) -> Tensor:
+    """One integer per (episode, rank) pair; ``rank < num_terms`` keeps them distinct."""
+    return episode * (num_terms + 1) + rank
