@@ -196,19 +196,57 @@ def test_rollout_killed_with_sigkill_resumes_without_duplicates(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "treerl.cli", *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:  # kill once a group is on disk
-        if out.exists() and out.read_text().count("\n") >= 1:
+    while time.monotonic() < deadline and proc.poll() is None:  # kill once a group is on disk (after the header)
+        if out.exists() and out.read_text().count("\n") >= 2:
             break
         time.sleep(0.05)
     assert proc.poll() is None, f"the rollout ended before it could be killed: {proc.stderr.read()}"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    written = out.read_text().count("\n")
+    written = out.read_text().count("\n") - 1  # groups: the first line is the header
     assert 1 <= written < 6, "the run should have been killed mid-way"
     done = _cli(*args, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
-    lines = out.read_text().splitlines()
-    groups = [Group.from_json(line) for line in lines]  # every line parses
+    header, *lines = out.read_text().splitlines()
+    assert json.loads(header)["run"]["env_id"] == "treerl/Calculator-v0"  # one header, still first
+    groups = [Group.from_json(line) for line in lines]  # every other line parses
     keys = [g.task_key for g in groups]
     assert sorted(keys) == sorted(f"seed-{i}" for i in range(6))  # every task exactly once
     assert all(len(g.episodes) == 2 for g in groups)
+
+
+class _Jittery:
+    """An environment whose every step takes a random extra time, different in every run."""
+
+    def __init__(self, env):
+        self._env = env
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+    def fork(self):
+        return _Jittery(self._env.fork())
+
+    async def astep(self, action):
+        await asyncio.sleep(int.from_bytes(os.urandom(1), "little") / 255 * 0.03)
+        return await self._env.astep(action)
+
+
+def test_lockstep_batches_and_floats_repeat_whatever_the_tool_latency(tiny):
+    model, tok = tiny
+
+    def play():
+        policy = TransformersPolicy(model, tok, continuous_batching=False, max_batch_size=4)
+        batches = []
+        generate = policy.generate
+        policy.generate = lambda requests: batches.append([r.seed for r in requests]) or generate(requests)
+        engine = RolloutEngine(policy, tok, params=SamplingParams(max_new_tokens=24), seed=3, lockstep=True)
+        groups, _ = asyncio.run(engine.run(lambda: _Jittery(treerl.make("treerl/Calculator-v0")),
+                                           "treerl/Calculator-v0", range(3), 3))
+        segments = [(s.token_ids, s.logprobs) for g in groups for s in g.segments if s.kind == "sampled"]
+        return batches, segments, engine._gate.waves
+
+    first, second = play(), play()
+    assert first[2] >= 2  # several waves: the episodes took turns
+    assert first[0] == second[0]  # the same batches, in the same order
+    assert first[1] == second[1]  # hence bit-identical log-probs

@@ -49,6 +49,10 @@ class LearnerConfig(EpisodeOptions):
     continuous_batching: bool = field_help(False, "Rollout requests join the running batch between decode steps: "
                                                   "faster rollouts, but runs no longer repeat bit for bit (off: "
                                                   "static batches, reproducible runs and resumes).")
+    lockstep: bool = field_help(True, "Rollout generation in waves of every episode in play, in a fixed order: "
+                                      "runs and resumes repeat bit for bit (off: batches form as requests arrive, "
+                                      "a little faster when tool calls vary in length; needs "
+                                      "--continuous-batching false).")
     branch_at_turn: int | None = field_help(None, "Fork episodes after this many turns (deeper trees).")
     branch_factor: int = field_help(1, "Continuations per fork.")
     max_tokens_per_row: int = field_help(4096, "Token budget of one packed row.")

@@ -21,6 +21,7 @@ The steps of one turn (sample, observe, bridge or branch, finish) live in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import time
@@ -41,6 +42,7 @@ from treerl.rollout.episode import (
     sample_turn,
     turn_params,
 )
+from treerl.rollout.lockstep import Lockstep
 from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group, GroupWriter
 
@@ -74,6 +76,10 @@ class RolloutEngine:
         branch_factor: ... into this many continuations (1: no branching).
         seed: Seeds every request (with the task, generation and turn), so runs repeat.
         chat_template: Overrides the tokenizer's template.
+        lockstep: Generation in waves of every episode in play, in a fixed order
+            (:class:`~treerl.rollout.lockstep.Lockstep`), so the policy's batches, and with them
+            every float, repeat from run to run. Every episode of a call is then in play at once
+            (``max_concurrency`` does not apply); the policy's own batch size still bounds a batch.
     """
 
     def __init__(
@@ -89,6 +95,7 @@ class RolloutEngine:
         branch_factor: int = 1,
         seed: int = 0,
         chat_template: str | None = None,
+        lockstep: bool = False,
     ):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency} must be >= 1.")
@@ -106,42 +113,62 @@ class RolloutEngine:
         self.branch_factor = branch_factor
         self.seed = seed
         self.chat_template = chat_template
-        self._slots: asyncio.Semaphore | None = None
+        self.lockstep = lockstep
+        self._slots: asyncio.Semaphore | contextlib.nullcontext | None = None
         self._slots_loop: asyncio.AbstractEventLoop | None = None
+        self._gate: Lockstep | None = None
 
     def _ensure_slots(self) -> None:
         loop = asyncio.get_running_loop()
         if self._slots is None or self._slots_loop is not loop:
-            self._slots, self._slots_loop = asyncio.Semaphore(self.max_concurrency), loop
+            self._slots_loop = loop
+            # In lockstep no episode waits for a slot: when it would start would depend on time.
+            self._slots = contextlib.nullcontext() if self.lockstep else asyncio.Semaphore(self.max_concurrency)
+            self._gate = Lockstep(self.policy) if self.lockstep else None
 
     # -- one group -------------------------------------------------------------------------
     async def run_group(self, env: Any, env_id: str, task_seed: int, group_size: int,
                         options: dict[str, Any] | None = None) -> Group:
         """Reset ``env`` on one task and play ``group_size`` generations of it."""
-        if hasattr(env, "use_parser_of"):
-            env.use_parser_of(self.tokenizer)  # tool calls in the format this model writes
-        obs, info = await env.areset(seed=task_seed, options=options)
-        renderer = ChatRenderer(self.tokenizer, tools=env.tool_schemas or None, chat_template=self.chat_template)
-        messages = list(obs)
-        prompt_ids = renderer.prompt_ids(messages)
-        group = Group(task_key=f"seed-{task_seed}", env_id=env_id,
-                      info={"task_seed": task_seed, "task_id": info.get("task_id"), "options": options,
-                            "answer": info.get("answer"), "num_prompt_messages": len(messages),
-                            "sampling": _params_dict(self.params)})
-        root = group.add_segment("prompt", prompt_ids)
-        states = [
-            EpisodeState(env=env.fork(), messages=copy.deepcopy(messages), context_ids=list(prompt_ids),
-                         parent=root, path=(g,))
-            for g in range(group_size)
-        ]
         self._ensure_slots()
-        await asyncio.gather(*(self._play(s, group, renderer, task_seed, shared=f"{group.task_key}/prompt")
-                               for s in states))
+        # Counted before the first await, so that no lockstep wave leaves this group behind.
+        self._enter(group_size)
+        handed_over = 0  # episodes whose _play counts them out
+        try:
+            if hasattr(env, "use_parser_of"):
+                env.use_parser_of(self.tokenizer)  # tool calls in the format this model writes
+            obs, info = await env.areset(seed=task_seed, options=options)
+            renderer = ChatRenderer(self.tokenizer, tools=env.tool_schemas or None, chat_template=self.chat_template)
+            messages = list(obs)
+            prompt_ids = renderer.prompt_ids(messages)
+            group = Group(task_key=f"seed-{task_seed}", env_id=env_id,
+                          info={"task_seed": task_seed, "task_id": info.get("task_id"), "options": options,
+                                "answer": info.get("answer"), "num_prompt_messages": len(messages),
+                                "sampling": _params_dict(self.params)})
+            root = group.add_segment("prompt", prompt_ids)
+            states = [
+                EpisodeState(env=env.fork(), messages=copy.deepcopy(messages), context_ids=list(prompt_ids),
+                             parent=root, path=(g,))
+                for g in range(group_size)
+            ]
+            plays = [self._play(s, group, renderer, task_seed, shared=f"{group.task_key}/prompt") for s in states]
+            handed_over = group_size
+            await asyncio.gather(*plays)
+        finally:
+            self._leave(group_size - handed_over)
         # Generations finish in any order; store them in generation order, and number the
         # segments in that order, so that files and the packing of the tree repeat.
         group.episodes.sort(key=lambda e: e.metrics["generation"])
         group.canonicalize()
         return group
+
+    def _enter(self, n: int) -> None:
+        if self._gate is not None:
+            self._gate.enter(n)
+
+    def _leave(self, n: int) -> None:
+        if self._gate is not None and n:
+            self._gate.leave(n)
 
     async def _play(self, state: EpisodeState, group: Group, renderer: ChatRenderer, task_seed: int,
                     shared: str | None) -> None:
@@ -155,6 +182,8 @@ class RolloutEngine:
                 continuations = await self._turns(state, group, renderer, task_seed, shared, session)
         finally:
             self.policy.end_session(session)
+            self._enter(len(continuations))  # before this episode leaves: the next wave waits for them
+            self._leave(1)
         if continuations:
             # Siblings continue from the same context: the policy prefills it once for all.
             point = f"{session}/turn{state.turn}"
@@ -169,7 +198,7 @@ class RolloutEngine:
                 return self._finish(state, group, state.parent, "max_tokens")
             if time.monotonic() - state.started >= self.max_episode_seconds:
                 return self._finish(state, group, state.parent, "timeout")
-            turn = await sample_turn(self.policy, state, group, renderer, params, shared=shared, session=session,
+            turn = await sample_turn(self._gate or self.policy, state, group, renderer, params, shared=shared, session=session,
                                      seed=request_seed(self.seed, task_seed, *state.path, state.turn))
             shared = None  # only a context's first request shares its prefill with siblings
             remaining = self.max_episode_seconds - (time.monotonic() - state.started)
@@ -237,8 +266,10 @@ class RolloutEngine:
         """
         self._ensure_slots()
         # Bound the groups in flight too, so a long task list does not build every
-        # environment up front: enough groups to keep all episode slots busy, plus one.
-        group_slots = asyncio.Semaphore(-(-self.max_concurrency // max(group_size, 1)) + 1)
+        # environment up front: enough groups to keep all episode slots busy, plus one. In
+        # lockstep every group starts at once (when one started would depend on time).
+        group_slots = (contextlib.nullcontext() if self.lockstep
+                       else asyncio.Semaphore(-(-self.max_concurrency // max(group_size, 1)) + 1))
         stats = RolloutStats()
         groups: list[Group] = []
         start = time.monotonic()

@@ -48,6 +48,10 @@ class EpisodeOptions(SamplingOptions):
     continuous_batching: bool = field_help(True, "Requests join the policy's running batch between decode steps "
                                                  "(faster with mixed turn lengths; batch composition then depends "
                                                  "on timing, so float results may differ from run to run).")
+    lockstep: bool = field_help(False, "Generation in waves of every episode in play, in a fixed order, so the "
+                                       "policy's batches and every float repeat from run to run (needs "
+                                       "--continuous-batching false; a turn waits for the slowest tool call; "
+                                       "all episodes of a step are in play at once).")
 
     def __post_init__(self) -> None:
         if not isinstance(self.env_kwargs, dict):
@@ -64,6 +68,9 @@ class EpisodeOptions(SamplingOptions):
         except (RuntimeError, TypeError, ValueError):
             raise ValueError(f"device={self.device!r} is not a torch device: use cpu, cuda, cuda:N or mps "
                              "(--device cpu).") from None
+        if self.lockstep and self.continuous_batching:
+            raise ValueError("lockstep=True needs continuous_batching=False: rows joining a running batch make its "
+                             "membership depend on time (--continuous-batching false, or --lockstep false).")
         self.sampling()  # SamplingParams validates the sampling options with its own messages
 
     def env_factory(self) -> Callable[[], Any]:
@@ -76,5 +83,5 @@ class EpisodeOptions(SamplingOptions):
         return RolloutEngine(policy, tokenizer, params=self.sampling(**sampling_overrides),
                              max_concurrency=self.max_concurrency, max_episode_tokens=self.max_episode_tokens,
                              max_episode_seconds=self.max_episode_seconds, branch_at_turn=branch_at_turn,
-                             branch_factor=branch_factor, seed=seed)
+                             branch_factor=branch_factor, seed=seed, lockstep=self.lockstep)
 
