@@ -93,6 +93,9 @@ class AsyncGRPOConfig(GRPOConfig):
     max_concurrency: int = field_help(256, "Episodes in flight at once in each generator (several steps' worth, "
                                            "decoded as one batch).")
     num_generators: int = field_help(1, "Generator processes (or Ray actors) playing episodes.")
+    lockstep: bool = field_help(False, "Generation in waves of every episode in play (GRPO's default). Off here: "
+                                       "when tickets arrive and weights land depends on time anyway, so waves "
+                                       "would only make generators wait.")
     generator_threads: int | None = field_help(None, "torch CPU threads of each generator (default: the cores "
                                                      "split evenly between the trainer and the generators; 1 on Ray).")
     heartbeat_timeout: float = field_help(60.0, "Seconds without a heartbeat before a generator is reported and "

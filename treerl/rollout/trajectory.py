@@ -276,6 +276,9 @@ class Group:
         for episode in self.episodes:
             episode.leaf = new_of[episode.leaf]
             episode.extra_leaves = [new_of[leaf] for leaf in episode.extra_leaves]
+            for call in episode.tool_calls:  # each call record names the sampled segment that made it
+                if isinstance(call, dict) and isinstance(call.get("segment"), int):
+                    call["segment"] = new_of[call["segment"]]
 
     def path_indices(self, leaf: int) -> list[int]:
         """Indices of the segments from the root to ``leaf``."""
