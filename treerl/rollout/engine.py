@@ -121,7 +121,9 @@ class RolloutEngine:
         if hasattr(env, "use_parser_of"):
             env.use_parser_of(self.tokenizer)  # tool calls in the format this model writes
         obs, info = await env.areset(seed=task_seed, options=options)
-        renderer = ChatRenderer(self.tokenizer, tools=env.tool_schemas or None, chat_template=self.chat_template)
+        # With the parser, a template that needs structured tool calls (gpt-oss) gets them.
+        renderer = ChatRenderer(self.tokenizer, tools=env.tool_schemas or None, chat_template=self.chat_template,
+                                parser=getattr(env, "parser", None))
         messages = list(obs)
         prompt_ids = renderer.prompt_ids(messages)
         group = Group(task_key=f"seed-{task_seed}", env_id=env_id,
