@@ -372,7 +372,8 @@ class ChatRenderer:
     def _rerender(self, messages: Sequence[Mapping[str, Any]], completion_text: str,
                   new_messages: Sequence[Mapping[str, Any]], seen_text: str) -> tuple[dict[str, Any], str]:
         """The assistant message and the full rendering: the first form that reproduces
-        ``seen_text`` (raw, then structured), else the first form that renders at all."""
+        ``seen_text`` (raw, then structured), else the form whose rendering agrees with it
+        longest."""
         forms = [assistant_message(completion_text)]
         if self.parser is not None:
             structured = structured_message(self.parser.parse(completion_text))
@@ -391,7 +392,11 @@ class ChatRenderer:
             rendered.append((message, full_text))
         if not rendered:
             raise failures[0]
-        return rendered[0]
+        # A branch either way: continue from the form closest to what the model saw; on a tie
+        # (the difference is in an earlier turn), from the parsed calls, the form templates
+        # are written for (Mistral's counts a raw call turn as a reply and then refuses the
+        # next one).
+        return max(rendered, key=lambda form: (_first_difference(seen_text, form[1]), "tool_calls" in form[0]))
 
     def _branch(self, full_text: str, message: dict[str, Any], reason: BranchReason, detail: str) -> Bridge:
         return Bridge(ids=[], branch=True, context_ids=self.encode(full_text), reason=reason.value,

@@ -172,7 +172,7 @@ def split_reasoning(text: str, markers: tuple[str, str] | None) -> tuple[str | N
     marker makes everything after it reasoning (the model stopped while thinking). Without
     ``markers``, or without either marker at the head of the text, there is no reasoning.
 
-    >>> split_reasoning("<think>call add?</think>\n\nDone.", ("<think>", "</think>"))
+    >>> split_reasoning("<think>call add?</think>\\n\\nDone.", ("<think>", "</think>"))
     ('call add?', 'Done.')
     >>> split_reasoning("still thinking</think>ok", ("<think>", "</think>"))
     ('still thinking', 'ok')
