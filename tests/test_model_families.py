@@ -30,9 +30,13 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast
 
 from treerl.agents.chat import ChatRenderer
-from treerl.agents.chat_templates import resolve_chat_template, template_family
+from treerl.agents.chat_templates import load_template, resolve_chat_template, template_family
 from treerl.agents.policy import Generation, SamplingParams
+from treerl.envs.core import Task, ToolEnv
 from treerl.envs.parsers import get_parser
+from treerl.envs.tools import tool
+from treerl.rollout.engine import RolloutEngine
+from treerl.rollout.options import EpisodeOptions
 from treerl.rollout.episode import EpisodeState, apply_bridge, finish_episode, observe, sample_turn
 from treerl.rollout.trajectory import Group
 
@@ -328,3 +332,83 @@ def test_branches_per_family(base_bpe, name):
     got = tuple([r for r in play(base_bpe, name, variant, canonical=True).branches if r is not None]
                 for variant in ("model", "training"))
     assert got == EXPECTED_BRANCHES[name]
+
+
+# -- through the engine: gpt-oss's structured tool calls, a call inside reasoning ---------------
+
+
+class _Multiply(ToolEnv):
+    system_prompt = "You are a helpful assistant."
+
+    def sample_task(self, rng):
+        return Task(prompt="What is 17 times 23? Use the multiply tool, then answer.", answer="391")
+
+    def score(self, task, completion):
+        return float(task.answer in completion)
+
+
+@tool
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+
+
+class _EnginePolicy(ScriptPolicy):
+    def end_session(self, session) -> None:
+        pass
+
+
+@pytest.mark.parametrize("name, turns, executed", [
+    # gpt-oss: its template renders the tool result only after a structured call; the
+    # analysis channel mentions a Hermes call, which is reasoning, not a call.
+    ("gpt_oss", [(HARMONY_CALL.format(r='Maybe <tool_call>{"name": "multiply"}</tool_call>?', a=17, b=23), "<|call|>"),
+                 (FAMILIES["gpt_oss"].answer.format(r="It said 391.", n=391), "<|return|>")], 1),
+    # Qwen3: a call written inside <think> is not executed; the one after it is.
+    ("qwen3", [("<think>\nFirst " + HERMES_CALL.format(a=1, b=1) + "\n</think>\n\n" + HERMES_CALL.format(a=17, b=23),
+                "<|im_end|>"), ("<think>\nDone.\n</think>\n\nThe answer is 391.", "<|im_end|>")], 1),
+])
+def test_engine_plays_a_family_faithfully(base_bpe, name, turns, executed):
+    tok = make_tokenizer(base_bpe, FAMILIES[name])
+    tok.chat_template = real_template(name)
+    policy = _EnginePolicy(tok, [(text, stop, None) for text, stop in turns], canonical=True)
+    engine = RolloutEngine(policy, tok, params=SamplingParams(max_new_tokens=512), max_concurrency=1)
+    group = asyncio.run(engine.run_group(_Multiply(tools=[multiply]), "multiply", 0, 1))
+    (episode,) = group.episodes
+    assert episode.reward == 1.0 and episode.termination == "final_answer" and episode.extra_leaves == []
+    assert "template/branch_reason" not in episode.metrics
+    assert [(c["name"], c.get("arguments")) for c in episode.tool_calls] == [("multiply", {"a": 17, "b": 23})] * executed
+    sampled = [i for i in group.path_indices(episode.leaf) if group.segments[i].kind == "sampled"]
+    for segment, context in zip(sampled, policy.contexts, strict=True):
+        assert [t for s in group.path_indices(segment)[:-1] for t in group.segments[s].token_ids] == context
+    if name == "gpt_oss":  # the conversation holds the structured turn the template needed
+        assert episode.messages[2]["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": 17, "b": 23}}
+
+
+# -- choosing the template: --chat-template -----------------------------------------------------
+
+
+def test_chat_template_flag_picks_the_training_variant(base_bpe, tmp_path):
+    tok = make_tokenizer(base_bpe, FAMILIES["qwen3"])
+    tok.chat_template = real_template("qwen3")
+    assert resolve_chat_template("model", tok) is None
+    assert resolve_chat_template("training", tok) == load_template("qwen3_training")
+    tok.chat_template = real_template("qwen2_5")  # already prefix-preserving: kept
+    assert resolve_chat_template("training", tok) is None
+    assert "treerl's prefix-preserving training variant" in load_template("deepseek_r1_training")
+    path = tmp_path / "mine.jinja"
+    path.write_text("{{ messages[0].content }}")
+    assert resolve_chat_template(str(path), tok) == "{{ messages[0].content }}"
+    with pytest.raises(ValueError, match="unknown chat template 'qwen9_training'.*'training'"):
+        resolve_chat_template("qwen9_training", tok)
+
+    opts = EpisodeOptions(chat_template="training")
+    tok.chat_template = real_template("glm4_moe")
+    assert opts.engine(_EnginePolicy(tok, [], canonical=True), tok, seed=0).chat_template == load_template(
+        "glm4_moe_training")
+    with pytest.raises(ValueError, match=r"chat_template='bogus' is not a template choice.*--chat-template training"):
+        EpisodeOptions(chat_template="bogus")
