@@ -36,7 +36,11 @@ from treerl.envs.core import Task, ToolEnv
 from treerl.envs.parsers import get_parser
 from treerl.envs.tools import tool
 from treerl.rollout.engine import RolloutEngine
+from treerl.rollout import evaluate as evaluate_module
+from treerl.rollout.evaluate import evaluate_with
 from treerl.rollout.options import EpisodeOptions
+from treerl.rollout.record import RolloutConfig, run_header
+from treerl.rollout.summary import RolloutStats
 from treerl.rollout.episode import EpisodeState, apply_bridge, finish_episode, observe, sample_turn
 from treerl.rollout.trajectory import Group
 
@@ -412,3 +416,26 @@ def test_chat_template_flag_picks_the_training_variant(base_bpe, tmp_path):
         "glm4_moe_training")
     with pytest.raises(ValueError, match=r"chat_template='bogus' is not a template choice.*--chat-template training"):
         EpisodeOptions(chat_template="bogus")
+
+
+def test_eval_and_the_trajectory_header_use_the_chosen_template(base_bpe, tmp_path):
+    tok = make_tokenizer(base_bpe, FAMILIES["qwen3"])
+    tok.chat_template = real_template("qwen3")
+    rendered: list[str | None] = []
+
+    class Spy(RolloutEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            rendered.append(self.chat_template)
+
+        async def run(self, *args, **kwargs):
+            return [], RolloutStats()
+
+    cfg = RolloutConfig(out=str(tmp_path / "r.jsonl"), chat_template="training")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(evaluate_module, "RolloutEngine", Spy)
+        evaluate_with(cfg, _EnginePolicy(tok, [], canonical=True), tok, num_episodes=1, seed=0)
+    assert rendered == [load_template("qwen3_training")]
+    header = run_header(cfg, tok)
+    assert header["run"]["tokenizer"]["chat_template_sha256"] == hashlib.sha256(
+        load_template("qwen3_training").encode()).hexdigest()
