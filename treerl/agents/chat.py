@@ -199,8 +199,8 @@ class ChatRenderer:
             ``parse(text) -> ParseResult``); with it, a turn the raw text cannot reproduce is
             re-rendered from the parsed calls (see the module docstring). None: raw only.
         turn_end_aliases: sampled end-of-message token -> the template's end-of-turn token
-            it stands for; default :data:`DEFAULT_TURN_END_ALIASES` (pairs whose tokens the
-            tokenizer lacks are ignored).
+            it stands for; default :data:`DEFAULT_TURN_END_ALIASES` (pairs that are not both
+            added tokens of the tokenizer are ignored).
 
     The renderer is stateless between calls: the engine passes the conversation each time.
     """
@@ -248,9 +248,11 @@ class ChatRenderer:
         # Decoding after an anchor keeps decoders that drop a sequence's leading space
         # (SentencePiece-style) from changing a completion's first character.
         self._anchor_id = min(self._added_ids) if self._added_ids else None
-        vocab = tokenizer.get_vocab()
+        # End-of-turn tokens are added tokens: look them up there, not in the whole vocabulary.
+        added_ids = {t.content: i for i, t in added.items()}
         aliases = DEFAULT_TURN_END_ALIASES if turn_end_aliases is None else turn_end_aliases
-        self._turn_end_aliases = {vocab[a]: vocab[b] for a, b in aliases.items() if a in vocab and b in vocab}
+        self._turn_end_aliases = {added_ids[a]: added_ids[b] for a, b in aliases.items()
+                                  if a in added_ids and b in added_ids}
 
     # -- text and ids -------------------------------------------------------------------
 
