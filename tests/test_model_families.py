@@ -367,20 +367,26 @@ class _EnginePolicy(ScriptPolicy):
         pass
 
 
-@pytest.mark.parametrize("name, turns, executed", [
+@pytest.mark.parametrize("name, turns, executed, variant", [
     # gpt-oss: its template renders the tool result only after a structured call; the
     # analysis channel mentions a Hermes call, which is reasoning, not a call.
     ("gpt_oss", [(HARMONY_CALL.format(r='Maybe <tool_call>{"name": "multiply"}</tool_call>?', a=17, b=23), "<|call|>"),
-                 (FAMILIES["gpt_oss"].answer.format(r="It said 391.", n=391), "<|return|>")], 1),
+                 (FAMILIES["gpt_oss"].answer.format(r="It said 391.", n=391), "<|return|>")], 1, "model"),
     # Qwen3: a call written inside <think> is not executed; the one after it is.
     ("qwen3", [("<think>\nFirst " + HERMES_CALL.format(a=1, b=1) + "\n</think>\n\n" + HERMES_CALL.format(a=17, b=23),
-                "<|im_end|>"), ("<think>\nDone.\n</think>\n\nThe answer is 391.", "<|im_end|>")], 1),
+                "<|im_end|>"), ("<think>\nDone.\n</think>\n\nThe answer is 391.", "<|im_end|>")], 1, "model"),
+    # GLM and DeepSeek: their own call formats, read by their parsers (picked from the template).
+    ("glm4_moe", [(FAMILIES["glm4_moe"].call.format(r="Multiply.", a=17, b=23), "<|observation|>"),
+                  ("\n<think>Done.</think>\nThe answer is 391.", "<|user|>")], 1, "model"),
+    ("deepseek_r1", [(FAMILIES["deepseek_r1"].call.format(r="Multiply.", a=17, b=23), "<｜end▁of▁sentence｜>"),
+                     ("The answer is 391.", "<｜end▁of▁sentence｜>")], 1, "training"),  # its own cuts the reasoning
 ])
-def test_engine_plays_a_family_faithfully(base_bpe, name, turns, executed):
+def test_engine_plays_a_family_faithfully(base_bpe, name, turns, executed, variant):
     tok = make_tokenizer(base_bpe, FAMILIES[name])
     tok.chat_template = real_template(name)
     policy = _EnginePolicy(tok, [(text, stop, None) for text, stop in turns], canonical=True)
-    engine = RolloutEngine(policy, tok, params=SamplingParams(max_new_tokens=512), max_concurrency=1)
+    engine = RolloutEngine(policy, tok, params=SamplingParams(max_new_tokens=512), max_concurrency=1,
+                           chat_template=resolve_chat_template(variant, tok))
     group = asyncio.run(engine.run_group(_Multiply(tools=[multiply]), "multiply", 0, 1))
     (episode,) = group.episodes
     assert episode.reward == 1.0 and episode.termination == "final_answer" and episode.extra_leaves == []

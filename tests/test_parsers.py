@@ -327,6 +327,10 @@ def test_get_parser_name_wins_and_unknown_names_are_listed():
 # -- properties --------------------------------------------------------------------------
 
 MARKERS = {
+    "glm4_moe": ["<tool_call>", "</tool_call>", "<tool_call>f\n", "<arg_key>", "</arg_key>", "<arg_value>",
+                 "</arg_value>", "a", "\n", "{", "1"],
+    "deepseek": ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "function",
+                 "f\n", "```json\n", "\n```", '{"a": ', "{", "}"],
     "harmony": ["<|start|>assistant", " to=functions.f", "<|channel|>", "analysis", "commentary", "final",
                 "<|message|>", "<|end|>", "<|call|>", '{"a": ', "{", "}", " json"],
     "hermes": ["<tool_call>", "</tool_call>", '{"name": "f", "arguments": ', '"parameters"', "{", "}", '"', "\n"],
@@ -358,7 +362,8 @@ def test_parse_never_raises(parser_name, data):
 @pytest.mark.parametrize("parser_name", sorted(PARSERS))
 @pytest.mark.parametrize("opener", ["[", "{", "(", '{"a": '])
 def test_parse_survives_deep_nesting(parser_name, opener):
-    prefix = {"harmony": " to=functions.f<|channel|>commentary json<|message|>", "hermes": "<tool_call>", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]",
+    prefix = {"glm4_moe": "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>",
+              "deepseek": "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n", "harmony": " to=functions.f<|channel|>commentary json<|message|>", "hermes": "<tool_call>", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]",
               "pythonic": "[f(a=", "qwen3_coder": "<function=f>\n<parameter=a>\n"}[parser_name]
     result = get_parser(parser_name).parse(prefix + opener * 5_000, SCHEMAS)
     if parser_name == "qwen3_coder":
@@ -390,7 +395,7 @@ CALLS = st.lists(
 )
 
 
-@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral", "pythonic"])
+@pytest.mark.parametrize("parser_name", ["deepseek", "hermes", "llama3_json", "mistral", "pythonic"])
 @PROPERTY_SETTINGS
 @given(calls=CALLS)
 def test_render_then_parse_gives_the_calls_back(parser_name, calls):
@@ -429,6 +434,43 @@ def test_qwen3_coder_render_then_parse_with_schemas(calls):
     result = parser.parse(parser.render(calls), schemas)
     assert only_calls(result) == calls
     assert result.content == ""
+
+
+GLM_MARKUP = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+
+
+@PROPERTY_SETTINGS
+@given(calls=st.lists(CALLS.map(lambda calls: calls[0]), min_size=1, max_size=3, unique_by=lambda c: c.name))
+def test_glm_render_then_parse_with_schemas(calls):
+    # As in qwen3_coder, values are text: strings stay as written when the schema says string.
+    assume(not any(tag in as_text(v) for c in calls for v in c.arguments.values() for tag in GLM_MARKUP))
+    schemas = {
+        c.name: {"type": "object", "properties": {k: {"type": json_type(v)} for k, v in c.arguments.items()}}
+        for c in calls
+    }
+    parser = get_parser("glm4_moe")
+    result = parser.parse(parser.render(calls), schemas)
+    assert only_calls(result) == calls
+    assert result.content == ""
+
+
+def test_glm_and_deepseek_are_picked_from_their_templates():
+    real = Path(__file__).parent / "templates" / "real"
+    glm = get_parser(chat_template=(real / "glm4_moe.jinja").read_text())
+    deepseek = get_parser(chat_template=(real / "deepseek_r1.jinja").read_text())
+    assert (glm.name, glm.reasoning, deepseek.name, deepseek.reasoning) == (
+        "glm4_moe", ("<think>", "</think>"), "deepseek", ("<think>", "</think>"))
+    r = deepseek.parse("I need it.\n</think>\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n"
+                       '```json\n{"a": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    assert r.calls == [ToolCall("f", {"a": 1})] and r.reasoning == "I need it." and r.content == ""
+    # DeepSeek-V3.1: the name before the separator, bare JSON after it.
+    assert deepseek.parse('<｜tool▁call▁begin｜>f<｜tool▁sep｜>{"a": 2}<｜tool▁call▁end｜>').calls == [ToolCall("f", {"a": 2})]
+    r = glm.parse("\n<think>plan</think>\n<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>17</arg_value>\n"
+                  "<arg_key>s</arg_key>\n<arg_value>17</arg_value>\n</tool_call>",
+                  {"f": {"properties": {"a": {"type": "integer"}, "s": {"type": "string"}}}})
+    assert r.calls == [ToolCall("f", {"a": 17, "s": "17"})] and r.reasoning == "plan"
+    (error,) = glm.parse("<tool_call>f\n<arg_key>a</arg_key>17</tool_call>").errors
+    assert error.kind is ToolErrorKind.MALFORMED and "<arg_value>" in error.message
 
 
 # -- reasoning: a call inside <think> is not a call ---------------------------------------------

@@ -14,7 +14,8 @@ The interface and data types live in :mod:`treerl.envs.parser_base`, the formats
 :mod:`treerl.envs.json_parsers` (hermes, llama3_json, mistral),
 :mod:`treerl.envs.pythonic_parser` and :mod:`treerl.envs.qwen3_coder_parser`; this module
 names them (:data:`PARSERS`) and picks one for a model (:func:`get_parser`), with gpt-oss's
-harmony format in :mod:`treerl.envs.harmony_parser`.
+harmony format in :mod:`treerl.envs.harmony_parser` and GLM-4 MoE's and DeepSeek's in
+:mod:`treerl.envs.tagged_parsers`.
 
 A tool call written inside the model's reasoning is not a call (vLLM's reasoning parsers
 split a reply the same way): a parser built with ``reasoning=("<think>", "</think>")`` reads
@@ -40,6 +41,7 @@ from treerl.envs.json_parsers import HermesParser, Llama3JsonParser, MistralPars
 from treerl.envs.parser_base import ParseResult, ToolCall, ToolCallParser
 from treerl.envs.pythonic_parser import PythonicParser
 from treerl.envs.qwen3_coder_parser import Qwen3CoderParser
+from treerl.envs.tagged_parsers import DeepSeekParser, GlmParser
 
 __all__ = [
     "ToolCall",
@@ -51,6 +53,8 @@ __all__ = [
     "MistralParser",
     "PythonicParser",
     "Qwen3CoderParser",
+    "GlmParser",
+    "DeepSeekParser",
     "PARSERS",
     "THINK",
     "get_parser",
@@ -58,6 +62,8 @@ __all__ = [
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {
+    "deepseek": DeepSeekParser,
+    "glm4_moe": GlmParser,
     "harmony": HarmonyParser,
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
@@ -70,6 +76,8 @@ PARSERS: dict[str, type[ToolCallParser]] = {
 # Checked in order: Qwen3-Coder templates contain both `<function=` and `<tool_call>`.
 _TEMPLATE_MARKERS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("<|channel|>",), "harmony"),
+    (("<arg_key>",), "glm4_moe"),  # GLM's templates hold <tool_call> too
+    (("<｜tool▁calls▁begin｜>",), "deepseek"),
     (("<function=",), "qwen3_coder"),
     (("<tool_call>",), "hermes"),
     (("[TOOL_CALLS]",), "mistral"),
