@@ -445,3 +445,21 @@ def test_eval_and_the_trajectory_header_use_the_chosen_template(base_bpe, tmp_pa
     header = run_header(cfg, tok)
     assert header["run"]["tokenizer"]["chat_template_sha256"] == hashlib.sha256(
         load_template("qwen3_training").encode()).hexdigest()
+
+
+def test_gpt_oss_call_the_template_writes_differently_branches(base_bpe):
+    """The structured turn renders its arguments with tojson's spacing: a call written compactly
+    cannot be given back, so the episode goes on from the rendering, on a new branch."""
+    tok = make_tokenizer(base_bpe, FAMILIES["gpt_oss"])
+    tok.chat_template = real_template("gpt_oss")
+    renderer = ChatRenderer(tok, tools=[MULTIPLY], parser=get_parser(tokenizer=tok))
+    text = HARMONY_CALL.format(r="Multiply.", a=17, b=23).replace('{"a": 17, "b": 23}', '{"a":17,"b":23}')
+    completion = tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|call|>")]
+    result = [{"role": "tool", "name": "multiply", "content": "391"}]
+    bridge = renderer.bridge(QUESTION, completion, text, result)
+    assert bridge.branch and bridge.reason == "not_append_only" and "assistant turn just sampled" in bridge.detail
+    assert bridge.message["tool_calls"][0]["function"]["arguments"] == {"a": 17, "b": 23}
+    assert bridge.context_ids == renderer.prompt_ids([*QUESTION, bridge.message, *result])
+    # Without the parser the template cannot render the turn at all: it refuses raw channel markup.
+    with pytest.raises(Exception, match="<\\|channel\\|> tags in the content field"):
+        ChatRenderer(tok, tools=[MULTIPLY]).bridge(QUESTION, completion, text, result)
