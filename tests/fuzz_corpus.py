@@ -24,6 +24,13 @@ from treerl.envs.parsers import PARSERS, ToolCall
 __all__ = ["replies", "iter_replies", "MARKERS", "REPEATED"]
 
 MARKERS = {
+    "glm4_moe": ["<tool_call>", "</tool_call>", "<tool_call>calculator\n", "<arg_key>", "</arg_key>", "<arg_value>",
+                 "</arg_value>", "expression", "\n", "{", "1", "<"],
+    "deepseek": ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                 "<｜tool▁sep｜>", "function", "calculator\n", "```json\n", "\n```", '{"expression": ', "{", "}", '"'],
+    "harmony": ["<|start|>", "assistant", " to=functions.calculator", "<|channel|>", "analysis", "commentary",
+                "final", " json", "<|constrain|>json", "<|message|>", "<|end|>", "<|call|>", "<|return|>",
+                '{"expression": ', "{", "}", '"', " to=", "functions."],
     "hermes": ["<tool_call>", "</tool_call>", "<tool_call>\n{", '{"name": "calculator", "arguments": ',
                '"parameters": ', "{", "}", '"', "\n", '{"name":'],
     "llama3_json": ["<|python_tag|>", '{"name": "calculator", "parameters": ', "{", "}", ";", "\n", '"',
@@ -44,7 +51,8 @@ NOISE = [" ", "\n", "\t", "a", "The answer", "{", "}", "[", "]", "(", ")", '"', 
 
 REPEATED = ["\\boxed{", "{", "[", "(", '{"a":', "[f(\n", "[f(", "<tool_call>", "<function=", "<parameter=x>\n",
             "[TOOL_CALLS]", "[TOOL_CALLS][", '\n{"name":', ";{", '\n{"a":', "```\n", "1", "-", "\\", "'", '"',
-            "9" * 50, "<|python_tag|>{"]
+            "9" * 50, "<|python_tag|>{", "<|message|>", "<|channel|>", " to=functions.f<|channel|>commentary<|message|>{",
+            "<arg_key>", "<tool_call>f\n<arg_key>a</arg_key><arg_value>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"]
 """Pieces that, repeated, made some parser or extractor super-linear once."""
 
 _STRANGE_VALUES = ["NaN", "Infinity", "-Infinity", "9" * 4400, "-" + "9" * 4400, "1e999", "1" * 300 + ".5",

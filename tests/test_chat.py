@@ -279,16 +279,41 @@ def test_non_special_stop_id_keeps_its_text_and_closes_the_turn(base_bpe):
 
 
 def test_other_stop_token_branches(base_bpe):
+    renderer, tok = make_renderer(base_bpe, "hermes", tools=[MULTIPLY])
+    messages, turns = EPISODES["hermes"]
+    text = turns[0][0]
+    completion = canonical_ids(tok, renderer.prompt_ids(messages), text) + [tok.convert_tokens_to_ids("<|endoftext|>")]
+    assert renderer.completion_text(completion) == text
+    new = [tool_msg("391")]
+    bridge = renderer.bridge(messages, completion, text, new)
+    assert bridge.branch and bridge.reason == BranchReason.STOP_TOKEN_MISMATCH == "stop_token_mismatch"
+    assert "<|endoftext|>" in bridge.detail and "<|im_end|>" in bridge.detail
+    assert bridge.context_ids == renderer.prompt_ids([*messages, assistant_message(text), *new])
+
+
+def test_llama_end_of_message_token_ends_the_turn_without_a_branch(base_bpe):
+    """Llama 3.x ends a turn that waits for a tool with <|eom_id|>; the template writes <|eot_id|>
+    there. The sampled <|eom_id|> stays in the path (Meta's format keeps it in history) and the
+    bridge goes on with the template's tokens; without the alias it is a stop-token mismatch."""
     renderer, tok = make_renderer(base_bpe, "llama3", tools=[MULTIPLY])
     messages, turns = EPISODES["llama3"]
     text = turns[0][0]
-    completion = canonical_ids(tok, renderer.prompt_ids(messages), text) + [tok.convert_tokens_to_ids("<|eom_id|>")]
-    assert renderer.completion_text(completion) == text
+    eom, eot = tok.convert_tokens_to_ids("<|eom_id|>"), tok.convert_tokens_to_ids("<|eot_id|>")
+    prompt = renderer.prompt_ids(messages)
+    completion = canonical_ids(tok, prompt, text) + [eom]
     new = [tool_msg("391", role="ipython")]
     bridge = renderer.bridge(messages, completion, text, new)
-    assert bridge.branch and bridge.reason == BranchReason.STOP_TOKEN_MISMATCH == "stop_token_mismatch"
+    assert not bridge.branch, bridge.detail
+    full = renderer.prompt_ids([*messages, assistant_message(text), *new])
+    path = prompt + completion + bridge.ids
+    # The path is the rendering with the one sampled token in the place of the template's.
+    assert path == [*prompt, *completion[:-1], eom, *bridge.ids]
+    assert full == [*prompt, *completion[:-1], eot, *bridge.ids]
+
+    strict = ChatRenderer(tok, chat_template=renderer.chat_template, tools=[MULTIPLY], turn_end_aliases={})
+    bridge = strict.bridge(messages, completion, text, new)
+    assert bridge.branch and bridge.reason == "stop_token_mismatch"
     assert "<|eom_id|>" in bridge.detail and "<|eot_id|>" in bridge.detail
-    assert bridge.context_ids == renderer.prompt_ids([*messages, assistant_message(text), *new])
 
 
 def test_completion_text_with_the_stop_token_is_a_caller_bug(base_bpe):

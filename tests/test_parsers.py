@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import keyword
 import string
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -326,6 +327,12 @@ def test_get_parser_name_wins_and_unknown_names_are_listed():
 # -- properties --------------------------------------------------------------------------
 
 MARKERS = {
+    "glm4_moe": ["<tool_call>", "</tool_call>", "<tool_call>f\n", "<arg_key>", "</arg_key>", "<arg_value>",
+                 "</arg_value>", "a", "\n", "{", "1"],
+    "deepseek": ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "function",
+                 "f\n", "```json\n", "\n```", '{"a": ', "{", "}"],
+    "harmony": ["<|start|>assistant", " to=functions.f", "<|channel|>", "analysis", "commentary", "final",
+                "<|message|>", "<|end|>", "<|call|>", '{"a": ', "{", "}", " json"],
     "hermes": ["<tool_call>", "</tool_call>", '{"name": "f", "arguments": ', '"parameters"', "{", "}", '"', "\n"],
     "llama3_json": ["<|python_tag|>", '{"name": "f", "parameters": ', "{", "}", ";", "\n", '"', "<|eom_id|>"],
     "mistral": ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", '[{"name": "f", "arguments": ', "f", "{", "}", "[", "]"],
@@ -355,7 +362,8 @@ def test_parse_never_raises(parser_name, data):
 @pytest.mark.parametrize("parser_name", sorted(PARSERS))
 @pytest.mark.parametrize("opener", ["[", "{", "(", '{"a": '])
 def test_parse_survives_deep_nesting(parser_name, opener):
-    prefix = {"hermes": "<tool_call>", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]",
+    prefix = {"glm4_moe": "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>",
+              "deepseek": "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n", "harmony": " to=functions.f<|channel|>commentary json<|message|>", "hermes": "<tool_call>", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]",
               "pythonic": "[f(a=", "qwen3_coder": "<function=f>\n<parameter=a>\n"}[parser_name]
     result = get_parser(parser_name).parse(prefix + opener * 5_000, SCHEMAS)
     if parser_name == "qwen3_coder":
@@ -387,7 +395,7 @@ CALLS = st.lists(
 )
 
 
-@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral", "pythonic"])
+@pytest.mark.parametrize("parser_name", ["deepseek", "hermes", "llama3_json", "mistral", "pythonic"])
 @PROPERTY_SETTINGS
 @given(calls=CALLS)
 def test_render_then_parse_gives_the_calls_back(parser_name, calls):
@@ -426,3 +434,103 @@ def test_qwen3_coder_render_then_parse_with_schemas(calls):
     result = parser.parse(parser.render(calls), schemas)
     assert only_calls(result) == calls
     assert result.content == ""
+
+
+GLM_MARKUP = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+
+
+@PROPERTY_SETTINGS
+@given(calls=st.lists(CALLS.map(lambda calls: calls[0]), min_size=1, max_size=3, unique_by=lambda c: c.name))
+def test_glm_render_then_parse_with_schemas(calls):
+    # As in qwen3_coder, values are text: strings stay as written when the schema says string.
+    assume(not any(tag in as_text(v) for c in calls for v in c.arguments.values() for tag in GLM_MARKUP))
+    schemas = {
+        c.name: {"type": "object", "properties": {k: {"type": json_type(v)} for k, v in c.arguments.items()}}
+        for c in calls
+    }
+    parser = get_parser("glm4_moe")
+    result = parser.parse(parser.render(calls), schemas)
+    assert only_calls(result) == calls
+    assert result.content == ""
+
+
+def test_glm_and_deepseek_are_picked_from_their_templates():
+    real = Path(__file__).parent / "templates" / "real"
+    glm = get_parser(chat_template=(real / "glm4_moe.jinja").read_text())
+    deepseek = get_parser(chat_template=(real / "deepseek_r1.jinja").read_text())
+    assert (glm.name, glm.reasoning, deepseek.name, deepseek.reasoning) == (
+        "glm4_moe", ("<think>", "</think>"), "deepseek", ("<think>", "</think>"))
+    r = deepseek.parse("I need it.\n</think>\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n"
+                       '```json\n{"a": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    assert r.calls == [ToolCall("f", {"a": 1})] and r.reasoning == "I need it." and r.content == ""
+    # DeepSeek-V3.1: the name before the separator, bare JSON after it.
+    assert deepseek.parse('<｜tool▁call▁begin｜>f<｜tool▁sep｜>{"a": 2}<｜tool▁call▁end｜>').calls == [ToolCall("f", {"a": 2})]
+    r = glm.parse("\n<think>plan</think>\n<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>17</arg_value>\n"
+                  "<arg_key>s</arg_key>\n<arg_value>17</arg_value>\n</tool_call>",
+                  {"f": {"properties": {"a": {"type": "integer"}, "s": {"type": "string"}}}})
+    assert r.calls == [ToolCall("f", {"a": 17, "s": "17"})] and r.reasoning == "plan"
+    (error,) = glm.parse("<tool_call>f\n<arg_key>a</arg_key>17</tool_call>").errors
+    assert error.kind is ToolErrorKind.MALFORMED and "<arg_value>" in error.message
+
+
+# -- reasoning: a call inside <think> is not a call ---------------------------------------------
+
+THINKING_CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("reply, calls, reasoning", [
+    (f"<think>\nMaybe {THINKING_CALL}?\n</think>\n\nNo call needed.", [], f"Maybe {THINKING_CALL}?"),
+    (f"<think>\nPlan: {THINKING_CALL}\n</think>\n\n{THINKING_CALL}", ["f"], f"Plan: {THINKING_CALL}"),
+    # The template opened <think> in the generation prompt: the reply starts inside it.
+    (f"I could write {THINKING_CALL}\n</think>\n\nDone.", [], f"I could write {THINKING_CALL}"),
+    # Cut off while thinking: everything is reasoning.
+    (f"<think>\nfirst {THINKING_CALL}", [], f"first {THINKING_CALL}"),
+    (f"no reasoning {THINKING_CALL}", ["f"], None),
+])
+def test_calls_inside_reasoning_are_not_calls(reply, calls, reasoning):
+    parser = get_parser("hermes", reasoning=("<think>", "</think>"))
+    result = parser.parse(reply, SCHEMAS)
+    assert [c.name for c in result.calls] == calls and result.errors == []
+    assert result.reasoning == reasoning
+    assert "<think>" not in result.content and "</think>" not in result.content
+    # Without reasoning markers the same reply's calls are all read (the old behaviour).
+    assert len(get_parser("hermes").parse(reply).calls) == reply.count("<tool_call>")
+
+
+def test_reasoning_follows_the_template_and_can_be_set_per_parser():
+    qwen3 = (Path(__file__).parent / "templates" / "real" / "qwen3.jinja").read_text()
+    qwen2_5 = (Path(__file__).parent / "templates" / "real" / "qwen2_5.jinja").read_text()
+    assert get_parser(chat_template=qwen3).reasoning == ("<think>", "</think>")
+    assert get_parser(chat_template=qwen2_5).reasoning is None
+    assert get_parser(chat_template=qwen3, reasoning=None).reasoning is None  # switched off
+    assert get_parser("qwen3_coder", chat_template=qwen3).reasoning == ("<think>", "</think>")
+    assert QWEN3_CODER_WITH_REASONING.parse("<think><function=f>\n</function></think>ok").calls == []
+    custom = HermesParser(reasoning=("<reasoning>", "</reasoning>"))
+    assert custom.parse(f"<reasoning>{THINKING_CALL}</reasoning>{THINKING_CALL}").reasoning == THINKING_CALL
+    with pytest.raises(ValueError, match="reasoning=.*pair of non-empty markers"):
+        HermesParser(reasoning=("<think>",))
+
+
+QWEN3_CODER_WITH_REASONING = get_parser("qwen3_coder", reasoning=("<think>", "</think>"))
+
+
+# -- harmony (gpt-oss) --------------------------------------------------------------------------
+
+
+def test_harmony_reads_calls_addressed_to_functions_and_keeps_analysis_as_reasoning():
+    parser = get_parser(chat_template=(Path(__file__).parent / "templates" / "real" / "gpt_oss.jinja").read_text())
+    assert parser.name == "harmony" and parser.reasoning is None
+    # The form gpt-oss's template renders (recipient in the role header) ...
+    r = parser.parse('<|channel|>analysis<|message|>Use <tool_call>{"name": "g"}</tool_call>? No: multiply.<|end|>'
+                     '<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{"a": 1}<|call|>')
+    assert r.calls == [ToolCall("f", {"a": 1})] and r.errors == [] and r.content == ""
+    assert r.reasoning.startswith("Use <tool_call>")
+    # ... and the one in the channel header, with <|constrain|>.
+    r = parser.parse('<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"b": "x"}')
+    assert r.calls == [ToolCall("f", {"b": "x"})]
+    r = parser.parse("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 4.")
+    assert (r.calls, r.content, r.reasoning) == ([], "It is 4.", "Easy.")
+    (error,) = parser.parse(" to=functions.f<|channel|>commentary json<|message|>[1, 2]").errors
+    assert error.kind is ToolErrorKind.MALFORMED and error.tool_name == "f" and "JSON object" in error.message
+    assert "to=functions.<tool name>" in error.message
+    assert parser.parse("Just text.").content == "Just text."

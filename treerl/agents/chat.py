@@ -30,17 +30,29 @@ Conventions (the engine must follow them for the texts to line up):
 * ``completion_text`` is the sampled text **without** the final stop token, as
   :meth:`ChatRenderer.completion_text` decodes it. Tool-call markup stays in it, raw.
 * The assistant turn is re-rendered as ``{"role": "assistant", "content": completion_text}``
-  (:func:`assistant_message`), never with parsed ``tool_calls``: templates render
+  (:func:`assistant_message`), not with parsed ``tool_calls``: templates render
   ``tool_calls`` themselves, so passing both would show the call twice and the rendering
-  would not be the text the model produced.
+  would not be the text the model produced. Some templates need the structured form
+  (gpt-oss's renders tool results only after an assistant message with ``tool_calls``;
+  Mistral's puts a space before plain content): when the renderer has a ``parser`` and the
+  raw message does not reproduce the sampled text (or does not render at all), the turn is
+  re-rendered from what the parser read (:func:`structured_message`: content, reasoning,
+  ``tool_calls``), and when neither reproduces it the bridge is a branch. The message
+  that was used is :attr:`Bridge.message`: the conversation keeps it, so later turns
+  render the same way.
+* A family's end-of-message token that the template writes as another token is accepted
+  in place of it (``turn_end_aliases``; by default Llama 3.x's ``<|eom_id|>``, which ends a
+  turn that waits for a tool result, for ``<|eot_id|>``, which the Hugging Face template
+  writes there). The sampled token stays in the path, as Meta's own prompt format keeps it
+  in the history; the rest of the bridge is the template's.
 * A completion that did not end with a special stop token (it stopped at
   ``max_new_tokens``, or at a non-special stop id such as ``</tool_call>``) is closed by the
   environment: the bridge then *starts* with the template's end-of-turn token, which is an
   ``env`` token (forced, not sampled), so the path still equals the rendered conversation.
 * A completion that ended with a different special token than the one the template puts
   after assistant turns (Qwen stopping on ``<|endoftext|>`` instead of ``<|im_end|>``,
-  Llama on ``<|eom_id|>`` instead of ``<|eot_id|>``) gives a branch: the context it
-  continued from is not what the template renders.
+  gpt-oss on ``<|return|>`` where history has ``<|end|>``), and that is not an alias of it,
+  gives a branch: the context it continued from is not what the template renders.
 
 >>> from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 >>> from transformers import PreTrainedTokenizerFast
@@ -67,11 +79,17 @@ True
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["ChatRenderer", "Bridge", "BranchReason", "assistant_message"]
+from jinja2 import TemplateError
+
+__all__ = ["ChatRenderer", "Bridge", "BranchReason", "assistant_message", "structured_message",
+           "DEFAULT_TURN_END_ALIASES"]
+
+DEFAULT_TURN_END_ALIASES: dict[str, str] = {"<|eom_id|>": "<|eot_id|>"}
+"""Sampled end-of-message token -> the template's end-of-turn token it stands for (when both exist)."""
 
 
 class BranchReason(str, Enum):
@@ -108,6 +126,9 @@ class Bridge:
     """When ``branch`` is True: a :class:`BranchReason` value, stable enough for metrics."""
     detail: str | None = None
     """When ``branch`` is True: one sentence for logs, saying where the texts differ."""
+    message: dict[str, Any] | None = field(default=None, compare=False)
+    """The assistant message the turn was re-rendered from (raw or structured); the
+    conversation keeps it in place of the raw one. None for a bridge built by hand."""
 
     def __post_init__(self) -> None:
         if self.branch and (self.context_ids is None or self.reason is None or self.ids):
@@ -134,6 +155,27 @@ def assistant_message(completion_text: str) -> dict[str, str]:
     return {"role": "assistant", "content": completion_text}
 
 
+def structured_message(parsed: Any) -> dict[str, Any]:
+    """The assistant message of a parsed turn (a :class:`~treerl.envs.parsers.ParseResult`):
+    content, reasoning (as ``reasoning_content`` and ``thinking``, the keys templates read)
+    and ``tool_calls`` in the OpenAI shape, arguments as objects.
+
+    >>> from treerl.envs.parsers import ParseResult, ToolCall
+    >>> structured_message(ParseResult(content="", calls=[ToolCall("add", {"a": 1})]))["tool_calls"]
+    [{'type': 'function', 'function': {'name': 'add', 'arguments': {'a': 1}}}]
+    """
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning is not None:
+        message["reasoning_content"] = message["thinking"] = parsed.reasoning
+    if parsed.calls:
+        message["tool_calls"] = [
+            {"type": "function", **({"id": c.id} if c.id is not None else {}),
+             "function": {"name": c.name, "arguments": dict(c.arguments)}}
+            for c in parsed.calls
+        ]
+    return message
+
+
 # apply_chat_template's own arguments: a template variable with one of these names would
 # be swallowed by it (or collide with what the renderer sets itself).
 _RESERVED_KWARGS = frozenset({
@@ -153,6 +195,12 @@ class ChatRenderer:
         template_kwargs: extra template variables, e.g. ``{"enable_thinking": False}`` or
             a fixed ``{"date_string": "26 Jul 2024"}`` (a template that reads today's date
             is not append-only across midnight).
+        parser: the tool-call parser of the model's format (anything with
+            ``parse(text) -> ParseResult``); with it, a turn the raw text cannot reproduce is
+            re-rendered from the parsed calls (see the module docstring). None: raw only.
+        turn_end_aliases: sampled end-of-message token -> the template's end-of-turn token
+            it stands for; default :data:`DEFAULT_TURN_END_ALIASES` (pairs that are not both
+            added tokens of the tokenizer are ignored).
 
     The renderer is stateless between calls: the engine passes the conversation each time.
     """
@@ -164,6 +212,8 @@ class ChatRenderer:
         tools: list[dict] | None = None,
         chat_template: str | None = None,
         template_kwargs: dict | None = None,
+        parser: Any = None,
+        turn_end_aliases: Mapping[str, str] | None = None,
     ) -> None:
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError(
@@ -189,6 +239,7 @@ class ChatRenderer:
         self.tools = tools
         self.chat_template = chat_template
         self.template_kwargs = template_kwargs
+        self.parser = parser
         # Added tokens (special or not) are split out before BPE runs, which is what makes
         # cutting the token stream at one of them exact.
         added = tokenizer.added_tokens_decoder  # {id: AddedToken}
@@ -197,6 +248,11 @@ class ChatRenderer:
         # Decoding after an anchor keeps decoders that drop a sequence's leading space
         # (SentencePiece-style) from changing a completion's first character.
         self._anchor_id = min(self._added_ids) if self._added_ids else None
+        # End-of-turn tokens are added tokens: look them up there, not in the whole vocabulary.
+        added_ids = {t.content: i for i, t in added.items()}
+        aliases = DEFAULT_TURN_END_ALIASES if turn_end_aliases is None else turn_end_aliases
+        self._turn_end_aliases = {added_ids[a]: added_ids[b] for a, b in aliases.items()
+                                  if a in added_ids and b in added_ids}
 
     # -- text and ids -------------------------------------------------------------------
 
@@ -264,7 +320,8 @@ class ChatRenderer:
             new_messages: what the environment answered (tool results, a user turn).
 
         Returns a :class:`Bridge`; see the module docstring for when it branches.
-        Raises ``ValueError`` when ``completion_text`` still ends with the stop token.
+        Raises ``ValueError`` when ``completion_text`` still ends with the stop token, and
+        the template's error when no form of the turn renders.
         """
         completion_ids = list(completion_ids)
         last = completion_ids[-1] if completion_ids else None
@@ -281,15 +338,14 @@ class ChatRenderer:
         # rendering of `messages` (an append-only bridge keeps it so; a branch resets to it).
         prev_text = self.render(messages, add_generation_prompt=True)
         seen_text = prev_text + completion_text
-        full_messages = [*messages, assistant_message(completion_text), *new_messages]
-        full_text = self.render(full_messages, add_generation_prompt=True)
+        message, full_text = self._rerender(messages, completion_text, new_messages, seen_text)
 
         if not full_text.startswith(seen_text):
             at = _first_difference(seen_text, full_text)
             where = "an earlier turn" if at < len(prev_text) else "the assistant turn just sampled"
             lo = max(0, at - 20)  # a little shared text before the difference, to find it
             return self._branch(
-                full_text, BranchReason.NOT_APPEND_ONLY,
+                full_text, message, BranchReason.NOT_APPEND_ONLY,
                 f"the re-rendered conversation differs from the context the model saw at character "
                 f"{at}, in {where}: saw {seen_text[lo:at + 40]!r}, now {full_text[lo:at + 40]!r}",
             )
@@ -298,26 +354,55 @@ class ChatRenderer:
         rest_ids = self.encode(rest)
         if not rest_ids or rest_ids[0] not in self._added_ids:
             return self._branch(
-                full_text, BranchReason.TURN_END_NOT_SPECIAL,
+                full_text, message, BranchReason.TURN_END_NOT_SPECIAL,
                 f"the template follows the assistant text with {rest[:40]!r}, which does not start "
                 "with an added (special) token, so the tokens cannot be cut exactly there",
             )
         end_of_turn = rest_ids[0]
-        if last == end_of_turn:
-            return Bridge(ids=rest_ids[1:])
+        if last == end_of_turn or (last is not None and self._turn_end_aliases.get(last) == end_of_turn):
+            return Bridge(ids=rest_ids[1:], message=message)
         if last in self._special_ids:
             return self._branch(
-                full_text, BranchReason.STOP_TOKEN_MISMATCH,
+                full_text, message, BranchReason.STOP_TOKEN_MISMATCH,
                 f"the completion ended with {self._decode([last])!r} but the template closes "
                 f"assistant turns with {self._decode([end_of_turn])!r}",
             )
         # No stop token (length stop, or a non-special stop id): the environment closes the
         # turn, so the end-of-turn token is a forced env token at the head of the bridge.
-        return Bridge(ids=rest_ids)
+        return Bridge(ids=rest_ids, message=message)
 
-    def _branch(self, full_text: str, reason: BranchReason, detail: str) -> Bridge:
+    def _rerender(self, messages: Sequence[Mapping[str, Any]], completion_text: str,
+                  new_messages: Sequence[Mapping[str, Any]], seen_text: str) -> tuple[dict[str, Any], str]:
+        """The assistant message and the full rendering: the first form that reproduces
+        ``seen_text`` (raw, then structured), else the form whose rendering agrees with it
+        longest."""
+        forms = [assistant_message(completion_text)]
+        if self.parser is not None:
+            structured = structured_message(self.parser.parse(completion_text))
+            if structured != forms[0]:
+                forms.append(structured)
+        rendered: list[tuple[dict[str, Any], str]] = []
+        failures: list[Exception] = []
+        for message in forms:
+            try:
+                full_text = self.render([*messages, message, *new_messages], add_generation_prompt=True)
+            except (TemplateError, TypeError) as exc:  # the template refuses this form of the turn
+                failures.append(exc)
+                continue
+            if full_text.startswith(seen_text):
+                return message, full_text
+            rendered.append((message, full_text))
+        if not rendered:
+            raise failures[0]
+        # A branch either way: continue from the form closest to what the model saw; on a tie
+        # (the difference is in an earlier turn), from the parsed calls, the form templates
+        # are written for (Mistral's counts a raw call turn as a reply and then refuses the
+        # next one).
+        return max(rendered, key=lambda form: (_first_difference(seen_text, form[1]), "tool_calls" in form[0]))
+
+    def _branch(self, full_text: str, message: dict[str, Any], reason: BranchReason, detail: str) -> Bridge:
         return Bridge(ids=[], branch=True, context_ids=self.encode(full_text), reason=reason.value,
-                      detail=detail)
+                      detail=detail, message=message)
 
 
 def _first_difference(a: str, b: str) -> int:

@@ -362,7 +362,10 @@ class ToolEnv(Env):
                 "error": res.error.value if res.error else None,
                 "message": None if res.ok else res.content,
             })
-            obs.append({"role": "tool", "name": res.call.name, "content": res.content})
+            message = {"role": "tool", "name": res.call.name, "content": res.content}
+            if res.call.id is not None:  # the model gave the call an id (Mistral): templates pair them up
+                message["tool_call_id"] = res.call.id
+            obs.append(message)
 
         reward, terminated, termination = 0.0, False, None
         if not records:

@@ -15,6 +15,13 @@ every parser keeps:
   errors (one more error names that cap), so no text, however adversarial, makes a parser
   do more than a bounded amount of work per character. Searches for markers go through a
   :class:`Finder`, which never searches the same stretch of text twice for one marker.
+- A call inside reasoning is not a call. With ``reasoning=("<think>", "</think>")`` (what
+  :func:`~treerl.envs.parsers.get_parser` sets for templates that render reasoning), the
+  text up to the first ``</think>`` is reasoning (a leading ``<think>`` is optional: some
+  templates open it in the generation prompt), and a ``<think>`` without its ``</think>``
+  makes the whole rest reasoning (the model was cut off while thinking), as vLLM's
+  reasoning parsers split a reply. Calls are read from the rest only; the reasoning is
+  returned as :attr:`ParseResult.reasoning`.
 
 The helpers below (``decode_json``, ``call_from_object``, ...) return the reason as a
 ``str`` where a value cannot be read, so that a parser turns it into the model's error
@@ -36,6 +43,7 @@ __all__ = [
     "ToolCall",
     "ParseResult",
     "ToolCallParser",
+    "split_reasoning",
     "Finder",
     "short_snippet",
     "decode_json",
@@ -69,6 +77,8 @@ class ParseResult:
     """The calls that could be read, in order."""
     errors: list[ToolCallError] = field(default_factory=list)
     """One ``MALFORMED`` error per call that could not be read; messages are written for the model."""
+    reasoning: str | None = None
+    """The reasoning split off before calls were read (None when the parser reads no reasoning)."""
 
 
 class ToolCallParser(ABC):
@@ -82,6 +92,8 @@ class ToolCallParser(ABC):
     Args:
         max_chars: Longer replies are refused with one ``MALFORMED`` error naming the cap.
         max_calls: Calls and errors read from one reply; one more error names the cap.
+        reasoning: ``(start, end)`` markers of the model's reasoning, e.g. ``("<think>",
+            "</think>")``: a call written inside reasoning is not read. None: no reasoning.
     """
 
     name: str
@@ -91,12 +103,22 @@ class ToolCallParser(ABC):
     max_calls: int = 64
     """Calls (and malformed calls) read from one reply; reading stops after that many."""
 
-    def __init__(self, *, max_chars: int | None = None, max_calls: int | None = None):
+    reasoning: tuple[str, str] | None = None
+    """The ``(start, end)`` markers of reasoning, whose calls are not calls; None: no reasoning."""
+
+    def __init__(self, *, max_chars: int | None = None, max_calls: int | None = None,
+                 reasoning: tuple[str, str] | None = None):
         for key, value in (("max_chars", max_chars), ("max_calls", max_calls)):
             if value is not None:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                     raise ValueError(f"{type(self).__name__}({key}={value!r}): use an int >= 1.")
                 setattr(self, key, value)
+        if reasoning is not None:
+            if (not isinstance(reasoning, (tuple, list)) or len(reasoning) != 2
+                    or not all(isinstance(m, str) and m for m in reasoning)):
+                raise ValueError(f"{type(self).__name__}(reasoning={reasoning!r}): use a pair of non-empty "
+                                 "markers such as ('<think>', '</think>'), or None.")
+            self.reasoning = (reasoning[0], reasoning[1])
 
     def parse(self, text: str, tool_schemas: Mapping[str, dict] | None = None) -> ParseResult:
         """Read the calls in ``text``. Never raises.
@@ -108,10 +130,14 @@ class ToolCallParser(ABC):
             return ParseResult(content="", errors=[self._error(
                 f"the reply has {len(text):,} characters, and tool calls are read only from replies of at most "
                 f"{self.max_chars:,} characters (the parser's max_chars); write shorter replies")])
+        thought, text = split_reasoning(text, self.reasoning)
         try:
-            return self._parse(text, tool_schemas)
+            result = self._parse(text, tool_schemas)
         except RecursionError:  # nesting no model means: data, like any other unreadable call
-            return ParseResult(content="", errors=[self._error("the reply is nested too deeply to read")])
+            result = ParseResult(content="", errors=[self._error("the reply is nested too deeply to read")])
+        if thought is not None:
+            result.reasoning = thought
+        return result
 
     def _parse(self, text: str, tool_schemas: Mapping[str, dict] | None) -> ParseResult:
         """The format's own reading, under the caps of :meth:`parse`."""
@@ -136,7 +162,35 @@ class ToolCallParser(ABC):
         return True
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return f"{type(self).__name__}()" if self.reasoning is None else f"{type(self).__name__}(reasoning={self.reasoning!r})"
+
+
+def split_reasoning(text: str, markers: tuple[str, str] | None) -> tuple[str | None, str]:
+    """``(reasoning, rest)`` of a reply: what comes before the first end marker is reasoning.
+
+    A leading start marker is dropped from the reasoning; a start marker without an end
+    marker makes everything after it reasoning (the model stopped while thinking). Without
+    ``markers``, or without either marker at the head of the text, there is no reasoning.
+
+    >>> split_reasoning("<think>call add?</think>\\n\\nDone.", ("<think>", "</think>"))
+    ('call add?', 'Done.')
+    >>> split_reasoning("still thinking</think>ok", ("<think>", "</think>"))
+    ('still thinking', 'ok')
+    >>> split_reasoning("<think>cut off", ("<think>", "</think>"))
+    ('cut off', '')
+    >>> split_reasoning("no reasoning", ("<think>", "</think>"))
+    (None, 'no reasoning')
+    """
+    if markers is None:
+        return None, text
+    start, end = markers
+    head = text.lstrip()
+    opened = head.startswith(start)
+    body = head[len(start):] if opened else text
+    cut = body.find(end)
+    if cut < 0:
+        return (body.strip(), "") if opened else (None, text)
+    return body[:cut].strip(), body[cut + len(end):].strip()
 
 
 class Finder:

@@ -104,9 +104,14 @@ async def sample_turn(policy: Policy, state: EpisodeState, group: Group, rendere
 
 
 def observe(state: EpisodeState, renderer: ChatRenderer, turn: Turn, obs: list[dict[str, Any]]) -> Bridge:
-    """The bridge after ``turn`` given the new messages ``obs``; the conversation takes them in."""
+    """The bridge after ``turn`` given the new messages ``obs``; the conversation takes them in.
+
+    The turn stays in the conversation in the form the bridge rendered it (raw, or
+    structured when the template needs the parsed calls), so later renderings agree.
+    """
     bridge = renderer.bridge(turn.before, turn.generation.token_ids, turn.text, obs)
-    state.messages = [*state.messages, *copy.deepcopy(obs)]
+    turn_message = bridge.message if bridge.message is not None else assistant_message(turn.text)
+    state.messages = [*turn.before, turn_message, *copy.deepcopy(obs)]
     return bridge
 
 

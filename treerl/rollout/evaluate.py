@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from treerl.agents.chat_templates import resolve_chat_template
 from treerl.agents.policy import Policy, SamplingParams
 from treerl.config import field_help
 from treerl.envs.registry import make
@@ -85,11 +86,14 @@ class EvalReport:
 async def aevaluate(env_factory: Callable[[], Any], policy: Policy, tokenizer: Any, *, env_id: str = "",
                     num_episodes: int = 64, seed: int = 10_000, params: SamplingParams | None = None,
                     max_concurrency: int = 32, max_episode_tokens: int = 2048, max_episode_seconds: float = 300.0,
-                    success_threshold: float = 1.0) -> EvalReport:
-    """Play ``num_episodes`` tasks (seeds ``seed..seed+N-1``) once each, concurrently; see :func:`evaluate`."""
+                    success_threshold: float = 1.0, chat_template: str | None = None) -> EvalReport:
+    """Play ``num_episodes`` tasks (seeds ``seed..seed+N-1``) once each, concurrently; see :func:`evaluate`.
+
+    ``chat_template`` (a template's text) overrides the tokenizer's, as in the engine.
+    """
     engine = RolloutEngine(policy, tokenizer, params=params or SamplingParams(max_new_tokens=96),
                            max_concurrency=max_concurrency, max_episode_tokens=max_episode_tokens,
-                           max_episode_seconds=max_episode_seconds, seed=seed)
+                           max_episode_seconds=max_episode_seconds, seed=seed, chat_template=chat_template)
     groups, stats = await engine.run(env_factory, env_id, range(num_episodes), group_size=1)
     return EvalReport(env=env_id, figures=stats.summary(success_threshold), groups=groups,
                       success_threshold=success_threshold)
@@ -120,5 +124,5 @@ def evaluate_with(cfg: EpisodeOptions, policy: Policy, tokenizer: Any, *, num_ep
         env_factory or cfg.env_factory(), policy, tokenizer, env_id=cfg.env, num_episodes=num_episodes, seed=seed,
         params=cfg.sampling(**sampling_overrides), max_concurrency=cfg.max_concurrency,
         max_episode_tokens=cfg.max_episode_tokens, max_episode_seconds=cfg.max_episode_seconds,
-        success_threshold=success_threshold,
+        success_threshold=success_threshold, chat_template=resolve_chat_template(cfg.chat_template, tokenizer),
     ))

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from treerl.agents.chat_templates import TRAINING_TEMPLATES, resolve_chat_template
 from treerl.agents.policy import Policy, SamplingOptions
 from treerl.config import field_help
 from treerl.envs.registry import make
@@ -45,6 +46,10 @@ class EpisodeOptions(SamplingOptions):
     max_concurrency: int = field_help(32, "Episodes in flight at once.")
     max_episode_tokens: int = field_help(2048, "An episode whose context reaches this many tokens is truncated.")
     max_episode_seconds: float = field_help(300.0, "Wall-clock limit of one episode.")
+    chat_template: str = field_help(
+        "model", "The chat template episodes are rendered with: 'model' (the tokenizer's own), 'training' (treerl's "
+                 "prefix-preserving variant of the model's family where its template rewrites history: more shared "
+                 "prefix, see the README's 'Model families'), a shipped name such as 'qwen3_training', or a .jinja file.")
     continuous_batching: bool = field_help(True, "Requests join the policy's running batch between decode steps "
                                                  "(faster with mixed turn lengths; batch composition then depends "
                                                  "on timing, so float results may differ from run to run).")
@@ -71,6 +76,11 @@ class EpisodeOptions(SamplingOptions):
         if self.lockstep and self.continuous_batching:
             raise ValueError("lockstep=True needs continuous_batching=False: rows joining a running batch make its "
                              "membership depend on time (--continuous-batching false, or --lockstep false).")
+        if not isinstance(self.chat_template, str) or not (
+                self.chat_template in ("model", "training", *TRAINING_TEMPLATES) or self.chat_template.endswith(".jinja")):
+            raise ValueError(f"chat_template={self.chat_template!r} is not a template choice: use 'model', 'training', "
+                             f"one of {sorted(TRAINING_TEMPLATES)} or the path of a .jinja file "
+                             "(--chat-template training).")
         self.sampling()  # SamplingParams validates the sampling options with its own messages
 
     def env_factory(self) -> Callable[[], Any]:
@@ -83,5 +93,6 @@ class EpisodeOptions(SamplingOptions):
         return RolloutEngine(policy, tokenizer, params=self.sampling(**sampling_overrides),
                              max_concurrency=self.max_concurrency, max_episode_tokens=self.max_episode_tokens,
                              max_episode_seconds=self.max_episode_seconds, branch_at_turn=branch_at_turn,
-                             branch_factor=branch_factor, seed=seed, lockstep=self.lockstep)
+                             branch_factor=branch_factor, seed=seed, lockstep=self.lockstep,
+                             chat_template=resolve_chat_template(self.chat_template, tokenizer))
 

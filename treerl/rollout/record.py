@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from treerl.agents.chat_templates import resolve_chat_template
 from treerl.agents.policy import Policy
 from treerl.config import field_help
 from treerl.errors import ConfigError
@@ -92,7 +93,8 @@ def record(cfg: RolloutConfig, policy: Policy, tokenizer: Any) -> dict[str, Any]
 
 def run_header(cfg: RolloutConfig, tokenizer: Any) -> dict[str, Any]:
     """What makes this run's episodes comparable: a resumed file must have been written with the same."""
-    template = getattr(tokenizer, "chat_template", None)
+    # The template episodes are rendered with: --chat-template may replace the tokenizer's.
+    template = resolve_chat_template(cfg.chat_template, tokenizer) or getattr(tokenizer, "chat_template", None)
     return make_header({
         "env_id": cfg.env,
         "env_kwargs": cfg.env_kwargs,

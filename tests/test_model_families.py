@@ -1,0 +1,465 @@
+"""Token fidelity over the real chat templates of 12 model families.
+
+Each family's template (``tests/templates/real/<family>.jinja``, as the model ships it: the
+header names the source and license, and :func:`test_real_templates_are_unmodified` checks
+the text against its sha256) renders one tool-use episode through the engine's own turn steps
+(:mod:`treerl.rollout.episode`): the prompt, then per turn a sampled completion in the
+family's own format (reasoning, tool-call markup, stop token), the tool result or the user's
+next turn, and the bridge or the branch. The tokenizer is a byte-level BPE trained here with
+the family's special and added tokens as added tokens (what makes a bridge exact on a real
+tokenizer is that added tokens are split out before BPE, which this one does the same way);
+no model or tokenizer is downloaded.
+
+Checked for every family, template variant and sampling (canonical ids, or every token split
+into bytes): each sampled segment's root path in the tree is exactly the context the policy
+was given (the trained path is what the model saw), and each such context decodes to the
+template's rendering of the conversation so far (the model saw the conversation as its
+template writes it). The branch counts are the table in the README ("Model families").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from treerl.agents.chat import ChatRenderer
+from treerl.agents.chat_templates import load_template, resolve_chat_template, template_family
+from treerl.agents.policy import Generation, SamplingParams
+from treerl.envs.core import Task, ToolEnv
+from treerl.envs.parsers import get_parser
+from treerl.envs.tools import tool
+from treerl.rollout.engine import RolloutEngine
+from treerl.rollout import evaluate as evaluate_module
+from treerl.rollout.evaluate import evaluate_with
+from treerl.rollout.options import EpisodeOptions
+from treerl.rollout.record import RolloutConfig, run_header
+from treerl.rollout.summary import RolloutStats
+from treerl.rollout.episode import EpisodeState, apply_bridge, finish_episode, observe, sample_turn
+from treerl.rollout.trajectory import Group
+
+REAL = Path(__file__).parent / "templates" / "real"
+
+SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+CORPUS = [
+    "You are a helpful assistant. What is 17 times 23? Use the multiply tool, then answer.",
+    '{"name": "multiply", "arguments": {"a": 17, "b": 23}} {"type": "function", "function": {}}',
+    "The answer is 391. I should multiply. Thanks! And what is two plus two? Four.",
+    "<function=multiply> <parameter=a> <arg_key>a</arg_key> <arg_value>17</arg_value> ```json",
+]
+MULTIPLY = {"type": "function", "function": {
+    "name": "multiply", "description": "Multiply two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+QUESTION = [{"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is 17 times 23? Use the multiply tool, then answer."}]
+FOLLOW_UP = {"role": "user", "content": "Thanks! And what is two plus two?"}
+QWEN = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+CODER_CALL = ("<tool_call>\n<function=multiply>\n<parameter=a>\n{a}\n</parameter>\n<parameter=b>\n{b}\n</parameter>\n"
+              "</function>\n</tool_call>")
+HERMES_CALL = '<tool_call>\n{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+HARMONY_CALL = ("<|channel|>analysis<|message|>{r}<|end|><|start|>assistant to=functions.multiply"
+                '<|channel|>commentary json<|message|>{{"a": {a}, "b": {b}}}')
+DEEPSEEK_CALL = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>multiply\n```json\n"
+                 '{{"a": {a}, "b": {b}}}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+GLM_CALL = ("<tool_call>multiply\n<arg_key>a</arg_key>\n<arg_value>{a}</arg_value>\n<arg_key>b</arg_key>\n"
+            "<arg_value>{b}</arg_value>\n</tool_call>")
+
+
+@dataclass
+class Family:
+    """One model family: its tokens, how its model writes the episode's turns, and its tool results' role."""
+
+    special: list[str]
+    added: list[str]
+    bos: str | None
+    eos: str
+    call: str
+    """A tool-call turn as the model writes it after the generation prompt ({r}: reasoning, {a}, {b}: arguments)."""
+    answer: str
+    """A final answer as the model writes it ({r}: reasoning)."""
+    call_stop: str
+    answer_stop: str
+    tool_role: str = "tool"
+    """Families whose template has no tool role get tool results as user turns."""
+    parser: str | None = None
+    template_kwargs: dict = field(default_factory=dict)
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen2_5": Family(QWEN, ["<tool_call>", "</tool_call>"], None, "<|im_end|>",
+                      HERMES_CALL, "The answer is {n}.", "<|im_end|>", "<|im_end|>"),
+    "qwen3": Family(QWEN, ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"],
+                    None, "<|im_end|>", "<think>\n{r}\n</think>\n\n" + HERMES_CALL,
+                    "<think>\n{r}\n</think>\n\nThe answer is {n}.", "<|im_end|>", "<|im_end|>"),
+    # Qwen3.5 opens <think> in the generation prompt: the model starts inside its reasoning.
+    "qwen3_5": Family(QWEN, ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"],
+                      None, "<|im_end|>", "{r}\n</think>\n\n" + CODER_CALL, "{r}\n</think>\n\nThe answer is {n}.",
+                      "<|im_end|>", "<|im_end|>"),
+    # Llama 3.x ends a turn that waits for a tool result with <|eom_id|>.
+    "llama3_1": Family(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                        "<|python_tag|>"], [], "<|begin_of_text|>", "<|eot_id|>",
+                       '{{"name": "multiply", "parameters": {{"a": {a}, "b": {b}}}}}', "The answer is {n}.",
+                       "<|eom_id|>", "<|eot_id|>", tool_role="ipython"),
+    "llama3_2": Family(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                        "<|python_tag|>"], [], "<|begin_of_text|>", "<|eot_id|>",
+                       '{{"name": "multiply", "parameters": {{"a": {a}, "b": {b}}}}}', "The answer is {n}.",
+                       "<|eom_id|>", "<|eot_id|>", tool_role="ipython", template_kwargs={"date_string": "26 Jul 2024"}),
+    # SentencePiece models write a leading space, which Mistral's template puts before plain content.
+    "mistral": Family(["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                       "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], [], "<s>", "</s>",
+                      '[TOOL_CALLS] [{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}, "id": "call0000{i}"}}]',
+                      " The answer is {n}.", "</s>", "</s>"),
+    "gemma3": Family(["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], [], "<bos>", "<eos>",
+                     "[multiply(a={a}, b={b})]", "The answer is {n}.", "<end_of_turn>", "<end_of_turn>",
+                     tool_role="user", parser="pythonic"),
+    "phi3_5": Family(["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"], [], None, "<|endoftext|>",
+                     '{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}', "The answer is {n}.",
+                     "<|end|>", "<|end|>", tool_role="user"),
+    "gpt_oss": Family(["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>",
+                       "<|endoftext|>"], [], None, "<|return|>", HARMONY_CALL,
+                      "<|channel|>analysis<|message|>{r}<|end|><|start|>assistant<|channel|>final<|message|>"
+                      "The answer is {n}.", "<|call|>", "<|return|>"),
+    # GLM ends a turn with the token that opens the next one: <|observation|> before a tool result.
+    "glm4_moe": Family(["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+                        "<|endoftext|>"],
+                       ["<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                        "</arg_value>", "<tool_response>", "</tool_response>"], None, "<|endoftext|>",
+                       "\n<think>{r}</think>\n" + GLM_CALL, "\n<think>{r}</think>\nThe answer is {n}.",
+                       "<|observation|>", "<|user|>"),
+    # DeepSeek-R1 opens <think> in the generation prompt; after tool outputs it answers without one.
+    "deepseek_r1": Family(["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                           "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                           "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+                           "<｜tool▁output▁end｜>", "<｜tool▁sep｜>"], ["<think>", "</think>"],
+                          "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "{r}\n</think>\n\n" + DEEPSEEK_CALL,
+                          "{r}\n</think>\n\nThe answer is {n}.", "<｜end▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    "nemotron3_nano": Family(QWEN, ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
+                                    "</think>"], None, "<|im_end|>", "{r}\n</think>\n" + CODER_CALL + "\n",
+                             "{r}\n</think>\nThe answer is {n}.", "<|im_end|>", "<|im_end|>"),
+}
+
+
+def episode_script(family: Family) -> list[tuple[str, str, list[dict]]]:
+    """The turns ``(text, stop token, what comes back)``: two tool calls, an answer, a follow-up, an answer."""
+    def tool(content: str, i: int) -> dict:
+        message = {"role": family.tool_role, "content": content}
+        if family.tool_role == "tool":
+            message.update(name="multiply", tool_call_id=f"call0000{i}")
+        return message
+
+    # After DeepSeek's tool outputs the model answers without reasoning (no <think> is opened there).
+    after_tool = ("The answer is {n}." if family is FAMILIES["deepseek_r1"] else family.answer)
+    return [
+        (family.call.format(r="I should multiply.", a=1, b=1, i=1), family.call_stop, [tool("1", 1)]),
+        (family.call.format(r="Now the real product.", a=17, b=23, i=2), family.call_stop, [tool("391", 2)]),
+        (after_tool.format(r="The tool said 391.", n=391), family.answer_stop, [FOLLOW_UP]),
+        (family.answer.format(r="Two plus two.", n=4), family.answer_stop, []),
+    ]
+
+
+def real_template(name: str) -> str:
+    """A family's template as the model ships it: the file without its header comment."""
+    text = (REAL / f"{name}.jinja").read_text(encoding="utf-8")
+    return text[text.index("-#}\n") + len("-#}\n"):]
+
+
+def test_real_templates_are_unmodified():
+    for path in sorted(REAL.glob("*.jinja")):
+        header = path.read_text(encoding="utf-8").split("-#}", 1)[0]
+        # The header names the source model, its license and where the text was taken from.
+        assert re.search(r"The chat template of \S.* \(.+\), as stored in \S+", header), path.name
+        digest = re.search(r"sha256 ([0-9a-f]{64})", header).group(1)
+        assert hashlib.sha256(real_template(path.stem).encode()).hexdigest() == digest, path.name
+        assert template_family(real_template(path.stem)) == path.stem  # treerl recognizes it
+    assert len(list(REAL.glob("*.jinja"))) >= 10
+
+
+# -- a tokenizer per family ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def base_bpe() -> str:
+    return train_bpe()
+
+
+def train_bpe() -> str:
+    """A byte-level BPE trained on a few sentences, serialized (each family loads a copy)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    return tok.to_str()
+
+
+def make_tokenizer(base_bpe: str, family: Family) -> PreTrainedTokenizerFast:
+    extra = [t for t in family.special if t not in (family.bos, family.eos)]
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(base_bpe), bos_token=family.bos,
+                                  eos_token=family.eos, extra_special_tokens=extra)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in family.added])
+    return tok
+
+
+# -- the scripted policy: the model writes the script, canonically or byte by byte ---------------
+
+
+class ScriptPolicy:
+    """Samples the next scripted turn; records every context it was given."""
+
+    def __init__(self, tok, turns, *, canonical: bool):
+        self.tok, self.turns, self.canonical = tok, turns, canonical
+        self.contexts: list[list[int]] = []
+
+    async def agenerate(self, request) -> Generation:
+        text, stop, _ = self.turns[len(self.contexts)]
+        self.contexts.append(list(request.prompt_ids))
+        ids = self._ids(request.prompt_ids, text) + [self.tok.convert_tokens_to_ids(stop)]
+        return Generation(token_ids=ids, logprobs=[-1.0] * len(ids), candidates=None, finish_reason="stop",
+                          policy_version=0, num_prompt_tokens_processed=len(request.prompt_ids))
+
+    def _ids(self, context: list[int], text: str) -> list[int]:
+        if self.canonical:  # the ids the tokenizer gives the text right after the context
+            whole = self.tok.encode(self.tok.decode(context) + text, add_special_tokens=False)
+            if whole[:len(context)] == context:
+                return whole[len(context):]
+        added = set(self.tok.added_tokens_decoder)
+        out: list[int] = []
+        for i in self.tok.encode(text, add_special_tokens=False):
+            piece = self.tok.convert_ids_to_tokens(i)
+            out.extend([i] if i in added else self.tok.convert_tokens_to_ids(list(piece)))
+        return out
+
+
+@dataclass
+class Played:
+    group: Group
+    policy: ScriptPolicy
+    renderer: ChatRenderer
+    conversations: list[list[dict]]
+    """The conversation each context was rendered from."""
+    branches: list[str | None]
+    """Per bridge: None, or the branch reason."""
+
+
+def play(base_bpe: str, name: str, variant: str, *, canonical: bool) -> Played:
+    family = FAMILIES[name]
+    tok = make_tokenizer(base_bpe, family)
+    tok.chat_template = real_template(name)  # as the model ships it
+    template = resolve_chat_template(variant, tok)
+    parser = get_parser(family.parser, chat_template=template or tok.chat_template)
+    renderer = ChatRenderer(tok, tools=[MULTIPLY], chat_template=template, parser=parser,
+                            template_kwargs=family.template_kwargs)
+    turns = episode_script(family)
+    policy = ScriptPolicy(tok, turns, canonical=canonical)
+    group = Group(task_key="t", env_id="families")
+    prompt = renderer.prompt_ids(QUESTION)
+    state = EpisodeState(env=None, messages=[dict(m) for m in QUESTION], context_ids=list(prompt),
+                         parent=group.add_segment("prompt", prompt), path=(0,))
+    conversations, branches = [], []
+
+    async def run() -> None:
+        for _, _, obs in turns:
+            conversations.append([dict(m) for m in state.messages])
+            turn = await sample_turn(policy, state, group, renderer, SamplingParams(max_new_tokens=512),
+                                     seed=0, shared=None, session=None)
+            if not obs:
+                finish_episode(state, group, turn.leaf, "terminated")
+                return
+            bridge = observe(state, renderer, turn, obs)
+            branches.append(bridge.reason if bridge.branch else None)
+            apply_bridge(state, group, turn, bridge)
+
+    asyncio.run(run())
+    return Played(group, policy, renderer, conversations, branches)
+
+
+VARIANTS = [(name, variant) for name in FAMILIES for variant in ("model", "training")]
+
+
+@pytest.mark.parametrize("canonical", [True, False], ids=["canonical", "byte_split"])
+@pytest.mark.parametrize("name, variant", VARIANTS)
+def test_trained_path_is_what_the_model_saw(base_bpe, name, variant, canonical):
+    played = play(base_bpe, name, variant, canonical=canonical)
+    (episode,) = played.group.episodes
+    tok = played.renderer.tokenizer
+    sampled = [i for leaf in [*episode.extra_leaves, episode.leaf]
+               for i in played.group.path_indices(leaf) if played.group.segments[i].kind == "sampled"]
+    assert len(sampled) == len(played.policy.contexts) == 4
+    for k, (segment, context) in enumerate(zip(sampled, played.policy.contexts)):
+        path = [t for s in played.group.path_indices(segment)[:-1] for t in played.group.segments[s].token_ids]
+        assert path == context, f"{name}/{variant} turn {k}: the trained path is not what the model saw"
+        # ... and what the model saw is its template's rendering of the conversation so far
+        # (a Llama turn that ended with <|eom_id|> keeps that token where the template writes <|eot_id|>).
+        seen = tok.decode(context, skip_special_tokens=False).replace("<|eom_id|>", "<|eot_id|>")
+        assert seen == played.renderer.render(played.conversations[k]), f"{name}/{variant} turn {k}"
+
+
+def branch_table(base_bpe: str) -> dict[tuple[str, str], list[str | None]]:
+    return {(name, variant): play(base_bpe, name, variant, canonical=True).branches for name, variant in VARIANTS}
+
+
+# Bridges that branched, of the 3 in the episode (two tool results, one new user turn), with
+# the model's own template and with treerl's training variant. The README's "Model families"
+# table is this one.
+EXPECTED_BRANCHES = {
+    "qwen2_5": ([], []),
+    "qwen3": (["not_append_only"], []),
+    "qwen3_5": (["not_append_only"], []),
+    "llama3_1": ([], []),
+    "llama3_2": ([], []),
+    "mistral": (["not_append_only", "not_append_only"], []),
+    "gemma3": ([], []),
+    "phi3_5": ([], []),
+    "gpt_oss": (["not_append_only"], ["stop_token_mismatch"]),
+    "glm4_moe": (["not_append_only"], []),
+    "deepseek_r1": (["not_append_only"], []),
+    "nemotron3_nano": (["not_append_only"], []),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_branches_per_family(base_bpe, name):
+    got = tuple([r for r in play(base_bpe, name, variant, canonical=True).branches if r is not None]
+                for variant in ("model", "training"))
+    assert got == EXPECTED_BRANCHES[name]
+
+
+# -- through the engine: gpt-oss's structured tool calls, a call inside reasoning ---------------
+
+
+class _Multiply(ToolEnv):
+    system_prompt = "You are a helpful assistant."
+
+    def sample_task(self, rng):
+        return Task(prompt="What is 17 times 23? Use the multiply tool, then answer.", answer="391")
+
+    def score(self, task, completion):
+        return float(task.answer in completion)
+
+
+@tool
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+
+
+class _EnginePolicy(ScriptPolicy):
+    def end_session(self, session) -> None:
+        pass
+
+
+@pytest.mark.parametrize("name, turns, executed, variant", [
+    # gpt-oss: its template renders the tool result only after a structured call; the
+    # analysis channel mentions a Hermes call, which is reasoning, not a call.
+    ("gpt_oss", [(HARMONY_CALL.format(r='Maybe <tool_call>{"name": "multiply"}</tool_call>?', a=17, b=23), "<|call|>"),
+                 (FAMILIES["gpt_oss"].answer.format(r="It said 391.", n=391), "<|return|>")], 1, "model"),
+    # Qwen3: a call written inside <think> is not executed; the one after it is.
+    ("qwen3", [("<think>\nFirst " + HERMES_CALL.format(a=1, b=1) + "\n</think>\n\n" + HERMES_CALL.format(a=17, b=23),
+                "<|im_end|>"), ("<think>\nDone.\n</think>\n\nThe answer is 391.", "<|im_end|>")], 1, "model"),
+    # GLM and DeepSeek: their own call formats, read by their parsers (picked from the template).
+    ("glm4_moe", [(FAMILIES["glm4_moe"].call.format(r="Multiply.", a=17, b=23), "<|observation|>"),
+                  ("\n<think>Done.</think>\nThe answer is 391.", "<|user|>")], 1, "model"),
+    ("deepseek_r1", [(FAMILIES["deepseek_r1"].call.format(r="Multiply.", a=17, b=23), "<｜end▁of▁sentence｜>"),
+                     ("The answer is 391.", "<｜end▁of▁sentence｜>")], 1, "training"),  # its own cuts the reasoning
+])
+def test_engine_plays_a_family_faithfully(base_bpe, name, turns, executed, variant):
+    tok = make_tokenizer(base_bpe, FAMILIES[name])
+    tok.chat_template = real_template(name)
+    policy = _EnginePolicy(tok, [(text, stop, None) for text, stop in turns], canonical=True)
+    engine = RolloutEngine(policy, tok, params=SamplingParams(max_new_tokens=512), max_concurrency=1,
+                           chat_template=resolve_chat_template(variant, tok))
+    group = asyncio.run(engine.run_group(_Multiply(tools=[multiply]), "multiply", 0, 1))
+    (episode,) = group.episodes
+    assert episode.reward == 1.0 and episode.termination == "final_answer" and episode.extra_leaves == []
+    assert "template/branch_reason" not in episode.metrics
+    assert [(c["name"], c.get("arguments")) for c in episode.tool_calls] == [("multiply", {"a": 17, "b": 23})] * executed
+    sampled = [i for i in group.path_indices(episode.leaf) if group.segments[i].kind == "sampled"]
+    for segment, context in zip(sampled, policy.contexts, strict=True):
+        assert [t for s in group.path_indices(segment)[:-1] for t in group.segments[s].token_ids] == context
+    if name == "gpt_oss":  # the conversation holds the structured turn the template needed
+        assert episode.messages[2]["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": 17, "b": 23}}
+
+
+# -- choosing the template: --chat-template -----------------------------------------------------
+
+
+def test_chat_template_flag_picks_the_training_variant(base_bpe, tmp_path):
+    tok = make_tokenizer(base_bpe, FAMILIES["qwen3"])
+    tok.chat_template = real_template("qwen3")
+    assert resolve_chat_template("model", tok) is None
+    assert resolve_chat_template("training", tok) == load_template("qwen3_training")
+    tok.chat_template = real_template("qwen2_5")  # already prefix-preserving: kept
+    assert resolve_chat_template("training", tok) is None
+    assert "treerl's prefix-preserving training variant" in load_template("deepseek_r1_training")
+    path = tmp_path / "mine.jinja"
+    path.write_text("{{ messages[0].content }}")
+    assert resolve_chat_template(str(path), tok) == "{{ messages[0].content }}"
+    with pytest.raises(ValueError, match="unknown chat template 'qwen9_training'.*'training'"):
+        resolve_chat_template("qwen9_training", tok)
+
+    opts = EpisodeOptions(chat_template="training")
+    tok.chat_template = real_template("glm4_moe")
+    assert opts.engine(_EnginePolicy(tok, [], canonical=True), tok, seed=0).chat_template == load_template(
+        "glm4_moe_training")
+    with pytest.raises(ValueError, match=r"chat_template='bogus' is not a template choice.*--chat-template training"):
+        EpisodeOptions(chat_template="bogus")
+
+
+def test_eval_and_the_trajectory_header_use_the_chosen_template(base_bpe, tmp_path):
+    tok = make_tokenizer(base_bpe, FAMILIES["qwen3"])
+    tok.chat_template = real_template("qwen3")
+    rendered: list[str | None] = []
+
+    class Spy(RolloutEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            rendered.append(self.chat_template)
+
+        async def run(self, *args, **kwargs):
+            return [], RolloutStats()
+
+    cfg = RolloutConfig(out=str(tmp_path / "r.jsonl"), chat_template="training")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(evaluate_module, "RolloutEngine", Spy)
+        evaluate_with(cfg, _EnginePolicy(tok, [], canonical=True), tok, num_episodes=1, seed=0)
+    assert rendered == [load_template("qwen3_training")]
+    header = run_header(cfg, tok)
+    assert header["run"]["tokenizer"]["chat_template_sha256"] == hashlib.sha256(
+        load_template("qwen3_training").encode()).hexdigest()
+
+
+def test_gpt_oss_call_the_template_writes_differently_branches(base_bpe):
+    """The structured turn renders its arguments with tojson's spacing: a call written compactly
+    cannot be given back, so the episode goes on from the rendering, on a new branch."""
+    tok = make_tokenizer(base_bpe, FAMILIES["gpt_oss"])
+    tok.chat_template = real_template("gpt_oss")
+    renderer = ChatRenderer(tok, tools=[MULTIPLY], parser=get_parser(tokenizer=tok))
+    text = HARMONY_CALL.format(r="Multiply.", a=17, b=23).replace('{"a": 17, "b": 23}', '{"a":17,"b":23}')
+    completion = tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|call|>")]
+    result = [{"role": "tool", "name": "multiply", "content": "391"}]
+    bridge = renderer.bridge(QUESTION, completion, text, result)
+    assert bridge.branch and bridge.reason == "not_append_only" and "assistant turn just sampled" in bridge.detail
+    assert bridge.message["tool_calls"][0]["function"]["arguments"] == {"a": 17, "b": 23}
+    assert bridge.context_ids == renderer.prompt_ids([*QUESTION, bridge.message, *result])
+    # Without the parser the template cannot render the turn at all: it refuses raw channel markup.
+    with pytest.raises(Exception, match="<\\|channel\\|> tags in the content field"):
+        ChatRenderer(tok, tools=[MULTIPLY]).bridge(QUESTION, completion, text, result)

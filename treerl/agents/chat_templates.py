@@ -1,0 +1,100 @@
+"""Chat template variants: the model's own, or a prefix-preserving training variant of its family.
+
+Several families' templates rewrite the history as a conversation grows: Qwen3, Qwen3.5,
+GLM-4 MoE and Nemotron 3 drop the reasoning of turns before the last user query, DeepSeek-R1
+drops every earlier turn's reasoning, gpt-oss drops the analysis of tool-calling turns once a
+final answer follows. The rendered conversation then no longer starts with the tokens the
+model saw, and :class:`~treerl.agents.chat.ChatRenderer` starts a new branch (faithful, but
+the branches share nothing, so a tree packs no better than separate sequences).
+
+A **training variant** renders every turn as the model sampled it: the reasoning is kept
+wherever it was written. Played with it, episodes of these families extend their context at
+every turn. The trade-off: the model sees its earlier reasoning in later turns, which its
+own template would have hidden (longer contexts, and a context the model was not tuned on
+after a new user turn); inference servers that use the model's own template will show the
+trained model a different history than the one it was trained on. Templates that are
+already append-only have no variant: ``training`` keeps them.
+
+The variants are this package's ``templates/<family>_training.jinja``, each derived from the
+model's own template (its header names the source and license; the idea follows TRL's
+``*_training`` templates). :func:`resolve_chat_template` picks one by flag:
+
+>>> resolve_chat_template("model", None) is None
+True
+>>> sorted(TRAINING_TEMPLATES)[:2]
+['deepseek_r1_training', 'glm4_moe_training']
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TRAINING_TEMPLATES", "KNOWN_TEMPLATES", "load_template", "resolve_chat_template", "template_family"]
+
+logger = logging.getLogger(__name__)
+
+_DIR = Path(__file__).parent / "templates"
+
+TRAINING_TEMPLATES: dict[str, str] = {p.stem: p.name for p in sorted(_DIR.glob("*_training.jinja"))}
+"""Shipped template names -> files (``treerl/agents/templates``)."""
+
+KNOWN_TEMPLATES: dict[str, str] = {
+    # sha256 of the template as the model ships it -> its family (tests/templates/real holds each text).
+    "563b1ce7d61d50a9b4c7439a912a1116f095b712df5b5e4d3e1116049874eb64": "deepseek_r1",
+    "7de1c58e208eda46e9c7f86397df37ec49883aeece39fb961e0a6b24088dd3c4": "gemma3",
+    "44f815868bf02fa458dd2f741a338046f4bf45f398eb6d067766726b9d96cce3": "glm4_moe",
+    "a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146": "gpt_oss",
+    "e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65": "llama3_1",
+    "5816fce10444e03c2e9ee1ef8a4a1ea61ae7e69e438613f3b17b69d0426223a4": "llama3_2",
+    "9951bf3cc3ad2c187223b2083dea106d46c50c3c84fecc4e6fda82832dbb6a9b": "mistral",
+    "ab7813c3abdd9cb655905a410728b26c7884eca45ddfab8d9f931553485a7862": "nemotron3_nano",
+    "78d976a442bcde2f0be15aafbb8e3050e1104f86732266f68403251b89982a90": "phi3_5",
+    "cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f": "qwen2_5",
+    "a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8": "qwen3",
+    "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715": "qwen3_5",
+}
+"""The model templates treerl recognizes, by the sha256 of their text."""
+
+
+def template_family(template: str | None) -> str | None:
+    """The family of a model's own chat template (None when treerl does not know it)."""
+    if not isinstance(template, str):
+        return None
+    return KNOWN_TEMPLATES.get(hashlib.sha256(template.encode()).hexdigest())
+
+
+def load_template(name: str) -> str:
+    """The text of a shipped template, e.g. ``load_template("qwen3_training")``."""
+    if name not in TRAINING_TEMPLATES:
+        raise ValueError(f"unknown chat template {name!r}: treerl ships {sorted(TRAINING_TEMPLATES)}; pass one of "
+                         "them, 'model', 'training', or the path of a .jinja file.")
+    return (_DIR / TRAINING_TEMPLATES[name]).read_text(encoding="utf-8")
+
+
+def resolve_chat_template(spec: str | None, tokenizer: Any) -> str | None:
+    """The template text for ``spec``, or None for the tokenizer's own.
+
+    ``spec``: ``None`` or ``"model"`` (the tokenizer's own), ``"training"`` (the training
+    variant of the tokenizer's family when there is one, else its own), a shipped name such
+    as ``"qwen3_training"``, or the path of a ``.jinja`` file.
+    """
+    if spec is None or spec == "model":
+        return None
+    if spec == "training":
+        family = template_family(getattr(tokenizer, "chat_template", None))
+        name = f"{family}_training"
+        if family is None or name not in TRAINING_TEMPLATES:
+            logger.info("chat template: no training variant for %s; the model's own template is used",
+                        family or "this (unrecognized) template")
+            return None
+        return load_template(name)
+    if spec.endswith(".jinja"):
+        path = Path(spec)
+        if not path.is_file():
+            raise ValueError(f"chat template file {spec!r} does not exist; pass an existing .jinja file, 'model', "
+                             "'training' or a shipped name.")
+        return path.read_text(encoding="utf-8")
+    return load_template(spec)
