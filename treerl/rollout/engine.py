@@ -130,27 +130,6 @@ class RolloutEngine:
     async def run_group(self, env: Any, env_id: str, task_seed: int, group_size: int,
                         options: dict[str, Any] | None = None) -> Group:
         """Reset ``env`` on one task and play ``group_size`` generations of it."""
-<<<<<<< HEAD
-=======
-        if hasattr(env, "use_parser_of"):
-            env.use_parser_of(self.tokenizer)  # tool calls in the format this model writes
-        obs, info = await env.areset(seed=task_seed, options=options)
-        # With the parser, a template that needs structured tool calls (gpt-oss) gets them.
-        renderer = ChatRenderer(self.tokenizer, tools=env.tool_schemas or None, chat_template=self.chat_template,
-                                parser=getattr(env, "parser", None))
-        messages = list(obs)
-        prompt_ids = renderer.prompt_ids(messages)
-        group = Group(task_key=f"seed-{task_seed}", env_id=env_id,
-                      info={"task_seed": task_seed, "task_id": info.get("task_id"), "options": options,
-                            "answer": info.get("answer"), "num_prompt_messages": len(messages),
-                            "sampling": _params_dict(self.params)})
-        root = group.add_segment("prompt", prompt_ids)
-        states = [
-            EpisodeState(env=env.fork(), messages=copy.deepcopy(messages), context_ids=list(prompt_ids),
-                         parent=root, path=(g,))
-            for g in range(group_size)
-        ]
->>>>>>> h17f
         self._ensure_slots()
         # Counted before the first await, so that no lockstep wave leaves this group behind.
         self._enter(group_size)
@@ -159,7 +138,9 @@ class RolloutEngine:
             if hasattr(env, "use_parser_of"):
                 env.use_parser_of(self.tokenizer)  # tool calls in the format this model writes
             obs, info = await env.areset(seed=task_seed, options=options)
-            renderer = ChatRenderer(self.tokenizer, tools=env.tool_schemas or None, chat_template=self.chat_template)
+            # With the parser, a template that needs structured tool calls (gpt-oss) gets them.
+            renderer = ChatRenderer(self.tokenizer, tools=env.tool_schemas or None, chat_template=self.chat_template,
+                                    parser=getattr(env, "parser", None))
             messages = list(obs)
             prompt_ids = renderer.prompt_ids(messages)
             group = Group(task_key=f"seed-{task_seed}", env_id=env_id,
