@@ -67,17 +67,18 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import os
 import secrets
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path, PurePosixPath
@@ -85,6 +86,7 @@ from pathlib import Path, PurePosixPath
 import treerl.envs.sandbox_bootstrap as sandbox_bootstrap
 from treerl.envs.processes import kill_and_reap, send_kill
 from treerl.envs.sandbox_capture import capture
+from treerl.envs.sandbox_cgroup import RunCgroup, open_cgroup
 
 __all__ = [
     "SandboxLimits",
@@ -104,6 +106,12 @@ _UID_SPAN = 1 << 24
 # reads it as the caller, before it drops privileges, so it may live where the private uid
 # cannot look.
 _BOOTSTRAP_PATH = Path(sandbox_bootstrap.__file__)
+_MIB = 1024 * 1024
+# How often the parent's own accounting (total memory without a cgroup, disk without a
+# private tmpfs) looks at the run.
+_WATCH_S = 0.2
+_log = logging.getLogger("treerl.sandbox")
+_logged: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,8 @@ class SandboxLimits:
     """Bytes of stdout and of stderr kept (each); the rest is read and dropped."""
     network: bool = False
     """Allow network access. Off by default: model code has no business on the network."""
+    disk_mb: int = 128
+    """Bytes, in MiB, that the working directory, ``/tmp`` and ``/dev/shm`` may hold in all."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -136,6 +146,11 @@ class SandboxLimits:
             raise ValueError(
                 f"SandboxLimits.max_processes must be >= 1, got {self.max_processes!r}: the main "
                 "process counts as one. Use e.g. max_processes=16."
+            )
+        if self.disk_mb < 1:
+            raise ValueError(
+                f"SandboxLimits.disk_mb must be >= 1, got {self.disk_mb!r}: it bounds what the code may "
+                "write to its working directory, /tmp and /dev/shm together. Use e.g. disk_mb=128."
             )
         if self.max_output_bytes < 0:
             raise ValueError(
@@ -155,6 +170,8 @@ class SandboxErrorKind(str, Enum):
     """Creating a process or thread failed under the process limit."""
     NETWORK = "network"
     """The code tried to use the network and was blocked."""
+    DISK = "disk"
+    """The code wrote more than ``disk_mb`` to its working directory, ``/tmp`` and ``/dev/shm``."""
     RUNTIME_ERROR = "runtime_error"
     """Any other non-zero exit: an uncaught exception, ``sys.exit(1)``, a crash."""
 
@@ -216,14 +233,21 @@ def classify_outcome(
         return SandboxErrorKind.PROCESS_LIMIT
     if timed_out:
         return SandboxErrorKind.TIMEOUT
+    if "memory_limit" in events:
+        return SandboxErrorKind.MEMORY
+    if "disk_limit" in events:
+        return SandboxErrorKind.DISK
+    if exit_code == 0:
+        # The exit status comes from the trusted side; records the code wrote cannot undo it.
+        return None
     main_exit = next((r for r in records if r.get("event") == "exit" and r.get("pid") == main_pid), None)
     kind = main_exit.get("kind") if main_exit is not None else None
     if kind == "memory":
         return SandboxErrorKind.MEMORY
     if kind == "process_limit":
         return SandboxErrorKind.PROCESS_LIMIT
-    if exit_code == 0:
-        return None
+    if kind == "disk":
+        return SandboxErrorKind.DISK
     if main_exit is None:
         # No record: the process died without reaching the bootstrap's handler. A SIGKILL we
         # did not send is the kernel's OOM killer; a MemoryError in C code can end that way too.
@@ -256,18 +280,27 @@ def run_python(
     ctl = Path(tempfile.mkdtemp(prefix="treerl-sbx-ctl-"))
     work = Path(tempfile.mkdtemp(prefix="treerl-sbx-"))
     proc: subprocess.Popen | None = None
+    result_r, result_w = os.pipe()
+    os.set_blocking(result_r, False)
+    group = open_cgroup((limits.memory_mb + limits.disk_mb) * _MIB, limits.max_processes + 1)
     try:
         _write_files(work, files or {})
         if uid is not None:
             _chown_tree(work, uid)
         (ctl / "main.py").write_text(code, encoding="utf-8")
         (ctl / "status.jsonl").touch(mode=0o600)
+        binds, links = _view(limits.network)
         config = {
             "uid": uid,
             "network": limits.network,
-            "memory_bytes": limits.memory_mb * 1024 * 1024,
+            "memory_bytes": limits.memory_mb * _MIB,
+            "disk_bytes": limits.disk_mb * _MIB,
             "nproc": limits.max_processes if uid is not None else _count_user_tasks(os.getuid()) + limits.max_processes,
-            "mount_plan": _mount_plan(_interpreter_paths()) if uid is not None else [],
+            "work": str(work),
+            "ro_binds": binds,
+            "symlinks": links,
+            "cgroup_procs": group.procs_files,
+            "result_fd": result_w,
         }
         (ctl / "config.json").write_text(json.dumps(config), encoding="utf-8")
         stdin_file = None
@@ -284,30 +317,41 @@ def run_python(
                 stderr=subprocess.PIPE,
                 start_new_session=True,
                 close_fds=True,
+                pass_fds=(result_w,),
             )
         finally:
             if stdin_file is not None:
                 stdin_file.close()
+            os.close(result_w)
+        trusted = _TrustedReader(result_r)
         out = capture(
             proc, ctl / "status.jsonl", max_output_bytes=limits.max_output_bytes, deadline=start + limits.timeout_s,
-            kill_survivors=lambda: _kill_survivors(proc.pid, uid),
+            kill_survivors=lambda: _kill_survivors(proc.pid, uid, group),
+            watch=_watch(limits, work, proc.pid, uid, group, trusted), watch_every_s=_WATCH_S,
         )
+        trusted.poll()
+        records = list(out.records)
+        if group.oom_kills():
+            records.append({"event": "memory_limit", "by": "cgroup OOM kill"})
         killed = out.timed_out or out.stopped_early
-        records = out.records
+        exit_code = None if killed else trusted.exit_code(proc.returncode)
         error = classify_outcome(
-            exit_code=None if killed else proc.returncode,
+            exit_code=exit_code,
             timed_out=out.timed_out,
             records=records,
-            main_pid=proc.pid,
+            main_pid=trusted.main_pid,
             stderr=out.stderr,
         )
-        enforced = next((dict(r["enforced"]) for r in records if r.get("event") == "setup"
-                         and r.get("pid") == proc.pid and isinstance(r.get("enforced"), dict)), {})
-        enforced["wall_clock"] = f"{limits.timeout_s:g} s, then the process group is killed"
+        enforced = dict(trusted.enforced)
+        enforced["memory_total"] = group.description
+        enforced["wall_clock"] = f"{limits.timeout_s:g} s, then every process of the run is killed"
+        enforced["result_channel"] = ("exit status, main pid and this table come on a pipe only the sandbox's "
+                                      "outer process holds; the code's own event records can only worsen its outcome")
+        _log_not_enforced(enforced)
         return SandboxResult(
             stdout=out.stdout,
             stderr=out.stderr,
-            exit_code=None if killed else proc.returncode,
+            exit_code=exit_code,
             error=error,
             duration_s=time.monotonic() - start,
             truncated=out.truncated,
@@ -317,9 +361,71 @@ def run_python(
         )
     finally:
         if proc is not None:
-            _kill_all(proc, uid)
+            _kill_all(proc, uid, group)
+        group.close()
+        os.close(result_r)
         shutil.rmtree(ctl, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
+
+
+class _TrustedReader:
+    """The records of the result pipe, which only the bootstrap's outer process can write."""
+
+    def __init__(self, fd: int):
+        self._fd, self._buf = fd, b""
+        self.records: list[dict] = []
+
+    def poll(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self._fd, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            self._buf += chunk
+        *lines, self._buf = self._buf.split(b"\n")
+        self.records += [json.loads(line) for line in lines if line.strip()]
+
+    def _last(self, event: str) -> dict | None:
+        return next((r for r in reversed(self.records) if r.get("event") == event), None)
+
+    @property
+    def enforced(self) -> dict[str, str]:
+        setup = self._last("setup")
+        if setup is not None:
+            return setup["enforced"]
+        failed = self._last("setup_failed")
+        return {"setup": "failed: " + (failed["detail"][-500:] if failed else "the sandbox did not start")}
+
+    @property
+    def main_pid(self) -> int:
+        setup = self._last("setup")
+        return setup["main_pid"] if setup is not None else -1
+
+    def exit_code(self, outer_returncode: int | None) -> int | None:
+        """The user code's exit status as the outer process saw it, else the outer's own."""
+        record = self._last("exit")
+        return record["code"] if record is not None else outer_returncode
+
+
+def _watch(limits: SandboxLimits, work: Path, session: int, uid: int | None, group: RunCgroup,
+           trusted: _TrustedReader) -> Callable[[], dict | None]:
+    """The parent's own accounting, for what the kernel could not be asked to limit on this machine."""
+
+    def check() -> dict | None:
+        trusted.poll()
+        if group.kind == "none":
+            rss = _run_rss(uid=uid, session=session)
+            if rss > limits.memory_mb * _MIB:
+                return {"event": "memory_limit", "by": f"the parent's accounting: {rss} bytes resident in all"}
+        if trusted.enforced.get("filesystem", "").startswith("not enforced"):
+            used = _tree_bytes(work)
+            if used > limits.disk_mb * _MIB:
+                return {"event": "disk_limit", "by": f"the parent's accounting: {used} bytes in the working directory"}
+        return None
+
+    return check
 
 
 async def arun_python(
@@ -353,18 +459,21 @@ def sandbox_capabilities() -> dict[str, str]:
 # ---------------------------------------------------------------------------------------
 # Parent-side helpers.
 # ---------------------------------------------------------------------------------------
-def _kill_all(proc: subprocess.Popen, uid: int | None) -> None:
+def _kill_all(proc: subprocess.Popen, uid: int | None, group: RunCgroup) -> None:
     """Kill every process the run left, then reap the main one and close its pipes."""
     # The sweep goes before the reap: until the main process is reaped, its pid (the
     # session and group id the sweep looks for) cannot be reused by another process.
-    kill_and_reap(proc, before_reap=lambda: _sweep(proc.pid, uid))
+    kill_and_reap(proc, before_reap=lambda: (group.kill(), _sweep(proc.pid, uid)))
 
 
-def _kill_survivors(session: int, uid: int | None) -> None:
-    """Kill the run's process group, then sweep its session and private uid until empty.
+def _kill_survivors(session: int, uid: int | None, group: RunCgroup) -> None:
+    """Kill the run's cgroup and process group, then sweep its session and private uid until empty.
 
-    The main process is left unreaped: the caller still reads its exit status.
+    The main process is left unreaped: the caller still reads its exit status. Killing it
+    also ends the inner process (its parent-death signal), and with it, as pid 1, every
+    process of the pid namespace, including those that left the session.
     """
+    group.kill()
     send_kill(session, group=True)
     _sweep(session, uid)
 
@@ -411,6 +520,40 @@ def _sandbox_pids(*, uid: int | None, session: int) -> list[int]:
     return found
 
 
+def _run_rss(*, uid: int | None, session: int) -> int:
+    """Bytes resident in all the run's processes that the parent can find (see ``_sandbox_pids``)."""
+    page, total = os.sysconf("SC_PAGE_SIZE"), 0
+    for pid in _sandbox_pids(uid=uid, session=session):
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as f:
+                total += int(f.read().split()[1]) * page
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def _tree_bytes(root: Path) -> int:
+    """Bytes allocated on disk under ``root`` (files the code may still be writing included)."""
+    total = 0
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                continue
+    return total
+
+
+def _log_not_enforced(enforced: Mapping[str, str]) -> None:
+    """Say once per process, in the log, each protection this machine does not give."""
+    for key, value in enforced.items():
+        if "not enforced" in value or "refused" in value:
+            line = f"sandbox: {key}: {value}"
+            if line not in _logged:
+                _logged.add(line)
+                _log.warning(line)
+
+
 def _count_user_tasks(uid: int) -> int:
     """Tasks (processes and threads) of ``uid``: what RLIMIT_NPROC counts for that user."""
     total = 0
@@ -435,35 +578,46 @@ def _pick_uid() -> int:
     raise RuntimeError("could not find a free sandbox uid; are sandbox processes leaking?")
 
 
-def _interpreter_paths() -> list[str]:
-    """Directories the child interpreter must be able to read after dropping privileges."""
+@functools.lru_cache(maxsize=2)
+def _view(network: bool) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
+    """What the sandbox's filesystem view holds: read-only binds (source, target), and top-level symlinks.
+
+    The interpreter (its prefixes, or only ``lib/pythonX.Y`` of a system prefix such as
+    ``/usr``), its executable, the system library directories the interpreter and its
+    extension modules load from, and the loader's cache; with ``network`` also what name
+    lookups and TLS read from ``/etc``. Nothing else: no home, no checkout, no ``/etc/passwd``.
+    """
     import site
 
-    paths = {os.path.dirname(os.path.realpath(sys.executable)), sys.prefix, sys.base_prefix,
-             sys.exec_prefix, sys.base_exec_prefix, *site.getsitepackages()}
-    return sorted(os.path.realpath(p) for p in paths if os.path.isdir(p))
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    wanted, links = set(), []
+    for prefix in {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}:
+        real = os.path.realpath(prefix)
+        if real in ("/", "/usr", "/usr/local"):
+            wanted.update(os.path.join(real, lib, version) for lib in ("lib", "lib64"))
+        else:
+            wanted.add(real)
+    wanted.update({os.path.realpath(sys.executable), *site.getsitepackages(), "/etc/ld.so.cache"})
+    for lib in ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/local/lib"):
+        if os.path.islink(lib) and os.path.dirname(lib) == "/":
+            links.append((lib, os.readlink(lib)))
+        wanted.add(lib)
+    if network:
+        wanted.update({"/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/ssl", "/etc/ca-certificates"})
+    binds: list[tuple[str, str]] = []
 
+    def covered(path: str) -> bool:
+        return any(path == t or path.startswith(t.rstrip("/") + "/") for _, t in binds)
 
-def _mount_plan(paths: Sequence[str]) -> list[tuple[str, list[str]]]:
-    """For paths behind a directory others cannot enter: (that directory, trees to bind back).
-
-    The closed directory is hidden under a tmpfs in the child's mount namespace and only
-    its child on the way to each needed path is bound back, so ``/root`` with a ``pyenv``
-    inside exposes ``/root/.pyenv`` and nothing else of ``/root``.
-    """
-    plan: dict[str, set[str]] = {}
-    for path in paths:
-        parts = PurePosixPath(path).parts
-        for depth in range(1, len(parts) - 1):
-            ancestor = str(PurePosixPath(*parts[: depth + 1]))
-            try:
-                mode = os.stat(ancestor).st_mode
-            except OSError:
-                break
-            if not mode & stat.S_IXOTH:
-                plan.setdefault(ancestor, set()).add(str(PurePosixPath(*parts[: depth + 2])))
-                break
-    return [(hidden, sorted(exposed)) for hidden, exposed in sorted(plan.items())]
+    for path in sorted({os.path.realpath(p) for p in wanted if os.path.exists(p)}, key=len):
+        if not covered(path):
+            binds.append((path, path))
+    # The interpreter under the name it was started by (a venv's or the system's symlink), so
+    # that code which starts sys.executable finds it.
+    exe = os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
+    if not covered(exe):
+        binds.append((os.path.realpath(sys.executable), exe))
+    return tuple(binds), tuple(links)
 
 
 def _write_files(work: Path, files: Mapping[str, str | bytes]) -> None:

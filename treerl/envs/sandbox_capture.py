@@ -6,8 +6,9 @@
   and the wall clock is checked between them.
 - Both pipes are always read, so a child that writes a lot never blocks on a full pipe;
   only the first ``max_output_bytes`` of each are kept, the rest is read and dropped.
-- A run that hits its process limit is stopped at once rather than left to spin until
-  the deadline; whatever the run left behind is killed (``kill_survivors``) before the
+- A run that hits its process limit, or a limit the parent itself watches (``watch``:
+  total memory or disk where the kernel could not be asked to enforce them), is stopped at
+  once rather than left to spin until the deadline; whatever the run left behind is killed (``kill_survivors``) before the
   pipes are drained, since a leftover child can hold them open.
 - Status records are JSON lines that any process of the run may write, the user code
   included: unreadable lines are skipped, and at most ``_MAX_STATUS_BYTES`` are read.
@@ -45,7 +46,7 @@ class Captured:
     timed_out: bool
     """The main process was still running at the deadline."""
     stopped_early: bool
-    """The run was stopped before the deadline because it hit its process limit."""
+    """The run was stopped before the deadline because it hit its process limit or a watched limit."""
     records: list[dict]
     """The status records of every process of the run, in the order they were written."""
 
@@ -57,8 +58,14 @@ def capture(
     max_output_bytes: int,
     deadline: float,
     kill_survivors: Callable[[], None],
+    watch: Callable[[], dict | None] | None = None,
+    watch_every_s: float = 0.2,
 ) -> Captured:
-    """Read the child's output until it exits or the deadline passes, keeping the head."""
+    """Read the child's output until it exits or the deadline passes, keeping the head.
+
+    ``watch``, called every ``watch_every_s``, returns a record when the run broke a limit
+    the parent enforces itself; the record joins ``records`` and the run is stopped.
+    """
     assert proc.stdout is not None and proc.stderr is not None
     kept = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     truncated = False
@@ -67,6 +74,8 @@ def capture(
     for pipe in (proc.stdout, proc.stderr):
         sel.register(pipe.fileno(), selectors.EVENT_READ)
     status = StatusReader(status_path)
+    watched: list[dict] = []
+    next_watch = time.monotonic() + watch_every_s
 
     def read_ready(timeout: float) -> None:
         nonlocal truncated
@@ -101,6 +110,13 @@ def capture(
                 # wall clock; the limit has done its job, stop the run now.
                 stopped_early = proc.poll() is None
                 break
+            if watch is not None and time.monotonic() >= next_watch:
+                next_watch = time.monotonic() + watch_every_s
+                hit = watch()
+                if hit is not None:
+                    watched.append(hit)
+                    stopped_early = proc.poll() is None
+                    break
             if proc.poll() is not None:
                 break  # exited; a leftover child may still hold the pipes open
         # Whatever is left (background children) dies now, then the pipes drain to EOF.
@@ -116,7 +132,7 @@ def capture(
         truncated=truncated,
         timed_out=timed_out,
         stopped_early=stopped_early,
-        records=status.poll(final=True),
+        records=status.poll(final=True) + watched,
     )
 
 
