@@ -130,6 +130,10 @@ class SandboxLimits:
     """Allow network access. Off by default: model code has no business on the network."""
     disk_mb: int = 128
     """Bytes, in MiB, that the working directory, ``/tmp`` and ``/dev/shm`` may hold in all."""
+    namespaces: bool = True
+    """Isolate with Linux namespaces where the machine allows (own filesystem view, pid,
+    network and IPC namespaces). ``False`` gives what a machine without them gets: rlimits,
+    the parent's accounting, cleanup and the network audit hook only (for tests and debugging)."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -212,11 +216,14 @@ def classify_outcome(
 ) -> SandboxErrorKind | None:
     """Name the outcome of a run from what the parent saw and what the child recorded.
 
-    ``records`` are the bootstrap's status records (all processes of the run write to one
-    file, each tagged with its pid); ``exit_code`` is ``None`` when the sandbox killed the
-    run. A blocked network call wins over everything (the code broke a rule even if it
-    caught the error), then a process-limit hit (it is what ends a fork bomb, and a fork
-    bomb often also times out), then the wall clock, then the main process's own record.
+    ``records`` are the bootstrap's event records (any process of the run, the user code
+    included, may write them, each tagged with its pid) plus the parent's own
+    (``memory_limit``, ``disk_limit``: a whole-run limit was hit); ``exit_code`` (the
+    trusted exit status) is ``None`` when the sandbox killed the run. A blocked network
+    call wins over everything (the code broke a rule even if it caught the error), then a
+    process-limit hit (it is what ends a fork bomb, and a fork bomb often also times out),
+    then a whole-run memory or disk limit, then the wall clock; an exit status of 0 is then
+    success whatever the records say, and only a failed main process's record names its cause.
 
     >>> classify_outcome(exit_code=0, timed_out=False, records=[], main_pid=1) is None
     True
@@ -231,12 +238,12 @@ def classify_outcome(
         return SandboxErrorKind.NETWORK
     if "process_limit" in events:
         return SandboxErrorKind.PROCESS_LIMIT
-    if timed_out:
-        return SandboxErrorKind.TIMEOUT
     if "memory_limit" in events:
         return SandboxErrorKind.MEMORY
     if "disk_limit" in events:
         return SandboxErrorKind.DISK
+    if timed_out:
+        return SandboxErrorKind.TIMEOUT
     if exit_code == 0:
         # The exit status comes from the trusted side; records the code wrote cannot undo it.
         return None
@@ -293,6 +300,7 @@ def run_python(
         config = {
             "uid": uid,
             "network": limits.network,
+            "namespaces": limits.namespaces,
             "memory_bytes": limits.memory_mb * _MIB,
             "disk_bytes": limits.disk_mb * _MIB,
             "nproc": limits.max_processes if uid is not None else _count_user_tasks(os.getuid()) + limits.max_processes,
@@ -331,7 +339,7 @@ def run_python(
         )
         trusted.poll()
         records = list(out.records)
-        if group.oom_kills():
+        if group.oom_kills() and not any(r.get("event") == "memory_limit" for r in records):
             records.append({"event": "memory_limit", "by": "cgroup OOM kill"})
         killed = out.timed_out or out.stopped_early
         exit_code = None if killed else trusted.exit_code(proc.returncode)
@@ -415,6 +423,8 @@ def _watch(limits: SandboxLimits, work: Path, session: int, uid: int | None, gro
 
     def check() -> dict | None:
         trusted.poll()
+        if group.oom_kills():
+            return {"event": "memory_limit", "by": "cgroup OOM kill"}
         if group.kind == "none":
             rss = _run_rss(uid=uid, session=session)
             if rss > limits.memory_mb * _MIB:

@@ -138,6 +138,9 @@ def main():
 def _enter_pid_namespace(libc, cfg, enforced):
     """As root a new pid namespace; otherwise first a user namespace that maps our own ids."""
     import ctypes
+    if not cfg["namespaces"]:
+        enforced["pid_namespace"] = "not enforced: namespaces turned off (SandboxLimits.namespaces=False)"
+        return False
     if cfg["uid"] is None:
         real_uid, real_gid = os.getuid(), os.getgid()
         if libc.unshare(CLONE_NEWUSER) != 0:
@@ -177,9 +180,11 @@ def _inner(libc, cfg, ctl, source, events_fd, setup_w, enforced, pid_ns):
             f.write("1000")  # under memory pressure the sandbox's processes go first
     except OSError:
         pass
-    root = cfg["uid"] is not None or enforced.get("user_namespace", "").startswith("private")
+    # Allowed to make namespaces: as root, or with every capability inside a user namespace.
+    privileged = cfg["namespaces"] and (
+        cfg["uid"] is not None or enforced.get("user_namespace", "").startswith("private"))
     flags = CLONE_NEWNS | CLONE_NEWIPC | (0 if cfg["network"] else CLONE_NEWNET)
-    if root and libc.unshare(flags) == 0:
+    if privileged and libc.unshare(flags) == 0:
         enforced["ipc_namespace"] = "private: SysV shared memory and queues die with the run"
         enforced["network_namespace"] = "off (network allowed)" if cfg["network"] else "private, no interfaces up"
         try:
@@ -193,7 +198,8 @@ def _inner(libc, cfg, ctl, source, events_fd, setup_w, enforced, pid_ns):
             enforced["filesystem"] = "not enforced: %s" % e
             workdir = None
     else:
-        why = os.strerror(ctypes.get_errno()) if root else "no user namespace"
+        why = (os.strerror(ctypes.get_errno()) if privileged else "no user namespace" if cfg["namespaces"]
+               else "turned off")
         enforced["filesystem"] = "not enforced: no mount namespace (%s); the host filesystem is visible" % why
         enforced["network_namespace"] = "off (network allowed)" if cfg["network"] else (
             "not enforced (%s); audit hook only" % why)
@@ -228,9 +234,10 @@ def _inner(libc, cfg, ctl, source, events_fd, setup_w, enforced, pid_ns):
         enforced["user"] = "private uid/gid %d, no supplementary groups, no_new_privs" % uid
         enforced["processes"] = "RLIMIT_NPROC = %d on the private uid" % nproc
     else:
-        if root:
+        if privileged:
             _drop_capabilities(libc)
-        enforced["user"] = "the caller's user (not root, cannot switch), no capabilities, no_new_privs"
+        enforced["user"] = "the caller's user (not root, cannot switch), %sno_new_privs" % (
+            "no capabilities, " if privileged else "")
         enforced["processes"] = "RLIMIT_NPROC = %d (this user's tasks + max_processes)" % nproc
 
     if not cfg["network"]:
