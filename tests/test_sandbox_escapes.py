@@ -105,7 +105,7 @@ FILL_DISK = (
 FORGE = (
     "import json, os, sys\n"
     "forged = [{'event': 'setup', 'pid': os.getpid(), 'main_pid': os.getpid(), 'enforced': {'filesystem': 'FORGED'}},\n"
-    "          {'event': 'exit', 'code': 0}, {'event': 'exit', 'kind': 'ok', 'code': 0, 'pid': os.getpid()}]\n"
+    "          {'event': 'exit', 'code': 0}, {'event': 'exit', 'kind': 'memory', 'code': 0, 'pid': os.getpid()}]\n"
     "line = ''.join(json.dumps(r) + '\\n' for r in forged).encode()\n"
     "fds = sorted(int(fd) for fd in os.listdir('/proc/self/fd'))\n"
     "print('fds', fds)\n"
@@ -114,7 +114,7 @@ FORGE = (
     "        os.write(fd, line * 1000)\n"
     "    except OSError:\n"
     "        pass\n"
-    "sys.exit(7)\n"
+    "sys.exit(EXIT_CODE)\n"
 )
 
 
@@ -216,9 +216,11 @@ def test_tmp_and_shared_memory_count_against_the_same_quota(caps):
 
 
 def test_the_result_cannot_be_forged(caps):
-    """Was: writing to the inherited status descriptor forged the run's result."""
+    """Was: writing to the inherited status descriptor forged the run's result (a clean exit read as ``memory``)."""
     honest = run_python("pass", limits=FAST)
-    result = run_python(FORGE, limits=FAST)
+    clean = run_python(FORGE.replace("EXIT_CODE", "0"), limits=FAST)
+    assert clean.ok and clean.error is None, (clean.error, clean.stderr)
+    result = run_python(FORGE.replace("EXIT_CODE", "7"), limits=FAST)
     assert result.exit_code == 7 and result.error is SandboxErrorKind.RUNTIME_ERROR, (result.exit_code, result.stderr)
     assert "FORGED" not in json.dumps(result.enforced)
     assert {k: v for k, v in result.enforced.items() if k != "user"} == {k: v for k, v in honest.enforced.items() if k != "user"}
@@ -257,7 +259,8 @@ def test_escapes_held_without_root():
         "leave": LEAVE_FILES.format(tag=tag, key=secrets.randbelow(1 << 30) + 1),
         "memory": FORK_MEMORY.format(children=5, each_mb=100),
         "disk": FILL_DISK.format(path="big.bin", limit_mb=16),
-        "forge": FORGE,
+        "forge": FORGE.replace("EXIT_CODE", "7"),
+        "forge_clean": FORGE.replace("EXIT_CODE", "0"),
     }
     files["probes.json"] = json.dumps(probes)
     inner = (
@@ -286,6 +289,7 @@ def test_escapes_held_without_root():
     assert out["memory"][0] == "memory", out["memory"]
     assert out["disk"][0] == "disk", out["disk"]
     assert out["forge"][:2] == ["runtime_error", 7] and "FORGED" not in json.dumps(out["forge"][3])
+    assert out["forge_clean"][:2] == [None, 0], out["forge_clean"]
     # Without namespaces (a machine that allows none): the files are visible and /tmp is shared,
     # and the run says so, in its table and once in the log; the other limits still hold.
     degraded = out["read_degraded"][3]
@@ -295,3 +299,4 @@ def test_escapes_held_without_root():
     assert out["memory_degraded"][0] == "memory", out["memory_degraded"]
     assert out["disk_degraded"][0] == "disk", out["disk_degraded"]
     assert out["forge_degraded"][:2] == ["runtime_error", 7] and "FORGED" not in json.dumps(out["forge_degraded"][3])
+    assert out["forge_clean_degraded"][:2] == [None, 0], out["forge_clean_degraded"]

@@ -247,8 +247,10 @@ def classify_outcome(
     if exit_code == 0:
         # The exit status comes from the trusted side; records the code wrote cannot undo it.
         return None
-    main_exit = next((r for r in records if r.get("event") == "exit" and r.get("pid") == main_pid), None)
-    kind = main_exit.get("kind") if main_exit is not None else None
+    # The bootstrap writes the main process's last record, and only with exit status 1: a
+    # record the code forged before it, or with another status, names nothing.
+    main_exit = next((r for r in reversed(records) if r.get("event") == "exit" and r.get("pid") == main_pid), None)
+    kind = main_exit.get("kind") if main_exit is not None and exit_code == 1 else None
     if kind == "memory":
         return SandboxErrorKind.MEMORY
     if kind == "process_limit":
