@@ -430,20 +430,16 @@ def test_unprivileged_fallbacks_inside_the_sandbox():
     """The non-root path, exercised by running the sandbox module inside a root sandbox run."""
     if os.geteuid() != 0:
         pytest.skip("already not root: the other tests exercise the unprivileged path directly")
-    import treerl.envs.processes
     import treerl.envs.sandbox
-    import treerl.envs.sandbox_bootstrap
-    import treerl.envs.sandbox_capture
-    import treerl.envs.sandbox_cgroup
 
     # The sandbox's own modules, copied into a bare package: the real treerl/envs/__init__.py
     # pulls in far more than the sandbox needs, and the inner run starts its bootstrap by path.
     files = {"treerl/__init__.py": "", "treerl/envs/__init__.py": ""}
-    modules = (treerl.envs.processes, treerl.envs.sandbox, treerl.envs.sandbox_bootstrap, treerl.envs.sandbox_capture,
-               treerl.envs.sandbox_cgroup)
-    for module in modules:
-        with open(module.__file__, encoding="utf-8") as f:
-            files[f"treerl/envs/{os.path.basename(module.__file__)}"] = f.read()
+    envs = os.path.dirname(treerl.envs.sandbox.__file__)
+    for name in sorted(os.listdir(envs)):
+        if name.startswith("sandbox") and name.endswith(".py") or name == "processes.py":
+            with open(os.path.join(envs, name), encoding="utf-8") as f:
+                files[f"treerl/envs/{name}"] = f.read()
     inner = (
         "import json, os, sys\n"
         "sys.path.insert(0, os.getcwd())\n"

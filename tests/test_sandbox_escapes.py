@@ -17,7 +17,12 @@ from pathlib import Path
 import pytest
 
 import treerl
-from treerl.envs.sandbox import SandboxErrorKind, SandboxLimits, run_python, sandbox_capabilities
+from treerl.envs.sandbox import (
+    SandboxErrorKind,
+    SandboxLimits,
+    run_python,
+    sandbox_capabilities,
+)
 
 FAST = SandboxLimits(timeout_s=5.0)
 CHECKOUT_FILE = Path(treerl.__file__).resolve()
@@ -241,16 +246,13 @@ def test_escapes_held_without_root():
     """The same reproducers through the unprivileged path: the sandbox run as a plain user."""
     if os.geteuid() != 0:
         pytest.skip("already not root: the tests above exercise the unprivileged path directly")
-    import treerl.envs.processes
     import treerl.envs.sandbox
-    import treerl.envs.sandbox_bootstrap
-    import treerl.envs.sandbox_capture
-    import treerl.envs.sandbox_cgroup
 
+    # The sandbox's own modules in a bare package (see test_unprivileged_fallbacks_inside_the_sandbox).
     files = {"treerl/__init__.py": "", "treerl/envs/__init__.py": ""}
-    for module in (treerl.envs.processes, treerl.envs.sandbox, treerl.envs.sandbox_bootstrap,
-                   treerl.envs.sandbox_capture, treerl.envs.sandbox_cgroup):
-        files[f"treerl/envs/{os.path.basename(module.__file__)}"] = Path(module.__file__).read_text()
+    for path in Path(treerl.envs.sandbox.__file__).parent.glob("*.py"):
+        if path.name.startswith("sandbox") or path.name == "processes.py":
+            files[f"treerl/envs/{path.name}"] = path.read_text()
     tag = "treerl-escape-" + secrets.token_hex(6)
     probes = {
         # OUTER_CWD: the root run's working directory, the host filesystem as the inner runs see it.

@@ -1,59 +1,61 @@
 """Run untrusted, model-written Python in a separate, limited process.
 
 :func:`run_python` starts ``python -I`` (isolated mode: no ``PYTHON*`` variables, no user
-site, no script directory on ``sys.path``) in its own session and process group, with a
-private temporary working directory, captured and truncated stdin/stdout/stderr, and a
-minimal environment (``PATH``, ``HOME``, ``TMPDIR``, ``LANG``; nothing inherited, so no
-tokens or keys leak in). A small trusted bootstrap (:mod:`treerl.envs.sandbox_bootstrap`,
-run by path) runs first in the child: it applies the limits, then runs the user code as
-``__main__`` and writes a status record for each thing that happened (setup, blocked
-network call, failed fork, exit) to a file the parent reads.
+site, no script directory on ``sys.path``) in its own session and process group, with
+captured and truncated stdin/stdout/stderr and a minimal environment (``PATH``, ``HOME``,
+``TMPDIR``, ``LANG``; nothing inherited, so no tokens or keys leak in). A small trusted
+bootstrap (:mod:`treerl.envs.sandbox_bootstrap`, run by path) runs first: its outer
+process holds the result pipe and never runs user code; its inner process isolates
+itself, applies the limits and runs the user code as ``__main__``.
 
-What is enforced, where, and what falls back when the OS refuses:
+What is enforced, and what is left where the machine refuses (each run says which, in
+:attr:`SandboxResult.enforced`, and the log says once per process what is not enforced):
 
-================  ======================================================================
-limit             how
-================  ======================================================================
-wall clock        The parent's read loop has a deadline; at the deadline it kills the
-                  child's whole process group (and, when running as root, every process
-                  of the run's private uid, which also catches children that called
-                  ``setsid``). Always enforced.
-memory            ``RLIMIT_AS`` and ``RLIMIT_DATA`` set by the bootstrap before the user
-                  code runs. A failed allocation raises ``MemoryError`` -> ``MEMORY``.
-                  Always enforced (it is inherited by children, per process).
-processes         As root (``RLIMIT_NPROC`` is ignored for root): the child drops to a
-                  fresh unprivileged uid/gid for this run alone (no supplementary groups,
-                  ``PR_SET_NO_NEW_PRIVS``) and ``RLIMIT_NPROC = max_processes`` counts
-                  exactly the sandbox's processes and threads; cleanup kills every process
-                  of that uid with ``kill(-1)`` from a helper running as that uid.
-                  Not root: ``RLIMIT_NPROC`` is set to this user's current number of
-                  tasks plus ``max_processes`` (approximate: other processes of the same
-                  user share the budget) and cleanup kills the process group and session.
-                  A failed ``fork``/``posix_spawn``/``subprocess`` (``EAGAIN``) is
-                  recorded and the run is stopped at once as ``PROCESS_LIMIT``.
-network           Layer 1, when permitted: a new network namespace (``unshare``
-                  ``CLONE_NEWNET``; as root directly, otherwise inside a new user
-                  namespace) that has only a downed loopback. Layer 2, always: an audit
-                  hook installed before the user code blocks ``connect``/``bind``/
-                  ``sendto``/``sendmsg`` on inet sockets and name resolution, and
-                  records the attempt -> ``NETWORK``. ``ctypes`` can get around layer 2,
-                  not layer 1.
-filesystem        A private working directory, removed afterwards. As root, the child
-                  also gets a private mount namespace in which directories that the
-                  unprivileged uid could not traverse but the interpreter lives under
-                  (e.g. a ``pyenv`` in a ``0700`` home) are replaced by an empty tmpfs
-                  with only the interpreter's tree bound back in, so imports work and the
-                  rest of that directory stays hidden. Otherwise there is no filesystem
-                  isolation beyond ordinary permissions.
-================  ======================================================================
+==============  =========================================================================
+protection      how (fallback)
+==============  =========================================================================
+wall clock      The parent's read loop has a deadline; then it kills the run's cgroup,
+                process group, session and (as root) private uid. Always enforced.
+filesystem      A mount namespace whose root is an empty read-only tmpfs with only the
+                interpreter (its prefixes or venv), the system library directories and
+                the loader cache bound back read-only, a fresh ``/proc``, a minimal
+                ``/dev``; the working directory, ``/tmp`` and ``/dev/shm`` are private.
+                Needs root or unprivileged user namespaces (fallback: the host's files
+                are visible under ordinary permissions, the working directory is a host
+                temporary directory, ``/tmp`` is shared).
+pid namespace   The code is pid 1 of its own pid namespace: it sees only its processes,
+                and when it exits the kernel kills the rest (fallback: the parent's view).
+memory          ``RLIMIT_AS``/``RLIMIT_DATA`` per process, and for the whole run a cgroup
+                (:mod:`treerl.envs.sandbox_cgroup`) of ``memory_mb + disk_mb``; an OOM kill
+                in it -> ``MEMORY``. Fallback: the parent adds up the run's resident memory
+                every ``_WATCH_S`` and stops it over ``memory_mb``.
+disk            The working directory, ``/tmp`` and ``/dev/shm`` share one tmpfs of
+                ``disk_mb``: a full one is ``ENOSPC`` -> ``DISK``. Fallback:
+                ``RLIMIT_FSIZE`` per file and the parent's sum of the working directory.
+processes       As root: a fresh unprivileged uid/gid per run with ``RLIMIT_NPROC``
+                (and ``pids.max`` of the cgroup); not root: ``RLIMIT_NPROC`` over this
+                user's current tasks (approximate). ``EAGAIN`` -> ``PROCESS_LIMIT`` at once.
+network         A network namespace with no interface up (which also holds abstract unix
+                sockets), plus an audit hook that blocks inet ``connect``/``bind``/
+                ``sendto``/``sendmsg`` and name lookups -> ``NETWORK`` (fallback: the
+                hook alone, which ``ctypes`` gets around).
+IPC             An IPC namespace: System V segments and queues die with the run.
+privileges      As root a private uid (no groups); in a user namespace every capability
+                is dropped; ``no_new_privs`` always.
+result          Exit status, main pid and the ``enforced`` table travel on a pipe that
+                only the outer process holds; the inner closes it before anything else.
+                Event records the code can reach (blocked call, failed fork, how the main
+                process ended) can make its own outcome worse, never a failure a success.
+==============  =========================================================================
 
 Every run reports what was actually in effect in :attr:`SandboxResult.enforced`;
 :func:`sandbox_capabilities` runs a probe and returns the same for this machine.
 
 Outcomes are classified by :func:`classify_outcome`: wall time -> ``TIMEOUT``; a blocked
-network call -> ``NETWORK``; ``MemoryError`` (or a kill by ``SIGKILL`` that was not ours,
-the kernel's OOM killer) -> ``MEMORY``; ``EAGAIN`` on process creation or "can't start
-new thread" -> ``PROCESS_LIMIT``; any other non-zero exit -> ``RUNTIME_ERROR``.
+network call -> ``NETWORK``; ``MemoryError``, an OOM kill in the run's cgroup or a kill by
+``SIGKILL`` that was not ours -> ``MEMORY``; a full disk quota -> ``DISK``; ``EAGAIN`` on
+process creation or "can't start new thread" -> ``PROCESS_LIMIT``; any other non-zero
+exit -> ``RUNTIME_ERROR``.
 
 The sandbox protects the machine, not a reward: code under test runs in the same
 interpreter as anything run after it and can tamper with it if it tries.
@@ -67,7 +69,6 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import os
@@ -81,12 +82,19 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import treerl.envs.sandbox_bootstrap as sandbox_bootstrap
 from treerl.envs.processes import kill_and_reap, send_kill
 from treerl.envs.sandbox_capture import capture
 from treerl.envs.sandbox_cgroup import RunCgroup, open_cgroup
+from treerl.envs.sandbox_host import (
+    TrustedReader,
+    chown_tree,
+    filesystem_view,
+    tree_bytes,
+    write_files,
+)
 
 __all__ = [
     "SandboxLimits",
@@ -196,7 +204,8 @@ class SandboxResult:
     enforced: dict[str, str] = field(default_factory=dict)
     """What was in effect for this run (see the module docstring), as the child reported it."""
     pid: int | None = None
-    """The main process's pid, also its process group and session id."""
+    """The pid of the sandbox's outer process (the bootstrap), also the run's process group
+    and session id; the user code runs in its child."""
     uid: int | None = None
     """The private uid the code ran as, when the sandbox dropped privileges."""
 
@@ -293,12 +302,12 @@ def run_python(
     os.set_blocking(result_r, False)
     group = open_cgroup((limits.memory_mb + limits.disk_mb) * _MIB, limits.max_processes + 1)
     try:
-        _write_files(work, files or {})
+        write_files(work, files or {})
         if uid is not None:
-            _chown_tree(work, uid)
+            chown_tree(work, uid)
         (ctl / "main.py").write_text(code, encoding="utf-8")
         (ctl / "status.jsonl").touch(mode=0o600)
-        binds, links = _view(limits.network)
+        binds, links = filesystem_view(limits.network)
         config = {
             "uid": uid,
             "network": limits.network,
@@ -333,7 +342,7 @@ def run_python(
             if stdin_file is not None:
                 stdin_file.close()
             os.close(result_w)
-        trusted = _TrustedReader(result_r)
+        trusted = TrustedReader(result_r)
         out = capture(
             proc, ctl / "status.jsonl", max_output_bytes=limits.max_output_bytes, deadline=start + limits.timeout_s,
             kill_survivors=lambda: _kill_survivors(proc.pid, uid, group),
@@ -378,49 +387,8 @@ def run_python(
         shutil.rmtree(work, ignore_errors=True)
 
 
-class _TrustedReader:
-    """The records of the result pipe, which only the bootstrap's outer process can write."""
-
-    def __init__(self, fd: int):
-        self._fd, self._buf = fd, b""
-        self.records: list[dict] = []
-
-    def poll(self) -> None:
-        while True:
-            try:
-                chunk = os.read(self._fd, 65536)
-            except BlockingIOError:
-                break
-            if not chunk:
-                break
-            self._buf += chunk
-        *lines, self._buf = self._buf.split(b"\n")
-        self.records += [json.loads(line) for line in lines if line.strip()]
-
-    def _last(self, event: str) -> dict | None:
-        return next((r for r in reversed(self.records) if r.get("event") == event), None)
-
-    @property
-    def enforced(self) -> dict[str, str]:
-        setup = self._last("setup")
-        if setup is not None:
-            return setup["enforced"]
-        failed = self._last("setup_failed")
-        return {"setup": "failed: " + (failed["detail"][-500:] if failed else "the sandbox did not start")}
-
-    @property
-    def main_pid(self) -> int:
-        setup = self._last("setup")
-        return setup["main_pid"] if setup is not None else -1
-
-    def exit_code(self, outer_returncode: int | None) -> int | None:
-        """The user code's exit status as the outer process saw it, else the outer's own."""
-        record = self._last("exit")
-        return record["code"] if record is not None else outer_returncode
-
-
 def _watch(limits: SandboxLimits, work: Path, session: int, uid: int | None, group: RunCgroup,
-           trusted: _TrustedReader) -> Callable[[], dict | None]:
+           trusted: TrustedReader) -> Callable[[], dict | None]:
     """The parent's own accounting, for what the kernel could not be asked to limit on this machine."""
 
     def check() -> dict | None:
@@ -432,7 +400,7 @@ def _watch(limits: SandboxLimits, work: Path, session: int, uid: int | None, gro
             if rss > limits.memory_mb * _MIB:
                 return {"event": "memory_limit", "by": f"the parent's accounting: {rss} bytes resident in all"}
         if trusted.enforced.get("filesystem", "").startswith("not enforced"):
-            used = _tree_bytes(work)
+            used = tree_bytes(work)
             if used > limits.disk_mb * _MIB:
                 return {"event": "disk_limit", "by": f"the parent's accounting: {used} bytes in the working directory"}
         return None
@@ -544,18 +512,6 @@ def _run_rss(*, uid: int | None, session: int) -> int:
     return total
 
 
-def _tree_bytes(root: Path) -> int:
-    """Bytes allocated on disk under ``root`` (files the code may still be writing included)."""
-    total = 0
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except OSError:
-                continue
-    return total
-
-
 def _log_not_enforced(enforced: Mapping[str, str]) -> None:
     """Say once per process, in the log, each protection this machine does not give."""
     for key, value in enforced.items():
@@ -588,71 +544,6 @@ def _pick_uid() -> int:
         if not _sandbox_pids(uid=uid, session=-1):
             return uid
     raise RuntimeError("could not find a free sandbox uid; are sandbox processes leaking?")
-
-
-@functools.lru_cache(maxsize=2)
-def _view(network: bool) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
-    """What the sandbox's filesystem view holds: read-only binds (source, target), and top-level symlinks.
-
-    The interpreter (its prefixes, or only ``lib/pythonX.Y`` of a system prefix such as
-    ``/usr``), its executable, the system library directories the interpreter and its
-    extension modules load from, and the loader's cache; with ``network`` also what name
-    lookups and TLS read from ``/etc``. Nothing else: no home, no checkout, no ``/etc/passwd``.
-    """
-    import site
-
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    wanted, links = set(), []
-    for prefix in {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}:
-        real = os.path.realpath(prefix)
-        if real in ("/", "/usr", "/usr/local"):
-            wanted.update(os.path.join(real, lib, version) for lib in ("lib", "lib64"))
-        else:
-            wanted.add(real)
-    wanted.update({os.path.realpath(sys.executable), *site.getsitepackages(), "/etc/ld.so.cache"})
-    for lib in ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/local/lib"):
-        if os.path.islink(lib) and os.path.dirname(lib) == "/":
-            links.append((lib, os.readlink(lib)))
-        wanted.add(lib)
-    if network:
-        wanted.update({"/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/ssl", "/etc/ca-certificates"})
-    binds: list[tuple[str, str]] = []
-
-    def covered(path: str) -> bool:
-        return any(path == t or path.startswith(t.rstrip("/") + "/") for _, t in binds)
-
-    for path in sorted({os.path.realpath(p) for p in wanted if os.path.exists(p)}, key=len):
-        if not covered(path):
-            binds.append((path, path))
-    # The interpreter under the name it was started by (a venv's or the system's symlink), so
-    # that code which starts sys.executable finds it.
-    exe = os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
-    if not covered(exe):
-        binds.append((os.path.realpath(sys.executable), exe))
-    return tuple(binds), tuple(links)
-
-
-def _write_files(work: Path, files: Mapping[str, str | bytes]) -> None:
-    for name, content in files.items():
-        rel = PurePosixPath(name)
-        if rel.is_absolute() or ".." in rel.parts or not rel.parts:
-            raise ValueError(
-                f"run_python(files=...): {name!r} is not a relative path inside the working "
-                "directory. Use paths like 'data/input.txt' (no leading '/', no '..')."
-            )
-        target = work.joinpath(*rel.parts)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(content, bytes):
-            target.write_bytes(content)
-        else:
-            target.write_text(content, encoding="utf-8")
-
-
-def _chown_tree(root: Path, uid: int) -> None:
-    os.chown(root, uid, uid)
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            os.chown(os.path.join(dirpath, name), uid, uid)
 
 
 def _minimal_env(work: Path) -> dict[str, str]:
