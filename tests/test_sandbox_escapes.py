@@ -302,3 +302,20 @@ def test_escapes_held_without_root():
     assert out["disk_degraded"][0] == "disk", out["disk_degraded"]
     assert out["forge_degraded"][:2] == ["runtime_error", 7] and "FORGED" not in json.dumps(out["forge_degraded"][3])
     assert out["forge_clean_degraded"][:2] == [None, 0], out["forge_clean_degraded"]
+
+
+def test_without_namespaces_the_run_says_what_is_not_enforced():
+    """A machine that allows no namespaces (here: turned off): the run works, says so, and keeps the rest."""
+    import treerl.envs.sandbox as sandbox
+
+    limits = SandboxLimits(timeout_s=10.0, disk_mb=16, namespaces=False)
+    # Only what is already loaded: as root without a mount namespace the code runs as a private
+    # uid, which cannot read an interpreter kept under a closed home directory (as on this machine).
+    result = run_python("print(sum(range(16)))", limits=limits)
+    assert result.ok and result.stdout == "120\n", result.stderr
+    for key in ("filesystem", "pid_namespace", "network_namespace"):
+        assert result.enforced[key].startswith("not enforced"), (key, result.enforced[key])
+        assert f"sandbox: {key}: {result.enforced[key]}" in sandbox._logged
+    assert result.enforced["disk"].startswith("RLIMIT_FSIZE")
+    disk = run_python(FILL_DISK.format(path="big.bin", limit_mb=16), limits=limits)
+    assert disk.error is SandboxErrorKind.DISK, (disk.error, disk.stderr)

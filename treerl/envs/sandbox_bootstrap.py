@@ -38,6 +38,7 @@ Invariants:
 - Importing it does nothing: the work happens only when it runs as a script.
 """
 
+import _posixsubprocess  # here, while the interpreter's files are still readable (see _inner)
 import builtins
 import errno
 import json
@@ -278,7 +279,6 @@ def _inner(libc, cfg, ctl, source, events_fd, setup_w, enforced, pid_ns):
     for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
         if hasattr(os, name):
             setattr(os, name, tracked(getattr(os, name), "os." + name))
-    import _posixsubprocess
     _posixsubprocess.fork_exec = tracked(_posixsubprocess.fork_exec, "subprocess")
 
     main = types.ModuleType("__main__")
