@@ -301,6 +301,10 @@ def run_python(
     result_r, result_w = os.pipe()
     os.set_blocking(result_r, False)
     group = open_cgroup((limits.memory_mb + limits.disk_mb) * _MIB, limits.max_processes + 1)
+    trusted = TrustedReader(result_r)
+
+    def contained() -> bool:
+        return group.kind != "none" and trusted.enforced.get("filesystem", "").startswith("private")
     try:
         write_files(work, files or {})
         if uid is not None:
@@ -342,10 +346,9 @@ def run_python(
             if stdin_file is not None:
                 stdin_file.close()
             os.close(result_w)
-        trusted = TrustedReader(result_r)
         out = capture(
             proc, ctl / "status.jsonl", max_output_bytes=limits.max_output_bytes, deadline=start + limits.timeout_s,
-            kill_survivors=lambda: _kill_survivors(proc.pid, uid, group),
+            kill_survivors=lambda: _kill_survivors(proc.pid, uid, group, contained()),
             watch=_watch(limits, work, proc.pid, uid, group, trusted), watch_every_s=_WATCH_S,
         )
         trusted.poll()
@@ -380,7 +383,7 @@ def run_python(
         )
     finally:
         if proc is not None:
-            _kill_all(proc, uid, group)
+            _kill_all(proc, uid, group, contained())
         group.close()
         os.close(result_r)
         shutil.rmtree(ctl, ignore_errors=True)
@@ -439,14 +442,14 @@ def sandbox_capabilities() -> dict[str, str]:
 # ---------------------------------------------------------------------------------------
 # Parent-side helpers.
 # ---------------------------------------------------------------------------------------
-def _kill_all(proc: subprocess.Popen, uid: int | None, group: RunCgroup) -> None:
+def _kill_all(proc: subprocess.Popen, uid: int | None, group: RunCgroup, contained: bool) -> None:
     """Kill every process the run left, then reap the main one and close its pipes."""
     # The sweep goes before the reap: until the main process is reaped, its pid (the
     # session and group id the sweep looks for) cannot be reused by another process.
-    kill_and_reap(proc, before_reap=lambda: (group.kill(), _sweep(proc.pid, uid)))
+    kill_and_reap(proc, before_reap=lambda: (group.kill(), _sweep(proc.pid, uid, group, contained)))
 
 
-def _kill_survivors(session: int, uid: int | None, group: RunCgroup) -> None:
+def _kill_survivors(session: int, uid: int | None, group: RunCgroup, contained: bool) -> None:
     """Kill the run's cgroup and process group, then sweep its session and private uid until empty.
 
     The main process is left unreaped: the caller still reads its exit status. Killing it
@@ -455,11 +458,17 @@ def _kill_survivors(session: int, uid: int | None, group: RunCgroup) -> None:
     """
     group.kill()
     send_kill(session, group=True)
-    _sweep(session, uid)
+    _sweep(session, uid, group, contained)
 
 
-def _sweep(session: int, uid: int | None) -> None:
-    """Kill what escaped the process group: processes of the run's session or private uid."""
+def _sweep(session: int, uid: int | None, group: RunCgroup, contained: bool) -> None:
+    """Kill what escaped the process group: processes of the run's session or private uid.
+
+    ``contained``: the run had a cgroup and no view of ``/sys``, so it could not leave the
+    cgroup, and an empty cgroup means nothing is left; that spares a scan of ``/proc``.
+    """
+    if contained and group.empty(timeout_s=1.0):
+        return
     for _ in range(20):
         survivors = _sandbox_pids(uid=uid, session=session)
         if not survivors:

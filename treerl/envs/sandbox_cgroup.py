@@ -77,6 +77,20 @@ class RunCgroup:
                 except (ProcessLookupError, PermissionError, ValueError):
                     pass
 
+    def empty(self, timeout_s: float) -> bool:
+        """Whether no process is left in the cgroups, killing what is, for up to ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if not any((d / "cgroup.procs").read_text().split() for d in self.dirs):
+                    return bool(self.dirs)
+            except OSError:
+                return False
+            if time.monotonic() > deadline:
+                return False
+            self.kill()
+            time.sleep(0.005)
+
     def close(self) -> None:
         """Remove the cgroups; processes that are still exiting get a moment to go."""
         for d in self.dirs:
