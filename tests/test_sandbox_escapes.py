@@ -234,6 +234,23 @@ def test_the_result_cannot_be_forged(caps):
     assert len(fds) <= 5, fds
 
 
+def test_no_host_file_is_open_for_writing():
+    """The event records travel on a pipe: the code holds no host file it could grow past its disk quota."""
+    code = (
+        "import fcntl, os, stat\n"
+        "for fd in range(1024):\n"
+        "    try:\n"
+        "        mode, flags = os.fstat(fd).st_mode, fcntl.fcntl(fd, fcntl.F_GETFL)\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    if stat.S_ISREG(mode) and flags & os.O_ACCMODE != os.O_RDONLY:\n"
+        "        print('writable file', fd)\n"
+        "print('checked')\n"
+    )
+    result = run_python(code, stdin="input", limits=FAST)
+    assert result.ok and result.stdout == "checked\n", (result.stdout, result.stderr)
+
+
 def test_code_runs_in_its_own_pid_namespace(caps):
     _need(caps, "pid_namespace")
     code = "import os\nif os.fork() == 0:\n    os._exit(0)\nos.wait()\nprint(os.getpid(), sorted(os.listdir('/proc'))[:1])"

@@ -300,17 +300,22 @@ def run_python(
     proc: subprocess.Popen | None = None
     result_r, result_w = os.pipe()
     os.set_blocking(result_r, False)
+    events_r, events_w = os.pipe()
+    child_ends = [result_w, events_w]  # the child's ends of the pipes, closed here once it has them
     group = open_cgroup((limits.memory_mb + limits.disk_mb) * _MIB, limits.max_processes + 1)
     trusted = TrustedReader(result_r)
 
+    def joined() -> bool:  # the run's processes are in its cgroup (the outer process may be refused)
+        return group.kind != "none" and "cgroup" not in trusted.enforced
+
     def contained() -> bool:
-        return group.kind != "none" and trusted.enforced.get("filesystem", "").startswith("private")
+        return joined() and trusted.enforced.get("filesystem", "").startswith("private")
+
     try:
         write_files(work, files or {})
         if uid is not None:
             chown_tree(work, uid)
         (ctl / "main.py").write_text(code, encoding="utf-8")
-        (ctl / "status.jsonl").touch(mode=0o600)
         binds, links = filesystem_view(limits.network)
         config = {
             "uid": uid,
@@ -324,6 +329,7 @@ def run_python(
             "symlinks": links,
             "cgroup_procs": group.procs_files,
             "result_fd": result_w,
+            "events_fd": events_w,
         }
         (ctl / "config.json").write_text(json.dumps(config), encoding="utf-8")
         stdin_file = None
@@ -340,16 +346,17 @@ def run_python(
                 stderr=subprocess.PIPE,
                 start_new_session=True,
                 close_fds=True,
-                pass_fds=(result_w,),
+                pass_fds=(result_w, events_w),
             )
         finally:
             if stdin_file is not None:
                 stdin_file.close()
-            os.close(result_w)
+            while child_ends:
+                os.close(child_ends.pop())
         out = capture(
-            proc, ctl / "status.jsonl", max_output_bytes=limits.max_output_bytes, deadline=start + limits.timeout_s,
+            proc, events_r, max_output_bytes=limits.max_output_bytes, deadline=start + limits.timeout_s,
             kill_survivors=lambda: _kill_survivors(proc.pid, uid, group, contained()),
-            watch=_watch(limits, work, proc.pid, uid, group, trusted), watch_every_s=_WATCH_S,
+            watch=_watch(limits, work, proc.pid, uid, group, joined, trusted), watch_every_s=_WATCH_S,
         )
         trusted.poll()
         records = list(out.records)
@@ -365,7 +372,10 @@ def run_python(
             stderr=out.stderr,
         )
         enforced = dict(trusted.enforced)
-        enforced["memory_total"] = group.description
+        refused = enforced.pop("cgroup", None)
+        enforced["memory_total"] = group.description if joined() else (
+            f"not enforced by the kernel: {refused or group.description}; each process has RLIMIT_AS, and the "
+            f"parent adds up the run's resident memory every {_WATCH_S:g} s and stops it over memory_mb")
         enforced["wall_clock"] = f"{limits.timeout_s:g} s, then every process of the run is killed"
         enforced["result_channel"] = ("exit status, main pid and this table come on a pipe only the sandbox's "
                                       "outer process holds; the code's own event records can only worsen its outcome")
@@ -385,20 +395,21 @@ def run_python(
         if proc is not None:
             _kill_all(proc, uid, group, contained())
         group.close()
-        os.close(result_r)
+        for fd in (result_r, events_r, *child_ends):
+            os.close(fd)
         shutil.rmtree(ctl, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
 
 
 def _watch(limits: SandboxLimits, work: Path, session: int, uid: int | None, group: RunCgroup,
-           trusted: TrustedReader) -> Callable[[], dict | None]:
+           joined: Callable[[], bool], trusted: TrustedReader) -> Callable[[], dict | None]:
     """The parent's own accounting, for what the kernel could not be asked to limit on this machine."""
 
     def check() -> dict | None:
         trusted.poll()
         if group.oom_kills():
             return {"event": "memory_limit", "by": "cgroup OOM kill"}
-        if group.kind == "none":
+        if not joined():
             rss = _run_rss(uid=uid, session=session)
             if rss > limits.memory_mb * _MIB:
                 return {"event": "memory_limit", "by": f"the parent's accounting: {rss} bytes resident in all"}

@@ -20,8 +20,8 @@
   closes, and runs the user code as ``__main__``.
 
 The user code can still append *event* records (a blocked network call, a failed fork,
-how the main process ended) to ``CONTROL_DIR/status.jsonl``, because the hooks that
-write them run in its own process. The parent therefore takes only hints from them
+how the main process ended) to the events pipe (``cfg["events_fd"]``), because the hooks
+that write them run in its own process. The parent therefore takes only hints from them
 that can make the run's own outcome worse, never better: the exit status, what was
 enforced and the main pid come from the result descriptor.
 
@@ -76,7 +76,7 @@ def main():
     with open(os.path.join(ctl, "main.py"), encoding="utf-8") as f:
         source = f.read()
     result_fd = cfg["result_fd"]
-    events_fd = os.open(os.path.join(ctl, "status.jsonl"), os.O_WRONLY | os.O_APPEND)
+    events_fd = cfg["events_fd"]
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
 

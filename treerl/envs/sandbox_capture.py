@@ -10,8 +10,10 @@
   total memory or disk where the kernel could not be asked to enforce them), is stopped at
   once rather than left to spin until the deadline; whatever the run left behind is killed (``kill_survivors``) before the
   pipes are drained, since a leftover child can hold them open.
-- Status records are JSON lines that any process of the run may write, the user code
-  included: unreadable lines are skipped, and at most ``_MAX_STATUS_BYTES`` are read.
+- Event records are JSON lines on a pipe (``events_fd``) that any process of the run may
+  write, the user code included: unreadable lines are skipped, and only the first
+  ``_MAX_STATUS_BYTES`` are kept; the rest is read and dropped, so that the pipe never
+  fills and nothing the code writes there lands on a disk.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 __all__ = ["Captured", "capture", "StatusReader"]
 
@@ -53,7 +54,7 @@ class Captured:
 
 def capture(
     proc: subprocess.Popen,
-    status_path: Path,
+    events_fd: int,
     *,
     max_output_bytes: int,
     deadline: float,
@@ -73,7 +74,8 @@ def capture(
     sel = selectors.DefaultSelector()
     for pipe in (proc.stdout, proc.stderr):
         sel.register(pipe.fileno(), selectors.EVENT_READ)
-    status = StatusReader(status_path)
+    sel.register(events_fd, selectors.EVENT_READ)
+    status = StatusReader()
     watched: list[dict] = []
     next_watch = time.monotonic() + watch_every_s
 
@@ -83,6 +85,9 @@ def capture(
             data = os.read(key.fd, 65536)
             if not data:
                 sel.unregister(key.fd)
+                continue
+            if key.fd == events_fd:
+                status.feed(data)
                 continue
             buf = kept[key.fd]
             room = max_output_bytes - len(buf)
@@ -98,7 +103,7 @@ def capture(
                 timed_out = proc.poll() is None
                 break
             if not sel.get_map():
-                # Both pipes closed: wait for the exit itself, still under the deadline.
+                # Every pipe closed: wait for the exit itself, still under the deadline.
                 try:
                     proc.wait(timeout=remaining)
                 except subprocess.TimeoutExpired:
@@ -137,28 +142,26 @@ def capture(
 
 
 class StatusReader:
-    """Incrementally parses the bootstrap's JSON-lines status file, tolerating garbage.
+    """Parses the bootstrap's JSON-lines event records as they arrive, tolerating garbage.
 
-    ``poll()`` returns every record read so far; ``poll(final=True)`` also takes a last
-    line that has no newline (the run is over, nothing more will be appended to it).
+    ``feed(data)`` takes bytes read from the events pipe (beyond ``_MAX_STATUS_BYTES`` in
+    all they are dropped); ``poll()`` returns every record parsed so far; ``poll(final=True)``
+    also takes a last line that has no newline (the run is over).
     """
 
-    def __init__(self, path: Path):
-        self._path = path
-        self._offset = 0
+    def __init__(self) -> None:
+        self._seen = 0
         self._pending = b""
         self.records: list[dict] = []
 
+    def feed(self, data: bytes) -> None:
+        room = _MAX_STATUS_BYTES - self._seen
+        self._seen += len(data)
+        if room > 0:
+            self._pending += data[:room]
+
     def poll(self, final: bool = False) -> list[dict]:
-        try:
-            with open(self._path, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read(max(_MAX_STATUS_BYTES - self._offset, 0))
-        except OSError:
-            return self.records
-        self._offset += len(chunk)
-        data = self._pending + chunk
-        lines = data.split(b"\n")
+        lines = self._pending.split(b"\n")
         self._pending = b"" if final else lines.pop()
         for line in lines:
             try:

@@ -8,8 +8,8 @@ the run is born inside. Which kind is used (the first that works):
   controllers to its children (``cgroup.subtree_control``); the caller is never moved.
 - **cgroup v1** where the ``memory`` (and ``pids``) hierarchies below the caller's own
   cgroups can be written (typically as root).
-- **none**: each process keeps ``RLIMIT_AS`` and the run a process count; the total is
-  then at most ``memory_mb * max_processes``, and :class:`RunCgroup` says so.
+- **none**: :class:`RunCgroup` says why; each process keeps ``RLIMIT_AS``, and the
+  sandbox adds up the run's resident memory itself (see :mod:`treerl.envs.sandbox`).
 
 The memory limit covers the run's processes and the pages of its tmpfs (the working
 directory, ``/tmp``, ``/dev/shm``), which the kernel charges to the cgroup of the writer:
@@ -143,8 +143,7 @@ def open_cgroup(memory_bytes: int, max_processes: int) -> RunCgroup:
         reasons.append(f"cgroup v1: {made}")
     elif not reasons:
         reasons.append("no cgroup memory controller mounted")
-    return RunCgroup("none", "not enforced for the whole run (" + "; ".join(reasons) + "): "
-                             "each process has RLIMIT_AS and the run a process count")
+    return RunCgroup("none", "no cgroup for the run (" + "; ".join(reasons) + ")")
 
 
 def _make(path: Path, settings: dict[str, int]) -> Path | str:
