@@ -122,6 +122,23 @@ FORGE = (
     "sys.exit(EXIT_CODE)\n"
 )
 
+HOST_FILES = (
+    "import fcntl, os, stat\n"
+    "for fd in range(1024):\n"
+    "    try:\n"
+    "        mode, flags = os.fstat(fd).st_mode, fcntl.fcntl(fd, fcntl.F_GETFL)\n"
+    "    except OSError:\n"
+    "        continue\n"
+    "    if stat.S_ISREG(mode) and flags & os.O_ACCMODE != os.O_RDONLY:\n"
+    "        print('writable file', fd)\n"
+    "try:\n"
+    "    open('/proc/self/fd/0', 'ab').write(b'x' * 4096)\n"
+    "    print('reopened stdin for writing')\n"
+    "except OSError:\n"
+    "    pass\n"
+    "print('checked')\n"
+)
+
 
 def test_world_readable_files_are_not_visible(caps):
     """Was: /etc/passwd and the project checkout readable from the sandbox."""
@@ -236,18 +253,7 @@ def test_the_result_cannot_be_forged(caps):
 
 def test_no_host_file_is_open_for_writing():
     """The event records travel on a pipe: the code holds no host file it could grow past its disk quota."""
-    code = (
-        "import fcntl, os, stat\n"
-        "for fd in range(1024):\n"
-        "    try:\n"
-        "        mode, flags = os.fstat(fd).st_mode, fcntl.fcntl(fd, fcntl.F_GETFL)\n"
-        "    except OSError:\n"
-        "        continue\n"
-        "    if stat.S_ISREG(mode) and flags & os.O_ACCMODE != os.O_RDONLY:\n"
-        "        print('writable file', fd)\n"
-        "print('checked')\n"
-    )
-    result = run_python(code, stdin="input", limits=FAST)
+    result = run_python(HOST_FILES, stdin="input", limits=FAST)
     assert result.ok and result.stdout == "checked\n", (result.stdout, result.stderr)
 
 
@@ -280,6 +286,7 @@ def test_escapes_held_without_root():
         "disk": FILL_DISK.format(path="big.bin", limit_mb=16),
         "forge": FORGE.replace("EXIT_CODE", "7"),
         "forge_clean": FORGE.replace("EXIT_CODE", "0"),
+        "host_files": HOST_FILES,
     }
     files["probes.json"] = json.dumps(probes)
     inner = (
@@ -292,7 +299,7 @@ def test_escapes_held_without_root():
         "for namespaces in (True, False):\n"
         "    limits = m.SandboxLimits(timeout_s=10.0, memory_mb=128, disk_mb=16, max_processes=16, namespaces=namespaces)\n"
         "    for name, code in json.load(open('probes.json')).items():\n"
-        "        r = m.run_python(code.replace('OUTER_CWD', os.getcwd()), limits=limits)\n"
+        "        r = m.run_python(code.replace('OUTER_CWD', os.getcwd()), stdin='input', limits=limits)\n"
         "        out[name + ('' if namespaces else '_degraded')] = [r.error.value if r.error else None, r.exit_code, r.stdout, r.enforced]\n"
         f"    out['left' + ('' if namespaces else '_degraded')] = [os.path.exists('/tmp/{tag}'), os.path.exists('/dev/shm/{tag}')]\n"
         "print(json.dumps(out))\n"
@@ -309,6 +316,7 @@ def test_escapes_held_without_root():
     assert out["disk"][0] == "disk", out["disk"]
     assert out["forge"][:2] == ["runtime_error", 7] and "FORGED" not in json.dumps(out["forge"][3])
     assert out["forge_clean"][:2] == [None, 0], out["forge_clean"]
+    assert out["host_files"][2] == "checked\n", out["host_files"]
     # Without namespaces (a machine that allows none): the files are visible and /tmp is shared,
     # and the run says so, in its table and once in the log; the other limits still hold.
     degraded = out["read_degraded"][3]

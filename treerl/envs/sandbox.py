@@ -335,6 +335,9 @@ def run_python(
         stdin_file = None
         if stdin is not None:
             (ctl / "stdin").write_text(stdin, encoding="utf-8")
+            # Read-only even for its owner: reopened through /proc/self/fd/0 for writing, a
+            # host file would be disk outside the quota.
+            (ctl / "stdin").chmod(0o400)
             stdin_file = open(ctl / "stdin", "rb")
         try:
             proc = subprocess.Popen(
