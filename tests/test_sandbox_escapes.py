@@ -139,6 +139,16 @@ HOST_FILES = (
     "print('checked')\n"
 )
 
+PLANT = (
+    "import errno, os, sysconfig\n"
+    "for d in (sysconfig.get_paths()['purelib'], os.path.dirname(os.__file__), '/', '/tmp/..'):\n"
+    "    try:\n"
+    "        open(os.path.join(d, 'planted.pth'), 'w').write('import os')\n"
+    "        print(d, 'WROTE')\n"
+    "    except OSError as e:\n"
+    "        print(d, errno.errorcode[e.errno])\n"
+)
+
 
 def test_world_readable_files_are_not_visible(caps):
     """Was: /etc/passwd and the project checkout readable from the sandbox."""
@@ -151,6 +161,14 @@ def test_world_readable_files_are_not_visible(caps):
     # What the code still needs is there: the interpreter's own library reads fine.
     stdlib = run_python("import json, os\nprint(os.path.exists(json.__file__))", limits=FAST)
     assert stdlib.stdout == "True\n", stdlib.stderr
+
+
+def test_interpreter_and_its_packages_are_read_only(caps):
+    """A plain user owns their venv: without a read-only view, code could plant a ``.pth`` that runs later."""
+    _need(caps, "filesystem")
+    result = run_python(PLANT, limits=FAST)
+    lines = result.stdout.splitlines()
+    assert len(lines) == 4 and all(line.endswith(" EROFS") for line in lines), result.stdout + result.stderr
 
 
 def test_parent_command_line_is_not_visible(caps):
@@ -287,6 +305,7 @@ def test_escapes_held_without_root():
         "forge": FORGE.replace("EXIT_CODE", "7"),
         "forge_clean": FORGE.replace("EXIT_CODE", "0"),
         "host_files": HOST_FILES,
+        "plant": PLANT,
     }
     files["probes.json"] = json.dumps(probes)
     inner = (
@@ -317,6 +336,7 @@ def test_escapes_held_without_root():
     assert out["forge"][:2] == ["runtime_error", 7] and "FORGED" not in json.dumps(out["forge"][3])
     assert out["forge_clean"][:2] == [None, 0], out["forge_clean"]
     assert out["host_files"][2] == "checked\n", out["host_files"]
+    assert all(line.endswith(" EROFS") for line in out["plant"][2].splitlines()), out["plant"]
     # Without namespaces (a machine that allows none): the files are visible and /tmp is shared,
     # and the run says so, in its table and once in the log; the other limits still hold.
     degraded = out["read_degraded"][3]
