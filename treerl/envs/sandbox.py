@@ -395,13 +395,16 @@ def run_python(
             uid=uid,
         )
     finally:
-        if proc is not None:
-            _kill_all(proc, uid, group, contained())
-        group.close()
-        for fd in (result_r, events_r, *child_ends):
-            os.close(fd)
-        shutil.rmtree(ctl, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
+        try:
+            if proc is not None:
+                _kill_all(proc, uid, group, contained())
+        finally:
+            # Even if the cleanup above failed: no cgroup, descriptor or directory outlives the call.
+            group.close()
+            for fd in (result_r, events_r, *child_ends):
+                os.close(fd)
+            shutil.rmtree(ctl, ignore_errors=True)
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def _watch(limits: SandboxLimits, work: Path, session: int, uid: int | None, group: RunCgroup,
