@@ -414,7 +414,7 @@ def test_classify_outcome_precedence():
 
 
 def test_error_kind_values_are_lowercase():
-    assert [k.value for k in SandboxErrorKind] == ["timeout", "memory", "process_limit", "network", "runtime_error"]
+    assert [k.value for k in SandboxErrorKind] == ["timeout", "memory", "process_limit", "network", "disk", "runtime_error"]
 
 
 @pytest.mark.parametrize(
@@ -430,18 +430,16 @@ def test_unprivileged_fallbacks_inside_the_sandbox():
     """The non-root path, exercised by running the sandbox module inside a root sandbox run."""
     if os.geteuid() != 0:
         pytest.skip("already not root: the other tests exercise the unprivileged path directly")
-    import treerl.envs.processes
     import treerl.envs.sandbox
-    import treerl.envs.sandbox_bootstrap
-    import treerl.envs.sandbox_capture
 
     # The sandbox's own modules, copied into a bare package: the real treerl/envs/__init__.py
     # pulls in far more than the sandbox needs, and the inner run starts its bootstrap by path.
     files = {"treerl/__init__.py": "", "treerl/envs/__init__.py": ""}
-    modules = (treerl.envs.processes, treerl.envs.sandbox, treerl.envs.sandbox_bootstrap, treerl.envs.sandbox_capture)
-    for module in modules:
-        with open(module.__file__, encoding="utf-8") as f:
-            files[f"treerl/envs/{os.path.basename(module.__file__)}"] = f.read()
+    envs = os.path.dirname(treerl.envs.sandbox.__file__)
+    for name in sorted(os.listdir(envs)):
+        if name.startswith("sandbox") and name.endswith(".py") or name == "processes.py":
+            with open(os.path.join(envs, name), encoding="utf-8") as f:
+                files[f"treerl/envs/{name}"] = f.read()
     inner = (
         "import json, os, sys\n"
         "sys.path.insert(0, os.getcwd())\n"
@@ -455,12 +453,13 @@ def test_unprivileged_fallbacks_inside_the_sandbox():
         "out = {}\n"
         "for name, code in codes.items():\n"
         "    r = m.run_python(code, limits=limits)\n"
-        "    out[name] = [r.error.value if r.error else None, r.stdout, r.uid, r.enforced.get('user', '')]\n"
+        "    out[name] = [r.error.value if r.error else None, r.stdout, r.uid, r.enforced.get('user', ''), r.enforced]\n"
         "print(json.dumps(out))\n"
     )
     result = run_python(inner, files=files, limits=SandboxLimits(timeout_s=30.0, max_processes=64, memory_mb=1024))
     assert result.ok, result.stderr
     out = json.loads(result.stdout)
+    print(json.dumps(out["ok"][4], indent=1))
     assert out["ok"][:3] == [None, "42\n", None] and "not root" in out["ok"][3]
     assert out["loop"][0] == "timeout"
     assert out["mem"][0] == "memory"

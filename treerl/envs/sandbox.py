@@ -1,59 +1,61 @@
 """Run untrusted, model-written Python in a separate, limited process.
 
 :func:`run_python` starts ``python -I`` (isolated mode: no ``PYTHON*`` variables, no user
-site, no script directory on ``sys.path``) in its own session and process group, with a
-private temporary working directory, captured and truncated stdin/stdout/stderr, and a
-minimal environment (``PATH``, ``HOME``, ``TMPDIR``, ``LANG``; nothing inherited, so no
-tokens or keys leak in). A small trusted bootstrap (:mod:`treerl.envs.sandbox_bootstrap`,
-run by path) runs first in the child: it applies the limits, then runs the user code as
-``__main__`` and writes a status record for each thing that happened (setup, blocked
-network call, failed fork, exit) to a file the parent reads.
+site, no script directory on ``sys.path``) in its own session and process group, with
+captured and truncated stdin/stdout/stderr and a minimal environment (``PATH``, ``HOME``,
+``TMPDIR``, ``LANG``; nothing inherited, so no tokens or keys leak in). A small trusted
+bootstrap (:mod:`treerl.envs.sandbox_bootstrap`, run by path) runs first: its outer
+process holds the result pipe and never runs user code; its inner process isolates
+itself, applies the limits and runs the user code as ``__main__``.
 
-What is enforced, where, and what falls back when the OS refuses:
+What is enforced, and what is left where the machine refuses (each run says which, in
+:attr:`SandboxResult.enforced`, and the log says once per process what is not enforced):
 
-================  ======================================================================
-limit             how
-================  ======================================================================
-wall clock        The parent's read loop has a deadline; at the deadline it kills the
-                  child's whole process group (and, when running as root, every process
-                  of the run's private uid, which also catches children that called
-                  ``setsid``). Always enforced.
-memory            ``RLIMIT_AS`` and ``RLIMIT_DATA`` set by the bootstrap before the user
-                  code runs. A failed allocation raises ``MemoryError`` -> ``MEMORY``.
-                  Always enforced (it is inherited by children, per process).
-processes         As root (``RLIMIT_NPROC`` is ignored for root): the child drops to a
-                  fresh unprivileged uid/gid for this run alone (no supplementary groups,
-                  ``PR_SET_NO_NEW_PRIVS``) and ``RLIMIT_NPROC = max_processes`` counts
-                  exactly the sandbox's processes and threads; cleanup kills every process
-                  of that uid with ``kill(-1)`` from a helper running as that uid.
-                  Not root: ``RLIMIT_NPROC`` is set to this user's current number of
-                  tasks plus ``max_processes`` (approximate: other processes of the same
-                  user share the budget) and cleanup kills the process group and session.
-                  A failed ``fork``/``posix_spawn``/``subprocess`` (``EAGAIN``) is
-                  recorded and the run is stopped at once as ``PROCESS_LIMIT``.
-network           Layer 1, when permitted: a new network namespace (``unshare``
-                  ``CLONE_NEWNET``; as root directly, otherwise inside a new user
-                  namespace) that has only a downed loopback. Layer 2, always: an audit
-                  hook installed before the user code blocks ``connect``/``bind``/
-                  ``sendto``/``sendmsg`` on inet sockets and name resolution, and
-                  records the attempt -> ``NETWORK``. ``ctypes`` can get around layer 2,
-                  not layer 1.
-filesystem        A private working directory, removed afterwards. As root, the child
-                  also gets a private mount namespace in which directories that the
-                  unprivileged uid could not traverse but the interpreter lives under
-                  (e.g. a ``pyenv`` in a ``0700`` home) are replaced by an empty tmpfs
-                  with only the interpreter's tree bound back in, so imports work and the
-                  rest of that directory stays hidden. Otherwise there is no filesystem
-                  isolation beyond ordinary permissions.
-================  ======================================================================
+==============  =========================================================================
+protection      how (fallback)
+==============  =========================================================================
+wall clock      The parent's read loop has a deadline; then it kills the run's cgroup,
+                process group, session and (as root) private uid. Always enforced.
+filesystem      A mount namespace whose root is an empty read-only tmpfs with only the
+                interpreter (its prefixes or venv), the system library directories and
+                the loader cache bound back read-only, a fresh ``/proc``, a minimal
+                ``/dev``; the working directory, ``/tmp`` and ``/dev/shm`` are private.
+                Needs root or unprivileged user namespaces (fallback: the host's files
+                are visible under ordinary permissions, the working directory is a host
+                temporary directory, ``/tmp`` is shared).
+pid namespace   The code is pid 1 of its own pid namespace: it sees only its processes,
+                and when it exits the kernel kills the rest (fallback: the parent's view).
+memory          ``RLIMIT_AS``/``RLIMIT_DATA`` per process, and for the whole run a cgroup
+                (:mod:`treerl.envs.sandbox_cgroup`) of ``memory_mb + disk_mb``; an OOM kill
+                in it -> ``MEMORY``. Fallback: the parent adds up the run's resident memory
+                every ``_WATCH_S`` and stops it over ``memory_mb``.
+disk            The working directory, ``/tmp`` and ``/dev/shm`` share one tmpfs of
+                ``disk_mb``: a full one is ``ENOSPC`` -> ``DISK``. Fallback:
+                ``RLIMIT_FSIZE`` per file and the parent's sum of the working directory.
+processes       As root: a fresh unprivileged uid/gid per run with ``RLIMIT_NPROC``
+                (and ``pids.max`` of the cgroup); not root: ``RLIMIT_NPROC`` over this
+                user's current tasks (approximate). ``EAGAIN`` -> ``PROCESS_LIMIT`` at once.
+network         A network namespace with no interface up (which also holds abstract unix
+                sockets), plus an audit hook that blocks inet ``connect``/``bind``/
+                ``sendto``/``sendmsg`` and name lookups -> ``NETWORK`` (fallback: the
+                hook alone, which ``ctypes`` gets around).
+IPC             An IPC namespace: System V segments and queues die with the run.
+privileges      As root a private uid (no groups); in a user namespace every capability
+                is dropped; ``no_new_privs`` always.
+result          Exit status, main pid and the ``enforced`` table travel on a pipe that
+                only the outer process holds; the inner closes it before anything else.
+                Event records the code can reach (blocked call, failed fork, how the main
+                process ended) can make its own outcome worse, never a failure a success.
+==============  =========================================================================
 
 Every run reports what was actually in effect in :attr:`SandboxResult.enforced`;
 :func:`sandbox_capabilities` runs a probe and returns the same for this machine.
 
 Outcomes are classified by :func:`classify_outcome`: wall time -> ``TIMEOUT``; a blocked
-network call -> ``NETWORK``; ``MemoryError`` (or a kill by ``SIGKILL`` that was not ours,
-the kernel's OOM killer) -> ``MEMORY``; ``EAGAIN`` on process creation or "can't start
-new thread" -> ``PROCESS_LIMIT``; any other non-zero exit -> ``RUNTIME_ERROR``.
+network call -> ``NETWORK``; ``MemoryError``, an OOM kill in the run's cgroup or a kill by
+``SIGKILL`` that was not ours -> ``MEMORY``; a full disk quota -> ``DISK``; ``EAGAIN`` on
+process creation or "can't start new thread" -> ``PROCESS_LIMIT``; any other non-zero
+exit -> ``RUNTIME_ERROR``.
 
 The sandbox protects the machine, not a reward: code under test runs in the same
 interpreter as anything run after it and can tamper with it if it tries.
@@ -68,23 +70,31 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import secrets
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import treerl.envs.sandbox_bootstrap as sandbox_bootstrap
 from treerl.envs.processes import kill_and_reap, send_kill
 from treerl.envs.sandbox_capture import capture
+from treerl.envs.sandbox_cgroup import RunCgroup, open_cgroup
+from treerl.envs.sandbox_host import (
+    TrustedReader,
+    chown_tree,
+    filesystem_view,
+    tree_bytes,
+    write_files,
+)
 
 __all__ = [
     "SandboxLimits",
@@ -104,6 +114,12 @@ _UID_SPAN = 1 << 24
 # reads it as the caller, before it drops privileges, so it may live where the private uid
 # cannot look.
 _BOOTSTRAP_PATH = Path(sandbox_bootstrap.__file__)
+_MIB = 1024 * 1024
+# How often the parent's own accounting (total memory without a cgroup, disk without a
+# private tmpfs) looks at the run.
+_WATCH_S = 0.2
+_log = logging.getLogger("treerl.sandbox")
+_logged: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -120,6 +136,12 @@ class SandboxLimits:
     """Bytes of stdout and of stderr kept (each); the rest is read and dropped."""
     network: bool = False
     """Allow network access. Off by default: model code has no business on the network."""
+    disk_mb: int = 128
+    """Bytes, in MiB, that the working directory, ``/tmp`` and ``/dev/shm`` may hold in all."""
+    namespaces: bool = True
+    """Isolate with Linux namespaces where the machine allows (own filesystem view, pid,
+    network and IPC namespaces). ``False`` gives what a machine without them gets: rlimits,
+    the parent's accounting, cleanup and the network audit hook only (for tests and debugging)."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -136,6 +158,11 @@ class SandboxLimits:
             raise ValueError(
                 f"SandboxLimits.max_processes must be >= 1, got {self.max_processes!r}: the main "
                 "process counts as one. Use e.g. max_processes=16."
+            )
+        if self.disk_mb < 1:
+            raise ValueError(
+                f"SandboxLimits.disk_mb must be >= 1, got {self.disk_mb!r}: it bounds what the code may "
+                "write to its working directory, /tmp and /dev/shm together. Use e.g. disk_mb=128."
             )
         if self.max_output_bytes < 0:
             raise ValueError(
@@ -155,6 +182,8 @@ class SandboxErrorKind(str, Enum):
     """Creating a process or thread failed under the process limit."""
     NETWORK = "network"
     """The code tried to use the network and was blocked."""
+    DISK = "disk"
+    """The code wrote more than ``disk_mb`` to its working directory, ``/tmp`` and ``/dev/shm``."""
     RUNTIME_ERROR = "runtime_error"
     """Any other non-zero exit: an uncaught exception, ``sys.exit(1)``, a crash."""
 
@@ -175,7 +204,8 @@ class SandboxResult:
     enforced: dict[str, str] = field(default_factory=dict)
     """What was in effect for this run (see the module docstring), as the child reported it."""
     pid: int | None = None
-    """The main process's pid, also its process group and session id."""
+    """The pid of the sandbox's outer process (the bootstrap), also the run's process group
+    and session id; the user code runs in its child."""
     uid: int | None = None
     """The private uid the code ran as, when the sandbox dropped privileges."""
 
@@ -195,11 +225,14 @@ def classify_outcome(
 ) -> SandboxErrorKind | None:
     """Name the outcome of a run from what the parent saw and what the child recorded.
 
-    ``records`` are the bootstrap's status records (all processes of the run write to one
-    file, each tagged with its pid); ``exit_code`` is ``None`` when the sandbox killed the
-    run. A blocked network call wins over everything (the code broke a rule even if it
-    caught the error), then a process-limit hit (it is what ends a fork bomb, and a fork
-    bomb often also times out), then the wall clock, then the main process's own record.
+    ``records`` are the bootstrap's event records (any process of the run, the user code
+    included, may write them, each tagged with its pid) plus the parent's own
+    (``memory_limit``, ``disk_limit``: a whole-run limit was hit); ``exit_code`` (the
+    trusted exit status) is ``None`` when the sandbox killed the run. A blocked network
+    call wins over everything (the code broke a rule even if it caught the error), then a
+    process-limit hit (it is what ends a fork bomb, and a fork bomb often also times out),
+    then a whole-run memory or disk limit, then the wall clock; an exit status of 0 is then
+    success whatever the records say, and only a failed main process's record names its cause.
 
     >>> classify_outcome(exit_code=0, timed_out=False, records=[], main_pid=1) is None
     True
@@ -214,16 +247,25 @@ def classify_outcome(
         return SandboxErrorKind.NETWORK
     if "process_limit" in events:
         return SandboxErrorKind.PROCESS_LIMIT
+    if "memory_limit" in events:
+        return SandboxErrorKind.MEMORY
+    if "disk_limit" in events:
+        return SandboxErrorKind.DISK
     if timed_out:
         return SandboxErrorKind.TIMEOUT
-    main_exit = next((r for r in records if r.get("event") == "exit" and r.get("pid") == main_pid), None)
-    kind = main_exit.get("kind") if main_exit is not None else None
+    if exit_code == 0:
+        # The exit status comes from the trusted side; records the code wrote cannot undo it.
+        return None
+    # The bootstrap writes the main process's last record, and only with exit status 1: a
+    # record the code forged before it, or with another status, names nothing.
+    main_exit = next((r for r in reversed(records) if r.get("event") == "exit" and r.get("pid") == main_pid), None)
+    kind = main_exit.get("kind") if main_exit is not None and exit_code == 1 else None
     if kind == "memory":
         return SandboxErrorKind.MEMORY
     if kind == "process_limit":
         return SandboxErrorKind.PROCESS_LIMIT
-    if exit_code == 0:
-        return None
+    if kind == "disk":
+        return SandboxErrorKind.DISK
     if main_exit is None:
         # No record: the process died without reaching the bootstrap's handler. A SIGKILL we
         # did not send is the kernel's OOM killer; a MemoryError in C code can end that way too.
@@ -256,23 +298,46 @@ def run_python(
     ctl = Path(tempfile.mkdtemp(prefix="treerl-sbx-ctl-"))
     work = Path(tempfile.mkdtemp(prefix="treerl-sbx-"))
     proc: subprocess.Popen | None = None
+    result_r, result_w = os.pipe()
+    os.set_blocking(result_r, False)
+    events_r, events_w = os.pipe()
+    child_ends = [result_w, events_w]  # the child's ends of the pipes, closed here once it has them
+    group = open_cgroup((limits.memory_mb + limits.disk_mb) * _MIB, limits.max_processes + 1)
+    trusted = TrustedReader(result_r)
+
+    def joined() -> bool:  # the run's processes are in its cgroup (the outer process may be refused)
+        return group.kind != "none" and "cgroup" not in trusted.enforced
+
+    def contained() -> bool:
+        return joined() and trusted.enforced.get("filesystem", "").startswith("private")
+
     try:
-        _write_files(work, files or {})
+        write_files(work, files or {})
         if uid is not None:
-            _chown_tree(work, uid)
+            chown_tree(work, uid)
         (ctl / "main.py").write_text(code, encoding="utf-8")
-        (ctl / "status.jsonl").touch(mode=0o600)
+        binds, links = filesystem_view(limits.network)
         config = {
             "uid": uid,
             "network": limits.network,
-            "memory_bytes": limits.memory_mb * 1024 * 1024,
+            "namespaces": limits.namespaces,
+            "memory_bytes": limits.memory_mb * _MIB,
+            "disk_bytes": limits.disk_mb * _MIB,
             "nproc": limits.max_processes if uid is not None else _count_user_tasks(os.getuid()) + limits.max_processes,
-            "mount_plan": _mount_plan(_interpreter_paths()) if uid is not None else [],
+            "work": str(work),
+            "ro_binds": binds,
+            "symlinks": links,
+            "cgroup_procs": group.procs_files,
+            "result_fd": result_w,
+            "events_fd": events_w,
         }
         (ctl / "config.json").write_text(json.dumps(config), encoding="utf-8")
         stdin_file = None
         if stdin is not None:
             (ctl / "stdin").write_text(stdin, encoding="utf-8")
+            # Read-only even for its owner: reopened through /proc/self/fd/0 for writing, a
+            # host file would be disk outside the quota.
+            (ctl / "stdin").chmod(0o400)
             stdin_file = open(ctl / "stdin", "rb")
         try:
             proc = subprocess.Popen(
@@ -284,30 +349,44 @@ def run_python(
                 stderr=subprocess.PIPE,
                 start_new_session=True,
                 close_fds=True,
+                pass_fds=(result_w, events_w),
             )
         finally:
             if stdin_file is not None:
                 stdin_file.close()
+            while child_ends:
+                os.close(child_ends.pop())
         out = capture(
-            proc, ctl / "status.jsonl", max_output_bytes=limits.max_output_bytes, deadline=start + limits.timeout_s,
-            kill_survivors=lambda: _kill_survivors(proc.pid, uid),
+            proc, events_r, max_output_bytes=limits.max_output_bytes, deadline=start + limits.timeout_s,
+            kill_survivors=lambda: _kill_survivors(proc.pid, uid, group, contained()),
+            watch=_watch(limits, work, proc.pid, uid, group, joined, trusted), watch_every_s=_WATCH_S,
         )
+        trusted.poll()
+        records = list(out.records)
+        if group.oom_kills() and not any(r.get("event") == "memory_limit" for r in records):
+            records.append({"event": "memory_limit", "by": "cgroup OOM kill"})
         killed = out.timed_out or out.stopped_early
-        records = out.records
+        exit_code = None if killed else trusted.exit_code(proc.returncode)
         error = classify_outcome(
-            exit_code=None if killed else proc.returncode,
+            exit_code=exit_code,
             timed_out=out.timed_out,
             records=records,
-            main_pid=proc.pid,
+            main_pid=trusted.main_pid,
             stderr=out.stderr,
         )
-        enforced = next((dict(r["enforced"]) for r in records if r.get("event") == "setup"
-                         and r.get("pid") == proc.pid and isinstance(r.get("enforced"), dict)), {})
-        enforced["wall_clock"] = f"{limits.timeout_s:g} s, then the process group is killed"
+        enforced = dict(trusted.enforced)
+        refused = enforced.pop("cgroup", None)
+        enforced["memory_total"] = group.description if joined() else (
+            f"not enforced by the kernel: {refused or group.description}; each process has RLIMIT_AS, and the "
+            f"parent adds up the run's resident memory every {_WATCH_S:g} s and stops it over memory_mb")
+        enforced["wall_clock"] = f"{limits.timeout_s:g} s, then every process of the run is killed"
+        enforced["result_channel"] = ("exit status, main pid and this table come on a pipe only the sandbox's "
+                                      "outer process holds; the code's own event records can only worsen its outcome")
+        _log_not_enforced(enforced)
         return SandboxResult(
             stdout=out.stdout,
             stderr=out.stderr,
-            exit_code=None if killed else proc.returncode,
+            exit_code=exit_code,
             error=error,
             duration_s=time.monotonic() - start,
             truncated=out.truncated,
@@ -316,10 +395,37 @@ def run_python(
             uid=uid,
         )
     finally:
-        if proc is not None:
-            _kill_all(proc, uid)
-        shutil.rmtree(ctl, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
+        try:
+            if proc is not None:
+                _kill_all(proc, uid, group, contained())
+        finally:
+            # Even if the cleanup above failed: no cgroup, descriptor or directory outlives the call.
+            group.close()
+            for fd in (result_r, events_r, *child_ends):
+                os.close(fd)
+            shutil.rmtree(ctl, ignore_errors=True)
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _watch(limits: SandboxLimits, work: Path, session: int, uid: int | None, group: RunCgroup,
+           joined: Callable[[], bool], trusted: TrustedReader) -> Callable[[], dict | None]:
+    """The parent's own accounting, for what the kernel could not be asked to limit on this machine."""
+
+    def check() -> dict | None:
+        trusted.poll()
+        if group.oom_kills():
+            return {"event": "memory_limit", "by": "cgroup OOM kill"}
+        if not joined():
+            rss = _run_rss(uid=uid, session=session)
+            if rss > limits.memory_mb * _MIB:
+                return {"event": "memory_limit", "by": f"the parent's accounting: {rss} bytes resident in all"}
+        if trusted.enforced.get("filesystem", "").startswith("not enforced"):
+            used = tree_bytes(work)
+            if used > limits.disk_mb * _MIB:
+                return {"event": "disk_limit", "by": f"the parent's accounting: {used} bytes in the working directory"}
+        return None
+
+    return check
 
 
 async def arun_python(
@@ -353,24 +459,33 @@ def sandbox_capabilities() -> dict[str, str]:
 # ---------------------------------------------------------------------------------------
 # Parent-side helpers.
 # ---------------------------------------------------------------------------------------
-def _kill_all(proc: subprocess.Popen, uid: int | None) -> None:
+def _kill_all(proc: subprocess.Popen, uid: int | None, group: RunCgroup, contained: bool) -> None:
     """Kill every process the run left, then reap the main one and close its pipes."""
     # The sweep goes before the reap: until the main process is reaped, its pid (the
     # session and group id the sweep looks for) cannot be reused by another process.
-    kill_and_reap(proc, before_reap=lambda: _sweep(proc.pid, uid))
+    kill_and_reap(proc, before_reap=lambda: (group.kill(), _sweep(proc.pid, uid, group, contained)))
 
 
-def _kill_survivors(session: int, uid: int | None) -> None:
-    """Kill the run's process group, then sweep its session and private uid until empty.
+def _kill_survivors(session: int, uid: int | None, group: RunCgroup, contained: bool) -> None:
+    """Kill the run's cgroup and process group, then sweep its session and private uid until empty.
 
-    The main process is left unreaped: the caller still reads its exit status.
+    The main process is left unreaped: the caller still reads its exit status. Killing it
+    also ends the inner process (its parent-death signal), and with it, as pid 1, every
+    process of the pid namespace, including those that left the session.
     """
+    group.kill()
     send_kill(session, group=True)
-    _sweep(session, uid)
+    _sweep(session, uid, group, contained)
 
 
-def _sweep(session: int, uid: int | None) -> None:
-    """Kill what escaped the process group: processes of the run's session or private uid."""
+def _sweep(session: int, uid: int | None, group: RunCgroup, contained: bool) -> None:
+    """Kill what escaped the process group: processes of the run's session or private uid.
+
+    ``contained``: the run had a cgroup and no view of ``/sys``, so it could not leave the
+    cgroup, and an empty cgroup means nothing is left; that spares a scan of ``/proc``.
+    """
+    if contained and group.empty(timeout_s=1.0):
+        return
     for _ in range(20):
         survivors = _sandbox_pids(uid=uid, session=session)
         if not survivors:
@@ -411,6 +526,28 @@ def _sandbox_pids(*, uid: int | None, session: int) -> list[int]:
     return found
 
 
+def _run_rss(*, uid: int | None, session: int) -> int:
+    """Bytes resident in all the run's processes that the parent can find (see ``_sandbox_pids``)."""
+    page, total = os.sysconf("SC_PAGE_SIZE"), 0
+    for pid in _sandbox_pids(uid=uid, session=session):
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as f:
+                total += int(f.read().split()[1]) * page
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def _log_not_enforced(enforced: Mapping[str, str]) -> None:
+    """Say once per process, in the log, each protection this machine does not give."""
+    for key, value in enforced.items():
+        if "not enforced" in value or "refused" in value:
+            line = f"sandbox: {key}: {value}"
+            if line not in _logged:
+                _logged.add(line)
+                _log.warning(line)
+
+
 def _count_user_tasks(uid: int) -> int:
     """Tasks (processes and threads) of ``uid``: what RLIMIT_NPROC counts for that user."""
     total = 0
@@ -433,60 +570,6 @@ def _pick_uid() -> int:
         if not _sandbox_pids(uid=uid, session=-1):
             return uid
     raise RuntimeError("could not find a free sandbox uid; are sandbox processes leaking?")
-
-
-def _interpreter_paths() -> list[str]:
-    """Directories the child interpreter must be able to read after dropping privileges."""
-    import site
-
-    paths = {os.path.dirname(os.path.realpath(sys.executable)), sys.prefix, sys.base_prefix,
-             sys.exec_prefix, sys.base_exec_prefix, *site.getsitepackages()}
-    return sorted(os.path.realpath(p) for p in paths if os.path.isdir(p))
-
-
-def _mount_plan(paths: Sequence[str]) -> list[tuple[str, list[str]]]:
-    """For paths behind a directory others cannot enter: (that directory, trees to bind back).
-
-    The closed directory is hidden under a tmpfs in the child's mount namespace and only
-    its child on the way to each needed path is bound back, so ``/root`` with a ``pyenv``
-    inside exposes ``/root/.pyenv`` and nothing else of ``/root``.
-    """
-    plan: dict[str, set[str]] = {}
-    for path in paths:
-        parts = PurePosixPath(path).parts
-        for depth in range(1, len(parts) - 1):
-            ancestor = str(PurePosixPath(*parts[: depth + 1]))
-            try:
-                mode = os.stat(ancestor).st_mode
-            except OSError:
-                break
-            if not mode & stat.S_IXOTH:
-                plan.setdefault(ancestor, set()).add(str(PurePosixPath(*parts[: depth + 2])))
-                break
-    return [(hidden, sorted(exposed)) for hidden, exposed in sorted(plan.items())]
-
-
-def _write_files(work: Path, files: Mapping[str, str | bytes]) -> None:
-    for name, content in files.items():
-        rel = PurePosixPath(name)
-        if rel.is_absolute() or ".." in rel.parts or not rel.parts:
-            raise ValueError(
-                f"run_python(files=...): {name!r} is not a relative path inside the working "
-                "directory. Use paths like 'data/input.txt' (no leading '/', no '..')."
-            )
-        target = work.joinpath(*rel.parts)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(content, bytes):
-            target.write_bytes(content)
-        else:
-            target.write_text(content, encoding="utf-8")
-
-
-def _chown_tree(root: Path, uid: int) -> None:
-    os.chown(root, uid, uid)
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            os.chown(os.path.join(dirpath, name), uid, uid)
 
 
 def _minimal_env(work: Path) -> dict[str, str]:

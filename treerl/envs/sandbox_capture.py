@@ -6,11 +6,14 @@
   and the wall clock is checked between them.
 - Both pipes are always read, so a child that writes a lot never blocks on a full pipe;
   only the first ``max_output_bytes`` of each are kept, the rest is read and dropped.
-- A run that hits its process limit is stopped at once rather than left to spin until
-  the deadline; whatever the run left behind is killed (``kill_survivors``) before the
+- A run that hits its process limit, or a limit the parent itself watches (``watch``:
+  total memory or disk where the kernel could not be asked to enforce them), is stopped at
+  once rather than left to spin until the deadline; whatever the run left behind is killed (``kill_survivors``) before the
   pipes are drained, since a leftover child can hold them open.
-- Status records are JSON lines that any process of the run may write, the user code
-  included: unreadable lines are skipped, and at most ``_MAX_STATUS_BYTES`` are read.
+- Event records are JSON lines on a pipe (``events_fd``) that any process of the run may
+  write, the user code included: unreadable lines are skipped, and only the first
+  ``_MAX_STATUS_BYTES`` are kept; the rest is read and dropped, so that the pipe never
+  fills and nothing the code writes there lands on a disk.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 __all__ = ["Captured", "capture", "StatusReader"]
 
@@ -45,20 +47,26 @@ class Captured:
     timed_out: bool
     """The main process was still running at the deadline."""
     stopped_early: bool
-    """The run was stopped before the deadline because it hit its process limit."""
+    """The run was stopped before the deadline because it hit its process limit or a watched limit."""
     records: list[dict]
     """The status records of every process of the run, in the order they were written."""
 
 
 def capture(
     proc: subprocess.Popen,
-    status_path: Path,
+    events_fd: int,
     *,
     max_output_bytes: int,
     deadline: float,
     kill_survivors: Callable[[], None],
+    watch: Callable[[], dict | None] | None = None,
+    watch_every_s: float = 0.2,
 ) -> Captured:
-    """Read the child's output until it exits or the deadline passes, keeping the head."""
+    """Read the child's output until it exits or the deadline passes, keeping the head.
+
+    ``watch``, called every ``watch_every_s``, returns a record when the run broke a limit
+    the parent enforces itself; the record joins ``records`` and the run is stopped.
+    """
     assert proc.stdout is not None and proc.stderr is not None
     kept = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     truncated = False
@@ -66,7 +74,10 @@ def capture(
     sel = selectors.DefaultSelector()
     for pipe in (proc.stdout, proc.stderr):
         sel.register(pipe.fileno(), selectors.EVENT_READ)
-    status = StatusReader(status_path)
+    sel.register(events_fd, selectors.EVENT_READ)
+    status = StatusReader()
+    watched: list[dict] = []
+    next_watch = time.monotonic() + watch_every_s
 
     def read_ready(timeout: float) -> None:
         nonlocal truncated
@@ -74,6 +85,9 @@ def capture(
             data = os.read(key.fd, 65536)
             if not data:
                 sel.unregister(key.fd)
+                continue
+            if key.fd == events_fd:
+                status.feed(data)
                 continue
             buf = kept[key.fd]
             room = max_output_bytes - len(buf)
@@ -89,7 +103,7 @@ def capture(
                 timed_out = proc.poll() is None
                 break
             if not sel.get_map():
-                # Both pipes closed: wait for the exit itself, still under the deadline.
+                # Every pipe closed: wait for the exit itself, still under the deadline.
                 try:
                     proc.wait(timeout=remaining)
                 except subprocess.TimeoutExpired:
@@ -101,6 +115,13 @@ def capture(
                 # wall clock; the limit has done its job, stop the run now.
                 stopped_early = proc.poll() is None
                 break
+            if watch is not None and time.monotonic() >= next_watch:
+                next_watch = time.monotonic() + watch_every_s
+                hit = watch()
+                if hit is not None:
+                    watched.append(hit)
+                    stopped_early = proc.poll() is None
+                    break
             if proc.poll() is not None:
                 break  # exited; a leftover child may still hold the pipes open
         # Whatever is left (background children) dies now, then the pipes drain to EOF.
@@ -116,33 +137,31 @@ def capture(
         truncated=truncated,
         timed_out=timed_out,
         stopped_early=stopped_early,
-        records=status.poll(final=True),
+        records=status.poll(final=True) + watched,
     )
 
 
 class StatusReader:
-    """Incrementally parses the bootstrap's JSON-lines status file, tolerating garbage.
+    """Parses the bootstrap's JSON-lines event records as they arrive, tolerating garbage.
 
-    ``poll()`` returns every record read so far; ``poll(final=True)`` also takes a last
-    line that has no newline (the run is over, nothing more will be appended to it).
+    ``feed(data)`` takes bytes read from the events pipe (beyond ``_MAX_STATUS_BYTES`` in
+    all they are dropped); ``poll()`` returns every record parsed so far; ``poll(final=True)``
+    also takes a last line that has no newline (the run is over).
     """
 
-    def __init__(self, path: Path):
-        self._path = path
-        self._offset = 0
+    def __init__(self) -> None:
+        self._seen = 0
         self._pending = b""
         self.records: list[dict] = []
 
+    def feed(self, data: bytes) -> None:
+        room = _MAX_STATUS_BYTES - self._seen
+        self._seen += len(data)
+        if room > 0:
+            self._pending += data[:room]
+
     def poll(self, final: bool = False) -> list[dict]:
-        try:
-            with open(self._path, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read(max(_MAX_STATUS_BYTES - self._offset, 0))
-        except OSError:
-            return self.records
-        self._offset += len(chunk)
-        data = self._pending + chunk
-        lines = data.split(b"\n")
+        lines = self._pending.split(b"\n")
         self._pending = b"" if final else lines.pop()
         for line in lines:
             try:
