@@ -21,6 +21,7 @@ openai = pytest.importorskip("openai", reason="the openai client is a test depen
 from _serve_helpers import running_server, seen_contexts  # noqa: E402
 
 from treerl.agents import ChatRenderer  # noqa: E402
+from treerl.errors import ConfigError  # noqa: E402
 from treerl.envs.parsers import get_parser  # noqa: E402
 from treerl.rollout import read_groups  # noqa: E402
 from treerl.serve.config import ServeConfig  # noqa: E402
@@ -102,6 +103,39 @@ def test_tool_loop_records_an_exact_tree_grouped_by_task(server, tiny):
         assert len(episode.sampler_logprobs) == len(episode.token_ids)
     # The group is in the trajectory file, in today's format.
     assert "calc-7" in [g.task_key for g in read_groups(out)]
+
+
+def test_served_episodes_read_like_the_engines(server, tiny):
+    """Call records name the sampled segment that made them, feedback is kept, the file has a header.
+
+    So `treerl view` shows served traffic as it shows the engine's.
+    """
+    from treerl.rollout.trajectory import read_header
+    from treerl.rollout.view import group_payload
+
+    url, recorder, out = server
+    _, tok = tiny
+    client = make_client(url)
+    result = run_episode(client, seed=7, max_tokens=48, post_reward=False)
+    assert any(r.choices[0].message.tool_calls for r in result.responses), "the tiny model calls the calculator first"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.post(f"/episodes/{result.episode_id}/reward", body={"reward": 0.0, "feedback": 3}, cast_to=object)
+    assert info.value.body["param"] == "feedback"
+    client.post(f"/episodes/{result.episode_id}/reward", body={"reward": 0.0, "feedback": "7 * 8 is 56, not 54."},
+                cast_to=object)
+    [group] = [g for g in read_groups(out) if g.task_key == result.episode_id]  # from the file, as `view` reads it
+    [episode] = group.episodes
+    assert episode.metrics["feedback"] == "7 * 8 is 56, not 54."
+    calls = [c for r in result.responses for c in r.choices[0].message.tool_calls or []]
+    assert len(episode.tool_calls) == len(calls)
+    on_path = group.path_indices(episode.leaf)
+    for record, call in zip(episode.tool_calls, calls):
+        segment = group.segments[record["segment"]]
+        assert segment.kind == "sampled" and record["segment"] in on_path
+        assert call.function.name in tok.decode(segment.token_ids)  # the turn that wrote this call
+    assert [c[0] for c in group_payload(group)["e"][0]["c"]] == [r["segment"] for r in episode.tool_calls]
+    header = read_header(out)
+    assert header["run"]["env_id"] == "treerl-serve" and header["run"]["group_size"] == 2
 
 
 def test_streaming_and_usage(server, tiny):
@@ -278,6 +312,8 @@ def test_the_trajectory_file_resumes(tiny, tmp_path):
     assert recorder.task_counts["same"] == 2  # the next group of the task is "same#2"
     recorder.close()
     assert [g.task_key for g in read_groups(out)] == ["same", "same#1"]
+    with pytest.raises(ConfigError, match="group_size"):  # groups of another size would mix in the file
+        Recorder(None, tok, ServeConfig(out=str(out), group_size=4))
 
 
 def test_without_an_id_the_conversation_finds_its_episode(server):
