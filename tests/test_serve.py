@@ -138,6 +138,90 @@ def test_served_episodes_read_like_the_engines(server, tiny):
     assert header["run"]["env_id"] == "treerl-serve" and header["run"]["group_size"] == 2
 
 
+def test_seed_stop_tool_choice_and_schema_checks(server, tiny):
+    url, recorder, _ = server
+    _, tok = tiny
+    client = make_client(url)
+    ask, unrecorded = [{"role": "user", "content": "Tell me about apples."}], {"X-Treerl-Record": "false"}
+    full = [client.chat.completions.create(model="treerl", messages=ask, max_tokens=24, temperature=1.0, seed=11,
+                                           logprobs=True, extra_headers=unrecorded) for _ in range(2)]
+    text = full[0].choices[0].message.content
+    assert text == full[1].choices[0].message.content and len(text) >= 6  # the same seed, the same sample
+    logprobs = [t.logprob for t in full[0].choices[0].logprobs.content]
+    # stop: the reply ends before the stop string; the recording keeps the sampled tokens up to
+    # the one that completed it (a prefix of the sample, so its log-probs are still exact).
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    before = text[:text.find(stop)]
+    stopped = client.chat.completions.create(model="treerl", messages=ask, max_tokens=24, temperature=1.0, seed=11,
+                                             stop=[stop], extra_headers={"X-Episode-Id": "stopped"})
+    assert stopped.choices[0].message.content == before and stopped.choices[0].finish_reason == "stop"
+    client.post("/episodes/stopped/reward", body={"reward": 0.0}, cast_to=object)
+    [segment] = [s for s in group_of(recorder, "stopped").segments if s.kind == "sampled"]
+    raw = ChatRenderer(tok).completion_text(segment.token_ids)
+    assert raw.startswith(before + stop) and text.startswith(raw)
+    assert segment.logprobs == pytest.approx(logprobs[:len(segment.logprobs)], abs=1e-4)
+    # tool_choice none: the model's call stays text; a call whose arguments break the request's
+    # schema comes back as content too, counted as invalid_arguments.
+    messages, _ = treerl.make("treerl/Calculator-v0").reset(seed=1)
+    reply = client.chat.completions.create(model="treerl", messages=messages, tools=TOOLS, tool_choice="none",
+                                           temperature=0, max_tokens=48, extra_headers=unrecorded).choices[0]
+    assert "<tool_call>" in reply.message.content and not reply.message.tool_calls
+    integer_tools = json.loads(json.dumps(TOOLS))
+    integer_tools[0]["function"]["parameters"]["properties"]["expression"] = {"type": "integer"}
+    invalid = recorder.metrics["tool_calls/invalid_arguments"]
+    reply = client.chat.completions.create(model="treerl", messages=messages, tools=integer_tools, temperature=0,
+                                           max_tokens=48, extra_headers=unrecorded).choices[0]
+    assert "<tool_call>" in reply.message.content and not reply.message.tool_calls
+    assert recorder.metrics["tool_calls/invalid_arguments"] == invalid + 1
+
+
+def test_episode_and_task_ids_from_the_body(server):
+    url, recorder, _ = server
+    client = make_client(url)
+    hi = [{"role": "user", "content": "Hi."}]
+    by_user = client.chat.completions.create(model="treerl", messages=hi, max_tokens=8, user="user-7")
+    by_metadata = client.chat.completions.create(model="treerl", messages=hi, max_tokens=8,
+                                                 extra_body={"metadata": {"episode_id": "meta-1",
+                                                                          "task_id": "meta-task"}})
+    assert by_user.model_extra["episode_id"] == "user-7" and by_metadata.model_extra["episode_id"] == "meta-1"
+    for episode_id in ("user-7", "meta-1"):
+        client.post(f"/episodes/{episode_id}/reward", body={"reward": 1.0}, cast_to=object)
+    client.post("/tasks/meta-task/finish", body={}, cast_to=object)  # the server's groups are of 2
+    assert group_of(recorder, "user-7").episodes[0].metrics["episode_id"] == "user-7"
+    assert group_of(recorder, "meta-task").episodes[0].metrics["episode_id"] == "meta-1"
+
+
+def test_concurrent_requests_decode_together_and_share_a_prefill(tiny, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, tok = tiny
+    rows, forward = [], model.forward
+
+    def counted(*args, **kwargs):
+        rows.append(kwargs["input_ids"].shape[0])
+        return forward(*args, **kwargs)
+
+    # A burst that arrives within batch_wait_s starts as one batch.
+    with running_server(model, tok, batch_wait_s=1.0, group_size=4, max_new_tokens=8) as (url, recorder):
+        monkeypatch.setattr(model, "forward", counted)  # after the policy read the forward's signature
+        client = make_client(url)
+        ask = [{"role": "user", "content": "Name a colour."}]
+
+        def one(k: int):
+            return client.chat.completions.create(model="treerl", messages=ask, max_tokens=8,
+                                                  extra_headers={"X-Episode-Id": f"burst-{k}", "X-Task-Id": "burst"})
+
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(one, range(4)))
+        assert max(rows) == 4  # four episodes' turns decoded as one batch
+        # Four episodes of one prompt: it ran through the model once.
+        assert recorder.metrics["requests/prompt_tokens_processed"] == replies[0].usage.prompt_tokens
+        for k in range(4):
+            client.post(f"/episodes/burst-{k}/reward", body={"reward": float(k)}, cast_to=object)
+        group = group_of(recorder, "burst")
+        assert len(group.episodes) == 4 and sum(s.kind == "prompt" for s in group.segments) == 1
+
+
 def test_streaming_and_usage(server, tiny):
     url, recorder, _ = server
     _, tok = tiny

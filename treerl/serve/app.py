@@ -303,7 +303,8 @@ def serve(cfg: ServeConfig, policy: Policy | None = None, tokenizer: Any = None)
         from treerl.models import load_model
 
         model, tokenizer = load_model(cfg.model, cfg.device)
-        policy = TransformersPolicy(model, tokenizer, device=cfg.device, max_batch_size=cfg.max_batch_size)
+        policy = TransformersPolicy(model, tokenizer, device=cfg.device, max_batch_size=cfg.max_batch_size,
+                                    batch_wait_s=cfg.batch_wait_s)
     recorder = Recorder(policy, tokenizer, cfg)
     sock = bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
