@@ -25,6 +25,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -55,6 +56,18 @@ ROOT = Path(__file__).resolve().parents[1]
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds (user + system) this process has used so far, all threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) another process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def start_server(out: Path, port: int) -> subprocess.Popen:
@@ -111,10 +124,11 @@ def server_side(args, run: int) -> dict:
                 tokens[0] += sum(r.usage.completion_tokens for r in result.responses)
             k += 1
 
-    start = time.monotonic()
+    start, cpu_start = time.monotonic(), own_cpu_s() + process_cpu_s(server.pid)
     with ThreadPoolExecutor(args.clients) as pool:
         list(pool.map(agent, range(args.clients)))
     wall = time.monotonic() - start
+    cpu = own_cpu_s() + process_cpu_s(server.pid) - cpu_start  # the server's and the clients'
     stats = httpx.get(f"http://127.0.0.1:{port}/v1/stats").json()
     server.terminate()
     server.wait(timeout=60)
@@ -124,7 +138,8 @@ def server_side(args, run: int) -> dict:
         "status_5xx": sum(n for s, n in statuses.items() if s >= 500), "errors": errors[:3],
         "recorded_once": sorted(recorded) == sorted(rewarded) and len(set(recorded)) == len(recorded),
         "recorded": len(recorded), "p50_s": percentile(latencies, 0.5), "p99_s": percentile(latencies, 0.99),
-        "tokens_per_s": tokens[0] / wall, "wall_s": wall, "server_metrics": stats["metrics"],
+        "tokens_per_s": tokens[0] / wall, "wall_s": wall, "tokens_per_cpu_s": tokens[0] / cpu, "cpu_s": cpu,
+        "server_metrics": stats["metrics"],
     }
 
 
@@ -159,21 +174,22 @@ def engine_side(args, model, tok) -> dict:
 
     async def for_a_while() -> tuple[float, int, list[float]]:
         # More tasks than the window can play (the engine starts them as slots free up); stopped at the deadline.
-        start = time.monotonic()
+        start, cpu_start = time.monotonic(), own_cpu_s()
         job = asyncio.create_task(engine.run(AgentRulesCalculator, "treerl/Calculator-v0", range(20_000), 1))
         await asyncio.wait({job}, timeout=args.seconds)
         wall, tokens, latencies = time.monotonic() - start, policy.tokens, list(policy.latencies)
+        cpu = own_cpu_s() - cpu_start
         job.cancel()
         try:
             await job
         except asyncio.CancelledError:
             pass
-        return wall, tokens, latencies
+        return wall, tokens, latencies, cpu
 
-    wall, tokens, latencies = asyncio.run(for_a_while())
+    wall, tokens, latencies, cpu = asyncio.run(for_a_while())
     policy.policy.close()
     return {"requests": len(latencies), "p50_s": percentile(latencies, 0.5), "p99_s": percentile(latencies, 0.99),
-            "tokens_per_s": tokens / wall, "wall_s": wall}
+            "tokens_per_s": tokens / wall, "wall_s": wall, "tokens_per_cpu_s": tokens / cpu, "cpu_s": cpu}
 
 
 def load_average() -> str:
@@ -208,6 +224,7 @@ def main() -> None:
 
     tps_ratio = statistics.median(s["tokens_per_s"] / max(e["tokens_per_s"], 1e-9) for s, e in rows)
     p50_ratio = statistics.median(s["p50_s"] / max(e["p50_s"], 1e-9) for s, e in rows)
+    cpu_ratio = statistics.median(s["tokens_per_cpu_s"] / max(e["tokens_per_cpu_s"], 1e-9) for s, e in rows)
     total_5xx = sum(s["status_5xx"] for s, _ in rows)
     body = f"""`python benchmarks/bench_serve.py --clients {args.clients} --seconds {args.seconds:g} --runs {args.runs}`
 ({datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch
@@ -220,7 +237,10 @@ the rollout engine on the same model with {args.clients} of the same episodes in
 each side); {args.runs} alternating runs, medians. Latency: a chat request as the client sees it (HTTP, JSON,
 rendering, recording, batching) vs. a generation request as the engine awaits it. The clients share the
 machine's {os.cpu_count()} cores with the server, and the server's tokens/s counts the tail after the deadline
-in which the started episodes finish with fewer clients left (so it is, if anything, low).
+in which the started episodes finish with fewer clients left (so it is, if anything, low). On a machine
+shared with other jobs the serve side's two processes (server and clients) get a larger share of the
+cores than the engine's one process, which favours serve in the tokens/s row; tokens per CPU-second
+(all processes of a side, user + system) is the comparison that does not depend on that share.
 
 | | `treerl serve` (HTTP) | engine directly | serve / engine |
 |---|---|---|---|
@@ -228,9 +248,12 @@ in which the started episodes finish with fewer clients left (so it is, if anyth
 | p50 latency | {med(0, 'p50_s') * 1000:.0f} ms | {med(1, 'p50_s') * 1000:.0f} ms | {p50_ratio:.2f}x |
 | p99 latency | {med(0, 'p99_s') * 1000:.0f} ms | {med(1, 'p99_s') * 1000:.0f} ms | |
 | sampled tokens/s | {med(0, 'tokens_per_s'):.0f} | {med(1, 'tokens_per_s'):.0f} | {tps_ratio:.2f}x |
+| sampled tokens per CPU-second | {med(0, 'tokens_per_cpu_s'):.0f} | {med(1, 'tokens_per_cpu_s'):.0f} | {cpu_ratio:.2f}x |
+| CPU seconds used (median per run) | {med(0, 'cpu_s'):.0f} | {med(1, 'cpu_s'):.0f} | |
 
 Server side over all runs: {sum(s['requests'] for s, _ in rows)} chat requests, **{total_5xx} responses 5xx**
-(statuses: {', '.join(str(s['statuses']) for s, _ in rows)}); {sum(s['episodes'] for s, _ in rows)} episodes
+(statuses of all its responses per run, chat requests and reward posts: {', '.join(str(s['statuses']) for s, _ in rows)});
+{sum(s['episodes'] for s, _ in rows)} episodes
 rewarded, and each is in the trajectory file exactly once: {all(s['recorded_once'] for s, _ in rows)}.
 """
     print(body)

@@ -21,7 +21,7 @@ def running_server(model: Any, tokenizer: Any, **options: Any) -> Iterator[tuple
     import uvicorn
 
     cfg = ServeConfig(port=0, **options)
-    policy = TransformersPolicy(model, tokenizer)
+    policy = TransformersPolicy(model, tokenizer, max_batch_size=cfg.max_batch_size, batch_wait_s=cfg.batch_wait_s)
     recorder = Recorder(policy, tokenizer, cfg)
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]

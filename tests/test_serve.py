@@ -21,6 +21,7 @@ openai = pytest.importorskip("openai", reason="the openai client is a test depen
 from _serve_helpers import running_server, seen_contexts  # noqa: E402
 
 from treerl.agents import ChatRenderer  # noqa: E402
+from treerl.errors import ConfigError  # noqa: E402
 from treerl.envs.parsers import get_parser  # noqa: E402
 from treerl.rollout import read_groups  # noqa: E402
 from treerl.serve.config import ServeConfig  # noqa: E402
@@ -102,6 +103,123 @@ def test_tool_loop_records_an_exact_tree_grouped_by_task(server, tiny):
         assert len(episode.sampler_logprobs) == len(episode.token_ids)
     # The group is in the trajectory file, in today's format.
     assert "calc-7" in [g.task_key for g in read_groups(out)]
+
+
+def test_served_episodes_read_like_the_engines(server, tiny):
+    """Call records name the sampled segment that made them, feedback is kept, the file has a header.
+
+    So `treerl view` shows served traffic as it shows the engine's.
+    """
+    from treerl.rollout.trajectory import read_header
+    from treerl.rollout.view import group_payload
+
+    url, recorder, out = server
+    _, tok = tiny
+    client = make_client(url)
+    result = run_episode(client, seed=7, max_tokens=48, post_reward=False)
+    assert any(r.choices[0].message.tool_calls for r in result.responses), "the tiny model calls the calculator first"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.post(f"/episodes/{result.episode_id}/reward", body={"reward": 0.0, "feedback": 3}, cast_to=object)
+    assert info.value.body["param"] == "feedback"
+    client.post(f"/episodes/{result.episode_id}/reward", body={"reward": 0.0, "feedback": "7 * 8 is 56, not 54."},
+                cast_to=object)
+    [group] = [g for g in read_groups(out) if g.task_key == result.episode_id]  # from the file, as `view` reads it
+    [episode] = group.episodes
+    assert episode.metrics["feedback"] == "7 * 8 is 56, not 54."
+    calls = [c for r in result.responses for c in r.choices[0].message.tool_calls or []]
+    assert len(episode.tool_calls) == len(calls)
+    on_path = group.path_indices(episode.leaf)
+    for record, call in zip(episode.tool_calls, calls):
+        segment = group.segments[record["segment"]]
+        assert segment.kind == "sampled" and record["segment"] in on_path
+        assert call.function.name in tok.decode(segment.token_ids)  # the turn that wrote this call
+    assert [c[0] for c in group_payload(group)["e"][0]["c"]] == [r["segment"] for r in episode.tool_calls]
+    header = read_header(out)
+    assert header["run"]["env_id"] == "treerl-serve" and header["run"]["group_size"] == 2
+
+
+def test_seed_stop_tool_choice_and_schema_checks(server, tiny):
+    url, recorder, _ = server
+    _, tok = tiny
+    client = make_client(url)
+    ask, unrecorded = [{"role": "user", "content": "Tell me about apples."}], {"X-Treerl-Record": "false"}
+    full = [client.chat.completions.create(model="treerl", messages=ask, max_tokens=24, temperature=1.0, seed=11,
+                                           logprobs=True, extra_headers=unrecorded) for _ in range(2)]
+    text = full[0].choices[0].message.content
+    assert text == full[1].choices[0].message.content and len(text) >= 6  # the same seed, the same sample
+    logprobs = [t.logprob for t in full[0].choices[0].logprobs.content]
+    # stop: the reply ends before the stop string; the recording keeps the sampled tokens up to
+    # the one that completed it (a prefix of the sample, so its log-probs are still exact).
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    before = text[:text.find(stop)]
+    stopped = client.chat.completions.create(model="treerl", messages=ask, max_tokens=24, temperature=1.0, seed=11,
+                                             stop=[stop], extra_headers={"X-Episode-Id": "stopped"})
+    assert stopped.choices[0].message.content == before and stopped.choices[0].finish_reason == "stop"
+    client.post("/episodes/stopped/reward", body={"reward": 0.0}, cast_to=object)
+    [segment] = [s for s in group_of(recorder, "stopped").segments if s.kind == "sampled"]
+    raw = ChatRenderer(tok).completion_text(segment.token_ids)
+    assert raw.startswith(before + stop) and text.startswith(raw)
+    assert segment.logprobs == pytest.approx(logprobs[:len(segment.logprobs)], abs=1e-4)
+    # tool_choice none: the model's call stays text; a call whose arguments break the request's
+    # schema comes back as content too, counted as invalid_arguments.
+    messages, _ = treerl.make("treerl/Calculator-v0").reset(seed=1)
+    reply = client.chat.completions.create(model="treerl", messages=messages, tools=TOOLS, tool_choice="none",
+                                           temperature=0, max_tokens=48, extra_headers=unrecorded).choices[0]
+    assert "<tool_call>" in reply.message.content and not reply.message.tool_calls
+    integer_tools = json.loads(json.dumps(TOOLS))
+    integer_tools[0]["function"]["parameters"]["properties"]["expression"] = {"type": "integer"}
+    invalid = recorder.metrics["tool_calls/invalid_arguments"]
+    reply = client.chat.completions.create(model="treerl", messages=messages, tools=integer_tools, temperature=0,
+                                           max_tokens=48, extra_headers=unrecorded).choices[0]
+    assert "<tool_call>" in reply.message.content and not reply.message.tool_calls
+    assert recorder.metrics["tool_calls/invalid_arguments"] == invalid + 1
+
+
+def test_episode_and_task_ids_from_the_body(server):
+    url, recorder, _ = server
+    client = make_client(url)
+    hi = [{"role": "user", "content": "Hi."}]
+    by_user = client.chat.completions.create(model="treerl", messages=hi, max_tokens=8, user="user-7")
+    by_metadata = client.chat.completions.create(model="treerl", messages=hi, max_tokens=8,
+                                                 extra_body={"metadata": {"episode_id": "meta-1",
+                                                                          "task_id": "meta-task"}})
+    assert by_user.model_extra["episode_id"] == "user-7" and by_metadata.model_extra["episode_id"] == "meta-1"
+    for episode_id in ("user-7", "meta-1"):
+        client.post(f"/episodes/{episode_id}/reward", body={"reward": 1.0}, cast_to=object)
+    client.post("/tasks/meta-task/finish", body={}, cast_to=object)  # the server's groups are of 2
+    assert group_of(recorder, "user-7").episodes[0].metrics["episode_id"] == "user-7"
+    assert group_of(recorder, "meta-task").episodes[0].metrics["episode_id"] == "meta-1"
+
+
+def test_concurrent_requests_decode_together_and_share_a_prefill(tiny, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, tok = tiny
+    rows, forward = [], model.forward
+
+    def counted(*args, **kwargs):
+        rows.append(kwargs["input_ids"].shape[0])
+        return forward(*args, **kwargs)
+
+    # A burst that arrives within batch_wait_s starts as one batch.
+    with running_server(model, tok, batch_wait_s=1.0, group_size=4, max_new_tokens=8) as (url, recorder):
+        monkeypatch.setattr(model, "forward", counted)  # after the policy read the forward's signature
+        client = make_client(url)
+        ask = [{"role": "user", "content": "Name a colour."}]
+
+        def one(k: int):
+            return client.chat.completions.create(model="treerl", messages=ask, max_tokens=8,
+                                                  extra_headers={"X-Episode-Id": f"burst-{k}", "X-Task-Id": "burst"})
+
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(one, range(4)))
+        assert max(rows) == 4  # four episodes' turns decoded as one batch
+        # Four episodes of one prompt: it ran through the model once.
+        assert recorder.metrics["requests/prompt_tokens_processed"] == replies[0].usage.prompt_tokens
+        for k in range(4):
+            client.post(f"/episodes/burst-{k}/reward", body={"reward": float(k)}, cast_to=object)
+        group = group_of(recorder, "burst")
+        assert len(group.episodes) == 4 and sum(s.kind == "prompt" for s in group.segments) == 1
 
 
 def test_streaming_and_usage(server, tiny):
@@ -278,6 +396,8 @@ def test_the_trajectory_file_resumes(tiny, tmp_path):
     assert recorder.task_counts["same"] == 2  # the next group of the task is "same#2"
     recorder.close()
     assert [g.task_key for g in read_groups(out)] == ["same", "same#1"]
+    with pytest.raises(ConfigError, match="group_size"):  # groups of another size would mix in the file
+        Recorder(None, tok, ServeConfig(out=str(out), group_size=4))
 
 
 def test_without_an_id_the_conversation_finds_its_episode(server):

@@ -1,4 +1,4 @@
-"""Agent frameworks against ``treerl serve`` over loopback: LangChain's ``ChatOpenAI`` and smolagents.
+"""Agent frameworks against ``treerl serve`` over loopback: LangChain's ``ChatOpenAI``, smolagents and LiteLLM.
 
 Each drives a multi-turn tool-use episode with the shipped tiny model; the test keeps every
 request body the framework sent (an httpx hook) and checks that each recorded sampled turn's
@@ -98,3 +98,36 @@ def test_smolagents_tool_calling_agent(served):
     # smolagents rewrites its history into its own text format between steps: every later turn
     # is a new branch rendered from what it sent, and still exactly what the model saw.
     assert_recorded_exactly(tok, group, exchanges.pairs)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning:pydantic")  # litellm's own response models, serialized
+def test_litellm_completion_tool_loop(served, monkeypatch):
+    # LiteLLM is large (tens of MB), so it is not a test dependency: installed, it is tested here.
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of its price list at import
+    litellm = pytest.importorskip("litellm", reason="litellm is not installed (pip install litellm to test it)")
+    import openai
+
+    url, recorder, tok = served
+    env = treerl.make("treerl/Calculator-v0")
+    messages, _ = env.reset(seed=12)
+    exchanges = Exchanges()
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, http_client=exchanges.http_client())
+    episode_id, task_id = f"llm-{uuid.uuid4().hex[:8]}", "litellm-task"
+    for _ in range(3):
+        response = litellm.completion(model="openai/treerl", messages=messages, tools=env.tool_schemas, client=client,
+                                      api_base=url, api_key="unused", max_tokens=48, temperature=1.0,
+                                      extra_headers={"X-Episode-Id": episode_id, "X-Task-Id": task_id})
+        message = response.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            break
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": calculator(**json.loads(call.function.arguments))})
+    finish(url, episode_id, task_id, env.score(env.task, messages[-1].get("content") or ""))
+    group = next(g for g in recorder.finished if g.task_key == task_id)
+    assert len(exchanges.pairs) >= 2, "the tiny model calls the calculator first: at least two turns"
+    assert_recorded_exactly(tok, group, exchanges.pairs)
+    [episode] = group.episodes
+    assert episode.metrics["episode_id"] == episode_id
+    assert not episode.extra_leaves  # the replies came back as they were given: one path, no rewrite

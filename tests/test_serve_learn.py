@@ -117,3 +117,44 @@ def test_learn_from_server_publishes_versioned_weights(tmp_path, monkeypatch):
     # The first step's groups were sampled by the server with the learner's starting weights:
     # the trainer recomputes exactly the recorded log-probs on the recorded tokens.
     assert abs(lines[0]["is/ratio_mean"] - 1.0) < 1e-3
+
+
+def test_sdpo_learns_from_served_traffic_and_its_feedback(tmp_path):
+    """SDPO's teacher reads the feedback agents post with their rewards (as the engine records Env.feedback)."""
+    pytest.importorskip("fastapi", reason="treerl serve needs the serve extra (fastapi, uvicorn)")
+    openai = pytest.importorskip("openai", reason="the openai client is a test dependency")
+    from _serve_helpers import running_server
+
+    from treerl.learners.sdpo import SDPOConfig
+    from treerl.learners.sdpo import train as train_sdpo
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from openai_agent import run_episode
+
+    torch.set_num_threads(1)
+    model, tok = _load()
+    path = tmp_path / "served.jsonl"
+    with running_server(model, tok, out=str(path), group_size=2, max_new_tokens=32) as (url, recorder):
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        for _ in range(2):
+            r = run_episode(client, seed=5, task_id="calc-5", max_tokens=32, post_reward=False)
+            client.post(f"/episodes/{r.episode_id}/reward", cast_to=object,
+                        body={"reward": r.reward, "feedback": "Compute it with the calculator, then answer."})
+    assert all(e.metrics["feedback"] for g in read_groups(path) for e in g.episodes)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # The environment is only asked for its tool schemas (the teacher's prompt renders them, as the agent's did).
+    cfg = SDPOConfig(output_dir=str(tmp_path / "run"), from_rollouts=str(path), steps=1, tasks_per_step=1,
+                     group_size=2, max_new_tokens=32, eval_episodes=0, progress=False, num_threads=1)
+    result = train_sdpo(cfg, model=model, tokenizer=tok)
+    assert result.policy_version == 1
+    assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    [m] = _metrics(tmp_path / "run")
+    assert m["sdpo/distill_terms"] > 0 and m["sdpo/no_teacher_group_frac"] == 0.0
+
+
+def test_async_grpo_refuses_recorded_groups():
+    from treerl.learners.async_grpo import AsyncGRPOConfig
+
+    for flag in (dict(from_rollouts="r.jsonl"), dict(from_server="http://127.0.0.1:8000")):
+        with pytest.raises(ValueError, match="--learner grpo or --learner sdpo"):
+            AsyncGRPOConfig(output_dir="x", **flag)

@@ -122,6 +122,11 @@ class AsyncGRPOConfig(GRPOConfig):
                              f"so it needs is_level=token (got {self.is_level!r}); use --is-level token, or "
                              "--objective clipped for sequence-level importance sampling.")
         super().__post_init__()
+        if self.from_rollouts or self.from_server:
+            flag = "from_rollouts" if self.from_rollouts else "from_server"
+            raise ValueError(f"{flag} is set, but AsyncGRPO trains on the groups its own generator processes play; "
+                             "to train on recorded groups use --learner grpo or --learner sdpo with "
+                             f"--{flag.replace('_', '-')} (`treerl serve`'s agents generate while the learner trains).")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness={self.max_staleness} must be >= 0 (0 trains only on groups sampled "
                              "with the trainer's current weights).")

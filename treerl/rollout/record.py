@@ -25,7 +25,7 @@ from treerl.errors import ConfigError
 from treerl.rollout.options import EpisodeOptions
 from treerl.rollout.trajectory import GroupWriter, make_header, repair_trajectory_file
 
-__all__ = ["RolloutConfig", "record", "run_header"]
+__all__ = ["RolloutConfig", "record", "run_header", "tokenizer_info"]
 
 
 @dataclass
@@ -91,6 +91,17 @@ def record(cfg: RolloutConfig, policy: Policy, tokenizer: Any) -> dict[str, Any]
     return summary
 
 
+def tokenizer_info(tokenizer: Any, template: str | None = None) -> dict[str, Any]:
+    """What identifies a tokenizer in a trajectory file's header: its class, vocabulary size and the chat
+    template episodes are rendered with (``template``, else the tokenizer's own)."""
+    template = template if template is not None else getattr(tokenizer, "chat_template", None)
+    return {
+        "class": type(tokenizer).__name__,
+        "vocab_size": len(tokenizer),
+        "chat_template_sha256": None if template is None else hashlib.sha256(str(template).encode()).hexdigest(),
+    }
+
+
 def run_header(cfg: RolloutConfig, tokenizer: Any) -> dict[str, Any]:
     """What makes this run's episodes comparable: a resumed file must have been written with the same."""
     # The template episodes are rendered with: --chat-template may replace the tokenizer's.
@@ -99,11 +110,7 @@ def run_header(cfg: RolloutConfig, tokenizer: Any) -> dict[str, Any]:
         "env_id": cfg.env,
         "env_kwargs": cfg.env_kwargs,
         "model": None if cfg.model is None else os.path.realpath(cfg.model),
-        "tokenizer": {
-            "class": type(tokenizer).__name__,
-            "vocab_size": len(tokenizer),
-            "chat_template_sha256": None if template is None else hashlib.sha256(str(template).encode()).hexdigest(),
-        },
+        "tokenizer": tokenizer_info(tokenizer, template),
         "sampling": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg.sampling()).items()},
         "group_size": cfg.group_size,
         "branch_at_turn": cfg.branch_at_turn,

@@ -255,10 +255,11 @@ class Group:
         >>> root = g.add_segment("prompt", [1])
         >>> late = g.add_segment("sampled", [3], parent=root, logprobs=[0.0])
         >>> early = g.add_segment("sampled", [2], parent=root, logprobs=[0.0])
-        >>> _ = g.add_episode(leaf=early, reward=0.0), g.add_episode(leaf=late, reward=1.0)
+        >>> _ = g.add_episode(leaf=early, reward=0.0)
+        >>> _ = g.add_episode(leaf=late, reward=1.0, tool_calls=[{"segment": late}])
         >>> g.canonicalize()
-        >>> [s.token_ids for s in g.segments], [e.leaf for e in g.episodes]
-        ([[1], [2], [3]], [1, 2])
+        >>> [s.token_ids for s in g.segments], [e.leaf for e in g.episodes], g.episodes[1].tool_calls
+        ([[1], [2], [3]], [1, 2], [{'segment': 2}])
         """
         new_of: dict[int, int] = {}
         for episode in self.episodes:

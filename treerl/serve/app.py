@@ -9,7 +9,8 @@ Endpoints (all JSON; errors in OpenAI's shape, the field named in ``param``):
                                             ``user``, group by ``X-Task-Id`` / ``metadata.task_id``;
                                             ``X-Treerl-Record: false`` serves without recording
 ``GET /v1/models``, ``GET /health``         the served model; liveness and the policy version
-``POST /v1/episodes/{id}/reward``           ``{"reward": 1.0}`` or ``{"rewards": [...]}`` finishes it
+``POST /v1/episodes/{id}/reward``           ``{"reward": 1.0}`` or ``{"rewards": [...]}`` finishes it;
+                                            optional ``metrics``, ``termination``, ``feedback``
 ``POST /v1/rewards``                        ``{"rewards": [{"episode_id": ..., "reward": ...}, ...]}``
 ``POST /v1/tasks/{task_id}/finish``         closes the task's group now
 ``GET /v1/groups?start=&count=&wait=``      finished groups by position (what ``--from-server`` reads)
@@ -190,7 +191,10 @@ def create_app(recorder: Recorder, cfg: ServeConfig) -> Any:
         termination = item.get("termination") or "completed"
         if not isinstance(termination, str):
             raise RequestError("termination", "must be a string.")
-        await recorder.reward(episode_id, reward, rewards, metrics, termination)
+        feedback = item.get("feedback")
+        if feedback is not None and not isinstance(feedback, str):
+            raise RequestError("feedback", "must be a string (what went wrong, in words).")
+        await recorder.reward(episode_id, reward, rewards, metrics, termination, feedback)
 
     @app.post("/v1/episodes/{episode_id}/reward")
     async def reward(episode_id: str, request: Request) -> Any:
@@ -299,7 +303,8 @@ def serve(cfg: ServeConfig, policy: Policy | None = None, tokenizer: Any = None)
         from treerl.models import load_model
 
         model, tokenizer = load_model(cfg.model, cfg.device)
-        policy = TransformersPolicy(model, tokenizer, device=cfg.device, max_batch_size=cfg.max_batch_size)
+        policy = TransformersPolicy(model, tokenizer, device=cfg.device, max_batch_size=cfg.max_batch_size,
+                                    batch_wait_s=cfg.batch_wait_s)
     recorder = Recorder(policy, tokenizer, cfg)
     sock = bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]

@@ -55,6 +55,9 @@ class ServeConfig(SamplingOptions):
     episode_timeout_s: float = field_help(600.0, "An episode with no request or reward for this long ends "
                                                  "(termination timeout, its rewards so far).")
     max_batch_size: int = field_help(64, "Most requests decoded together.")
+    batch_wait_s: float = field_help(0.001, "From idle, how long the policy waits for more requests before it "
+                                            "prefills, so requests arriving together (with the same prompt: "
+                                            "prefilled once) start as one batch.")
     num_threads: int | None = field_help(None, "torch CPU threads (default: torch's choice; 1 is fastest on a "
                                                "small CPU shared with other work).")
     token: str | None = field_help(None, "Bearer token (default: $TREERL_SERVE_TOKEN). With one, every endpoint "
@@ -77,6 +80,8 @@ class ServeConfig(SamplingOptions):
         if self.max_new_tokens > self.max_tokens_cap:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} (the default max_tokens) exceeds "
                              f"max_tokens_cap={self.max_tokens_cap}; raise --max-tokens-cap or lower it.")
+        if not 0 <= self.batch_wait_s <= 10:
+            raise ValueError(f"batch_wait_s={self.batch_wait_s} must be in 0..10 seconds (e.g. 0.001).")
         if not self.episode_timeout_s > 0:
             raise ValueError(f"episode_timeout_s={self.episode_timeout_s} must be > 0 (seconds).")
         self.sampling()  # SamplingParams checks the sampling defaults with its own messages

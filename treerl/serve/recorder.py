@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import time
 import uuid
 from collections import Counter
@@ -50,11 +51,12 @@ from treerl.rollout.episode import (
     sample_turn,
     turn_params,
 )
-from treerl.rollout.trajectory import Group, GroupWriter, read_groups
+from treerl.rollout.record import tokenizer_info
+from treerl.rollout.trajectory import Group, GroupWriter, make_header, read_groups
 from treerl.serve.config import ServeConfig
 from treerl.serve.openai_format import ChatRequest, RequestError, message_key, template_messages, tool_reply
 
-__all__ = ["Recorder", "Choice"]
+__all__ = ["Recorder", "Choice", "serve_header"]
 
 ENV_ID = "treerl-serve"
 
@@ -158,7 +160,8 @@ class Recorder:
         self.finished: list[Group] = []
         self.writer: GroupWriter | None = None
         if cfg.out:
-            self.writer = GroupWriter(cfg.out)  # cuts a torn last line: the restarted server resumes the file
+            # Cuts a torn last line, so a restarted server resumes the file; its header must match this server's.
+            self.writer = GroupWriter(cfg.out, header=serve_header(cfg, tokenizer))
             self.finished = list(read_groups(cfg.out))
             for g in self.finished:
                 self.task_counts[str(g.info.get("task_id") or g.task_key)] += 1
@@ -348,7 +351,8 @@ class Recorder:
             parsed = self.parser.parse(text, {t["function"]["name"]: t["function"].get("parameters")
                                               for t in request.tools})
         message, records = tool_reply(text, parsed, request.tools)
-        state.tool_calls.extend(records)
+        # Each call record names the sampled segment that made it, as the engine's do (the viewer places it there).
+        state.tool_calls.extend({**r, "segment": turn.leaf} for r in records)
         for r in records:
             name = f"tool_calls/{r['error'] or 'ok'}"
             self.metrics[name] += 1
@@ -398,8 +402,13 @@ class Recorder:
     # -- rewards and groups -------------------------------------------------------------------------
 
     async def reward(self, episode_id: str, reward: float | None = None, rewards: Sequence[float] | None = None,
-                     metrics: dict[str, Any] | None = None, termination: str = "completed") -> None:
-        """Finish an episode with its reward (or per-turn ``rewards``, summed), once its request in flight is done."""
+                     metrics: dict[str, Any] | None = None, termination: str = "completed",
+                     feedback: str | None = None) -> None:
+        """Finish an episode with its reward (or per-turn ``rewards``, summed), once its request in flight is done.
+
+        ``feedback`` (what went wrong, in words) is kept as the episode's ``metrics["feedback"]``,
+        where the engine keeps an environment's :meth:`~treerl.envs.Env.feedback` (SDPO's teacher reads it).
+        """
         if episode_id in self.forks:
             raise RequestError("episode_id", f"episode {episode_id!r} forked into {self.forks[episode_id]} (n > 1); "
                                              "post a reward to each of them.", status=409)
@@ -412,13 +421,11 @@ class Recorder:
                 raise RequestError("episode_id", f"episode {episode_id!r} has finished already.", status=409)
             if episode.turn is None:
                 raise RequestError("episode_id", f"episode {episode_id!r} has no reply to reward yet.", status=409)
-            self._finish_with(episode, reward, rewards, metrics, termination)
-
-    def _finish_with(self, episode: _Episode, reward: float | None, rewards: Sequence[float] | None,
-                     metrics: dict[str, Any] | None, termination: str) -> None:
-        episode.state.rewards = [float(r) for r in rewards] if rewards is not None else [float(reward)]
-        episode.state.metrics.update(metrics or {})
-        self._finish(episode, termination)
+            episode.state.rewards = [float(r) for r in rewards] if rewards is not None else [float(reward)]
+            episode.state.metrics.update(metrics or {})
+            if feedback:
+                episode.state.metrics["feedback"] = feedback
+            self._finish(episode, termination)
 
     def _finish(self, episode: _Episode, termination: str) -> None:
         episode.state.metrics["episode_id"] = episode.id
@@ -504,6 +511,17 @@ class Recorder:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def serve_header(cfg: ServeConfig, tokenizer: Any) -> dict[str, Any]:
+    """The trajectory file's header: what a restarted server must share to append to it (sampling is per request)."""
+    return make_header({
+        "env_id": ENV_ID,
+        "model": None if cfg.model is None else os.path.realpath(cfg.model),
+        "tokenizer": tokenizer_info(tokenizer),
+        "group_size": cfg.group_size,
+        "max_episode_tokens": cfg.max_episode_tokens,
+    })
 
 
 def _render(renderer: ChatRenderer, messages: list[dict[str, Any]]) -> list[int]:
