@@ -35,6 +35,7 @@ from treerl.learners.teacher import ema_update, teacher_terms, teacher_trees, te
 from treerl.learners.teacher_context import TeacherPrompter
 from treerl.models import load_default_model
 from treerl.rollout.engine import RolloutEngine
+from treerl.rollout.trajectory import read_groups, sample_path
 
 TEMPERATURE = 0.9
 ENV = "treerl/Calculator-v0"
@@ -336,6 +337,21 @@ def test_the_other_teachers_train(tiny, tmp_path, kind):
     [m] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert m["sdpo/reprompt_frac"] == 1.0 and m["sdpo/distill_terms"] > 0 and math.isfinite(m["loss/distill"])
     assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_sdpo_keeps_trajectory_samples_for_treerl_view(tiny, tmp_path):
+    model, tok = tiny
+    cfg = _cfg(tmp_path, steps=1, tasks_per_step=2, group_size=4, eval_episodes=0, progress=False,
+               max_new_tokens=24, sample_groups=1)
+    train(cfg, model=copy.deepcopy(model), tokenizer=tok, policy=_script(tok))
+    [group] = read_groups(sample_path(tmp_path, 1))  # step 1 is sampled; only the first group kept
+    assert group.task_key == "seed-0" and [e.reward for e in group.episodes] == [1.0, 0.0, 0.0, 1.0]
+    adv = [e.advantage for e in group.episodes]  # GRPO's advantages within the group: successes above failures
+    assert adv[0] == adv[3] > 0 > adv[1] == adv[2]
+    sampled = [s for s in group.segments if s.kind == "sampled"]
+    assert sampled and all(s.trainer_logprobs is not None and len(s.trainer_logprobs) == len(s.token_ids)
+                           for s in sampled)
+    assert all(lp <= 0.0 for s in sampled for lp in s.trainer_logprobs)
 
 
 def test_nothing_to_learn_from_changes_nothing_and_says_so(tiny, tmp_path):
