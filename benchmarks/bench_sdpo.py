@@ -64,8 +64,11 @@ def run_one(env: str, learner: str, seed: int, workdir: Path, extra: list[str]) 
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
+    config = json.loads((out / "config.json").read_text())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     result = {"env": env, "learner": learner, "seed": seed, "wall_s": wall, "load": load, "load_after": _load(),
+              "commit": _commit(), **{k: config[k] for k in ("steps", "tasks_per_step", "group_size",
+                                                             "eval_episodes", "learning_rate")},
               "start": summary["eval_start"]["success_rate"], "end": summary["eval_end"]["success_rate"],
               "reward_start": summary["eval_start"]["reward/mean"], "reward_end": summary["eval_end"]["reward/mean"],
               "step_s": statistics.median(m["perf/step_s"] for m in metrics),
@@ -125,6 +128,19 @@ def copy_check(num_tasks: int) -> dict[str, float]:
             teacher.append(t.logp[t.mask])
     return {"tasks": num_tasks, "success": float(rewards.mean()), "student_logp": float(torch.cat(student).mean()),
             "teacher_logp": float(torch.cat(teacher).mean())}
+
+
+def _commit() -> str:
+    """The measured code's commit (with "+changes" when the work tree differs): which runs can be reused."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
 
 
 def _load() -> str:
