@@ -150,27 +150,36 @@ def test_the_packed_teacher_equals_the_unpacked_teacher(tiny, groups, tmp_path, 
                 want = logits[int(ranks[m])].log_softmax(-1)[targets[int(ranks[m])]]
                 assert targets[int(ranks[m])] == batch.term_target[m]  # the same sampled token
                 assert abs(float(packed.logp[m]) - float(want)) < 1e-5
-        if not use_feedback:
-            # Failed siblings of task 0 share one demonstration: one teacher prefix for three branches.
-            assert packed.num_path_tokens > packed.num_tokens
+        # Failed siblings of task 0 share one demonstration: one teacher prefix for three branches (with
+        # feedback, up to where each one's own feedback starts).
+        assert packed.num_path_tokens > packed.num_tokens
     assert metrics["sdpo/reprompt_frac"] == (1.0 if use_feedback else 0.5)
     assert metrics["sdpo/no_teacher_group_frac"] == (0.0 if use_feedback else 0.5)
 
 
-def test_teacher_trees_share_the_prefix_and_keep_every_token_after_it(groups, tiny, tmp_path):
+@pytest.mark.parametrize("use_feedback", [False, True])
+def test_teacher_trees_share_the_prefix_and_keep_every_token_after_it(groups, tiny, tmp_path, use_feedback):
     _, tok = tiny
-    prompts, _ = _prompts(tok, groups, _cfg(tmp_path, use_feedback=False))
+    prompts, _ = _prompts(tok, groups, _cfg(tmp_path, use_feedback=use_feedback))
     trees = teacher_trees(groups, prompts)
-    assert trees.student_episodes == [0, 1, 2, 3]  # task 1 has neither a success nor (here) feedback
-    [tree] = trees.groups
-    assert sum(s.kind == "prompt" for s in tree.segments) == 2  # episode 0's demo is 3; the others' is 0
-    student = groups[0]
-    n = len(student.segments[0].token_ids)
-    for e, t in zip(student.episodes, tree.episodes):
-        t_prompt = len(tree.path(t.leaf)[0].token_ids)
-        assert t.token_ids[t_prompt:] == e.token_ids[n:]  # sampled turns and env tokens between, unchanged
-        assert t.sampled_mask[t_prompt:] == e.sampled_mask[n:]
-    assert len(student.episodes[2].messages) > 3  # a multi-turn episode is in there
+    # Without feedback, task 1 has nothing to learn from (no success); with it, every episode has a teacher.
+    assert trees.student_episodes == ([0, 1, 2, 3, 4, 5, 6, 7] if use_feedback else [0, 1, 2, 3])
+    for tree, student in zip(trees.groups, groups):
+        mine = [prompts[i] for i in trees.student_episodes if i // 4 == groups.index(student)]
+        distinct = {tuple(p) for p in mine}
+        prompt_segments = [s for s in tree.segments if s.kind == "prompt"]
+        assert sum(s.parent is None for s in tree.segments) == 1  # one system prompt and task: one root
+        # The teacher prompts as a trie: each shared prefix once.
+        assert sum(len(s.token_ids) for s in prompt_segments) < sum(len(p) for p in distinct)
+        n = len(student.segments[0].token_ids)
+        for e, t, want in zip(student.episodes, tree.episodes, mine):
+            t_prompt = sum(len(s.token_ids) for s in tree.path(t.leaf) if s.kind == "prompt")
+            assert t.token_ids[:t_prompt] == list(want)  # the episode's own teacher prompt, exactly
+            assert t.token_ids[t_prompt:] == e.token_ids[n:]  # sampled turns and env tokens between, unchanged
+            assert t.sampled_mask[t_prompt:] == e.sampled_mask[n:]
+    if not use_feedback:  # failed siblings 1 and 2 and success 3 read episode 0's attempt, 0 reads episode 3's
+        assert len({tuple(p) for p in prompts[:4]}) == 2
+    assert len(groups[0].episodes[2].messages) > 3  # a multi-turn episode is in there
 
 
 # -- the loss, its masks and the blend ------------------------------------------------------------
