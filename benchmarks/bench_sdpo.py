@@ -197,7 +197,8 @@ def report(runs: list[dict], envs: list[str], loads: list[str], note: str = "",
         seeds = sorted({r["seed"] for r in env_runs})
         r0 = env_runs[0]
         steps, episodes = r0.get("steps", DEFAULT_STEPS), r0.get("eval_episodes", DEFAULT_EVAL_EPISODES)
-        reduced = steps != DEFAULT_STEPS or episodes != DEFAULT_EVAL_EPISODES or seeds != [0, 1]
+        reduced = steps != DEFAULT_STEPS or episodes != DEFAULT_EVAL_EPISODES or any(
+            sorted(r["seed"] for r in env_runs if r["learner"] == learner) != [0, 1] for learner in LEARNERS)
         per_run = steps * r0.get("tasks_per_step", 8) * r0.get("group_size", 8)
         lines += [f"**{env}**: `{_env_command(env, env_runs)}`: {steps} steps = {per_run:,} episodes per run, "
                   f"seeds {', '.join(map(str, seeds))}, {episodes} held-out episodes"
@@ -239,6 +240,13 @@ def report(runs: list[dict], envs: list[str], loads: list[str], note: str = "",
     return "\n".join(lines)
 
 
+def _finished(workdir: Path, envs: list[str], seeds: list[int], learners: list[str]) -> list[dict]:
+    """The records of the finished runs in ``workdir`` (of the given envs, seeds and learners)."""
+    records = [workdir / f"{env.split('/')[-1]}-{learner}-{seed}" / "bench.json"
+               for env in envs for seed in seeds for learner in learners]
+    return [json.loads(r.read_text()) for r in records if r.exists()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--envs", nargs="+", default=list(ENVS))
@@ -250,6 +258,9 @@ def main() -> None:
                         help="Report the finished runs in --workdir (of the given envs, seeds, learners); run nothing.")
     parser.add_argument("--copy-check-tasks", type=int, default=16, help="Tasks of the copy check (0 skips it).")
     parser.add_argument("--note", default="", help="Replaces the load figures in the report's first line.")
+    parser.add_argument("--also", type=Path, default=None,
+                        help="Append a report of the finished runs in this earlier workdir (e.g. another scale).")
+    parser.add_argument("--also-note", default="", help="What the --also runs are (their heading's text).")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="More flags for every run, after --, e.g. -- --steps 5")
     args = parser.parse_args()
     extra = [a for a in args.extra if a != "--"]
@@ -257,9 +268,7 @@ def main() -> None:
     if args.report_only:
         if args.workdir is None:
             parser.error("--report-only reads the runs of --workdir DIR")
-        records = [args.workdir / f"{env.split('/')[-1]}-{learner}-{seed}" / "bench.json"
-                   for env in args.envs for seed in args.seeds for learner in args.learners]
-        runs = [json.loads(r.read_text()) for r in records if r.exists()]
+        runs = _finished(args.workdir, args.envs, args.seeds, args.learners)
         loads = [r.get("load", "?") for r in runs[:1]] + [r.get("load_after", "?") for r in runs[-1:]] or ["?"]
     else:
         with tempfile.TemporaryDirectory() as tmp:
@@ -270,6 +279,10 @@ def main() -> None:
         loads.append(_load())
     check = copy_check(args.copy_check_tasks) if args.copy_check_tasks else None
     body = report(runs, args.envs, loads, args.note, check)
+    if args.also is not None:
+        earlier = _finished(args.also, args.envs, args.seeds, args.learners)
+        body += "\n" + "\n".join(["### Earlier runs" + (f": {args.also_note}" if args.also_note else ""), "",
+                                   report(earlier, args.envs, ["?"], "see above")])
     print(body)
     if not args.no_write:
         write_section(SECTION, body)
