@@ -177,7 +177,8 @@ def report(runs: list[dict], envs: list[str], loads: list[str], note: str = "",
     lines = [
         f"Run {datetime.date.today()} (measured code: commit {', '.join(commits)}; torch {torch.__version__}, "
         f"{platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs; "
-        + (note or f"load average before the runs {loads[0]}, after {loads[-1]}") + ").",
+        + (note or ("load not recorded" if loads[0] == "?" else
+                    f"load average before the runs {loads[0]}, after {loads[-1]}")) + ").",
         "",
         "Every run is `treerl learn [--learner sdpo [--distillation-weight 0.5]] --env ENV --output-dir DIR --seed S "
         "[flags below]` from the shipped tiny model, every other option at its default (8 tasks x 8 generations "
@@ -247,6 +248,11 @@ def _finished(workdir: Path, envs: list[str], seeds: list[int], learners: list[s
     return [json.loads(r.read_text()) for r in records if r.exists()]
 
 
+def _loads(runs: list[dict]) -> list[str]:
+    """The load averages before the first of ``runs`` and after the last (as they recorded them)."""
+    return [r.get("load", "?") for r in runs[:1]] + [r.get("load_after", "?") for r in runs[-1:]] or ["?"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--envs", nargs="+", default=list(ENVS))
@@ -269,7 +275,7 @@ def main() -> None:
         if args.workdir is None:
             parser.error("--report-only reads the runs of --workdir DIR")
         runs = _finished(args.workdir, args.envs, args.seeds, args.learners)
-        loads = [r.get("load", "?") for r in runs[:1]] + [r.get("load_after", "?") for r in runs[-1:]] or ["?"]
+        loads = _loads(runs)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             workdir = args.workdir or Path(tmp)
@@ -281,8 +287,8 @@ def main() -> None:
     body = report(runs, args.envs, loads, args.note, check)
     if args.also is not None:
         earlier = _finished(args.also, args.envs, args.seeds, args.learners)
-        body += "\n" + "\n".join(["### Earlier runs" + (f": {args.also_note}" if args.also_note else ""), "",
-                                   report(earlier, args.envs, ["?"], "see above")])
+        body += "\n" + "\n".join(["### Earlier runs", "", *([args.also_note, ""] if args.also_note else []),
+                                   report(earlier, args.envs, _loads(earlier))])
     print(body)
     if not args.no_write:
         write_section(SECTION, body)
