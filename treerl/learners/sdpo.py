@@ -32,8 +32,10 @@ to learn from raises the ``sdpo_no_teacher`` diagnostic.
 
 Defaults follow the authors' runs (top-k 100 with a tail bucket, ``alpha = 0.5``, EMA
 rate 0.05, IS clip 2, a successful sample taught by another) with the environment's
-feedback on (treerl's environments give it); ``--distillation-mode sampled_token
---distillation-alpha 1`` is TRL's default objective.
+feedback shown with or without a demonstration (the authors show it only without one:
+``--feedback-only-without-solution true``); ``--distillation-mode sampled_token
+--distillation-alpha 1`` is TRL's default objective. The README's SDPO section lists how
+the loss and its aggregation compare with TRL's and the authors' code.
 
     treerl learn --learner sdpo --env treerl/Calculator-v0 --output-dir runs/sdpo
 """
