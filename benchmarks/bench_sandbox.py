@@ -153,7 +153,9 @@ def main() -> None:
         lines.append(f"| `{name}` | {base_ms:.1f} | {new_ms:.1f} | **{statistics.median(ratios):.2f}x** | "
                      + ", ".join(f"{x:.2f}" for x in ratios) + " |")
     lines += ["", "What the new side enforced on this machine (`sandbox_capabilities()`):", ""]
-    lines += [f"- `{key}`: {value}" for key, value in caps.items()]
+    # The interpreter's path names this machine's checkout: keep only what it is.
+    lines += [f"- `{key}`: {value.replace(sys.executable, 'the project venv python') if isinstance(value, str) else value}"
+              for key, value in caps.items()]
     body = "\n".join(lines)
     if args.no_write:
         print(SECTION + "\n\n" + body)

@@ -64,8 +64,11 @@ def run_one(env: str, learner: str, seed: int, workdir: Path, extra: list[str]) 
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
+    config = json.loads((out / "config.json").read_text())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     result = {"env": env, "learner": learner, "seed": seed, "wall_s": wall, "load": load, "load_after": _load(),
+              "commit": _commit(), "extra": extra, **{k: config[k] for k in ("steps", "tasks_per_step", "group_size",
+                                                             "eval_episodes", "learning_rate")},
               "start": summary["eval_start"]["success_rate"], "end": summary["eval_end"]["success_rate"],
               "reward_start": summary["eval_start"]["reward/mean"], "reward_end": summary["eval_end"]["reward/mean"],
               "step_s": statistics.median(m["perf/step_s"] for m in metrics),
@@ -127,29 +130,80 @@ def copy_check(num_tasks: int) -> dict[str, float]:
             "teacher_logp": float(torch.cat(teacher).mean())}
 
 
+def _commit() -> str:
+    """The measured code's commit (with "+changes" when the work tree differs): which runs can be reused."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
+
+
 def _load() -> str:
     with open("/proc/loadavg") as f:
         return " ".join(f.read().split()[:3])
 
 
-def report(runs: list[dict], envs: list[str], seeds: list[int], loads: list[str], extra: list[str],
-           note: str = "", check: dict[str, float] | None = None) -> str:
+DEFAULT_STEPS, DEFAULT_EVAL_EPISODES = 60, 64  # the full benchmark: treerl learn's defaults
+
+
+def _extra(r: dict) -> list[str]:
+    """The flags a run had beyond the defaults (older records only kept steps and eval episodes)."""
+    if "extra" in r:
+        return list(r["extra"])
+    out = [] if r.get("steps", DEFAULT_STEPS) == DEFAULT_STEPS else ["--steps", str(r["steps"])]
+    if r.get("eval_episodes", DEFAULT_EVAL_EPISODES) != DEFAULT_EVAL_EPISODES:
+        out += ["--eval-episodes", str(r["eval_episodes"])]
+    return out
+
+
+def _env_command(env: str, env_runs: list[dict]) -> str:
+    seeds = sorted({r["seed"] for r in env_runs})
+    learners = [name for name in LEARNERS if any(r["learner"] == name for r in env_runs)]
+    cmd = f"python benchmarks/bench_sdpo.py --envs {env} --seeds {' '.join(map(str, seeds))}"
+    if learners != list(LEARNERS):
+        cmd += f" --learners {' '.join(learners)}"
+    extra = _extra(env_runs[0])
+    return cmd + (f" -- {' '.join(extra)}" if extra else "")
+
+
+def report(runs: list[dict], envs: list[str], loads: list[str], note: str = "",
+           check: dict[str, float] | None = None) -> str:
+    commits = sorted({r.get("commit", "not recorded") for r in runs})
     lines = [
-        f"Command: `python benchmarks/bench_sdpo.py` (run {datetime.date.today()}, torch {torch.__version__}, "
+        f"Run {datetime.date.today()} (measured code: commit {', '.join(commits)}; torch {torch.__version__}, "
         f"{platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs; "
-        + (note or f"load average before the runs {loads[0]}, after {loads[-1]}") + "). Per environment, seed "
-        "and learner:",
-        "`treerl learn [--learner sdpo [--distillation-weight 0.5]] --env ENV --output-dir DIR --seed S`"
-        + (f" `{' '.join(extra)}`" if extra else "") + ", every other option at its default: 60 steps x 8 tasks x "
-        "8 generations = 3,840 episodes for every learner, the shipped tiny model, learning rate 2e-4. "
-        "Held-out success: 64 episodes (task seeds 10000-10063) at temperature 1.0, before and after.",
-        "`sdpo` is distillation alone (top-k 100 with a tail, alpha 0.5, EMA teacher 0.05, IS clip 2, "
-        "demonstrations and environment feedback); `sdpo+grpo` blends it half and half with GRPO's loss.",
+        + (note or ("load not recorded" if loads[0] == "?" else
+                    f"load average before the runs {loads[0]}, after {loads[-1]}")) + ").",
+        "",
+        "Every run is `treerl learn [--learner sdpo [--distillation-weight 0.5]] --env ENV --output-dir DIR --seed S "
+        "[flags below]` from the shipped tiny model, every other option at its default (8 tasks x 8 generations "
+        "per step, learning rate 2e-4, the same episodes per run for every learner). `sdpo` is distillation alone "
+        "(top-k 100 with a tail, alpha 0.5, EMA teacher 0.05, IS clip 2, demonstrations and environment feedback); "
+        "`sdpo+grpo` blends it half and half with GRPO's loss. Held-out success: episodes on task seeds from 10000 "
+        "at temperature 1.0, before and after training.",
+        f"The full benchmark (`python benchmarks/bench_sdpo.py`) is {DEFAULT_STEPS} steps (3,840 episodes per run), "
+        f"seeds 0 and 1, {DEFAULT_EVAL_EPISODES} held-out episodes, on both environments; a run below with fewer "
+        "steps, seeds or held-out episodes is a reduced run and says so.",
         "",
     ]
     for env in envs:
         env_runs = [r for r in runs if r["env"] == env]
-        lines += [f"**{env}**", "",
+        if not env_runs:
+            continue
+        seeds = sorted({r["seed"] for r in env_runs})
+        r0 = env_runs[0]
+        steps, episodes = r0.get("steps", DEFAULT_STEPS), r0.get("eval_episodes", DEFAULT_EVAL_EPISODES)
+        reduced = steps != DEFAULT_STEPS or episodes != DEFAULT_EVAL_EPISODES or any(
+            sorted(r["seed"] for r in env_runs if r["learner"] == learner) != [0, 1] for learner in LEARNERS)
+        per_run = steps * r0.get("tasks_per_step", 8) * r0.get("group_size", 8)
+        lines += [f"**{env}**: `{_env_command(env, env_runs)}`: {steps} steps = {per_run:,} episodes per run, "
+                  f"seeds {', '.join(map(str, seeds))}, {episodes} held-out episodes"
+                  + (" (a reduced run, not the full benchmark)." if reduced else "."), "",
                   "| learner | seed | held-out success at start | at end | gain | held-out mean reward at end | "
                   "median step | wall time |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -158,15 +212,16 @@ def report(runs: list[dict], envs: list[str], seeds: list[int], loads: list[str]
                 lines.append(f"| {learner} | {r['seed']} | {r['start']:.1%} | {r['end']:.1%} | "
                              f"{(r['end'] - r['start']) * 100:+.1f} pts | {r['reward_end']:.3f} | "
                              f"{r['step_s']:.1f} s | {r['wall_s'] / 60:.1f} min |")
-        lines += ["", "| learner | mean success at end over seeds " + ", ".join(map(str, seeds))
-                  + " | mean gain | step time / GRPO's (median steps, same seeds) |", "|---|---:|---:|---:|"]
+        lines += ["", "| learner | seeds | mean success at end | mean gain | step time / GRPO's (median steps) |",
+                  "|---|---|---:|---:|---:|"]
         grpo = [r["step_s"] for r in env_runs if r["learner"] == "grpo"]
         for learner in LEARNERS:
             own = [r for r in env_runs if r["learner"] == learner]
             if not own:
                 continue
             ratio = f"{statistics.mean(r['step_s'] for r in own) / statistics.mean(grpo):.2f}x" if grpo else "-"
-            lines.append(f"| {learner} | {statistics.mean(r['end'] for r in own):.1%} | "
+            lines.append(f"| {learner} | {', '.join(str(r['seed']) for r in own)} | "
+                         f"{statistics.mean(r['end'] for r in own):.1%} | "
                          f"{statistics.mean((r['end'] - r['start']) * 100 for r in own):+.1f} pts | {ratio} |")
         sdpo_runs = [r for r in env_runs if r["sdpo"]]
         if sdpo_runs:
@@ -186,6 +241,18 @@ def report(runs: list[dict], envs: list[str], seeds: list[int], loads: list[str]
     return "\n".join(lines)
 
 
+def _finished(workdir: Path, envs: list[str], seeds: list[int], learners: list[str]) -> list[dict]:
+    """The records of the finished runs in ``workdir`` (of the given envs, seeds and learners)."""
+    records = [workdir / f"{env.split('/')[-1]}-{learner}-{seed}" / "bench.json"
+               for env in envs for seed in seeds for learner in learners]
+    return [json.loads(r.read_text()) for r in records if r.exists()]
+
+
+def _loads(runs: list[dict]) -> list[str]:
+    """The load averages before the first of ``runs`` and after the last (as they recorded them)."""
+    return [r.get("load", "?") for r in runs[:1]] + [r.get("load_after", "?") for r in runs[-1:]] or ["?"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--envs", nargs="+", default=list(ENVS))
@@ -197,6 +264,9 @@ def main() -> None:
                         help="Report the finished runs in --workdir (of the given envs, seeds, learners); run nothing.")
     parser.add_argument("--copy-check-tasks", type=int, default=16, help="Tasks of the copy check (0 skips it).")
     parser.add_argument("--note", default="", help="Replaces the load figures in the report's first line.")
+    parser.add_argument("--also", type=Path, default=None,
+                        help="Append a report of the finished runs in this earlier workdir (e.g. another scale).")
+    parser.add_argument("--also-note", default="", help="What the --also runs are (their heading's text).")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="More flags for every run, after --, e.g. -- --steps 5")
     args = parser.parse_args()
     extra = [a for a in args.extra if a != "--"]
@@ -204,10 +274,8 @@ def main() -> None:
     if args.report_only:
         if args.workdir is None:
             parser.error("--report-only reads the runs of --workdir DIR")
-        records = [args.workdir / f"{env.split('/')[-1]}-{learner}-{seed}" / "bench.json"
-                   for env in args.envs for seed in args.seeds for learner in args.learners]
-        runs = [json.loads(r.read_text()) for r in records if r.exists()]
-        loads = [r.get("load", "?") for r in runs[:1]] + [r.get("load_after", "?") for r in runs[-1:]] or ["?"]
+        runs = _finished(args.workdir, args.envs, args.seeds, args.learners)
+        loads = _loads(runs)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             workdir = args.workdir or Path(tmp)
@@ -216,7 +284,11 @@ def main() -> None:
                     for env in args.envs for seed in args.seeds for learner in args.learners]
         loads.append(_load())
     check = copy_check(args.copy_check_tasks) if args.copy_check_tasks else None
-    body = report(runs, args.envs, args.seeds, loads, extra, args.note, check)
+    body = report(runs, args.envs, loads, args.note, check)
+    if args.also is not None:
+        earlier = _finished(args.also, args.envs, args.seeds, args.learners)
+        body += "\n" + "\n".join(["### Earlier runs", "", *([args.also_note, ""] if args.also_note else []),
+                                   report(earlier, args.envs, _loads(earlier))])
     print(body)
     if not args.no_write:
         write_section(SECTION, body)

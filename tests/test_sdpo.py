@@ -35,6 +35,7 @@ from treerl.learners.teacher import ema_update, teacher_terms, teacher_trees, te
 from treerl.learners.teacher_context import TeacherPrompter
 from treerl.models import load_default_model
 from treerl.rollout.engine import RolloutEngine
+from treerl.rollout.trajectory import read_groups, sample_path
 
 TEMPERATURE = 0.9
 ENV = "treerl/Calculator-v0"
@@ -149,27 +150,36 @@ def test_the_packed_teacher_equals_the_unpacked_teacher(tiny, groups, tmp_path, 
                 want = logits[int(ranks[m])].log_softmax(-1)[targets[int(ranks[m])]]
                 assert targets[int(ranks[m])] == batch.term_target[m]  # the same sampled token
                 assert abs(float(packed.logp[m]) - float(want)) < 1e-5
-        if not use_feedback:
-            # Failed siblings of task 0 share one demonstration: one teacher prefix for three branches.
-            assert packed.num_path_tokens > packed.num_tokens
+        # Failed siblings of task 0 share one demonstration: one teacher prefix for three branches (with
+        # feedback, up to where each one's own feedback starts).
+        assert packed.num_path_tokens > packed.num_tokens
     assert metrics["sdpo/reprompt_frac"] == (1.0 if use_feedback else 0.5)
     assert metrics["sdpo/no_teacher_group_frac"] == (0.0 if use_feedback else 0.5)
 
 
-def test_teacher_trees_share_the_prefix_and_keep_every_token_after_it(groups, tiny, tmp_path):
+@pytest.mark.parametrize("use_feedback", [False, True])
+def test_teacher_trees_share_the_prefix_and_keep_every_token_after_it(groups, tiny, tmp_path, use_feedback):
     _, tok = tiny
-    prompts, _ = _prompts(tok, groups, _cfg(tmp_path, use_feedback=False))
+    prompts, _ = _prompts(tok, groups, _cfg(tmp_path, use_feedback=use_feedback))
     trees = teacher_trees(groups, prompts)
-    assert trees.student_episodes == [0, 1, 2, 3]  # task 1 has neither a success nor (here) feedback
-    [tree] = trees.groups
-    assert sum(s.kind == "prompt" for s in tree.segments) == 2  # episode 0's demo is 3; the others' is 0
-    student = groups[0]
-    n = len(student.segments[0].token_ids)
-    for e, t in zip(student.episodes, tree.episodes):
-        t_prompt = len(tree.path(t.leaf)[0].token_ids)
-        assert t.token_ids[t_prompt:] == e.token_ids[n:]  # sampled turns and env tokens between, unchanged
-        assert t.sampled_mask[t_prompt:] == e.sampled_mask[n:]
-    assert len(student.episodes[2].messages) > 3  # a multi-turn episode is in there
+    # Without feedback, task 1 has nothing to learn from (no success); with it, every episode has a teacher.
+    assert trees.student_episodes == ([0, 1, 2, 3, 4, 5, 6, 7] if use_feedback else [0, 1, 2, 3])
+    for tree, student in zip(trees.groups, groups):
+        mine = [prompts[i] for i in trees.student_episodes if i // 4 == groups.index(student)]
+        distinct = {tuple(p) for p in mine}
+        prompt_segments = [s for s in tree.segments if s.kind == "prompt"]
+        assert sum(s.parent is None for s in tree.segments) == 1  # one system prompt and task: one root
+        # The teacher prompts as a trie: each shared prefix once.
+        assert sum(len(s.token_ids) for s in prompt_segments) < sum(len(p) for p in distinct)
+        n = len(student.segments[0].token_ids)
+        for e, t, want in zip(student.episodes, tree.episodes, mine):
+            t_prompt = sum(len(s.token_ids) for s in tree.path(t.leaf) if s.kind == "prompt")
+            assert t.token_ids[:t_prompt] == list(want)  # the episode's own teacher prompt, exactly
+            assert t.token_ids[t_prompt:] == e.token_ids[n:]  # sampled turns and env tokens between, unchanged
+            assert t.sampled_mask[t_prompt:] == e.sampled_mask[n:]
+    if not use_feedback:  # failed siblings 1 and 2 and success 3 read episode 0's attempt, 0 reads episode 3's
+        assert len({tuple(p) for p in prompts[:4]}) == 2
+    assert len(groups[0].episodes[2].messages) > 3  # a multi-turn episode is in there
 
 
 # -- the loss, its masks and the blend ------------------------------------------------------------
@@ -336,6 +346,21 @@ def test_the_other_teachers_train(tiny, tmp_path, kind):
     [m] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert m["sdpo/reprompt_frac"] == 1.0 and m["sdpo/distill_terms"] > 0 and math.isfinite(m["loss/distill"])
     assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_sdpo_keeps_trajectory_samples_for_treerl_view(tiny, tmp_path):
+    model, tok = tiny
+    cfg = _cfg(tmp_path, steps=1, tasks_per_step=2, group_size=4, eval_episodes=0, progress=False,
+               max_new_tokens=24, sample_groups=1)
+    train(cfg, model=copy.deepcopy(model), tokenizer=tok, policy=_script(tok))
+    [group] = read_groups(sample_path(tmp_path, 1))  # step 1 is sampled; only the first group kept
+    assert group.task_key == "seed-0" and [e.reward for e in group.episodes] == [1.0, 0.0, 0.0, 1.0]
+    adv = [e.advantage for e in group.episodes]  # GRPO's advantages within the group: successes above failures
+    assert adv[0] == adv[3] > 0 > adv[1] == adv[2]
+    sampled = [s for s in group.segments if s.kind == "sampled"]
+    assert sampled and all(s.trainer_logprobs is not None and len(s.trainer_logprobs) == len(s.token_ids)
+                           for s in sampled)
+    assert all(lp <= 0.0 for s in sampled for lp in s.trainer_logprobs)
 
 
 def test_nothing_to_learn_from_changes_nothing_and_says_so(tiny, tmp_path):

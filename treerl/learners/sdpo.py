@@ -13,6 +13,7 @@ tokens** the student produced, and the student is trained towards it token by to
         groups, stats = run.rollout()                       # the engine records each episode's feedback
         rewards = score(groups, ...)                        # environment reward + reward functions
         adv = advantages(groups, rewards, ...)              # GRPO's, for the blended part
+        run.keep_sample(step, groups, adv)                  # every N steps, a few groups for `treerl view`
         prompts = teacher_prompts(groups, rewards, ...)     # per episode: demonstration / feedback -> tokens
         batches = pack_groups(groups, adv, ...)
         optimize(..., policy_coef=1 - w, extra_loss=Distillation(...))   # + w * distillation, per micro-batch
@@ -31,8 +32,10 @@ to learn from raises the ``sdpo_no_teacher`` diagnostic.
 
 Defaults follow the authors' runs (top-k 100 with a tail bucket, ``alpha = 0.5``, EMA
 rate 0.05, IS clip 2, a successful sample taught by another) with the environment's
-feedback on (treerl's environments give it); ``--distillation-mode sampled_token
---distillation-alpha 1`` is TRL's default objective.
+feedback shown with or without a demonstration (the authors show it only without one:
+``--feedback-only-without-solution true``); ``--distillation-mode sampled_token
+--distillation-alpha 1`` is TRL's default objective. The README's SDPO section lists how
+the loss and its aggregation compare with TRL's and the authors' code.
 
     treerl learn --learner sdpo --env treerl/Calculator-v0 --output-dir runs/sdpo
 """
@@ -302,6 +305,9 @@ def sdpo_step(run: Run, teacher: torch.nn.Module, prompter: TeacherPrompter, ste
     metrics["perf/rollout_s"] = time.perf_counter() - start
     rewards = score(groups, run.reward_funcs, metrics)
     adv = advantages(groups, rewards, run.reward_weights, cfg, metrics, run.ranks)
+    # Before the update, as GRPO: the stored trainer log-probs are those the step's IS weights saw.
+    # The advantage shown is GRPO's (what the (1 - w) part trains with; SDPO alone ignores it).
+    run.keep_sample(step, groups, adv)
     prompts = teacher_prompts(groups, rewards, run.reward_weights, prompter, metrics)
     batches = pack_groups(groups, adv, cfg.packing_config())
     normalizer = run.ranks.normalizer(batches)

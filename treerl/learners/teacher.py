@@ -7,10 +7,11 @@
 
 **Trees**: the teacher re-scores the **same sampled tokens** as the student, after its own
 prompt (:mod:`treerl.learners.teacher_context`). :func:`teacher_trees` rebuilds each
-student group as a teacher tree: one root per distinct teacher prompt, and under it each
-episode's segments after the student's prompt, unchanged (sampled turns with their
-log-probs, the environment's tokens in between), so sharing survives: failed siblings
-with one demonstration share the teacher prompt (forwarded once, each completion a
+student group as a teacher tree: the group's teacher prompts as a trie of ``prompt``
+segments (:func:`prompt_trie`), and under each prompt's end the episode's segments after
+the student's prompt, unchanged (sampled turns with their log-probs, the environment's
+tokens in between), so sharing survives: failed siblings with one demonstration share the
+teacher prompt up to where their own feedback starts (forwarded once, each completion a
 branch), and branched rollouts still share their first turns. The trees pack with
 :func:`~treerl.learners.packing.pack_groups` and run with the same tree-attention forward
 as the student (:func:`~treerl.learners.forward.packed_hidden_states`).
@@ -47,6 +48,7 @@ __all__ = [
     "make_teacher",
     "teacher_terms",
     "teacher_trees",
+    "prompt_trie",
     "term_ranks",
     "rebasable",
 ]
@@ -124,17 +126,13 @@ def teacher_trees(groups: Sequence[Group], prompts: Sequence[Sequence[int] | Non
     first = 0
     for group in groups:
         tree = Group(task_key=group.task_key, env_id=group.env_id, info=group.info)
-        roots: dict[tuple[int, ...], int] = {}
-        copied: dict[tuple[int, int], int] = {}  # (teacher root, student segment) -> teacher segment
-        for i, episode in enumerate(group.episodes):
-            index = first + i
-            ids = prompts[index]
-            if ids is None or (episodes is not None and index not in episodes) or not rebasable(group, i):
-                continue
-            key = tuple(ids)
-            if key not in roots:
-                roots[key] = tree.add_segment("prompt", list(ids))
-            root = roots[key]
+        chosen = [i for i in range(len(group.episodes)) if prompts[first + i] is not None
+                  and (episodes is None or first + i in episodes) and rebasable(group, i)]
+        prompt_end = prompt_trie(tree, [tuple(prompts[first + i]) for i in chosen])  # type: ignore[arg-type]
+        copied: dict[tuple[int, int], int] = {}  # (teacher prompt's last segment, student segment) -> teacher segment
+        for i in chosen:
+            index, episode = first + i, group.episodes[i]
+            root = prompt_end[tuple(prompts[index])]  # type: ignore[arg-type]
             parent = root
             for s in group.path_indices(episode.leaf)[1:]:
                 if (root, s) not in copied:
@@ -149,6 +147,45 @@ def teacher_trees(groups: Sequence[Group], prompts: Sequence[Sequence[int] | Non
             out.groups.append(tree)
         first += len(group.episodes)
     return out
+
+
+def prompt_trie(tree: Group, prompts: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], int]:
+    """Add ``prompts`` to ``tree`` as ``prompt`` segments of a compressed trie; returns each prompt's last segment.
+
+    A prefix that several prompts share is one segment, forwarded once: failed siblings shown
+    the same demonstration share it even when each also reads its own feedback after it.
+
+    >>> g = Group(task_key="t", env_id="e")
+    >>> ends = prompt_trie(g, [(1, 2, 3, 4), (1, 2, 5), (1, 2, 3, 4), (7,)])
+    >>> [(s.token_ids, s.parent) for s in g.segments]
+    [([1, 2], None), ([3, 4], 0), ([5], 0), ([7], None)]
+    >>> ends == {(1, 2, 3, 4): 1, (1, 2, 5): 2, (7,): 3}
+    True
+    """
+    ends: dict[tuple[int, ...], int] = {}
+
+    def add(members: list[tuple[int, ...]], depth: int, parent: int | None) -> None:
+        # Every member shares members[0][:depth] and its next token (so the segment is never empty).
+        end = min(len(p) for p in members)
+        end = next((k for k in range(depth, end) if any(p[k] != members[0][k] for p in members)), end)
+        node = tree.add_segment("prompt", list(members[0][depth:end]), parent=parent)
+        branches: dict[int, list[tuple[int, ...]]] = {}
+        for p in members:
+            if len(p) == end:
+                ends[p] = node
+            else:
+                branches.setdefault(p[end], []).append(p)
+        for branch in branches.values():
+            add(branch, end, node)
+
+    roots: dict[int, list[tuple[int, ...]]] = {}
+    for p in dict.fromkeys(prompts):  # distinct, in order
+        if not p:
+            raise ValueError("prompt_trie: an empty teacher prompt; teacher prompts hold at least the task.")
+        roots.setdefault(p[0], []).append(p)
+    for members in roots.values():
+        add(members, 0, None)
+    return ends
 
 
 def term_ranks(term_episode: Tensor) -> Tensor:
