@@ -351,6 +351,8 @@ def _build_root(libc, cfg, ctl, pid_ns):
         os.chmod(path, mode)
         os.chown(path, owner, owner)
     _copy_tree(cfg["work"], os.path.join(scratch, "work"), owner)
+    # The private /tmp first: an interpreter or venv that lives under /tmp is bound on top of it.
+    bind(os.path.join(scratch, "tmp"), new_root + "/tmp", False)
     for source, target in cfg["ro_binds"]:
         bind(source, new_root + target, True)
     for link, target in cfg["symlinks"]:
@@ -364,7 +366,6 @@ def _build_root(libc, cfg, ctl, pid_ns):
                          ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
         os.symlink(target, dev + "/" + name)
     bind(os.path.join(scratch, "shm"), dev + "/shm", False)
-    bind(os.path.join(scratch, "tmp"), new_root + "/tmp", False)
     bind(os.path.join(scratch, "work"), new_root + cfg["work"], False)
     os.mkdir(new_root + "/proc", 0o555)
     if pid_ns:
