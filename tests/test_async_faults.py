@@ -11,8 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from treerl.learners.async_grpo import AsyncGRPOConfig, train_async
 from treerl.rollout.trajectory import read_groups
+
+# SIGKILL/SIGSTOP fault runs start real generator processes: minutes in all; the default suite stays under 10 minutes.
+pytestmark = pytest.mark.slow
 
 SMALL = dict(tasks_per_step=2, group_size=4, max_new_tokens=48, eval_episodes=0, progress=False, num_threads=1)
 

@@ -10,6 +10,8 @@ import pytest
 from treerl.learners.async_grpo import AsyncGRPOConfig, train_async
 from treerl.rollout.trajectory import read_groups
 
+pytestmark = pytest.mark.slow  # starts a local Ray instance; the default suite stays under 10 minutes
+
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'treerl[ray]'")
 
 

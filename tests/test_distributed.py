@@ -23,6 +23,8 @@ from safetensors.torch import load_file, save_file
 from treerl.learners.distributed import Ranks
 from treerl.learners.grpo import GRPOConfig, train
 
+pytestmark = pytest.mark.slow  # starts two accelerate processes; the default suite stays under 10 minutes
+
 # Two steps, so that step 2's rollouts run on the weights each rank computed in step 1.
 # Several processes never skip zero-advantage groups; the single-process reference must not either,
 # so that its logged metrics cover the same terms.
