@@ -105,6 +105,29 @@ def test_a_step_waits_for_a_due_group_still_being_played_unless_told_to_drop(wai
         assert buf.take(1, trainer_version=2, timeout=0) == [] and buf.dropped == 1
 
 
+def test_diagnostics_fire_when_the_trainer_starves_or_staleness_keeps_hitting_the_bound(tmp_path):
+    from treerl.learners.async_grpo import ASYNC_CHECKS, _Clock, count_streaks
+    from treerl.learners.diagnostics import Diagnostics
+
+    diag, clock = Diagnostics(tmp_path / "diagnostics.jsonl", checks=ASYNC_CHECKS), _Clock()
+    idle = {"async/at_bound_frac": 0.0, "async/generator_idle_frac": 0.0, "async/dropped_groups_step": 0.0}
+    fired = []
+    for step, trainer_idle in enumerate([0.9, 0.9, 0.2, 0.9, 0.9, 0.9]):  # a busy step breaks the streak
+        metrics = {**idle, "async/trainer_idle_frac": trainer_idle}
+        count_streaks(clock, metrics)
+        fired.append(sorted(diag.check(step, metrics)))
+    assert fired == [[]] * 5 + [["diag/trainer_starved"]]
+    clock = _Clock()
+    for step in range(3):  # most spans at the bound while the generators wait for tickets
+        metrics = {**idle, "async/at_bound_frac": 0.8, "async/generator_idle_frac": 0.5}
+        count_streaks(clock, metrics)
+        fired = diag.check(step, metrics)
+    assert "diag/staleness_at_bound" in fired and "async/starved_streak" in metrics
+    assert diag.check(0, {**idle, "async/dropped_groups_step": 2.0}) == {"diag/groups_dropped": 1.0}
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
+    assert kinds == ["trainer_starved", "staleness_at_bound", "groups_dropped"]
+
+
 def test_config_errors_name_the_field_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match="max_staleness=-1 must be >= 0"):
         AsyncGRPOConfig(output_dir=str(tmp_path), max_staleness=-1)
