@@ -94,6 +94,11 @@ def one(kind: str, latency: float, steps: int, eval_episodes: int, seed: int, ou
         "generator_idle": statistics.fmean(m.get("async/generator_idle_frac", 0.0) for m in metrics[1:])
         if kind == "async" else None,
         "dropped": summary.get("async", {}).get("dropped_groups"),
+        # What publishing a version costs the trainer per step: to its in-process policy (sync), or a
+        # safetensors file on shared memory that the generator loads (async, timed by the pool).
+        "publish_s": statistics.median(m["perf/sync_s"] for m in metrics),
+        "pool_publish_s": statistics.median(m["async/weight_publish_s"] for m in metrics[1:]) if kind == "async"
+        else None,
     }
 
 
@@ -120,6 +125,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--throughput-steps", type=int, default=10)
     parser.add_argument("--learning-steps", type=int, default=60, help="0 skips the learning runs.")
+    parser.add_argument("--learning-latencies", type=float, nargs="+", default=None,
+                        help="Tool latencies of the learning runs (default: every --latencies).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="Print without updating BENCHMARKS.md.")
     parser.add_argument("--one", choices=["sync", "async"], help=argparse.SUPPRESS)
@@ -144,17 +151,20 @@ def main() -> None:
                 print(json.dumps({"sync": s, "async": a}), file=sys.stderr)
             rows.append((latency, pairs))
             loads.append(load_average())
-            if args.learning_steps:
-                s = spawn("sync", latency, args.learning_steps, 64, args.seed, Path(tmp))
-                a = spawn("async", latency, args.learning_steps, 64, args.seed, Path(tmp))
-                learning.append((latency, s, a))
-                print(json.dumps({"sync": s, "async": a}), file=sys.stderr)
-                loads.append(load_average())
+        # Throughput at every latency first, then the (much longer) learning runs.
+        for latency in (args.learning_latencies or args.latencies) if args.learning_steps else ():
+            s = spawn("sync", latency, args.learning_steps, 64, args.seed, Path(tmp))
+            a = spawn("async", latency, args.learning_steps, 64, args.seed, Path(tmp))
+            learning.append((latency, s, a))
+            print(json.dumps({"sync": s, "async": a}), file=sys.stderr)
+            loads.append(load_average())
 
     med = statistics.median
     lines = [
         f"Command: `python benchmarks/bench_async.py --repeats {args.repeats} --throughput-steps "
-        f"{args.throughput_steps} --learning-steps {args.learning_steps}` (run {datetime.date.today()}, "
+        f"{args.throughput_steps} --learning-steps {args.learning_steps}"
+        + (f" --learning-latencies {' '.join(map(str, args.learning_latencies))}" if args.learning_latencies else "")
+        + f"` (run {datetime.date.today()}, "
         f"{platform.machine()}, {os.cpu_count()} CPU cores shared with other engineers' jobs; load average "
         f"(1/5/15 min) sampled between runs: {', '.join(loads)}).",
         f"Calculator, {TASKS} tasks x {GROUP} generations per step, seed {args.seed}, shipped tiny model, every other "
@@ -164,8 +174,9 @@ def main() -> None:
         "(with process start and first weights); median over the pairs, each pair run back to back.",
         "",
         "| tool latency | sync episodes/s (steady) | async episodes/s (steady) | **ratio (steady)** | "
-        "ratio (whole call) | async trainer idle | async generator idle | mean staleness | target |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "ratio (whole call) | async trainer idle | async generator idle | mean staleness | weight publish per step, "
+        "sync / async | target |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for latency, pairs in rows:
         ratio = med(a["steady_eps"] / s["steady_eps"] for s, a in pairs)
@@ -175,7 +186,14 @@ def main() -> None:
             f"| {latency * 1000:.0f} ms | {med(s['steady_eps'] for s, _ in pairs):.1f} | "
             f"{med(a['steady_eps'] for _, a in pairs):.1f} | **{ratio:.2f}x** | {whole:.2f}x | "
             f"{med(a['trainer_idle'] for _, a in pairs):.0%} | {med(a['generator_idle'] for _, a in pairs):.0%} | "
-            f"{med(a['staleness_mean'] for _, a in pairs):.2f} | {target} |")
+            f"{med(a['staleness_mean'] for _, a in pairs):.2f} | "
+            f"{med(s['publish_s'] for s, _ in pairs) * 1000:.0f} ms / "
+            f"{med(a['publish_s'] for _, a in pairs) * 1000:.0f} ms | {target} |")
+    publish = [a["pool_publish_s"] for _, pairs in rows for _, a in pairs]
+    lines.append("")
+    lines.append("Weight publish per step: the trainer's `perf/sync_s`, median over steps and pairs (sync: into the "
+                 "sampler's in-process copy; async: a safetensors file on `/dev/shm`, of which the pool's own "
+                 f"`async/weight_publish_s` is {med(publish) * 1000:.0f} ms); the generator loads it between batches.")
     lines.append("")
     lines.append("Per pair (steady ratio): " + "; ".join(
         f"{latency * 1000:.0f} ms: " + ", ".join(f"{a['steady_eps'] / s['steady_eps']:.2f}x" for s, a in pairs)
@@ -206,9 +224,10 @@ def main() -> None:
         "the generators' job is to keep the buffer full at the staleness bound; the number of generators is then "
         "sized so that they produce `tasks_per_step` groups per trainer step. Weights no longer fit a file on "
         "shared memory cheaply (15 GB for a 7B model in bf16): they go by NCCL broadcast or vLLM's weight-update "
-        "path, and the publish time (`async/weight_publish_s`, about 10 ms for the tiny model here) becomes a "
-        "real cost that the staleness bound must cover. The trainer scales on its own GPUs under `accelerate "
-        "launch` (rank 0 feeds every rank its share of each step's groups).",
+        "path, and the publish time (`async/weight_publish_s`, "
+        f"{med(publish) * 1000:.0f} ms for the tiny model here) becomes a real cost that the staleness bound must "
+        "cover. The trainer scales on its own GPUs under `accelerate launch` (rank 0 feeds every rank its share of "
+        "each step's groups).",
     ]
     body = "\n".join(lines)
     print(body)
