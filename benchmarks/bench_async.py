@@ -164,9 +164,11 @@ def main() -> None:
 def from_logs(paths: list[Path]) -> tuple[list, list, list[str]]:
     """Throughput pairs and learning runs from the JSON lines a measuring run printed on stderr."""
     pairs: dict[float, list] = {}
-    learning = []
+    learning, loads = [], []
     for path in paths:
         for line in path.read_text().splitlines():
+            if line.startswith('{"load"'):
+                loads.append(json.loads(line)["load"])
             if not line.startswith('{"sync"'):
                 continue
             record = json.loads(line)
@@ -175,7 +177,7 @@ def from_logs(paths: list[Path]) -> tuple[list, list, list[str]]:
                 pairs.setdefault(s["latency"], []).append((s, a))
             else:
                 learning.append((s["latency"], s, a))
-    return sorted(pairs.items()), learning, ["not recorded in the logs"]
+    return sorted(pairs.items()), learning, loads or ["not recorded in the logs"]
 
 
 def measure(args: argparse.Namespace) -> tuple[list, list, list[str]]:
