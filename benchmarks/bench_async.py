@@ -248,15 +248,16 @@ def render(rows: list, learning: list, loads: list[str], command: str, note: str
             f"{learning[0][1]['steps']} steps, same seed, same trained episodes:",
             "",
             "| tool latency | sync: start -> end | async: start -> end | async - sync at the end | sync wall | "
-            "async wall | async groups dropped | target |",
-            "|---:|---:|---:|---:|---:|---:|---:|---|",
+            "async wall | episodes/s async / sync (steady) | async groups dropped | target |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for latency, s, a in learning:
             lines.append(
                 f"| {latency * 1000:.0f} ms | {s['start']:.1%} -> {s['end']:.1%} | "
                 f"{a['start']:.1%} -> {a['end']:.1%} | "
                 f"**{(a['end'] - s['end']) * 100:+.1f} points** | {s['wall_s'] / 60:.1f} min | {a['wall_s'] / 60:.1f} "
-                f"min | {a['dropped']} | async within 5 points of sync or better |")
+                f"min | {a['steady_eps'] / s['steady_eps']:.2f}x | {a['dropped']} | async within 5 points of sync "
+                "or better |")
     lines += [
         "",
         "What a GPU deployment with vLLM generators changes: here one generator and the trainer share two CPU cores, "
