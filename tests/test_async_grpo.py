@@ -14,6 +14,7 @@ import torch
 from treerl.learners.async_buffer import GroupBuffer
 from treerl.learners.async_grpo import AsyncGRPOConfig, train_async
 from treerl.learners.grpo import GRPOConfig, train
+from treerl.rollout.trajectory import read_groups
 
 SMALL = dict(steps=2, tasks_per_step=2, group_size=4, max_new_tokens=48, eval_episodes=0, progress=False,
              num_threads=1)
@@ -104,6 +105,29 @@ def test_a_step_waits_for_a_due_group_still_being_played_unless_told_to_drop(wai
         assert buf.take(1, trainer_version=2, timeout=0) == [] and buf.dropped == 1
 
 
+def test_diagnostics_fire_when_the_trainer_starves_or_staleness_keeps_hitting_the_bound(tmp_path):
+    from treerl.learners.async_grpo import ASYNC_CHECKS, _Clock, count_streaks
+    from treerl.learners.diagnostics import Diagnostics
+
+    diag, clock = Diagnostics(tmp_path / "diagnostics.jsonl", checks=ASYNC_CHECKS), _Clock()
+    idle = {"async/at_bound_frac": 0.0, "async/generator_idle_frac": 0.0, "async/dropped_groups_step": 0.0}
+    fired = []
+    for step, trainer_idle in enumerate([0.9, 0.9, 0.2, 0.9, 0.9, 0.9]):  # a busy step breaks the streak
+        metrics = {**idle, "async/trainer_idle_frac": trainer_idle}
+        count_streaks(clock, metrics)
+        fired.append(sorted(diag.check(step, metrics)))
+    assert fired == [[]] * 5 + [["diag/trainer_starved"]]
+    clock = _Clock()
+    for step in range(3):  # most spans at the bound while the generators wait for tickets
+        metrics = {**idle, "async/at_bound_frac": 0.8, "async/generator_idle_frac": 0.5}
+        count_streaks(clock, metrics)
+        fired = diag.check(step, metrics)
+    assert "diag/staleness_at_bound" in fired and "async/starved_streak" in metrics
+    assert diag.check(0, {**idle, "async/dropped_groups_step": 2.0}) == {"diag/groups_dropped": 1.0}
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "diagnostics.jsonl").read_text().splitlines()]
+    assert kinds == ["trainer_starved", "staleness_at_bound", "groups_dropped"]
+
+
 def test_config_errors_name_the_field_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match="max_staleness=-1 must be >= 0"):
         AsyncGRPOConfig(output_dir=str(tmp_path), max_staleness=-1)
@@ -142,10 +166,12 @@ def test_max_staleness_0_with_one_generator_is_synchronous_grpo(tmp_path):
 
 
 def test_async_learner_end_to_end(tmp_path):
-    """Two steps ahead at most: the run trains, logs staleness and buffer figures, evaluates and saves."""
+    """Two steps ahead at most: the run trains, logs staleness and buffer figures, evaluates and saves; the
+    sampler's head reaches score centering; samples for `treerl view` are kept."""
     model, tok = _load()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), **{**SMALL, "steps": 4, "eval_episodes": 4}, max_staleness=2)
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), **{**SMALL, "steps": 4, "eval_episodes": 4}, max_staleness=2,
+                          save_groups=True, sample_every=2, sample_groups=1, skip_zero_advantage=False)
     result = train_async(cfg, model=model, tokenizer=tok)
     assert result.policy_version == 4
     assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
@@ -163,11 +189,34 @@ def test_async_learner_end_to_end(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["eval_end"]["episodes"] == 4 and summary["async"]["lost_groups"] == 0
     assert sum(summary["async"]["group_staleness"].values()) == 4 * 2
+    # The generators' decode loop records the sampler's head at every sampled token, and the trainer centers with it.
+    sampled = [s for g in read_groups(tmp_path / "groups.jsonl") for s in g.segments if s.kind == "sampled"]
+    assert sampled and all(s.top_logprobs is not None and len(s.top_logprobs) == len(s.token_ids) for s in sampled)
+    assert all(len(head) == cfg.centering_top_k for s in sampled for head in s.top_logprobs)
+    assert all(m["centering/sampler_tail_mass"] > 0 and m["centering/coef_abs_sum"] >= 0 for m in lines)
+    assert any(m["centering/coef_abs_sum"] > 0 for m in lines[1:]), "stale spans give a non-zero centering"
+    _check_view_samples(tmp_path, steps=[1, 2, 4])
     from transformers import AutoModelForCausalLM
 
     saved = AutoModelForCausalLM.from_pretrained(result.model_dir)
     for k, v in saved.state_dict().items():
         assert torch.allclose(v, model.state_dict()[k]), k
+
+
+def _check_view_samples(run_dir, steps):
+    """Trajectory samples as GRPO keeps them (advantages, trainer log-probs, versions), and `treerl view` reads them."""
+    from treerl.cli import main
+    from treerl.rollout.trajectory import sample_files
+
+    assert [step for step, _ in sample_files(run_dir)] == steps
+    for _, path in sample_files(run_dir):
+        (group,) = read_groups(path)
+        assert all(e.advantage is not None for e in group.episodes)
+        for s in group.segments:
+            if s.kind == "sampled":
+                assert s.policy_version is not None and len(s.trainer_logprobs) == len(s.logprobs)
+    assert main(["view", str(run_dir)]) == 0
+    assert (run_dir / "view.html").stat().st_size > 0
 
 
 def test_a_generator_samples_with_vllm_where_installed(tmp_path, monkeypatch):

@@ -217,11 +217,7 @@ def async_step(run: Run, buffer: GroupBuffer | None, pool: Any, clock: _Clock, s
         clock.dropped, clock.lost = buffer.dropped, buffer.lost
         if clock.last_take is not None:
             metrics["async/trainer_idle_frac"] = (now - start) / cycle if cycle > 0 else 0.0
-            clock.starved = clock.starved + 1 if metrics["async/trainer_idle_frac"] > 0.5 else 0
-        clock.at_bound = (clock.at_bound + 1 if metrics["async/at_bound_frac"] > 0.5
-                          and metrics["async/generator_idle_frac"] > 0.25 else 0)
-        metrics["async/starved_streak"] = float(clock.starved)
-        metrics["async/at_bound_streak"] = float(clock.at_bound)
+        count_streaks(clock, metrics)
     clock.last_take = now
     mine = groups[run.ranks.rank::run.ranks.world_size]
     if run.ranks.enabled:
@@ -230,6 +226,17 @@ def async_step(run: Run, buffer: GroupBuffer | None, pool: Any, clock: _Clock, s
             stats.add(group)
         stats.wall_s = cycle
     return update(run, step, mine, stats, metrics, next_task=next_task)
+
+
+def count_streaks(clock: _Clock, metrics: dict[str, float]) -> None:
+    """Steps in a row the trainer starved, or generators idled at the staleness bound (what
+    :data:`ASYNC_CHECKS` fire on: one such step is noise, three in a row are a pattern)."""
+    if "async/trainer_idle_frac" in metrics:  # the first step's wait is warm-up
+        clock.starved = clock.starved + 1 if metrics["async/trainer_idle_frac"] > 0.5 else 0
+    clock.at_bound = (clock.at_bound + 1 if metrics["async/at_bound_frac"] > 0.5
+                      and metrics["async/generator_idle_frac"] > 0.25 else 0)
+    metrics["async/starved_streak"] = float(clock.starved)
+    metrics["async/at_bound_streak"] = float(clock.at_bound)
 
 
 def _async_metrics(groups: Sequence[Group], version: int, buffer: GroupBuffer, pool: Any, clock: _Clock,
