@@ -36,9 +36,7 @@ from treerl.envs.parser_base import (
     ParseResult,
     ToolCall,
     ToolCallParser,
-    decode_json,
     dump_json,
-    short_snippet,
     skip_space,
 )
 from treerl.errors import ToolCallError
@@ -103,18 +101,7 @@ class HarmonyParser(ToolCallParser):
     def _call(self, name: str, body: str) -> ToolCall | ToolCallError:
         if not name:
             return self._error("the recipient 'functions.' names no tool")
-        start = skip_space(body, 0)
-        if start == len(body):
-            return ToolCall(name=name, arguments={})
-        decoded = decode_json(body, start)
-        if isinstance(decoded, str):
-            return self._error(f"the arguments of {name} are not JSON: {decoded} in {short_snippet(body)}", name)
-        value, end = decoded
-        if skip_space(body, end) != len(body):
-            return self._error(f"text follows the arguments of {name}: {short_snippet(body[end:])}", name)
-        if not isinstance(value, dict):
-            return self._error(f"the arguments of {name} must be a JSON object, got {type(value).__name__}", name)
-        return ToolCall(name=name, arguments=value)
+        return self._object_call(name, body)
 
     def render(self, calls: Sequence[ToolCall]) -> str:
         """Calls as gpt-oss writes them after ``<|start|>assistant`` (as its template renders them), one message each."""

@@ -151,6 +151,21 @@ class ToolCallParser(ABC):
         message = f"Could not parse the tool call: {reason}. Write each call as:\n{self.call_format}"
         return ToolCallError(ToolErrorKind.MALFORMED, message, tool_name=tool_name)
 
+    def _object_call(self, name: str, args: str) -> ToolCall | ToolCallError:
+        """The call of ``name`` whose arguments are ``args``: one JSON object, or nothing (no arguments)."""
+        start = skip_space(args, 0)
+        if start == len(args):
+            return ToolCall(name=name, arguments={})
+        decoded = decode_json(args, start)
+        if isinstance(decoded, str):
+            return self._error(f"the arguments of {name} are not JSON: {decoded} in {short_snippet(args)}", name)
+        value, end = decoded
+        if skip_space(args, end) != len(args):
+            return self._error(f"text follows the arguments of {name}: {short_snippet(args[end:])}", name)
+        if not isinstance(value, dict):
+            return self._error(f"the arguments of {name} must be a JSON object, got {type(value).__name__}", name)
+        return ToolCall(name=name, arguments=value)
+
     def _full(self, calls: list[ToolCall], errors: list[ToolCallError]) -> bool:
         """Whether another call would pass ``max_calls``; if so, the error that says so is added."""
         if len(calls) + len(errors) < self.max_calls:

@@ -161,18 +161,7 @@ class DeepSeekParser(_BlockParser):
         name = name.strip()
         if not name:
             return self._error(f"a call names no tool: {short_snippet(body)}")
-        start = skip_space(args, 0)
-        if start == len(args):
-            return ToolCall(name=name, arguments={})
-        decoded = decode_json(args, start)
-        if isinstance(decoded, str):
-            return self._error(f"the arguments of {name} are not JSON: {decoded}", name)
-        value, end = decoded
-        if skip_space(args, end) != len(args):
-            return self._error(f"text follows the arguments of {name}: {short_snippet(args[end:])}", name)
-        if not isinstance(value, dict):
-            return self._error(f"the arguments of {name} must be a JSON object, got {type(value).__name__}", name)
-        return ToolCall(name=name, arguments=value)
+        return self._object_call(name, args)
 
     def render(self, calls: Sequence[ToolCall]) -> str:
         """Calls as DeepSeek-V3/R1's template renders them."""
