@@ -24,6 +24,7 @@ from typing import Any
 from treerl.config import field_help
 from treerl.kernels.tree_attention import BACKENDS
 from treerl.learners.packing import PackingConfig
+from treerl.learners.precision import DTYPES, resolve_precision
 from treerl.rollout.options import EpisodeOptions
 
 __all__ = ["LearnerConfig", "REPORT_TO"]
@@ -57,6 +58,16 @@ class LearnerConfig(EpisodeOptions):
     lora_r: int = field_help(0, "LoRA rank; 0 trains all weights.")
     lora_alpha: int = field_help(16, "LoRA alpha.")
     lora_dropout: float = field_help(0.0, "LoRA dropout.")
+    dtype: str = field_help("float32", "Master weights and AdamW states: float32 (a bfloat16 checkpoint is upcast; "
+                                       "pair with --bf16/--fp16 for mixed precision), bfloat16 or float16 (pure low "
+                                       "precision: small updates round away), or auto (the checkpoint's dtype).")
+    bf16: bool | None = field_help(None, "Forward and backward under bfloat16 autocast; log-probs and the loss stay "
+                                         "float32 (default: on for a CUDA GPU with bfloat16, off on CPU).")
+    fp16: bool = field_help(False, "Forward and backward under float16 autocast with a loss scaler (GPUs without "
+                                   "bfloat16); needs --dtype float32.")
+    gradient_checkpointing: bool = field_help(False, "Recompute each decoder layer's activations in the backward "
+                                                     "instead of keeping them: less memory for long episodes, about "
+                                                     "a third more compute (works with tree attention and LoRA).")
     eval_episodes: int = field_help(64, "Held-out episodes evaluated at the start and the end (0 skips).")
     eval_seed: int = field_help(10_000, "First seed of the held-out tasks (training uses seed + i).")
     eval_temperature: float = field_help(1.0, "Sampling temperature of the evaluation.")
@@ -97,6 +108,12 @@ class LearnerConfig(EpisodeOptions):
                              f"of {', '.join(sorted(BACKENDS))} (--attention-impl auto).")
         if self.report_to not in REPORT_TO:
             raise ValueError(f"report_to={self.report_to!r}: use none, tensorboard, wandb or trackio.")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: use one of {', '.join(DTYPES)} (--dtype float32 keeps float32 "
+                             "master weights; add --bf16 for bfloat16 compute).")
+        if self.bf16 and self.fp16:
+            raise ValueError("bf16 and fp16 are both set: autocast runs in one dtype; drop --bf16 or --fp16.")
+        resolve_precision(self.dtype, self.bf16, self.fp16, "cpu")  # its own messages (float16 weights with fp16)
         if self.lora_r < 0:
             raise ValueError(f"lora_r={self.lora_r} must be >= 0 (0 trains all weights).")
         if self.sample_groups < 0 or self.sample_every < 1:

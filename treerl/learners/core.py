@@ -65,6 +65,7 @@ from treerl.learners.losses.base import same_definition
 from treerl.learners.metrics import MetricsLog, truncate_metrics
 from treerl.learners.packing import PackedBatch, packing_metrics
 from treerl.learners.plots import MatplotlibMissing, write_plots
+from treerl.learners.precision import Precision, checkpoint_dtype, enable_gradient_checkpointing, resolve_precision
 from treerl.learners.rewards import RewardFunc, check_reward_weights
 from treerl.learners.samples import add_trainer_logprobs, annotate_sample, keeps_sample, sample_path, write_groups
 from treerl.learners.weight_sync import WeightSync
@@ -154,6 +155,8 @@ class Run:
     eval_start: dict[str, Any] | None = None
     source: GroupSource | None = None
     """Where the groups come from instead of the engine (a trajectory file, ``treerl serve``)."""
+    precision: Precision | None = None
+    """Which dtype the weights, the forward/backward and the sampler use (``--dtype``, ``--bf16``, ``--fp16``)."""
     _step_started: float = 0.0
 
     def __enter__(self) -> Run:
@@ -288,10 +291,14 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
         model, tokenizer = load_model(cfg.model, device)
     elif tokenizer is None:
         raise ValueError("train(model=...) needs its tokenizer too: pass tokenizer=...")
+    precision = resolve_precision(cfg.dtype, cfg.bf16, cfg.fp16, device)
+    loaded = checkpoint_dtype(model)
+    if precision.weights is not None and loaded != precision.weights:
+        model.to(precision.weights)  # float32 master weights: a bfloat16 checkpoint's small updates would round away
     ranks.broadcast_parameters(model)  # every rank starts from rank 0's weights
     policy_model = None
-    if policy is None:
-        policy_model = copy.deepcopy(model).eval()
+    if policy is None:  # the sampler computes in the trainer's compute precision
+        policy_model = copy.deepcopy(model).to(precision.sampler_dtype(checkpoint_dtype(model))).eval()
         policy = TransformersPolicy(policy_model, tokenizer, device=device,
                                     continuous_batching=cfg.continuous_batching)
     ref_model = _reference_model(model, cfg) if reference else None
@@ -302,6 +309,8 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     if cfg.pack_mode != "padded":
         attention = enable_tree_attention(model.get_base_model() if cfg.lora_r > 0 else model, impl=cfg.attention_impl)
         logger.info("tree attention: %s (%s)", attention.impl, attention.reason)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer is None:
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
@@ -328,8 +337,9 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     run = Run(cfg=cfg, ranks=ranks, device=device, out_dir=out_dir, model=model, tokenizer=tokenizer, policy=policy,
               optimizer=optimizer, scheduler=scheduler, engine=engine, env_factory=env_factory, sync=sync,
               state=state, reward_funcs=tuple(reward_funcs), reward_weights=weights, reference=ref_model,
-              attention=attention, policy_model=policy_model, source=source)
-    if ranks.is_main:  # the other ranks write nothing and wait for rank 0 at the first step's collectives
+              attention=attention, policy_model=policy_model, source=source, precision=precision)
+    if ranks.is_main:
+        print(f"precision: {precision.describe(checkpoint=loaded, weights=checkpoint_dtype(model))}", file=sys.stderr)  # the other ranks write nothing and wait for rank 0 at the first step's collectives
         (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
         run.log = MetricsLog(out_dir, report_to=cfg.report_to, config=asdict(cfg), total_steps=cfg.steps,
                              start_step=state.step, progress=cfg.progress)
@@ -393,8 +403,9 @@ def _write_plots(out_dir: Path) -> None:
 
 def _export_model(run: Run) -> torch.nn.Module:
     """A plain transformers model with the trained weights (LoRA merged), without tree attention."""
-    if run.policy_model is not None:  # the default policy's copy, which received the last publish
-        return run.policy_model
+    if run.policy_model is not None and checkpoint_dtype(run.policy_model) == checkpoint_dtype(run.model):
+        return run.policy_model  # the default policy's copy, which received the last publish
+    # (A sampler in bfloat16 over float32 master weights: the master weights are saved.)
     from peft import PeftModel
 
     exported = copy.deepcopy(run.model)
