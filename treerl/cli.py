@@ -127,11 +127,10 @@ def cmd_envs(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from treerl.agents.transformers_policy import TransformersPolicy
-    from treerl.models import load_model
     from treerl.rollout.evaluate import EvalConfig, evaluate_with
 
     cfg = config_for_command(EvalConfig, args)
-    model, tokenizer = load_model(cfg.model, cfg.device)
+    model, tokenizer = cfg.load_model()
     policy = TransformersPolicy(model, tokenizer, device=cfg.device, continuous_batching=cfg.continuous_batching)
     try:
         report = evaluate_with(cfg, policy, tokenizer, num_episodes=cfg.num_episodes, seed=cfg.seed,
@@ -154,12 +153,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     from treerl.agents.transformers_policy import TransformersPolicy
-    from treerl.models import load_model
     from treerl.rollout.record import RolloutConfig, record
     from treerl.rollout.summary import summary_table
 
     cfg = config_for_command(RolloutConfig, args)
-    model, tokenizer = load_model(cfg.model, cfg.device)
+    model, tokenizer = cfg.load_model()
     policy = TransformersPolicy(model, tokenizer, device=cfg.device, continuous_batching=cfg.continuous_batching)
     try:
         summary = record(cfg, policy, tokenizer)

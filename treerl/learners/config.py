@@ -70,6 +70,15 @@ class LearnerConfig(EpisodeOptions):
                                                      "a third more compute (works with tree attention and LoRA).")
     eval_episodes: int = field_help(64, "Held-out episodes evaluated at the start and the end (0 skips).")
     eval_seed: int = field_help(10_000, "First seed of the held-out tasks (training uses seed + i).")
+    eval_env_kwargs: dict[str, Any] = field_help(
+        help='The held-out evaluation\'s environment keyword arguments, merged over env_kwargs, e.g. \'{"data_path": '
+             '"test.jsonl"}\' (default: the training environment, whose rows the evaluation would then draw).',
+        default_factory=dict)
+    reward_funcs: list[str] = field_help(
+        help="Reward functions with TRL's signature, as MODULE:FUNCTION or FILE.py:FUNCTION (comma-separated or "
+             "repeated), added to the environment's reward.", default_factory=list)
+    reward_weights: list[float] | None = field_help(None, "One weight for the environment's reward, then one per "
+                                                          "reward function (default: all 1).")
     eval_temperature: float = field_help(1.0, "Sampling temperature of the evaluation.")
     save_every: int = field_help(0, "Checkpoint every N steps (0: only at the end).")
     resume: bool = field_help(False, "Continue from the latest checkpoint in output_dir.")
@@ -108,6 +117,17 @@ class LearnerConfig(EpisodeOptions):
                              f"of {', '.join(sorted(BACKENDS))} (--attention-impl auto).")
         if self.report_to not in REPORT_TO:
             raise ValueError(f"report_to={self.report_to!r}: use none, tensorboard, wandb or trackio.")
+        if not isinstance(self.eval_env_kwargs, dict):
+            raise ValueError(f"eval_env_kwargs={self.eval_env_kwargs!r} must be a mapping, e.g. --eval-env-kwargs "
+                             "'{\"data_path\": \"test.jsonl\"}'.")
+        if self.reward_weights is not None and self.reward_funcs:
+            from treerl.learners.rewards import load_reward_funcs
+
+            num = len(load_reward_funcs(self.reward_funcs))
+            if len(self.reward_weights) != 1 + num:
+                raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for {num} reward "
+                                 f"function(s); give {1 + num}: the environment's reward first, then one per "
+                                 "function (--reward-weights 1.0 0.5 ...).")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: use one of {', '.join(DTYPES)} (--dtype float32 keeps float32 "
                              "master weights; add --bf16 for bfloat16 compute).")
@@ -131,6 +151,10 @@ class LearnerConfig(EpisodeOptions):
             raise ValueError(f"from_server={self.from_server!r} must be an http(s) URL, e.g. http://127.0.0.1:8000.")
         if not self.server_timeout_s > 0:
             raise ValueError(f"server_timeout_s={self.server_timeout_s} must be > 0 (seconds).")
+
+    def eval_env_factory(self) -> Any:
+        """The held-out evaluation's environment factory: ``env_kwargs`` updated with ``eval_env_kwargs``."""
+        return EpisodeOptions(env=self.env, env_kwargs={**self.env_kwargs, **self.eval_env_kwargs}).env_factory()
 
     def group_source(self) -> Any:
         """The :class:`~treerl.rollout.sources.GroupSource` named by ``from_rollouts`` or ``from_server``, or None."""

@@ -66,10 +66,10 @@ from treerl.learners.metrics import MetricsLog, truncate_metrics
 from treerl.learners.packing import PackedBatch, packing_metrics
 from treerl.learners.plots import MatplotlibMissing, write_plots
 from treerl.learners.precision import Precision, checkpoint_dtype, enable_gradient_checkpointing, resolve_precision
-from treerl.learners.rewards import RewardFunc, check_reward_weights
+from treerl.learners.rewards import RewardFunc, check_reward_weights, load_reward_funcs
 from treerl.learners.samples import add_trainer_logprobs, annotate_sample, keeps_sample, sample_path, write_groups
 from treerl.learners.weight_sync import WeightSync
-from treerl.models import load_model
+from treerl.models import set_chat_template, template_ignores_tools
 from treerl.rollout.engine import RolloutEngine
 from treerl.rollout.sources import GroupSource
 from treerl.rollout.summary import RolloutStats
@@ -156,6 +156,8 @@ class Run:
     source: GroupSource | None = None
     """Where the groups come from instead of the engine (a trajectory file, ``treerl serve``)."""
     precision: Precision | None = None
+    eval_env_factory: Callable[[], Any] | None = None
+    """The held-out evaluation's environments (``eval_env_kwargs``; default: ``env_factory``)."""
     """Which dtype the weights, the forward/backward and the sampler use (``--dtype``, ``--bf16``, ``--fp16``)."""
     _step_started: float = 0.0
 
@@ -271,6 +273,10 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
+    if not reward_funcs and cfg.reward_funcs:  # named on the command line
+        reward_funcs = load_reward_funcs(cfg.reward_funcs)
+    if reward_weights is None and cfg.reward_weights is not None:
+        reward_weights = cfg.reward_weights
     weights = check_reward_weights(reward_funcs, reward_weights)
     ranks = Ranks.from_env(cfg.device)
     if cfg.tasks_per_step < ranks.world_size:
@@ -288,9 +294,11 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
 
     # Models: the trainer's (tree attention, maybe LoRA) and the sampler's own copy.
     if model is None:
-        model, tokenizer = load_model(cfg.model, device)
+        model, tokenizer = cfg.load_model(device)
     elif tokenizer is None:
         raise ValueError("train(model=...) needs its tokenizer too: pass tokenizer=...")
+    elif cfg.chat_template is not None or cfg.chat_template_kwargs:
+        set_chat_template(tokenizer, cfg.chat_template, cfg.chat_template_kwargs)
     precision = resolve_precision(cfg.dtype, cfg.bf16, cfg.fp16, device)
     loaded = checkpoint_dtype(model)
     if precision.weights is not None and loaded != precision.weights:
@@ -320,6 +328,12 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     engine = cfg.engine(policy, tokenizer, seed=cfg.seed, branch_at_turn=cfg.branch_at_turn,
                         branch_factor=cfg.branch_factor)
     env_factory = env_factory or cfg.env_factory()
+    eval_env_factory = cfg.eval_env_factory() if cfg.eval_env_kwargs else env_factory
+    if ranks.is_main and cfg.eval_episodes and not cfg.eval_env_kwargs and "data_path" in cfg.env_kwargs:
+        print("warning: the held-out evaluation draws its tasks from the training data (env_kwargs data_path); pass "
+              "--eval-env-kwargs '{\"data_path\": \"test.jsonl\"}' to evaluate on held-out rows.", file=sys.stderr)
+    if ranks.is_main:
+        _warn_if_template_ignores_tools(tokenizer, env_factory)
 
     state = TrainerState()
     if cfg.resume and (ckpt := resume_checkpoint(out_dir)) is not None:
@@ -337,18 +351,34 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     run = Run(cfg=cfg, ranks=ranks, device=device, out_dir=out_dir, model=model, tokenizer=tokenizer, policy=policy,
               optimizer=optimizer, scheduler=scheduler, engine=engine, env_factory=env_factory, sync=sync,
               state=state, reward_funcs=tuple(reward_funcs), reward_weights=weights, reference=ref_model,
-              attention=attention, policy_model=policy_model, source=source, precision=precision)
+              attention=attention, policy_model=policy_model, source=source, precision=precision,
+              eval_env_factory=eval_env_factory)
     if ranks.is_main:
         print(f"precision: {precision.describe(checkpoint=loaded, weights=checkpoint_dtype(model))}", file=sys.stderr)  # the other ranks write nothing and wait for rank 0 at the first step's collectives
         (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
         run.log = MetricsLog(out_dir, report_to=cfg.report_to, config=asdict(cfg), total_steps=cfg.steps,
                              start_step=state.step, progress=cfg.progress)
         run.diagnostics = Diagnostics(out_dir / "diagnostics.jsonl")
-        run.eval_start = evaluate_at_start(cfg, policy, tokenizer, env_factory, out_dir, resumed=state.step > 0)
+        run.eval_start = evaluate_at_start(cfg, policy, tokenizer, eval_env_factory, out_dir,
+                                           resumed=state.step > 0)
         if run.eval_start is not None and state.step == 0:
             print(f"eval at start: success rate {run.eval_start['success_rate']:.1%} over {cfg.eval_episodes} "
                   f"held-out episodes", file=sys.stderr)
     return run
+
+
+def _warn_if_template_ignores_tools(tokenizer: Any, env_factory: Callable[[], Any]) -> None:
+    env = env_factory()
+    try:
+        tools = getattr(env, "tool_schemas", None) or []
+    finally:
+        env.close()
+    if template_ignores_tools(tokenizer, tools):
+        message = (f"the chat template ignores `tools`: the schemas of the environment's {len(tools)} tool(s) never "
+                   "reach the prompt, so the model cannot know them; pass --chat-template with a template that "
+                   "renders tools (e.g. the model family's tool-use template).")
+        logger.warning(message)
+        print(f"warning: {message}", file=sys.stderr)
 
 
 def _apply_lora(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Module:
@@ -380,7 +410,8 @@ def finish(run: Run) -> TrainResult:
         run.save_checkpoint()
         _export_model(run).save_pretrained(model_dir, safe_serialization=True)
         run.tokenizer.save_pretrained(model_dir)
-        eval_end = evaluate_policy(cfg, run.policy, run.tokenizer, run.env_factory) if cfg.eval_episodes > 0 else None
+        eval_end = (evaluate_policy(cfg, run.policy, run.tokenizer, run.eval_env_factory or run.env_factory)
+                    if cfg.eval_episodes > 0 else None)
         result = {"steps": cfg.steps, "policy_version": run.sync.version, "eval_start": run.eval_start,
                   "eval_end": eval_end, "model_dir": str(model_dir)}
         (run.out_dir / "summary.json").write_text(json.dumps(result, indent=2))

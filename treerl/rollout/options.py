@@ -27,6 +27,7 @@ import torch
 from treerl.agents.policy import Policy, SamplingOptions
 from treerl.config import field_help
 from treerl.envs.registry import make
+from treerl.models import load_model
 from treerl.rollout.engine import RolloutEngine
 
 __all__ = ["EpisodeOptions"]
@@ -40,7 +41,9 @@ class EpisodeOptions(SamplingOptions):
     env_kwargs: dict[str, Any] = field_help(
         help='Keyword arguments for the environment, e.g. \'{"data_path": "problems.jsonl"}\' (a mapping in YAML).',
         default_factory=dict)
-    model: str | None = field_help(None, "A local transformers model directory; default: the shipped tiny model.")
+    model: str | None = field_help(None, "A local transformers model directory or a Hub id in the Hugging Face cache "
+                                         "(e.g. Qwen/Qwen3-0.6B; nothing is downloaded); default: the shipped tiny "
+                                         "model.")
     device: str = field_help("cpu", "Torch device of the policy.")
     max_concurrency: int = field_help(32, "Episodes in flight at once.")
     max_episode_tokens: int = field_help(2048, "An episode whose context reaches this many tokens is truncated.")
@@ -48,8 +51,15 @@ class EpisodeOptions(SamplingOptions):
     continuous_batching: bool = field_help(True, "Requests join the policy's running batch between decode steps "
                                                  "(faster with mixed turn lengths; batch composition then depends "
                                                  "on timing, so float results may differ from run to run).")
+    chat_template: str | None = field_help(None, "A Jinja chat template file that replaces the tokenizer's own.")
+    chat_template_kwargs: dict[str, Any] = field_help(
+        help='Template variables fixed for the run, e.g. \'{"enable_thinking": false}\' (a mapping in YAML).',
+        default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs={self.chat_template_kwargs!r} must be a mapping, e.g. "
+                             "--chat-template-kwargs '{\"enable_thinking\": false}'.")
         if not isinstance(self.env_kwargs, dict):
             raise ValueError(f"env_kwargs={self.env_kwargs!r} must be a mapping of keyword arguments for the "
                              "environment, e.g. --env-kwargs '{\"data_path\": \"problems.jsonl\"}' (or a YAML "
@@ -65,6 +75,12 @@ class EpisodeOptions(SamplingOptions):
             raise ValueError(f"device={self.device!r} is not a torch device: use cpu, cuda, cuda:N or mps "
                              "(--device cpu).") from None
         self.sampling()  # SamplingParams validates the sampling options with its own messages
+
+    def load_model(self, device: Any = None) -> tuple[Any, Any]:
+        """The model and tokenizer of ``model`` (a directory, a cached Hub id, or the shipped tiny model)
+        with ``chat_template`` and ``chat_template_kwargs`` applied."""
+        return load_model(self.model, self.device if device is None else device, chat_template=self.chat_template,
+                          chat_template_kwargs=self.chat_template_kwargs)
 
     def env_factory(self) -> Callable[[], Any]:
         """A fresh environment per call: ``make(env, **env_kwargs)``."""
