@@ -88,6 +88,7 @@ def test_learn_on_the_users_data_rewards_and_held_out_file(tmp_path, monkeypatch
                  "--reward-funcs", "my_rewards.py:mentions_answer,my_rewards.py:only_hard",
                  "--reward-weights", "1.0", "0.5", "0.1", "--progress", "false", "--sample-groups", "0"])
     assert code == 0
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["learning_rate"] == 2e-4  # the tiny model's
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert "reward_fn/mentions_answer_mean" in metrics and "reward_fn/only_hard_mean" in metrics
     extras = [json.loads(line) for line in (tmp_path / "run" / "reward_extras.jsonl").read_text().splitlines()]
@@ -144,3 +145,34 @@ def test_reward_options_name_the_fix(tmp_path, monkeypatch, capsys):
     assert main(["learn", "--output-dir", "r", "--reward-funcs", "my_rewards.py:only_hard",
                  "--reward-weights", "1.0"]) == 2
     assert "give 2: the environment's reward first" in capsys.readouterr().err
+
+
+def test_trl_names_are_aliases_and_typos_get_a_suggestion(tmp_path, capsys):
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--num-generations", "3", "--max-steps", "5",
+                                      "--loss-type", "grpo", "--save-steps", "2"])
+    cfg = config_from_args(GRPOConfig, args)
+    assert (cfg.group_size, cfg.steps, cfg.loss, cfg.save_every) == (3, 5, "grpo", 2)
+    (tmp_path / "c.yaml").write_text("num_generations: 4\nmodel_name_or_path: some/dir\n")
+    cfg = config_from_args(GRPOConfig, build_parser().parse_args(["learn", "--output-dir", "x", "--config",
+                                                                  str(tmp_path / "c.yaml")]))
+    assert cfg.group_size == 4 and cfg.model == "some/dir"
+    with pytest.raises(SystemExit):  # argparse's own exit (status 2)
+        main(["learn", "--output-dir", "x", "--lerning-rate", "1e-5"])
+    assert "did you mean --learning-rate?" in capsys.readouterr().err
+    (tmp_path / "d.yaml").write_text("lerning_rate: 1e-5\n")
+    assert main(["learn", "--output-dir", "x", "--config", str(tmp_path / "d.yaml")]) == 2
+    assert "(lerning_rate: did you mean learning_rate?)" in capsys.readouterr().err
+
+
+def test_learning_rate_default_and_warning_follow_the_model_size():
+    from treerl.learners.precision import check_learning_rate
+
+    assert check_learning_rate(None, 2_000_000, lora=False) == (2e-4, None)
+    assert check_learning_rate(None, 1_200_000_000, lora=False) == (1e-6, None)
+    assert check_learning_rate(None, 1_200_000_000, lora=True) == (1e-5, None)
+    assert "far above" in check_learning_rate(2e-4, 1_200_000_000, lora=False)[1]
+    assert "far below" in check_learning_rate(1e-9, 2_000_000, lora=False)[1]
+    assert check_learning_rate(3e-6, 1_200_000_000, lora=False)[1] is None

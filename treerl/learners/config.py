@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from treerl.config import field_help
 from treerl.kernels.tree_attention import BACKENDS
@@ -36,11 +36,19 @@ REPORT_TO = ("none", "tensorboard", "wandb", "trackio")
 class LearnerConfig(EpisodeOptions):
     """Options every learner of ``treerl learn`` shares."""
 
+    ALIASES: ClassVar[dict[str, str]] = {  # TRL's names where the meaning is the same (flags and YAML keys)
+        "num_generations": "group_size", "max_steps": "steps", "save_steps": "save_every", "loss_type": "loss",
+        "model_name_or_path": "model", "epsilon": "epsilon_low",
+    }
+
     output_dir: str | None = field_help(None, "Where metrics, checkpoints and the final model go (required).")
     steps: int = field_help(60, "Optimizer steps.")
     tasks_per_step: int = field_help(8, "Tasks per step; each is played group_size times.")
     group_size: int = field_help(8, "Generations per task (GRPO's group).")
-    learning_rate: float = field_help(2e-4, "AdamW learning rate.")
+    learning_rate: float | None = field_help(None, "AdamW learning rate (default: by the model's size, see "
+                                                   "treerl.learners.precision.usual_learning_rate: 2e-4 for the "
+                                                   "shipped tiny model, 1e-6 to fine-tune all weights of a model of "
+                                                   "100M+ parameters, 1e-5 with LoRA).")
     weight_decay: float = field_help(0.0, "AdamW weight decay.")
     warmup_steps: int = field_help(0, "Linear warm-up steps, then constant.")
     max_grad_norm: float = field_help(1.0, "Gradient clipping norm (0 disables).")
@@ -110,7 +118,7 @@ class LearnerConfig(EpisodeOptions):
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
         if self.branch_factor > 1 and (self.branch_at_turn is None or self.branch_at_turn < 1):
             raise ValueError("branch_factor > 1 needs branch_at_turn K (K >= 1): the turn after which to fork.")
-        if self.learning_rate <= 0:
+        if self.learning_rate is not None and self.learning_rate <= 0:
             raise ValueError(f"learning_rate={self.learning_rate} must be > 0 (e.g. 2e-4).")
         if self.attention_impl != "auto" and self.attention_impl not in BACKENDS:
             raise ValueError(f"attention_impl={self.attention_impl!r} is not a tree-attention backend: use auto or one "

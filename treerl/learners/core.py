@@ -65,7 +65,14 @@ from treerl.learners.losses.base import same_definition
 from treerl.learners.metrics import MetricsLog, truncate_metrics
 from treerl.learners.packing import PackedBatch, packing_metrics
 from treerl.learners.plots import MatplotlibMissing, write_plots
-from treerl.learners.precision import Precision, checkpoint_dtype, enable_gradient_checkpointing, resolve_precision
+from treerl.learners.precision import (
+    SMALL_MODEL_PARAMS,
+    Precision,
+    check_learning_rate,
+    checkpoint_dtype,
+    enable_gradient_checkpointing,
+    resolve_precision,
+)
 from treerl.learners.rewards import RewardFunc, check_reward_weights, load_reward_funcs
 from treerl.learners.samples import add_trainer_logprobs, annotate_sample, keeps_sample, sample_path, write_groups
 from treerl.learners.weight_sync import WeightSync
@@ -320,6 +327,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     params = [p for p in model.parameters() if p.requires_grad]
+    _check_size_defaults(cfg, model, ranks.is_main)
     if optimizer is None:
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     elif not isinstance(optimizer, torch.optim.Optimizer):
@@ -365,6 +373,21 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
             print(f"eval at start: success rate {run.eval_start['success_rate']:.1%} over {cfg.eval_episodes} "
                   f"held-out episodes", file=sys.stderr)
     return run
+
+
+def _check_size_defaults(cfg: LearnerConfig, model: torch.nn.Module, is_main: bool) -> None:
+    """The learning rate for the model's size when not given (``cfg.learning_rate`` is set to it, so
+    config.json records it); warnings for a learning rate or a token limit that do not fit the model."""
+    num_params = sum(p.numel() for name, p in model.named_parameters() if "lora_" not in name)
+    cfg.learning_rate, warning = check_learning_rate(cfg.learning_rate, num_params, lora=cfg.lora_r > 0)
+    warnings = [warning] if warning else []
+    if num_params >= SMALL_MODEL_PARAMS and cfg.max_new_tokens < 256:
+        warnings.append(f"max_new_tokens={cfg.max_new_tokens} is the shipped tiny model's limit; a "
+                        f"{num_params / 1e6:.0f}M-parameter model's answers (and its thinking) are usually longer, so "
+                        "most turns would be cut off: pass e.g. --max-new-tokens 1024.")
+    for message in warnings if is_main else ():
+        logger.warning(message)
+        print(f"warning: {message}", file=sys.stderr)
 
 
 def _warn_if_template_ignores_tools(tokenizer: Any, env_factory: Callable[[], Any]) -> None:

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["DTYPES", "Precision", "resolve_precision", "checkpoint_dtype"]
+__all__ = ["DTYPES", "Precision", "resolve_precision", "checkpoint_dtype", "enable_gradient_checkpointing",
+           "usual_learning_rate", "check_learning_rate"]
 
 DTYPES: dict[str, torch.dtype | None] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                          "float16": torch.float16, "auto": None}
@@ -173,3 +174,45 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+SMALL_MODEL_PARAMS = 100_000_000
+"""Below this many parameters a model counts as small (the shipped tiny model has ~2M)."""
+
+
+def usual_learning_rate(num_params: int, lora: bool) -> tuple[float, float, float]:
+    """``(default, low, high)``: the learning rate RL fine-tuning usually takes at this size.
+
+    Large models are fine-tuned at 1e-6 (TRL's GRPO examples, 1e-7 to 1e-5); LoRA adapters
+    take about ten times more; a tiny model trained from scratch-like weights takes 2e-4.
+
+    >>> usual_learning_rate(2_000_000, lora=False)
+    (0.0002, 1e-05, 0.001)
+    >>> usual_learning_rate(600_000_000, lora=True)
+    (1e-05, 1e-06, 0.0001)
+    """
+    if num_params < SMALL_MODEL_PARAMS:
+        return 2e-4, 1e-5, 1e-3
+    if lora:
+        return 1e-5, 1e-6, 1e-4
+    return 1e-6, 1e-7, 1e-5
+
+
+def check_learning_rate(lr: float | None, num_params: int, lora: bool) -> tuple[float, str | None]:
+    """``(learning rate to use, warning or None)``: the default for the size when ``lr`` is None,
+    and a warning when the given one is outside the usual range.
+
+    >>> check_learning_rate(2e-4, 600_000_000, lora=False)[1]
+    'learning_rate=0.0002 is far above the usual range for a 600M-parameter model fine-tuning all weights (1e-07 to 1e-05, default 1e-06): expect the policy to collapse within a few steps; try --learning-rate 1e-06.'
+    """
+    default, low, high = usual_learning_rate(num_params, lora)
+    if lr is None:
+        return default, None
+    what = f"a {num_params / 1e6:.0f}M-parameter model {'with LoRA' if lora else 'fine-tuning all weights'}"
+    if lr > high:
+        return lr, (f"learning_rate={lr:g} is far above the usual range for {what} ({low:g} to {high:g}, default "
+                    f"{default:g}): expect the policy to collapse within a few steps; try --learning-rate {default:g}.")
+    if lr < low:
+        return lr, (f"learning_rate={lr:g} is far below the usual range for {what} ({low:g} to {high:g}, default "
+                    f"{default:g}): the weights will barely move; try --learning-rate {default:g}.")
+    return lr, None
