@@ -73,6 +73,12 @@ class LearnerConfig(EpisodeOptions):
                                          "float32 (default: on for a CUDA GPU with bfloat16, off on CPU).")
     fp16: bool = field_help(False, "Forward and backward under float16 autocast with a loss scaler (GPUs without "
                                    "bfloat16); needs --dtype float32.")
+    use_vllm: bool = field_help(False, "Sample with a vLLM engine in this process (the vllm extra, a CUDA GPU): "
+                                       "the weights are loaded into it in place after each step.")
+    vllm_gpu_memory_utilization: float = field_help(0.3, "Share of the GPU's memory the colocated vLLM engine takes "
+                                                         "(weights and KV cache); the rest is training's.")
+    vllm_kwargs: dict[str, Any] = field_help(help='More keyword arguments of vllm.LLM, e.g. \'{"enforce_eager": '
+                                                  'true, "max_num_seqs": 64}\'.', default_factory=dict)
     gradient_checkpointing: bool = field_help(False, "Recompute each decoder layer's activations in the backward "
                                                      "instead of keeping them: less memory for long episodes, about "
                                                      "a third more compute (works with tree attention and LoRA).")
@@ -136,6 +142,12 @@ class LearnerConfig(EpisodeOptions):
                 raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for {num} reward "
                                  f"function(s); give {1 + num}: the environment's reward first, then one per "
                                  "function (--reward-weights 1.0 0.5 ...).")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1], e.g. "
+                             "0.3 leaves 70% of the GPU to training.")
+        if self.use_vllm and (self.from_rollouts or self.from_server):
+            raise ValueError("use_vllm samples the environment's episodes, but from_rollouts/from_server bring "
+                             "their own groups; drop --use-vllm.")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: use one of {', '.join(DTYPES)} (--dtype float32 keeps float32 "
                              "master weights; add --bf16 for bfloat16 compute).")

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 from treerl.errors import ConfigError
 
 __all__ = ["DEFAULT_MODEL_PATH", "default_model_path", "load_default_model", "load_model", "check_device",
-           "resolve_hub_id", "set_chat_template", "template_ignores_tools"]
+           "resolve_hub_id", "set_chat_template", "template_ignores_tools", "model_directory"]
 
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent / "tiny"
 """Where the shipped model lives inside the installed package."""
@@ -193,6 +193,17 @@ def resolve_hub_id(model_id: str) -> str:
             f"treerl does not download at run time. Cache it once with `hf download {model_id}` (or "
             f"`huggingface-cli download {model_id}`, where the network is reachable; set HF_HUB_CACHE to use "
             "another cache), or pass a local directory with --model PATH.") from None
+
+
+def model_directory(path: str | None) -> str:
+    """The directory of ``--model``: itself, a Hub id's cached snapshot, or the shipped model's (None).
+
+    >>> model_directory(None) == str(default_model_path())
+    True
+    """
+    if path is None:
+        return str(default_model_path())
+    return str(path) if Path(path).is_dir() else resolve_hub_id(path)
 
 
 def load_model(path: str | None, device: Any = "cpu", *, chat_template: str | None = None,
