@@ -437,6 +437,8 @@ def finish(run: Run) -> TrainResult:
         run.save_checkpoint()
         _export_model(run).save_pretrained(model_dir, safe_serialization=True)
         run.tokenizer.save_pretrained(model_dir)
+        if cfg.lora_r > 0:  # the adapter alone too (a few MB), loadable with peft.PeftModel.from_pretrained
+            run.model.save_pretrained(run.out_dir / "adapter")
         eval_end = (evaluate_policy(cfg, run.policy, run.tokenizer, run.eval_env_factory or run.env_factory)
                     if cfg.eval_episodes > 0 else None)
         result = {"steps": cfg.steps, "policy_version": run.sync.version, "eval_start": run.eval_start,
