@@ -176,3 +176,21 @@ def test_learning_rate_default_and_warning_follow_the_model_size():
     assert "far above" in check_learning_rate(2e-4, 1_200_000_000, lora=False)[1]
     assert "far below" in check_learning_rate(1e-9, 2_000_000, lora=False)[1]
     assert check_learning_rate(3e-6, 1_200_000_000, lora=False)[1] is None
+
+
+def test_isolated_tool_defined_in_an_imported_file(tmp_path):
+    import asyncio
+
+    from treerl.cli import import_user_modules
+
+    path = tmp_path / "my_tools.py"
+    path.write_text("import os\nfrom treerl import tool\n\n@tool(isolate=True, timeout=30)\n"
+                    "def which_process(x: int) -> str:\n    \"\"\"The process that ran the call.\n\n"
+                    "    Args:\n        x: Echoed back.\n    \"\"\"\n    return f'{x} {os.getpid()}'\n")
+    import runpy
+
+    namespace = runpy.run_path(str(path), run_name=f"treerl_user_module:{path.resolve()}")
+    import_user_modules([str(path)])  # as `--import my_tools.py` runs it
+    out = asyncio.run(namespace["which_process"].acall({"x": 7}))
+    x, pid = out.split()
+    assert x == "7" and int(pid) != __import__("os").getpid()  # ran in a process of its own
