@@ -194,3 +194,32 @@ def test_isolated_tool_defined_in_an_imported_file(tmp_path):
     out = asyncio.run(namespace["which_process"].acall({"x": 7}))
     x, pid = out.split()
     assert x == "7" and int(pid) != __import__("os").getpid()  # ran in a process of its own
+
+
+def test_flat_records_are_what_trl_collates():
+    import asyncio
+
+    import torch
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from treerl.agents.transformers_policy import TransformersPolicy
+    from treerl.rollout.options import EpisodeOptions
+    from treerl.rollout.trajectory import to_flat_records
+
+    rows = [{"prompt": "1 + 1?", "answer": "2", "level": "easy"}]
+    opts = EpisodeOptions(env="treerl/MathVerify-v0", env_kwargs={"dataset": rows}, max_new_tokens=6)
+    model, tok = load_model(None)
+    policy = TransformersPolicy(model, tok, continuous_batching=False)
+    try:
+        groups, _ = asyncio.run(opts.engine(policy, tok, seed=0).run(opts.env_factory(), opts.env, range(1), 2))
+    finally:
+        policy.close()
+    records = list(to_flat_records(groups))
+    for r in records:
+        assert r["input_ids"] == r["prompt_ids"] + r["completion_ids"] and r["answer"] == "2"
+        assert r["info"] == {"level": "easy"} and len(r["labels"]) == len(r["input_ids"])
+    batch = DataCollatorForLanguageModeling(pad_token_id=0)(records)  # SFTTrainer's collator, as is
+    sampled = torch.tensor(records[0]["assistant_masks"], dtype=torch.bool)
+    n = len(records[0]["input_ids"])
+    assert torch.equal(batch["labels"][0, :n][sampled], batch["input_ids"][0, :n][sampled])
+    assert bool((batch["labels"][0, :n][~sampled] == -100).all()) and sampled.any()
