@@ -59,8 +59,9 @@ def main() -> None:
     lines = [
         f"`python benchmarks/bench_precision.py --steps {args.steps} --tasks-per-step {args.tasks_per_step} "
         f"--group-size {args.group_size} --eval-episodes {args.eval_episodes} --seed {args.seed}` on "
-        f"{platform.machine()} ({platform.processor() or 'cpu'}), one seed, one run each (a small budget: the "
-        "bfloat16 backward on this CPU is ~15x slower than float32, so the runs are short and the curves noisy).",
+        f"{platform.machine()} ({platform.processor() or 'cpu'}), one run each (a small budget: "
+        "bfloat16 autocast on a CPU without bfloat16 units is slower, see wall s; one seed, so the curves are noisy "
+        f"and {args.eval_episodes} held-out episodes move in steps of {100 / args.eval_episodes:.0f} points).",
         "",
         "| run | precision | held-out success start -> end | reward/mean by step | wall s |",
         "|---|---|---|---|---|",
