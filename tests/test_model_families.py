@@ -424,6 +424,19 @@ def test_chat_template_flag_picks_the_training_variant(base_bpe, tmp_path):
         EpisodeOptions(chat_template="bogus")
 
 
+def test_chosen_template_and_its_variables_become_the_tokenizers_own(base_bpe):
+    # --chat-template and --chat-template-kwargs together: the training variant with the fixed
+    # variables is the tokenizer's own, and the engine renders with it (not the bare variant).
+    tok = make_tokenizer(base_bpe, FAMILIES["qwen3"])
+    tok.chat_template = real_template("qwen3")
+    opts = EpisodeOptions(chat_template="training", chat_template_kwargs={"enable_thinking": False})
+    opts.apply_chat_template(tok)
+    assert tok.chat_template == "{%- set enable_thinking = false %}" + load_template("qwen3_training")
+    assert opts.engine(_EnginePolicy(tok, [], canonical=True), tok, seed=0).chat_template is None
+    assert resolve_chat_template("training", tok) is None
+    assert resolve_chat_template("qwen3_training", tok) == load_template("qwen3_training")  # another spec: resolved
+
+
 def test_eval_and_the_trajectory_header_use_the_chosen_template(base_bpe, tmp_path):
     tok = make_tokenizer(base_bpe, FAMILIES["qwen3"])
     tok.chat_template = real_template("qwen3")

@@ -127,11 +127,10 @@ def cmd_envs(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from treerl.agents.transformers_policy import TransformersPolicy
-    from treerl.models import load_model
     from treerl.rollout.evaluate import EvalConfig, evaluate_with
 
     cfg = config_for_command(EvalConfig, args)
-    model, tokenizer = load_model(cfg.model, cfg.device)
+    model, tokenizer = cfg.load_model()
     policy = TransformersPolicy(model, tokenizer, device=cfg.device, continuous_batching=cfg.continuous_batching)
     try:
         report = evaluate_with(cfg, policy, tokenizer, num_episodes=cfg.num_episodes, seed=cfg.seed,
@@ -154,12 +153,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     from treerl.agents.transformers_policy import TransformersPolicy
-    from treerl.models import load_model
     from treerl.rollout.record import RolloutConfig, record
     from treerl.rollout.summary import summary_table
 
     cfg = config_for_command(RolloutConfig, args)
-    model, tokenizer = load_model(cfg.model, cfg.device)
+    model, tokenizer = cfg.load_model()
     policy = TransformersPolicy(model, tokenizer, device=cfg.device, continuous_batching=cfg.continuous_batching)
     try:
         summary = record(cfg, policy, tokenizer)
@@ -274,8 +272,30 @@ def _add_imports(p: argparse.ArgumentParser) -> None:
                         "registers become available (repeatable).")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with "did you mean" for a misspelled flag."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments:"):
+            import difflib
+
+            flags = [s for p in self._parsers() for a in p._actions for s in a.option_strings if s.startswith("--")]
+            for arg in message.split(":", 1)[1].split():
+                close = difflib.get_close_matches(arg.split("=")[0], flags, 1) if arg.startswith("--") else []
+                if close:
+                    message += f"; {arg}: did you mean {close[0]}?"
+        super().error(message)
+
+    def _parsers(self) -> list[argparse.ArgumentParser]:
+        out: list[argparse.ArgumentParser] = [self]
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                out.extend(action.choices.values())
+        return out
+
+
 def build_parser(learner: str = "grpo") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="treerl", description="Agentic RL with tool-use environments and "
+    parser = _Parser(prog="treerl", description="Agentic RL with tool-use environments and "
                                                                 "prefix-tree trajectories.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True

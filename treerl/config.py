@@ -118,9 +118,19 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs["type"] = str
         if optional and tp is not bool:
             kwargs["metavar"] = kwargs.get("metavar") or f.name.upper()
-        parser.add_argument(_flag(f.name), **kwargs)
+        aliases = [_flag(a) for a, target in _aliases(cls).items() if target == f.name]
+        if aliases:
+            kwargs["help"] += f" (also {', '.join(aliases)}, as in TRL)"
+        parser.add_argument(_flag(f.name), *aliases, **kwargs)
     parser.add_argument("--config", dest="__config__", default=None, metavar="FILE.yaml",
                         help="Read these options from a YAML (or JSON) file; flags override it.")
+
+
+def _aliases(cls: type) -> dict[str, str]:
+    """``cls.ALIASES`` (other names of fields, e.g. TRL's ``num_generations`` for ``group_size``) whose
+    target is a field of ``cls`` and whose name is not one."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {a: t for a, t in getattr(cls, "ALIASES", {}).items() if t in names and a not in names}
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -152,10 +162,16 @@ def config_from_args(cls: type[T], args: argparse.Namespace, *, extra_keys: Sequ
     config_path = getattr(args, "__config__", None)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     if config_path:
-        from_file = {k: v for k, v in load_config_file(config_path).items() if k not in extra_keys}
+        aliases = _aliases(cls)
+        from_file = {aliases.get(k, k): v for k, v in load_config_file(config_path).items() if k not in extra_keys}
         unknown = sorted(set(from_file) - names)
         if unknown:
-            raise ConfigError(f"--config {config_path}: unknown option(s) {unknown}; valid ones: {sorted(names)}.")
+            import difflib
+
+            hints = "".join(f" ({k}: did you mean {close[0]}?)" for k in unknown
+                            if (close := difflib.get_close_matches(k, names, 1)))
+            raise ConfigError(f"--config {config_path}: unknown option(s) {unknown}{hints}; valid ones: "
+                              f"{sorted(names)}.")
         values.update(from_file)
     values.update({k: v for k, v in vars(args).items() if k in names})
     values = check_types(cls, values)

@@ -32,7 +32,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TRAINING_TEMPLATES", "KNOWN_TEMPLATES", "load_template", "resolve_chat_template", "template_family"]
+__all__ = ["TRAINING_TEMPLATES", "KNOWN_TEMPLATES", "load_template", "mark_chat_template", "resolve_chat_template",
+           "template_family"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,16 @@ def load_template(name: str) -> str:
     return (_DIR / TRAINING_TEMPLATES[name]).read_text(encoding="utf-8")
 
 
+_APPLIED = "treerl_chat_template"  # the spec a tokenizer's own template already carries
+
+
+def mark_chat_template(tokenizer: Any, spec: str | None) -> None:
+    """Record that ``tokenizer``'s own template is already the one ``spec`` chooses (after
+    ``EpisodeOptions.apply_chat_template``), so that resolving ``spec`` again gives None
+    (the tokenizer's own, template variables included) instead of the bare file."""
+    setattr(tokenizer, _APPLIED, spec)
+
+
 def resolve_chat_template(spec: str | None, tokenizer: Any) -> str | None:
     """The template text for ``spec``, or None for the tokenizer's own.
 
@@ -81,7 +92,7 @@ def resolve_chat_template(spec: str | None, tokenizer: Any) -> str | None:
     variant of the tokenizer's family when there is one, else its own), a shipped name such
     as ``"qwen3_training"``, or the path of a ``.jinja`` file.
     """
-    if spec is None or spec == "model":
+    if spec is None or spec == "model" or getattr(tokenizer, _APPLIED, None) == spec:
         return None
     if spec == "training":
         family = template_family(getattr(tokenizer, "chat_template", None))

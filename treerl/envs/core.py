@@ -338,6 +338,8 @@ class ToolEnv(Env):
             messages.extend(copy.deepcopy(self.task.prompt))
         self.messages = copy.deepcopy(messages)
         info = {"task_id": self.task.id, "answer": copy.deepcopy(self.task.answer), "tools": self.tool_schemas}
+        if "row" in self.task.info:  # the dataset row's other columns: reward functions get them (as in TRL)
+            info["row"] = copy.deepcopy(self.task.info["row"])
         return messages, info
 
     async def astep(self, action: str):

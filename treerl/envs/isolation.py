@@ -27,7 +27,10 @@ import importlib
 import inspect
 import multiprocessing
 import pickle
+import runpy
+import sys
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 from treerl.envs.processes import akill_and_reap
@@ -35,6 +38,9 @@ from treerl.envs.schema import result_text
 from treerl.errors import ToolCallError
 
 __all__ = ["function_payload", "run_isolated"]
+
+USER_FILE_PREFIX = "treerl_user_module:"
+"""The module name ``--import FILE.py`` runs a file under (followed by its absolute path)."""
 
 _MP_CONTEXT = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 # The time limit of an isolated call counts from when the function is ready to run in the
@@ -101,7 +107,13 @@ def _resolve(payload: tuple[str, Any]) -> Callable[..., Any]:
     if how == "pickle":
         return what
     module, qualname = what
-    target: Any = importlib.import_module(module)
+    if module.startswith(USER_FILE_PREFIX) and module not in sys.modules:
+        # A file run by `treerl ... --import path.py` (runpy names it "treerl_user_module:<path>"):
+        # it cannot be imported by that name, so the child runs the file again.
+        namespace = runpy.run_path(module[len(USER_FILE_PREFIX):], run_name=module)
+        target: Any = SimpleNamespace(**namespace)
+    else:
+        target = importlib.import_module(module)
     for part in qualname.split("."):
         target = getattr(target, part)
     # Under @tool this is the Tool, which calls its function unchanged when called.

@@ -168,8 +168,13 @@ def rloo_advantages(rewards: Tensor, group: Tensor, *, scale: str = "none", eps:
 
 
 def combine_rewards(rewards: Tensor, weights: Tensor) -> Tensor:
-    """Weighted sum of several rewards: (E, R) x (R,) -> (E,)."""
-    return rewards @ weights
+    """Weighted sum of several rewards: (E, R) x (R,) -> (E,). A NaN reward (a reward function's
+    ``None``: "not applicable") is left out of its episode's sum, as TRL does.
+
+    >>> combine_rewards(torch.tensor([[1.0, float("nan")], [1.0, 2.0]]), torch.tensor([1.0, 0.5]))
+    tensor([1., 2.])
+    """
+    return torch.nansum(rewards * weights, dim=-1)
 
 
 Estimator = Callable[..., Tensor]
@@ -208,11 +213,15 @@ def compute_advantages(
         )
     if num_episodes == 0:
         raise ValueError("rewards is empty; there are no episodes to compute advantages for.")
-    if not bool(torch.isfinite(rewards).all()):
+    if bool(torch.isinf(rewards).any()) or (num_rewards == 1 and bool(torch.isnan(rewards).any())):
         raise ValueError(
             "rewards contains NaN or inf; a verifier returned a non-number. Make the reward "
             "functions return finite floats (a failed rollout should score, e.g., 0)."
         )
+    if bool(torch.isnan(rewards).any()) and cfg.multi_reward != "sum_then_normalize":
+        raise ValueError(f"a reward function returned None (NaN: not applicable), which multi_reward="
+                         f"{cfg.multi_reward!r} cannot normalize per reward; use multi_reward='sum_then_normalize', "
+                         "where it is left out of the sum (as in TRL).")
     rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
     if weights is None:
         w = torch.ones(num_rewards, dtype=rewards.dtype, device=rewards.device)
@@ -249,7 +258,7 @@ def compute_advantages(
     }
     if num_rewards > 1:
         for r in range(num_rewards):
-            metrics[f"reward/{r}/mean"] = rewards[:, r].mean()
+            metrics[f"reward/{r}/mean"] = rewards[:, r].nanmean()
     return AdvantageOutput(adv=adv, metrics=metrics)
 
 

@@ -94,7 +94,6 @@ class GeneratorCore:
         import torch
 
         from treerl.agents.transformers_policy import TransformersPolicy
-        from treerl.models import load_model
 
         cfg = spec.cfg
         if cfg.num_threads:
@@ -106,7 +105,7 @@ class GeneratorCore:
         else:
             model, tokenizer = spec.model, spec.tokenizer
             if model is None:
-                model, tokenizer = load_model(cfg.model, cfg.device)
+                model, tokenizer = cfg.load_model(cfg.device)
             # One batch for every episode in flight: a generator runs several steps' episodes at once.
             self.policy = TransformersPolicy(model, tokenizer, device=cfg.device, version=-1,
                                              max_batch_size=cfg.max_concurrency)

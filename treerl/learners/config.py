@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from treerl.config import field_help
 from treerl.kernels.tree_attention import BACKENDS
 from treerl.learners.packing import PackingConfig
+from treerl.learners.precision import DTYPES, resolve_precision
 from treerl.rollout.options import EpisodeOptions
 
 __all__ = ["LearnerConfig", "REPORT_TO"]
@@ -35,11 +36,19 @@ REPORT_TO = ("none", "tensorboard", "wandb", "trackio")
 class LearnerConfig(EpisodeOptions):
     """Options every learner of ``treerl learn`` shares."""
 
+    ALIASES: ClassVar[dict[str, str]] = {  # TRL's names where the meaning is the same (flags and YAML keys)
+        "num_generations": "group_size", "max_steps": "steps", "save_steps": "save_every", "loss_type": "loss",
+        "model_name_or_path": "model", "epsilon": "epsilon_low",
+    }
+
     output_dir: str | None = field_help(None, "Where metrics, checkpoints and the final model go (required).")
     steps: int = field_help(60, "Optimizer steps.")
     tasks_per_step: int = field_help(8, "Tasks per step; each is played group_size times.")
     group_size: int = field_help(8, "Generations per task (GRPO's group).")
-    learning_rate: float = field_help(2e-4, "AdamW learning rate.")
+    learning_rate: float | None = field_help(None, "AdamW learning rate (default: by the model's size, see "
+                                                   "treerl.learners.precision.usual_learning_rate: 2e-4 for the "
+                                                   "shipped tiny model, 1e-6 to fine-tune all weights of a model of "
+                                                   "100M+ parameters, 1e-5 with LoRA).")
     weight_decay: float = field_help(0.0, "AdamW weight decay.")
     warmup_steps: int = field_help(0, "Linear warm-up steps, then constant.")
     max_grad_norm: float = field_help(1.0, "Gradient clipping norm (0 disables).")
@@ -61,8 +70,33 @@ class LearnerConfig(EpisodeOptions):
     lora_r: int = field_help(0, "LoRA rank; 0 trains all weights.")
     lora_alpha: int = field_help(16, "LoRA alpha.")
     lora_dropout: float = field_help(0.0, "LoRA dropout.")
+    dtype: str = field_help("float32", "Master weights and AdamW states: float32 (a bfloat16 checkpoint is upcast; "
+                                       "pair with --bf16/--fp16 for mixed precision), bfloat16 or float16 (pure low "
+                                       "precision: small updates round away), or auto (the checkpoint's dtype).")
+    bf16: bool | None = field_help(None, "Forward and backward under bfloat16 autocast; log-probs and the loss stay "
+                                         "float32 (default: on for a CUDA GPU with bfloat16, off on CPU).")
+    fp16: bool = field_help(False, "Forward and backward under float16 autocast with a loss scaler (GPUs without "
+                                   "bfloat16); needs --dtype float32.")
+    use_vllm: bool = field_help(False, "Sample with a vLLM engine in this process (the vllm extra, a CUDA GPU): "
+                                       "the weights are loaded into it in place after each step.")
+    vllm_gpu_memory_utilization: float = field_help(0.3, "Share of the GPU's memory the colocated vLLM engine takes "
+                                                         "(weights and KV cache); the rest is training's.")
+    vllm_kwargs: dict[str, Any] = field_help(help='More keyword arguments of vllm.LLM, e.g. \'{"enforce_eager": '
+                                                  'true, "max_num_seqs": 64}\'.', default_factory=dict)
+    gradient_checkpointing: bool = field_help(False, "Recompute each decoder layer's activations in the backward "
+                                                     "instead of keeping them: less memory for long episodes, about "
+                                                     "a third more compute (works with tree attention and LoRA).")
     eval_episodes: int = field_help(64, "Held-out episodes evaluated at the start and the end (0 skips).")
     eval_seed: int = field_help(10_000, "First seed of the held-out tasks (training uses seed + i).")
+    eval_env_kwargs: dict[str, Any] = field_help(
+        help='The held-out evaluation\'s environment keyword arguments, merged over env_kwargs, e.g. \'{"data_path": '
+             '"test.jsonl"}\' (default: the training environment, whose rows the evaluation would then draw).',
+        default_factory=dict)
+    reward_funcs: list[str] = field_help(
+        help="Reward functions with TRL's signature, as MODULE:FUNCTION or FILE.py:FUNCTION (comma-separated or "
+             "repeated), added to the environment's reward.", default_factory=list)
+    reward_weights: list[float] | None = field_help(None, "One weight for the environment's reward, then one per "
+                                                          "reward function (default: all 1).")
     eval_temperature: float = field_help(1.0, "Sampling temperature of the evaluation.")
     save_every: int = field_help(0, "Checkpoint every N steps (0: only at the end).")
     resume: bool = field_help(False, "Continue from the latest checkpoint in output_dir.")
@@ -94,13 +128,36 @@ class LearnerConfig(EpisodeOptions):
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
         if self.branch_factor > 1 and (self.branch_at_turn is None or self.branch_at_turn < 1):
             raise ValueError("branch_factor > 1 needs branch_at_turn K (K >= 1): the turn after which to fork.")
-        if self.learning_rate <= 0:
+        if self.learning_rate is not None and self.learning_rate <= 0:
             raise ValueError(f"learning_rate={self.learning_rate} must be > 0 (e.g. 2e-4).")
         if self.attention_impl != "auto" and self.attention_impl not in BACKENDS:
             raise ValueError(f"attention_impl={self.attention_impl!r} is not a tree-attention backend: use auto or one "
                              f"of {', '.join(sorted(BACKENDS))} (--attention-impl auto).")
         if self.report_to not in REPORT_TO:
             raise ValueError(f"report_to={self.report_to!r}: use none, tensorboard, wandb or trackio.")
+        if not isinstance(self.eval_env_kwargs, dict):
+            raise ValueError(f"eval_env_kwargs={self.eval_env_kwargs!r} must be a mapping, e.g. --eval-env-kwargs "
+                             "'{\"data_path\": \"test.jsonl\"}'.")
+        if self.reward_weights is not None and self.reward_funcs:
+            from treerl.learners.rewards import load_reward_funcs
+
+            num = len(load_reward_funcs(self.reward_funcs))
+            if len(self.reward_weights) != 1 + num:
+                raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for {num} reward "
+                                 f"function(s); give {1 + num}: the environment's reward first, then one per "
+                                 "function (--reward-weights 1.0 0.5 ...).")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1], e.g. "
+                             "0.3 leaves 70% of the GPU to training.")
+        if self.use_vllm and (self.from_rollouts or self.from_server):
+            raise ValueError("use_vllm samples the environment's episodes, but from_rollouts/from_server bring "
+                             "their own groups; drop --use-vllm.")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: use one of {', '.join(DTYPES)} (--dtype float32 keeps float32 "
+                             "master weights; add --bf16 for bfloat16 compute).")
+        if self.bf16 and self.fp16:
+            raise ValueError("bf16 and fp16 are both set: autocast runs in one dtype; drop --bf16 or --fp16.")
+        resolve_precision(self.dtype, self.bf16, self.fp16, "cpu")  # its own messages (float16 weights with fp16)
         if self.lora_r < 0:
             raise ValueError(f"lora_r={self.lora_r} must be >= 0 (0 trains all weights).")
         if self.sample_groups < 0 or self.sample_every < 1:
@@ -118,6 +175,10 @@ class LearnerConfig(EpisodeOptions):
             raise ValueError(f"from_server={self.from_server!r} must be an http(s) URL, e.g. http://127.0.0.1:8000.")
         if not self.server_timeout_s > 0:
             raise ValueError(f"server_timeout_s={self.server_timeout_s} must be > 0 (seconds).")
+
+    def eval_env_factory(self) -> Any:
+        """The held-out evaluation's environment factory: ``env_kwargs`` updated with ``eval_env_kwargs``."""
+        return EpisodeOptions(env=self.env, env_kwargs={**self.env_kwargs, **self.eval_env_kwargs}).env_factory()
 
     def group_source(self) -> Any:
         """The :class:`~treerl.rollout.sources.GroupSource` named by ``from_rollouts`` or ``from_server``, or None."""

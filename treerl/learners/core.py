@@ -65,10 +65,18 @@ from treerl.learners.losses.base import same_definition
 from treerl.learners.metrics import MetricsLog, truncate_metrics
 from treerl.learners.packing import PackedBatch, packing_metrics
 from treerl.learners.plots import MatplotlibMissing, write_plots
-from treerl.learners.rewards import RewardFunc, check_reward_weights
+from treerl.learners.precision import (
+    SMALL_MODEL_PARAMS,
+    Precision,
+    check_learning_rate,
+    checkpoint_dtype,
+    enable_gradient_checkpointing,
+    resolve_precision,
+)
+from treerl.learners.rewards import RewardFunc, check_reward_weights, load_reward_funcs
 from treerl.learners.samples import add_trainer_logprobs, annotate_sample, keeps_sample, sample_path, write_groups
 from treerl.learners.weight_sync import WeightSync
-from treerl.models import load_model
+from treerl.models import template_ignores_tools
 from treerl.rollout.engine import RolloutEngine
 from treerl.rollout.sources import GroupSource
 from treerl.rollout.summary import RolloutStats
@@ -154,6 +162,10 @@ class Run:
     eval_start: dict[str, Any] | None = None
     source: GroupSource | None = None
     """Where the groups come from instead of the engine (a trajectory file, ``treerl serve``)."""
+    precision: Precision | None = None
+    eval_env_factory: Callable[[], Any] | None = None
+    """The held-out evaluation's environments (``eval_env_kwargs``; default: ``env_factory``)."""
+    """Which dtype the weights, the forward/backward and the sampler use (``--dtype``, ``--bf16``, ``--fp16``)."""
     _step_started: float = 0.0
 
     def __enter__(self) -> Run:
@@ -268,6 +280,10 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
+    if not reward_funcs and cfg.reward_funcs:  # named on the command line
+        reward_funcs = load_reward_funcs(cfg.reward_funcs)
+    if reward_weights is None and cfg.reward_weights is not None:
+        reward_weights = cfg.reward_weights
     weights = check_reward_weights(reward_funcs, reward_weights)
     ranks = Ranks.from_env(cfg.device)
     if cfg.tasks_per_step < ranks.world_size:
@@ -285,13 +301,23 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
 
     # Models: the trainer's (tree attention, maybe LoRA) and the sampler's own copy.
     if model is None:
-        model, tokenizer = load_model(cfg.model, device)
+        model, tokenizer = cfg.load_model(device)
     elif tokenizer is None:
         raise ValueError("train(model=...) needs its tokenizer too: pass tokenizer=...")
+    else:
+        cfg.apply_chat_template(tokenizer)
+    precision = resolve_precision(cfg.dtype, cfg.bf16, cfg.fp16, device)
+    loaded = checkpoint_dtype(model)
+    if precision.weights is not None and loaded != precision.weights:
+        model.to(precision.weights)  # float32 master weights: a bfloat16 checkpoint's small updates would round away
     ranks.broadcast_parameters(model)  # every rank starts from rank 0's weights
     policy_model = None
-    if policy is None:
-        policy_model = copy.deepcopy(model).eval()
+    if policy is None and cfg.use_vllm:
+        from treerl.learners.vllm_colocate import colocated_vllm_policy
+
+        policy = colocated_vllm_policy(cfg, precision, model)
+    elif policy is None:  # the sampler computes in the trainer's compute precision
+        policy_model = copy.deepcopy(model).to(precision.sampler_dtype(checkpoint_dtype(model))).eval()
         policy = TransformersPolicy(policy_model, tokenizer, device=device,
                                     continuous_batching=cfg.continuous_batching)
     ref_model = _reference_model(model, cfg) if reference else None
@@ -302,7 +328,10 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     if cfg.pack_mode != "padded":
         attention = enable_tree_attention(model.get_base_model() if cfg.lora_r > 0 else model, impl=cfg.attention_impl)
         logger.info("tree attention: %s (%s)", attention.impl, attention.reason)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     params = [p for p in model.parameters() if p.requires_grad]
+    _check_size_defaults(cfg, model, ranks.is_main)
     if optimizer is None:
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     elif not isinstance(optimizer, torch.optim.Optimizer):
@@ -311,6 +340,12 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     engine = cfg.engine(policy, tokenizer, seed=cfg.seed, branch_at_turn=cfg.branch_at_turn,
                         branch_factor=cfg.branch_factor)
     env_factory = env_factory or cfg.env_factory()
+    eval_env_factory = cfg.eval_env_factory() if cfg.eval_env_kwargs else env_factory
+    if ranks.is_main and cfg.eval_episodes and not cfg.eval_env_kwargs and "data_path" in cfg.env_kwargs:
+        print("warning: the held-out evaluation draws its tasks from the training data (env_kwargs data_path); pass "
+              "--eval-env-kwargs '{\"data_path\": \"test.jsonl\"}' to evaluate on held-out rows.", file=sys.stderr)
+    if ranks.is_main:
+        _warn_if_template_ignores_tools(tokenizer, env_factory)
 
     state = TrainerState()
     if cfg.resume and (ckpt := resume_checkpoint(out_dir)) is not None:
@@ -328,17 +363,49 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     run = Run(cfg=cfg, ranks=ranks, device=device, out_dir=out_dir, model=model, tokenizer=tokenizer, policy=policy,
               optimizer=optimizer, scheduler=scheduler, engine=engine, env_factory=env_factory, sync=sync,
               state=state, reward_funcs=tuple(reward_funcs), reward_weights=weights, reference=ref_model,
-              attention=attention, policy_model=policy_model, source=source)
-    if ranks.is_main:  # the other ranks write nothing and wait for rank 0 at the first step's collectives
+              attention=attention, policy_model=policy_model, source=source, precision=precision,
+              eval_env_factory=eval_env_factory)
+    if ranks.is_main:
+        print(f"precision: {precision.describe(checkpoint=loaded, weights=checkpoint_dtype(model))}", file=sys.stderr)  # the other ranks write nothing and wait for rank 0 at the first step's collectives
         (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
         run.log = MetricsLog(out_dir, report_to=cfg.report_to, config=asdict(cfg), total_steps=cfg.steps,
                              start_step=state.step, progress=cfg.progress)
         run.diagnostics = Diagnostics(out_dir / "diagnostics.jsonl")
-        run.eval_start = evaluate_at_start(cfg, policy, tokenizer, env_factory, out_dir, resumed=state.step > 0)
+        run.eval_start = evaluate_at_start(cfg, policy, tokenizer, eval_env_factory, out_dir,
+                                           resumed=state.step > 0)
         if run.eval_start is not None and state.step == 0:
             print(f"eval at start: success rate {run.eval_start['success_rate']:.1%} over {cfg.eval_episodes} "
                   f"held-out episodes", file=sys.stderr)
     return run
+
+
+def _check_size_defaults(cfg: LearnerConfig, model: torch.nn.Module, is_main: bool) -> None:
+    """The learning rate for the model's size when not given (``cfg.learning_rate`` is set to it, so
+    config.json records it); warnings for a learning rate or a token limit that do not fit the model."""
+    num_params = sum(p.numel() for name, p in model.named_parameters() if "lora_" not in name)
+    cfg.learning_rate, warning = check_learning_rate(cfg.learning_rate, num_params, lora=cfg.lora_r > 0)
+    warnings = [warning] if warning else []
+    if num_params >= SMALL_MODEL_PARAMS and cfg.max_new_tokens < 256:
+        warnings.append(f"max_new_tokens={cfg.max_new_tokens} is the shipped tiny model's limit; a "
+                        f"{num_params / 1e6:.0f}M-parameter model's answers (and its thinking) are usually longer, so "
+                        "most turns would be cut off: pass e.g. --max-new-tokens 1024.")
+    for message in warnings if is_main else ():
+        logger.warning(message)
+        print(f"warning: {message}", file=sys.stderr)
+
+
+def _warn_if_template_ignores_tools(tokenizer: Any, env_factory: Callable[[], Any]) -> None:
+    env = env_factory()
+    try:
+        tools = getattr(env, "tool_schemas", None) or []
+    finally:
+        env.close()
+    if template_ignores_tools(tokenizer, tools):
+        message = (f"the chat template ignores `tools`: the schemas of the environment's {len(tools)} tool(s) never "
+                   "reach the prompt, so the model cannot know them; pass --chat-template with a template that "
+                   "renders tools (e.g. the model family's tool-use template).")
+        logger.warning(message)
+        print(f"warning: {message}", file=sys.stderr)
 
 
 def _apply_lora(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Module:
@@ -370,7 +437,10 @@ def finish(run: Run) -> TrainResult:
         run.save_checkpoint()
         _export_model(run).save_pretrained(model_dir, safe_serialization=True)
         run.tokenizer.save_pretrained(model_dir)
-        eval_end = evaluate_policy(cfg, run.policy, run.tokenizer, run.env_factory) if cfg.eval_episodes > 0 else None
+        if cfg.lora_r > 0:  # the adapter alone too (a few MB), loadable with peft.PeftModel.from_pretrained
+            run.model.save_pretrained(run.out_dir / "adapter")
+        eval_end = (evaluate_policy(cfg, run.policy, run.tokenizer, run.eval_env_factory or run.env_factory)
+                    if cfg.eval_episodes > 0 else None)
         result = {"steps": cfg.steps, "policy_version": run.sync.version, "eval_start": run.eval_start,
                   "eval_end": eval_end, "model_dir": str(model_dir)}
         (run.out_dir / "summary.json").write_text(json.dumps(result, indent=2))
@@ -393,8 +463,9 @@ def _write_plots(out_dir: Path) -> None:
 
 def _export_model(run: Run) -> torch.nn.Module:
     """A plain transformers model with the trained weights (LoRA merged), without tree attention."""
-    if run.policy_model is not None:  # the default policy's copy, which received the last publish
-        return run.policy_model
+    if run.policy_model is not None and checkpoint_dtype(run.policy_model) == checkpoint_dtype(run.model):
+        return run.policy_model  # the default policy's copy, which received the last publish
+    # (A sampler in bfloat16 over float32 master weights: the master weights are saved.)
     from peft import PeftModel
 
     exported = copy.deepcopy(run.model)

@@ -25,6 +25,7 @@ sampler recorded one (DESIGN.md, principle 4), and over the full vocabulary else
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ from treerl.kernels.logprobs import ImplChoice, token_logprobs
 from treerl.kernels.tree_attention import BACKENDS, TREE_KWARG, attn_implementation_name
 from treerl.learners.losses import LossConfig, LossInputs, LossNormalizer, LossOutput, compute_loss
 from treerl.learners.packing import PackedBatch
+from treerl.learners.precision import Precision
 
 __all__ = [
     "PackedForwardError",
@@ -144,6 +146,7 @@ def packed_logprobs(
     chunk_tokens: int = 1024,
     chunk_vocab: int = 8192,
     head: bool = False,
+    precision: Precision | None = None,
 ) -> PackedLogprobs:
     """Log-probs, entropies and candidate-renormalized log-probs of every term of ``batch``.
 
@@ -155,16 +158,21 @@ def packed_logprobs(
         temperature: the sampler's temperature; logits are divided by it.
         impl, chunk_tokens, chunk_vocab: passed to :func:`token_logprobs`.
         head: also the log-probs of the sampler's recorded head ids (``head_logp``).
+        precision: the run's :class:`~treerl.learners.precision.Precision`; its autocast covers
+            the decoder only, so the head, the log-probs and everything after are float32.
 
     The LM head runs once per loss position (``N``), not per term (``M``): episodes that
     share a sampled token share its head computation, and the gather's gradient adds their
     terms up.
     """
     head = _check_head(model)
-    hidden = packed_hidden_states(model, batch)  # (B, T, H)
+    with precision.forward() if precision is not None else contextlib.nullcontext():
+        hidden = packed_hidden_states(model, batch)  # (B, T, H)
     batch_size, length, width = hidden.shape
     flat_index = batch.loss_row * length + batch.loss_pos  # (N,)
     hidden_at_loss = hidden.reshape(batch_size * length, width).index_select(0, flat_index)  # (N, H)
+    if precision is not None and precision.autocast is not None:
+        hidden_at_loss = hidden_at_loss.float()  # out of the autocast region: the head and log-probs in float32
     out = token_logprobs(
         hidden_at_loss.to(head.weight.dtype),
         head.weight,

@@ -53,7 +53,8 @@ from treerl.learners.forward import PackedLogprobs, loss_inputs, packed_logprobs
 from treerl.learners.importance import ImportanceConfig, importance_weights
 from treerl.learners.losses import POLICY_LOSSES, LossCoefficients, LossConfig, LossNormalizer, compute_loss
 from treerl.learners.packing import PackedBatch, pack_groups
-from treerl.learners.rewards import RewardFunc, score
+from treerl.learners.precision import Precision
+from treerl.learners.rewards import RewardFunc, score, write_extras
 from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group
 
@@ -153,15 +154,17 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
              batches: Sequence[PackedBatch], cfg: GRPOConfig, device: str, metrics: dict[str, float],
              ranks: Ranks = Ranks(), ref_model: torch.nn.Module | None = None,
              normalizer: LossNormalizer | None = None, policy_coef: float = 1.0,
-             extra_loss: ExtraLoss | None = None) -> None:
+             extra_loss: ExtraLoss | None = None, precision: Precision | None = None) -> None:
     """One optimizer step over all micro-batches of the step (one accumulation window).
 
     With several ranks the window is every rank's micro-batches: the normalizer counts them
     all, and the gradients are summed over ranks before clipping. ``normalizer`` defaults to
     the one of ``batches``; pass the full window's when some batches were left out. The loss
     backpropagated is ``policy_coef * policy loss + extra_loss(batch, out)`` (SDPO blends its
-    distillation loss in this way).
+    distillation loss in this way). ``precision`` (the run's) sets the forward's autocast and
+    the float16 loss scaling; log-probs and the loss stay float32.
     """
+    precision = precision or Precision(weights=None, autocast=None)
     loss_cfg, is_cfg = cfg.loss_config(), cfg.importance_config()
     if normalizer is None:
         normalizer = ranks.normalizer(batches)
@@ -169,7 +172,8 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     model.train()
     for batch in batches:
         batch = batch.to(device)
-        out = packed_logprobs(model, batch, temperature=cfg.temperature, impl="auto", head=is_cfg.centering)
+        out = packed_logprobs(model, batch, temperature=cfg.temperature, impl="auto", head=is_cfg.centering,
+                              precision=precision)
         # On-policy, one update per batch: the old policy is the current one (ratio 1); the
         # sampler/trainer gap is corrected by importance weights, detached.
         iw = importance_weights(out.logp.detach(), batch.term_sampler_logp.to(out.logp.device),
@@ -179,14 +183,15 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
         ref_logp = None
         if ref_model is not None:
             with torch.no_grad():
-                ref_logp = packed_logprobs(ref_model, batch, temperature=cfg.temperature, impl="auto").logp
+                ref_logp = packed_logprobs(ref_model, batch, temperature=cfg.temperature, impl="auto",
+                                           precision=precision).logp
         inputs = loss_inputs(batch, out, ref_logp=ref_logp, is_weight=iw.weight, is_mask=iw.mask,
                              centering=None if centering is None else centering.terms)
         result = compute_loss(inputs, loss_cfg, normalizer)
         loss = result.loss if policy_coef == 1.0 else policy_coef * result.loss
         if extra_loss is not None:
             loss = loss + extra_loss(batch, out)
-        loss.backward()
+        precision.backward(loss)
         n = batch.num_terms
         for k, v in {**result.metrics, **iw.metrics, **(centering.metrics if centering else {})}.items():
             totals[k] = totals.get(k, 0.0) + float(v) * (1.0 if k.startswith("loss/") else n)
@@ -202,9 +207,10 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
         if p.grad is None:  # nothing was trained on (all groups skipped): a zero gradient, as training would give
             p.grad = torch.zeros_like(p)
     ranks.all_reduce_gradients(params)  # each rank's loss is its share of the global one: sum them
+    precision.unscale(optimizer)
     if cfg.max_grad_norm > 0:
         metrics["grad/norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-    optimizer.step()
+    precision.step(optimizer)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     metrics["lr"] = scheduler.get_last_lr()[0]
@@ -227,7 +233,10 @@ def update(run: Run, step: int, groups: Sequence[Group], stats: RolloutStats, me
     first task index its generators have not been handed yet (see :meth:`Run.end_step`).
     """
     cfg = run.cfg
-    rewards = score(groups, run.reward_funcs, metrics)
+    extras: dict[str, list[Any]] = {}
+    rewards = score(groups, run.reward_funcs, metrics, extras)
+    if extras and run.ranks.is_main:  # reward functions' log_extra values, one line per step
+        write_extras(run.out_dir / "reward_extras.jsonl", step + 1, extras)
     adv = advantages(groups, rewards, run.reward_weights, cfg, metrics, run.ranks)
     run.keep_sample(step, groups, adv)
     batches = pack_groups(groups, adv, cfg.packing_config())
@@ -235,7 +244,7 @@ def update(run: Run, step: int, groups: Sequence[Group], stats: RolloutStats, me
     if skips_zero_advantage_groups(cfg, run.ranks):
         batches = without_zero_advantage_groups(groups, adv, batches, cfg, metrics)
     optimize(run.model, run.optimizer, run.scheduler, batches, cfg, run.device, metrics, run.ranks,
-             ref_model=run.reference, normalizer=normalizer)
+             ref_model=run.reference, normalizer=normalizer, precision=run.precision)
     run.publish_weights(metrics)
     return run.end_step(step, metrics, stats, num_episodes=len(adv), batches=batches, next_task=next_task)
 

@@ -9,21 +9,36 @@ with ``reward_weights`` (one per column). A reward function takes TRL's argument
 ``prompts`` are the opening messages, ``completions`` every message after them,
 ``completion_ids`` the sampled ids; the task's columns come as keyword arguments
 (``answer``, ``task_id``, ``termination``, ``env_reward``), with ``log_metric(name, value)``
-(logged as ``reward_fn/<name>``) and ``log_extra(name, values)`` callbacks. ``None`` means
-"not applicable" and counts as 0.
+(logged as ``reward_fn/<name>``) and ``log_extra(name, values)`` callbacks (the values, one per
+completion, go to ``reward_extras.jsonl`` in the run's directory), and the columns of the task's
+dataset row that the environment keeps in ``Task.info`` (TRL passes extra dataset columns the same
+way). ``None`` means "not applicable": the reward is NaN and left out of the weighted sum, as in
+TRL. An ``async def`` reward function is awaited; several run concurrently.
+
+From the command line, ``--reward-funcs my_rewards:short,pkg.mod:fmt`` names them
+(:func:`load_reward_funcs`: a module on the path or a ``.py`` file, then the function).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import inspect
+import json
 import logging
+import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from treerl.errors import ConfigError
 from treerl.rollout.trajectory import Group
 
-__all__ = ["RewardFunc", "check_reward_weights", "score"]
+__all__ = ["RewardFunc", "check_reward_weights", "load_reward_funcs", "score", "write_extras"]
+
+_RESERVED = {"prompts", "completions", "completion_ids", "log_metric", "log_extra"}
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +64,77 @@ def check_reward_weights(reward_funcs: Sequence[RewardFunc], weights: Sequence[f
     return [float(w) for w in weights]
 
 
-def score(groups: Sequence[Group], reward_funcs: Sequence[RewardFunc], metrics: dict[str, float]) -> torch.Tensor:
-    """Rewards ``(E, 1 + len(reward_funcs))``: the environment's, then each reward function's."""
+def load_reward_funcs(specs: Sequence[str]) -> list[RewardFunc]:
+    """The functions named ``module:function`` or ``path/to/file.py:function`` (commas separate several).
+
+    >>> [f.__name__ for f in load_reward_funcs(["math:sqrt,math:floor"])]
+    ['sqrt', 'floor']
+    >>> load_reward_funcs(["math"])
+    Traceback (most recent call last):
+    ...
+    treerl.errors.ConfigError: reward_funcs: 'math' is not MODULE:FUNCTION; write e.g. --reward-funcs my_rewards:short_answers (a module on the path or a .py file, then the function).
+    """
+    import importlib
+    import runpy
+
+    funcs = []
+    for spec in (s.strip() for item in specs for s in str(item).split(",") if s.strip()):
+        module_name, sep, attr = spec.rpartition(":")
+        if not sep or not module_name or not attr:
+            raise ConfigError(f"reward_funcs: {spec!r} is not MODULE:FUNCTION; write e.g. --reward-funcs "
+                              "my_rewards:short_answers (a module on the path or a .py file, then the function).")
+        if module_name.endswith(".py"):
+            if not Path(module_name).is_file():
+                raise ConfigError(f"reward_funcs: {module_name}: no such file.")
+            namespace = runpy.run_path(module_name, run_name=f"treerl_user_module:{Path(module_name).resolve()}")
+        else:
+            try:
+                namespace = vars(importlib.import_module(module_name))
+            except ImportError as exc:
+                raise ConfigError(f"reward_funcs: cannot import {module_name!r} ({exc}); is it on PYTHONPATH? A file "
+                                  "works too: --reward-funcs path/to/rewards.py:my_reward.") from None
+        func = namespace.get(attr)
+        if not callable(func):
+            public = sorted(k for k, v in namespace.items() if callable(v) and not k.startswith("_"))
+            raise ConfigError(f"reward_funcs: {module_name} has no function {attr!r}; it has {public[:12]}.")
+        funcs.append(func)
+    return funcs
+
+
+def _call_all(calls: list[tuple[RewardFunc, dict[str, Any]]]) -> list[Any]:
+    """Each reward function's result; coroutines (``async def`` functions) awaited concurrently."""
+    results = [func(**kwargs) for func, kwargs in calls]
+    pending = [i for i, r in enumerate(results) if inspect.isawaitable(r)]
+    if pending:
+        async def gather() -> list[Any]:
+            return await asyncio.gather(*(results[i] for i in pending))
+
+        try:
+            asyncio.get_running_loop()
+            running = True
+        except RuntimeError:
+            running = False
+        if running:  # called from inside an event loop (e.g. an async learner): await in a thread of its own
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                done = pool.submit(asyncio.run, gather()).result()
+        else:
+            done = asyncio.run(gather())
+        for i, value in zip(pending, done):
+            results[i] = value
+    return results
+
+
+def write_extras(path: str | Path, step: int, extras: dict[str, list[Any]]) -> None:
+    """Append one line ``{"step": s, name: values, ...}`` of ``log_extra`` values to ``path``."""
+    if extras:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, **extras}, default=str) + "\n")
+
+
+def score(groups: Sequence[Group], reward_funcs: Sequence[RewardFunc], metrics: dict[str, float],
+          extras: dict[str, list[Any]] | None = None) -> torch.Tensor:
+    """Rewards ``(E, 1 + len(reward_funcs))``: the environment's, then each reward function's
+    (NaN where a function returned ``None``). ``extras`` collects the ``log_extra`` values."""
     episodes = [(g, e) for g in groups for e in g.episodes]
     columns = [[e.reward for _, e in episodes]]
     if reward_funcs:
@@ -66,21 +150,28 @@ def score(groups: Sequence[Group], reward_funcs: Sequence[RewardFunc], metrics: 
             "termination": [e.termination for _, e in episodes],
             "env_reward": list(columns[0]),
         }
+        # The dataset row's own columns the environment kept (TRL passes extra columns as kwargs).
+        row_keys = {k for g, _ in episodes for k in (g.info.get("row") or {})} - kwargs.keys() - _RESERVED
+        for key in sorted(row_keys):
+            kwargs[key] = [(g.info.get("row") or {}).get(key) for g, _ in episodes]
+        extras = {} if extras is None else extras
 
         def log_metric(name: str, value: float) -> None:
             metrics[f"reward_fn/{name}"] = float(value)
 
         def log_extra(name: str, values: Sequence[Any]) -> None:
-            logger.debug("reward function extra %s: %s", name, list(values)[:4])
+            extras[str(name)] = list(values)
 
-        for func in reward_funcs:
-            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                          log_metric=log_metric, log_extra=log_extra, **kwargs)
-            values = [0.0 if v is None else float(v) for v in values]
-            if len(values) != len(episodes):
-                raise ValueError(f"reward function {getattr(func, '__name__', func)!r} returned {len(values)} "
-                                 f"rewards for {len(episodes)} completions; return one per completion.")
+        calls = [(func, dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                             log_metric=log_metric, log_extra=log_extra, **kwargs)) for func in reward_funcs]
+        for func, values in zip(reward_funcs, _call_all(calls)):
             name = getattr(func, "__name__", type(func).__name__)
-            metrics[f"reward_fn/{name}_mean"] = sum(values) / len(values)
+            if values is None or len(values) != len(episodes):
+                raise ValueError(f"reward function {name!r} returned {0 if values is None else len(values)} "
+                                 f"rewards for {len(episodes)} completions; return one per completion (None where "
+                                 "it does not apply).")
+            values = [math.nan if v is None else float(v) for v in values]
+            applicable = [v for v in values if not math.isnan(v)]
+            metrics[f"reward_fn/{name}_mean"] = sum(applicable) / len(applicable) if applicable else math.nan
             columns.append(values)
     return torch.tensor(columns, dtype=torch.float32).T  # (E, R)

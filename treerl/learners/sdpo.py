@@ -319,7 +319,7 @@ def sdpo_step(run: Run, teacher: torch.nn.Module, prompter: TeacherPrompter, ste
         batches = without_zero_advantage_groups(groups, adv, batches, cfg, metrics)
     optimize(run.model, run.optimizer, run.scheduler, batches, cfg, run.device, metrics, run.ranks,
              ref_model=run.reference if cfg.beta > 0 else None, normalizer=normalizer,
-             policy_coef=1.0 - cfg.distillation_weight, extra_loss=distill)
+             policy_coef=1.0 - cfg.distillation_weight, extra_loss=distill, precision=run.precision)
     if distill is not None:
         metrics.update(distill.step_metrics())
     if cfg.teacher == "ema":

@@ -13,6 +13,8 @@ only local files (no network) and takes well under a second.
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +23,8 @@ if TYPE_CHECKING:
 
 from treerl.errors import ConfigError
 
-__all__ = ["DEFAULT_MODEL_PATH", "default_model_path", "load_default_model", "load_model", "check_device"]
+__all__ = ["DEFAULT_MODEL_PATH", "default_model_path", "load_default_model", "load_model", "check_device",
+           "resolve_hub_id", "set_chat_template", "template_ignores_tools", "model_directory"]
 
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent / "tiny"
 """Where the shipped model lives inside the installed package."""
@@ -79,6 +82,65 @@ def _check_chat_template(tokenizer: Any, path: Any) -> None:
                           "tokenizer.save_pretrained(DIR)), or use an instruction-tuned model's tokenizer.")
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _jinja_literal(value: Any) -> str:
+    """``value`` (from JSON or YAML) written as a Jinja expression."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float, str)):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_jinja_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))}: {_jinja_literal(v)}" for k, v in value.items()) + "}"
+    raise ConfigError(f"chat_template_kwargs: {value!r} is not a JSON value; use true/false, numbers, text, lists "
+                      "or mappings.")
+
+
+def set_chat_template(tokenizer: Any, chat_template: str | os.PathLike | None = None,
+                      template_kwargs: dict[str, Any] | None = None) -> None:
+    """Replace the tokenizer's chat template with the file ``chat_template`` and fix template variables.
+
+    ``template_kwargs`` (``{"enable_thinking": False}``) become ``{% set %}`` lines at the top of
+    the template, so every renderer of the run (rollout, evaluation, ``treerl serve``, a
+    teacher's context) sees the same values without passing them along.
+
+    >>> class Tok: chat_template = "{{ enable_thinking }}"
+    >>> tok = Tok(); set_chat_template(tok, None, {"enable_thinking": False}); tok.chat_template
+    '{%- set enable_thinking = false %}{{ enable_thinking }}'
+    """
+    if chat_template is not None:
+        p = Path(chat_template)
+        if not p.is_file():
+            raise ConfigError(f"chat_template={str(chat_template)!r}: no such file; pass a Jinja template file (e.g. "
+                              "one saved from another model's tokenizer_config.json chat_template).")
+        tokenizer.chat_template = p.read_text(encoding="utf-8")
+    if template_kwargs:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("chat_template_kwargs given, but the tokenizer has no chat template to apply them to; "
+                              "pass --chat-template PATH.")
+        for name in template_kwargs:
+            if not str(name).isidentifier():
+                raise ConfigError(f"chat_template_kwargs: {name!r} is not a template variable name.")
+        header = "".join(f"{{%- set {k} = {_jinja_literal(v)} %}}" for k, v in template_kwargs.items())
+        tokenizer.chat_template = header + tokenizer.chat_template
+
+
+def template_ignores_tools(tokenizer: Any, tool_schemas: list[dict[str, Any]]) -> bool:
+    """Whether the chat template renders the same prompt with and without ``tools``: then the
+    model never sees the tool schemas."""
+    if not tool_schemas:
+        return False
+    messages = [{"role": "user", "content": "hi"}]
+    plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    with_tools = tokenizer.apply_chat_template(messages, tools=tool_schemas, tokenize=False, add_generation_prompt=True)
+    return plain == with_tools
+
+
 def load_default_model(device: Any = "cpu") -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
     """Load the shipped model (float32, eval mode) and its tokenizer from local files only.
 
@@ -97,10 +159,59 @@ def load_default_model(device: Any = "cpu") -> tuple["PreTrainedModel", "PreTrai
     return model.to(device).eval(), tokenizer
 
 
-def load_model(path: str | None, device: Any = "cpu") -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
-    """A transformers causal LM and its tokenizer from a local directory, offline, in eval mode.
+def resolve_hub_id(model_id: str) -> str:
+    """The local snapshot directory of a Hub id (``Qwen/Qwen3-0.6B``) in the Hugging Face cache, offline.
 
-    ``None`` loads the shipped tiny model. A path that is not a loadable model directory
+    Nothing is downloaded (treerl never touches the network at run time): a model that is not
+    cached raises :class:`~treerl.errors.ConfigError` naming the command that caches it.
+
+    >>> resolve_hub_id("no/such/dir")
+    Traceback (most recent call last):
+    ...
+    treerl.errors.ConfigError: model 'no/such/dir' is not a directory. ...
+    """
+    not_a_dir = (f"model {model_id!r} is not a directory. Pass a local transformers model directory (config.json, "
+                 "weights, tokenizer) or a Hub id such as Qwen/Qwen3-0.6B that is in the Hugging Face cache, with "
+                 f"--model, or omit --model to use the shipped tiny model ({DEFAULT_MODEL_PATH}).")
+    parts = str(model_id).split("/")
+    if len(parts) > 2 or not all(parts) or str(model_id).startswith((".", "~")):
+        raise ConfigError(not_a_dir)
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    except ImportError:  # transformers depends on huggingface_hub, so this is a broken install
+        raise ConfigError(not_a_dir) from None
+    try:
+        return snapshot_download(model_id, local_files_only=True)
+    except HFValidationError:
+        raise ConfigError(not_a_dir) from None
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        raise ConfigError(
+            f"model {model_id!r} is neither a local directory nor in the Hugging Face cache ({HF_HUB_CACHE}); "
+            f"treerl does not download at run time. Cache it once with `hf download {model_id}` (or "
+            f"`huggingface-cli download {model_id}`, where the network is reachable; set HF_HUB_CACHE to use "
+            "another cache), or pass a local directory with --model PATH.") from None
+
+
+def model_directory(path: str | None) -> str:
+    """The directory of ``--model``: itself, a Hub id's cached snapshot, or the shipped model's (None).
+
+    >>> model_directory(None) == str(default_model_path())
+    True
+    """
+    if path is None:
+        return str(default_model_path())
+    return str(path) if Path(path).is_dir() else resolve_hub_id(path)
+
+
+def load_model(path: str | None, device: Any = "cpu", *, chat_template: str | None = None,
+               chat_template_kwargs: dict[str, Any] | None = None) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
+    """A transformers causal LM and its tokenizer from a local directory or a cached Hub id, offline, in eval mode.
+
+    ``None`` loads the shipped tiny model; a Hub id is found in the Hugging Face cache
+    (:func:`resolve_hub_id`). A path that is not a loadable model directory
     raises :class:`~treerl.errors.ConfigError` saying what to pass instead.
 
     >>> load_model("no/such/dir")
@@ -109,19 +220,25 @@ def load_model(path: str | None, device: Any = "cpu") -> tuple["PreTrainedModel"
     treerl.errors.ConfigError: model 'no/such/dir' is not a directory. ...
     """
     if path is None:
-        return load_default_model(device=device)
+        model, tokenizer = load_default_model(device=device)
+        if chat_template is not None or chat_template_kwargs:
+            set_chat_template(tokenizer, chat_template, chat_template_kwargs)
+        return model, tokenizer
     if not Path(path).is_dir():
-        raise ConfigError(
-            f"model {path!r} is not a directory. Pass a local transformers model directory (config.json, weights, "
-            f"tokenizer) with --model PATH, or omit --model to use the shipped tiny model ({DEFAULT_MODEL_PATH})."
-        )
+        path = resolve_hub_id(path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     check_device(device)
     hf_logging.disable_progress_bar()
+    if not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
+        raise ConfigError(f"model {str(path)!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); save the "
+                          "tokenizer next to the weights (tokenizer.save_pretrained(DIR)), e.g. the one of the model "
+                          "it was fine-tuned from.")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if chat_template is not None or chat_template_kwargs:
+            set_chat_template(tokenizer, chat_template, chat_template_kwargs)
         _check_chat_template(tokenizer, path)
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).to(device)
     except (OSError, ValueError, KeyError, TypeError) as exc:

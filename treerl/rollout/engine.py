@@ -146,7 +146,8 @@ class RolloutEngine:
             group = Group(task_key=f"seed-{task_seed}", env_id=env_id,
                           info={"task_seed": task_seed, "task_id": info.get("task_id"), "options": options,
                                 "answer": info.get("answer"), "num_prompt_messages": len(messages),
-                                "sampling": _params_dict(self.params)})
+                                "sampling": _params_dict(self.params),
+                                **({"row": info["row"]} if "row" in info else {})})
             root = group.add_segment("prompt", prompt_ids)
             states = [
                 EpisodeState(env=env.fork(), messages=copy.deepcopy(messages), context_ids=list(prompt_ids),

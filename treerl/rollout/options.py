@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
-from treerl.agents.chat_templates import TRAINING_TEMPLATES, resolve_chat_template
+from treerl.agents.chat_templates import TRAINING_TEMPLATES, mark_chat_template, resolve_chat_template
 from treerl.agents.policy import Policy, SamplingOptions
 from treerl.config import field_help
 from treerl.envs.registry import make
+from treerl.models import load_model, set_chat_template
 from treerl.rollout.engine import RolloutEngine
 
 __all__ = ["EpisodeOptions"]
@@ -41,7 +42,9 @@ class EpisodeOptions(SamplingOptions):
     env_kwargs: dict[str, Any] = field_help(
         help='Keyword arguments for the environment, e.g. \'{"data_path": "problems.jsonl"}\' (a mapping in YAML).',
         default_factory=dict)
-    model: str | None = field_help(None, "A local transformers model directory; default: the shipped tiny model.")
+    model: str | None = field_help(None, "A local transformers model directory or a Hub id in the Hugging Face cache "
+                                         "(e.g. Qwen/Qwen3-0.6B; nothing is downloaded); default: the shipped tiny "
+                                         "model.")
     device: str = field_help("cpu", "Torch device of the policy.")
     max_concurrency: int = field_help(32, "Episodes in flight at once.")
     max_episode_tokens: int = field_help(2048, "An episode whose context reaches this many tokens is truncated.")
@@ -57,8 +60,14 @@ class EpisodeOptions(SamplingOptions):
                                        "policy's batches and every float repeat from run to run (needs "
                                        "--continuous-batching false; a turn waits for the slowest tool call; "
                                        "all episodes of a step are in play at once).")
+    chat_template_kwargs: dict[str, Any] = field_help(
+        help='Template variables fixed for the run, e.g. \'{"enable_thinking": false}\' (a mapping in YAML).',
+        default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs={self.chat_template_kwargs!r} must be a mapping, e.g. "
+                             "--chat-template-kwargs '{\"enable_thinking\": false}'.")
         if not isinstance(self.env_kwargs, dict):
             raise ValueError(f"env_kwargs={self.env_kwargs!r} must be a mapping of keyword arguments for the "
                              "environment, e.g. --env-kwargs '{\"data_path\": \"problems.jsonl\"}' (or a YAML "
@@ -82,6 +91,23 @@ class EpisodeOptions(SamplingOptions):
                              f"one of {sorted(TRAINING_TEMPLATES)} or the path of a .jinja file "
                              "(--chat-template training).")
         self.sampling()  # SamplingParams validates the sampling options with its own messages
+
+    def load_model(self, device: Any = None) -> tuple[Any, Any]:
+        """The model and tokenizer of ``model`` (a directory, a cached Hub id, or the shipped tiny model)
+        with ``chat_template`` and ``chat_template_kwargs`` applied."""
+        model, tokenizer = load_model(self.model, self.device if device is None else device)
+        self.apply_chat_template(tokenizer)
+        return model, tokenizer
+
+    def apply_chat_template(self, tokenizer: Any) -> None:
+        """Make ``chat_template`` (and the fixed ``chat_template_kwargs``) the tokenizer's own template, so
+        that every renderer of the run (rollout, evaluation, ``treerl serve``, a teacher's context, flat
+        records for TRL) uses it without being told."""
+        template = resolve_chat_template(self.chat_template, tokenizer)
+        if template is not None:
+            tokenizer.chat_template = template
+        set_chat_template(tokenizer, None, self.chat_template_kwargs)
+        mark_chat_template(tokenizer, self.chat_template)
 
     def env_factory(self) -> Callable[[], Any]:
         """A fresh environment per call: ``make(env, **env_kwargs)``."""

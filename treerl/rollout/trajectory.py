@@ -541,7 +541,10 @@ def to_flat_records(groups: Sequence[Group] | Iterator[Group]) -> Iterator[dict[
 
     ``prompt_ids`` is the root segment; ``completion_ids`` the rest of the path, with
     ``completion_mask`` marking sampled tokens and ``sampler_logprobs`` their log-probs
-    (0.0 elsewhere).
+    (0.0 elsewhere) (GRPOTrainer's names). For SFTTrainer, the whole sequence: ``input_ids``
+    with ``labels`` (-100 where the token was not sampled: prompt, tool results, template glue)
+    and ``assistant_masks`` (1 where it was). ``answer`` and ``info`` (the dataset row's other
+    columns, when the environment kept them) come from the task.
     """
     for g in groups:
         for i, e in enumerate(g.episodes):
@@ -556,6 +559,11 @@ def to_flat_records(groups: Sequence[Group] | Iterator[Group]) -> Iterator[dict[
                 "completion_ids": ids[n_prompt:],
                 "completion_mask": [int(m) for m in mask[n_prompt:]],
                 "sampler_logprobs": logps[n_prompt:],
+                "input_ids": list(ids),
+                "labels": [t if m else -100 for t, m in zip(ids, mask)],
+                "assistant_masks": [int(m) for m in mask],
+                "answer": g.info.get("answer"),
+                "info": g.info.get("row") or {},
                 "reward": e.reward,
                 "messages": e.messages,
                 "termination": e.termination,

@@ -51,7 +51,9 @@ class MathVerifyEnv(ToolEnv):
     Args:
         data_path: A JSONL file with one problem per line.
         dataset: Rows (dicts or a ``datasets.Dataset``) instead of a file.
-        prompt_key: The column holding the problem text.
+        prompt_key: The column holding the problem text (``prompt``, TRL's name, when there is no
+            ``question`` column); a list of messages (TRL's conversational format) is used as such.
+            The row's other columns reach reward functions as keyword arguments.
         answer_key: The column holding the gold answer.
     """
 
@@ -74,12 +76,24 @@ class MathVerifyEnv(ToolEnv):
 
     @staticmethod
     def _row(row: Mapping[str, Any], prompt_key: str, answer_key: str, index: int) -> Task:
+        if prompt_key == "question" and "question" not in row and "prompt" in row:
+            prompt_key = "prompt"  # TRL's column name
         missing = [k for k in (prompt_key, answer_key) if k not in row]
         if missing:
             raise ValueError(
                 f"Row {index} has no {missing} column (columns: {sorted(row)}): pass prompt_key=/answer_key= to match."
             )
-        return Task(prompt=str(row[prompt_key]), answer=str(row[answer_key]), id=str(row.get("id", index)))
+        prompt = row[prompt_key]
+        if isinstance(prompt, list):  # TRL's conversational format: the messages themselves
+            if not all(isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt):
+                raise ValueError(f"Row {index}: {prompt_key!r} is a list but not of messages ({{'role', 'content'}} "
+                                 "dicts); give a string or a list of messages.")
+            prompt = [dict(m) for m in prompt if m["role"] != "system"]  # the environment's system prompt leads
+        else:
+            prompt = str(prompt)
+        extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+        return Task(prompt=prompt, answer=str(row[answer_key]), id=str(row.get("id", index)),
+                    info={"row": extra} if extra else {})
 
     def score(self, task: Task, completion: str) -> float:
         return math_verify_reward(completion, task.answer)

@@ -1,0 +1,225 @@
+"""The user's own pieces from the command line: a Hub id from the local cache, their data (TRL's
+conversational format, extra columns for the rewards), a held-out file, reward functions by
+import path (async, None), a chat template and its variables; each failure names the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from treerl.cli import main
+from treerl.errors import ConfigError
+from treerl.learners.grpo import GRPOConfig
+from treerl.models import default_model_path, load_model, set_chat_template, template_ignores_tools
+
+REWARDS = '''
+import asyncio
+
+async def mentions_answer(prompts, completions, answer, level, log_extra, **kwargs):
+    await asyncio.sleep(0)
+    log_extra("level", level)
+    return [1.0 if a in c[-1]["content"] else 0.0 for c, a in zip(completions, answer)]
+
+def only_hard(completions, level, **kwargs):
+    # None: "not applicable" -- left out of the weighted sum, as in TRL.
+    return [len(c[-1]["content"]) / 100 if lv == "hard" else None for c, lv in zip(completions, level)]
+'''
+
+
+def _hub_cache(tmp_path, repo_id="acme/tiny-chat"):
+    """The shipped model placed in a Hugging Face cache as a download would leave it."""
+    import shutil
+
+    org, name = repo_id.split("/")
+    root = tmp_path / "hub" / f"models--{org}--{name}"
+    snapshot = root / "snapshots" / ("0" * 40)
+    shutil.copytree(default_model_path(), snapshot)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text("0" * 40)
+    return tmp_path / "hub"
+
+
+def test_hub_id_resolves_from_the_local_cache(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(_hub_cache(tmp_path)))
+    model, tok = load_model("acme/tiny-chat")
+    assert model.config.model_type == "qwen3" and tok.chat_template
+    with pytest.raises(ConfigError, match=r"nor in the Hugging Face cache .*hf download acme/other"):
+        load_model("acme/other")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        load_model("./no/such/dir")
+
+
+def test_missing_tokenizer_is_reported_as_such(tmp_path):
+    model, _ = load_model(None)
+    model.save_pretrained(tmp_path / "m")
+    with pytest.raises(ConfigError, match="has no tokenizer"):
+        load_model(str(tmp_path / "m"))
+
+
+def test_chat_template_file_and_variables(tmp_path):
+    _, tok = load_model(None)
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                        "{% if not enable_thinking %}<no-think>{% endif %}")
+    set_chat_template(tok, template, {"enable_thinking": False})
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert text == "<user>hi<no-think>"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert template_ignores_tools(tok, tools)
+    _, shipped = load_model(None)
+    assert not template_ignores_tools(shipped, tools)
+    with pytest.raises(ConfigError, match="no such file"):
+        set_chat_template(tok, tmp_path / "missing.jinja")
+
+
+def test_learn_on_the_users_data_rewards_and_held_out_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    train_rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i),
+                   "level": "hard" if i % 2 else "easy"} for i in range(4)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train_rows))
+    (tmp_path / "test.jsonl").write_text(json.dumps({"question": "What is 10 + 10?", "answer": "20"}) + "\n")
+    code = main(["learn", "--env", "treerl/MathVerify-v0", "--env-kwargs", '{"data_path": "train.jsonl"}',
+                 "--eval-env-kwargs", '{"data_path": "test.jsonl"}', "--output-dir", "run", "--steps", "1",
+                 "--tasks-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--eval-episodes", "1",
+                 "--reward-funcs", "my_rewards.py:mentions_answer,my_rewards.py:only_hard",
+                 "--reward-weights", "1.0", "0.5", "0.1", "--progress", "false", "--sample-groups", "0"])
+    assert code == 0
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["learning_rate"] == 2e-4  # the tiny model's
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "reward_fn/mentions_answer_mean" in metrics and "reward_fn/only_hard_mean" in metrics
+    extras = [json.loads(line) for line in (tmp_path / "run" / "reward_extras.jsonl").read_text().splitlines()]
+    assert extras[0]["step"] == 1 and set(extras[0]["level"]) <= {"easy", "hard"} and len(extras[0]["level"]) == 4
+    # The held-out evaluation played the test file's row, not a training row.
+    cfg = GRPOConfig(output_dir="run", env="treerl/MathVerify-v0", env_kwargs={"data_path": "train.jsonl"},
+                     eval_env_kwargs={"data_path": "test.jsonl"})
+    env = cfg.eval_env_factory()()
+    _, info = env.reset(seed=cfg.eval_seed)
+    assert info["answer"] == "20"
+
+
+def test_conversational_prompt_and_extra_columns_reach_the_rewards():
+    import math
+
+    from treerl.agents.transformers_policy import TransformersPolicy
+    from treerl.learners.rewards import score
+    from treerl.rollout.options import EpisodeOptions
+
+    rows = [{"prompt": [{"role": "system", "content": "ignored"}, {"role": "user", "content": "1 + 1?"}],
+             "answer": "2", "level": "hard"}, {"prompt": "2 + 2?", "answer": "4", "level": "easy"}]
+    opts = EpisodeOptions(env="treerl/MathVerify-v0", env_kwargs={"dataset": rows}, max_new_tokens=4)
+    model, tok = load_model(None)
+    policy = TransformersPolicy(model, tok, continuous_batching=False)
+    import asyncio
+
+    try:
+        groups, _ = asyncio.run(opts.engine(policy, tok, seed=0).run(opts.env_factory(), opts.env, range(2), 2))
+    finally:
+        policy.close()
+    seen = {}
+
+    def hard_only(prompts, completions, level, **kwargs):
+        seen["prompts"] = prompts
+        return [1.0 if lv == "hard" else None for lv in level]
+
+    metrics = {}
+    rewards = score(groups, [hard_only], metrics)
+    levels = [g.info["row"]["level"] for g in groups for _ in g.episodes]
+    assert [r for r, lv in zip(rewards[:, 1].tolist(), levels) if lv == "hard"] == [1.0, 1.0]
+    assert all(math.isnan(r) for r, lv in zip(rewards[:, 1].tolist(), levels) if lv == "easy")
+    assert metrics["reward_fn/hard_only_mean"] == 1.0
+    roles = {tuple(m["role"] for m in p) for p in seen["prompts"]}
+    assert roles == {("system", "user")}  # the environment's system prompt, then the row's user message
+
+
+def test_reward_options_name_the_fix(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    assert main(["learn", "--output-dir", "r", "--reward-funcs", "my_rewards.py"]) == 2
+    assert "is not MODULE:FUNCTION" in capsys.readouterr().err
+    assert main(["learn", "--output-dir", "r", "--reward-funcs", "my_rewards.py:nope"]) == 2
+    assert "has no function 'nope'" in capsys.readouterr().err
+    assert main(["learn", "--output-dir", "r", "--reward-funcs", "my_rewards.py:only_hard",
+                 "--reward-weights", "1.0"]) == 2
+    assert "give 2: the environment's reward first" in capsys.readouterr().err
+
+
+def test_trl_names_are_aliases_and_typos_get_a_suggestion(tmp_path, capsys):
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--num-generations", "3", "--max-steps", "5",
+                                      "--loss-type", "grpo", "--save-steps", "2"])
+    cfg = config_from_args(GRPOConfig, args)
+    assert (cfg.group_size, cfg.steps, cfg.loss, cfg.save_every) == (3, 5, "grpo", 2)
+    (tmp_path / "c.yaml").write_text("num_generations: 4\nmodel_name_or_path: some/dir\n")
+    cfg = config_from_args(GRPOConfig, build_parser().parse_args(["learn", "--output-dir", "x", "--config",
+                                                                  str(tmp_path / "c.yaml")]))
+    assert cfg.group_size == 4 and cfg.model == "some/dir"
+    with pytest.raises(SystemExit):  # argparse's own exit (status 2)
+        main(["learn", "--output-dir", "x", "--lerning-rate", "1e-5"])
+    assert "did you mean --learning-rate?" in capsys.readouterr().err
+    (tmp_path / "d.yaml").write_text("lerning_rate: 1e-5\n")
+    assert main(["learn", "--output-dir", "x", "--config", str(tmp_path / "d.yaml")]) == 2
+    assert "(lerning_rate: did you mean learning_rate?)" in capsys.readouterr().err
+
+
+def test_learning_rate_default_and_warning_follow_the_model_size():
+    from treerl.learners.precision import check_learning_rate
+
+    assert check_learning_rate(None, 2_000_000, lora=False) == (2e-4, None)
+    assert check_learning_rate(None, 1_200_000_000, lora=False) == (1e-6, None)
+    assert check_learning_rate(None, 1_200_000_000, lora=True) == (1e-5, None)
+    assert "far above" in check_learning_rate(2e-4, 1_200_000_000, lora=False)[1]
+    assert "far below" in check_learning_rate(1e-9, 2_000_000, lora=False)[1]
+    assert check_learning_rate(3e-6, 1_200_000_000, lora=False)[1] is None
+
+
+def test_isolated_tool_defined_in_an_imported_file(tmp_path):
+    import asyncio
+
+    from treerl.cli import import_user_modules
+
+    path = tmp_path / "my_tools.py"
+    path.write_text("import os\nfrom treerl import tool\n\n@tool(isolate=True, timeout=30)\n"
+                    "def which_process(x: int) -> str:\n    \"\"\"The process that ran the call.\n\n"
+                    "    Args:\n        x: Echoed back.\n    \"\"\"\n    return f'{x} {os.getpid()}'\n")
+    import runpy
+
+    namespace = runpy.run_path(str(path), run_name=f"treerl_user_module:{path.resolve()}")
+    import_user_modules([str(path)])  # as `--import my_tools.py` runs it
+    out = asyncio.run(namespace["which_process"].acall({"x": 7}))
+    x, pid = out.split()
+    assert x == "7" and int(pid) != __import__("os").getpid()  # ran in a process of its own
+
+
+def test_flat_records_are_what_trl_collates():
+    import asyncio
+
+    import torch
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from treerl.agents.transformers_policy import TransformersPolicy
+    from treerl.rollout.options import EpisodeOptions
+    from treerl.rollout.trajectory import to_flat_records
+
+    rows = [{"prompt": "1 + 1?", "answer": "2", "level": "easy"}]
+    opts = EpisodeOptions(env="treerl/MathVerify-v0", env_kwargs={"dataset": rows}, max_new_tokens=6)
+    model, tok = load_model(None)
+    policy = TransformersPolicy(model, tok, continuous_batching=False)
+    try:
+        groups, _ = asyncio.run(opts.engine(policy, tok, seed=0).run(opts.env_factory(), opts.env, range(1), 2))
+    finally:
+        policy.close()
+    records = list(to_flat_records(groups))
+    for r in records:
+        assert r["input_ids"] == r["prompt_ids"] + r["completion_ids"] and r["answer"] == "2"
+        assert r["info"] == {"level": "easy"} and len(r["labels"]) == len(r["input_ids"])
+    batch = DataCollatorForLanguageModeling(pad_token_id=0)(records)  # SFTTrainer's collator, as is
+    sampled = torch.tensor(records[0]["assistant_masks"], dtype=torch.bool)
+    n = len(records[0]["input_ids"])
+    assert torch.equal(batch["labels"][0, :n][sampled], batch["input_ids"][0, :n][sampled])
+    assert bool((batch["labels"][0, :n][~sampled] == -100).all()) and sampled.any()
