@@ -222,6 +222,28 @@ def test_concurrent_requests_decode_together_and_share_a_prefill(tiny, monkeypat
         assert len(group.episodes) == 4 and sum(s.kind == "prompt" for s in group.segments) == 1
 
 
+def test_clients_with_one_system_prompt_prefill_it_once(tiny):
+    """Clients one after another, one long system prompt, different questions: after the first,
+    each request runs only what follows the shared prefix, and the prefill counter says so."""
+    model, tok = tiny
+    system = {"role": "system", "content": "You are a careful assistant. " * 20}
+    questions = ["What is two plus two?", "Name a colour.", "Why is the sky blue?", "Count to three."]
+    conversations = [[system, {"role": "user", "content": q}] for q in questions]
+    ids = [ChatRenderer(tok).prompt_ids(m) for m in conversations]
+    common = min(next(j for j, (a, b) in enumerate(zip(ids[0], other)) if a != b) for other in ids[1:])
+    assert common > 100
+    with running_server(model, tok, max_new_tokens=4) as (url, recorder):
+        client = make_client(url)
+        processed = []
+        for k, messages in enumerate(conversations):
+            before = recorder.metrics["requests/prompt_tokens_processed"]
+            reply = client.chat.completions.create(model="treerl", messages=messages, max_tokens=4, seed=k,
+                                                   extra_headers={"X-Task-Id": "system-prompt"})
+            assert reply.usage.prompt_tokens == len(ids[k])
+            processed.append(recorder.metrics["requests/prompt_tokens_processed"] - before)
+    assert processed == [len(ids[0])] + [len(x) - common for x in ids[1:]]
+
+
 def test_streaming_and_usage(server, tiny):
     url, recorder, _ = server
     _, tok = tiny
