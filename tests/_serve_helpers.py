@@ -82,7 +82,8 @@ def assert_recorded_exactly(tokenizer, group, pairs) -> None:
     tools through the chat template, with the replies this server gave rendered from their raw
     sampled text wherever the client sent them back unchanged.
     """
-    from treerl.serve.openai_format import message_key, parse_request, template_messages
+    from treerl.envs.parsers import get_parser
+    from treerl.serve.openai_format import call_opening, message_key, parse_request, template_messages
 
     sampled = [i for i, s in enumerate(group.segments) if s.kind == "sampled"]
     assert len(sampled) == len(pairs), (len(sampled), len(pairs))
@@ -90,9 +91,13 @@ def assert_recorded_exactly(tokenizer, group, pairs) -> None:
     for index, (body, reply) in zip(sampled, pairs):
         request = parse_request(body)
         renderer = ChatRenderer(tokenizer, tools=request.tools)
-        context = [t for j in group.path_indices(index)[:-1] for t in group.segments[j].token_ids]
-        expected = renderer.render(template_messages(request.messages, raw_texts))
+        path = group.path_indices(index)
+        context = [t for j in path[:-1] for t in group.segments[j].token_ids]
+        # tool_choice required or named: the server forced the call's opening (an unsampled segment) first.
+        opening = call_opening(get_parser(tokenizer=tokenizer), request) or ""
+        expected = renderer.render(template_messages(request.messages, raw_texts)) + opening
         assert tokenizer.decode(context, skip_special_tokens=False) == expected
-        raw = renderer.completion_text(group.segments[index].token_ids)
+        forced = group.segments[path[-2]].token_ids if opening else []
+        raw = renderer.completion_text([*forced, *group.segments[index].token_ids])
         message = parse_request({"messages": [reply["choices"][0]["message"]]}).messages[0]
         raw_texts[message_key(message)] = raw

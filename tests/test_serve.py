@@ -175,6 +175,55 @@ def test_seed_stop_tool_choice_and_schema_checks(server, tiny):
     assert recorder.metrics["tool_calls/invalid_arguments"] == invalid + 1
 
 
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_tool_choice_forces_the_call_opening_unsampled(server, tiny, choice):
+    """tool_choice required or a named function: the reply opens a call whatever the model would
+    write. The opening is recorded as an env segment (never trained on), the model's tokens after
+    it as the sampled segment; the next turn continues the same path, token-exact."""
+    url, recorder, _ = server
+    _, tok = tiny
+    client = make_client(url)
+    name = TOOLS[0]["function"]["name"]
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": name}}
+    opening = "<tool_call>\n" if choice == "required" else '<tool_call>\n{"name": "' + name + '", "arguments": '
+    ask = [{"role": "user", "content": "Tell me about apples."}]  # no reason to call a calculator
+    headers = {"X-Episode-Id": f"forced-{choice}"}  # no task: a group of one
+    reply = client.chat.completions.create(model="treerl", messages=ask, tools=TOOLS, tool_choice=tool_choice,
+                                           max_tokens=48, seed=3, extra_headers=headers).choices[0]
+    message = reply.message
+    if message.tool_calls:
+        assert reply.finish_reason == "tool_calls"
+        assert choice == "required" or {c.function.name for c in message.tool_calls} == {name}
+        result = {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "42"}
+    else:  # the model broke the call's format after the opening: the text comes back as content
+        assert message.content.startswith(opening)
+        result = {"role": "user", "content": "Go on."}
+    follow = [*ask, message.model_dump(exclude_none=True), result]
+    branches = recorder.metrics["episodes/template_branches"]
+    client.chat.completions.create(model="treerl", messages=follow, tools=TOOLS, max_tokens=8, extra_headers=headers)
+    assert recorder.metrics["episodes/template_branches"] == branches  # the forced turn bridges like any other
+    client.post(f"/episodes/forced-{choice}/reward", body={"reward": 1.0}, cast_to=object)
+    group = group_of(recorder, f"forced-{choice}")
+    [episode] = group.episodes
+    path = episode.path()
+    assert [s.kind for s in path][:3] == ["prompt", "env", "sampled"] and not episode.extra_leaves
+    assert tok.decode(path[1].token_ids, skip_special_tokens=False) == opening
+    (context1, raw1), (context2, _) = seen_contexts(group, episode, tok, TOOLS)
+    assert tok.decode(context1, skip_special_tokens=False) == expected_context(tok, ask, {}) + opening
+    checked = parse_request({"messages": [message.model_dump(exclude_none=True)]}).messages[0]
+    assert tok.decode(context2, skip_special_tokens=False) == \
+        expected_context(tok, follow, {message_key(checked): opening + raw1})
+
+
+def test_tool_choice_for_a_format_without_a_known_opening_is_refused(tiny):
+    model, tok = tiny
+    with running_server(model, tok, max_new_tokens=4) as (url, recorder):
+        recorder.parser = get_parser("mistral")
+        with pytest.raises(openai.BadRequestError, match="tool_choice"):
+            make_client(url).chat.completions.create(model="treerl", messages=[{"role": "user", "content": "Hi."}],
+                                                     tools=TOOLS, tool_choice="required", max_tokens=4)
+
+
 def test_episode_and_task_ids_from_the_body(server):
     url, recorder, _ = server
     client = make_client(url)
@@ -220,6 +269,28 @@ def test_concurrent_requests_decode_together_and_share_a_prefill(tiny, monkeypat
             client.post(f"/episodes/burst-{k}/reward", body={"reward": float(k)}, cast_to=object)
         group = group_of(recorder, "burst")
         assert len(group.episodes) == 4 and sum(s.kind == "prompt" for s in group.segments) == 1
+
+
+def test_clients_with_one_system_prompt_prefill_it_once(tiny):
+    """Clients one after another, one long system prompt, different questions: after the first,
+    each request runs only what follows the shared prefix, and the prefill counter says so."""
+    model, tok = tiny
+    system = {"role": "system", "content": "You are a careful assistant. " * 20}
+    questions = ["What is two plus two?", "Name a colour.", "Why is the sky blue?", "Count to three."]
+    conversations = [[system, {"role": "user", "content": q}] for q in questions]
+    ids = [ChatRenderer(tok).prompt_ids(m) for m in conversations]
+    common = min(next(j for j, (a, b) in enumerate(zip(ids[0], other)) if a != b) for other in ids[1:])
+    assert common > 100
+    with running_server(model, tok, max_new_tokens=4) as (url, recorder):
+        client = make_client(url)
+        processed = []
+        for k, messages in enumerate(conversations):
+            before = recorder.metrics["requests/prompt_tokens_processed"]
+            reply = client.chat.completions.create(model="treerl", messages=messages, max_tokens=4, seed=k,
+                                                   extra_headers={"X-Task-Id": "system-prompt"})
+            assert reply.usage.prompt_tokens == len(ids[k])
+            processed.append(recorder.metrics["requests/prompt_tokens_processed"] - before)
+    assert processed == [len(ids[0])] + [len(x) - common for x in ids[1:]]
 
 
 def test_streaming_and_usage(server, tiny):

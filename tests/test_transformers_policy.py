@@ -452,6 +452,7 @@ def test_a_request_joins_a_running_batch_and_samples_as_alone(model, policy):
             for s in range(2)]
     late = GenerationRequest(prompt(20, start=40), SamplingParams(top_k=10, max_new_tokens=5), seed=9)
     alone = policy.generate([late])[0].token_ids + [t for g in policy.generate(long) for t in g.token_ids]
+    policy._prefixes.clear()  # the late prompt prefills afresh, not from the prefix kept just now
 
     async def main():
         first = [asyncio.ensure_future(policy.agenerate(r)) for r in long]

@@ -50,6 +50,11 @@ class Unit:
     """Keys and values of ``prompt_ids[:num_past]`` from a session, or None."""
     num_past: int
     rows: list[int] = field(default_factory=list)
+    shared_processed: int = 0
+    """Prompt tokens run for this unit before its own prefill (a prefix it shares with other
+    units, prefilled once): counted on its first row, so a shared prefix is counted once."""
+    keep: bool = False
+    """Keep the context's keys and values after the prefill as a prefix later prompts may share."""
 
 
 @dataclass
@@ -123,7 +128,7 @@ class DecodeBatch:
         new_rows, new_lens, new_logits = [], [], []
         for unit, unit_rows, (_, logits, num_run) in zip(units, rows, prefilled):
             for j, row in enumerate(unit_rows):
-                row.num_prompt_tokens_processed = num_run if j == 0 else 0
+                row.num_prompt_tokens_processed = num_run + unit.shared_processed if j == 0 else 0
                 row.uniforms = uniform_stream(row.request, self.policy.device)
                 new_rows.append(row)
                 new_lens.append(len(unit.prompt_ids))

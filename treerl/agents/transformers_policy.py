@@ -4,6 +4,11 @@ What it does beyond ``model.generate``:
 
 - **Shared prefill.** Requests with the same ``prompt_ids`` (a GRPO group) run the prompt
   through the model once; its keys and values are then copied to every sample's row.
+- **Shared prefixes.** Fresh prompts of one call that share a long prefix (one system prompt
+  with tool schemas, different questions) run that prefix once; each prompt then prefills
+  only its remainder on top of the prefix's keys and values. Recent prefixes are kept (a lone
+  prompt's too, cut to what a later prompt shares with it; the least recently used dropped
+  first, all dropped by ``set_weights``), so later calls, e.g. a server's next client, reuse them.
 - **Sessions.** A multi-turn episode keeps its cache between turns: the next request only
   prefills the tokens after the longest prefix the session has already seen.
 - **Exact sampler records.** Every token comes with its processed log-prob and candidate
@@ -102,6 +107,17 @@ class _Session:
     """(1, kv_heads, len(token_ids), head_dim) per layer."""
 
 
+def _common(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the common prefix of ``a`` and ``b``, at most ``limit`` and at most ``len(b) - 1``
+    (the last prompt token must run through the model: its logits give the first sample).
+
+    >>> _common([1, 2, 3, 4], [1, 2, 3, 9, 9], 10), _common([1, 2, 3], [1, 2, 3], 10), _common([1, 2], [1, 2, 5], 1)
+    (3, 2, 1)
+    """
+    n = min(len(a), len(b) - 1, limit)
+    return next((j for j in range(n) if a[j] != b[j]), max(n, 0))
+
+
 class TransformersPolicy:
     """A :class:`~treerl.agents.policy.Policy` on a transformers causal LM.
 
@@ -121,6 +137,10 @@ class TransformersPolicy:
             Off, concurrent requests decode as static batches that finish together, so batch
             composition, and with it the float order of every result, does not depend on
             timing: runs repeat bit for bit (what the learners default to).
+        min_shared_prefix: fresh prompts that share at least this many leading tokens prefill
+            them once (0 turns prefix sharing off). Results match the unshared path up to float
+            order (the prefix and the remainder run as two forwards instead of one).
+        max_prefixes: shared prefixes whose caches are kept across calls (0 keeps none).
     """
 
     def __init__(
@@ -134,6 +154,8 @@ class TransformersPolicy:
         max_sessions: int = 1024,
         batch_wait_s: float = 0.001,
         continuous_batching: bool = True,
+        min_shared_prefix: int = 16,
+        max_prefixes: int = 8,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1, e.g. max_batch_size=64.")
@@ -150,7 +172,13 @@ class TransformersPolicy:
         # transformers 5 renamed the forward's `past_key_values` to `cache`.
         forward_params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        if min_shared_prefix < 0 or max_prefixes < 0:
+            raise ValueError(f"min_shared_prefix={min_shared_prefix} and max_prefixes={max_prefixes} must be >= 0 "
+                             "(0 turns prefix sharing, or keeping prefixes across calls, off).")
+        self.min_shared_prefix = min_shared_prefix
+        self.max_prefixes = max_prefixes
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._prefixes: OrderedDict[tuple[int, ...], KV] = OrderedDict()
         # One lock for the model: generate, set_weights and end_session never interleave.
         self._lock = threading.RLock()
         self.continuous_batching = continuous_batching
@@ -222,6 +250,7 @@ class TransformersPolicy:
                 )
             self.model.load_state_dict(state_dict, strict=False)
             self._sessions.clear()
+            self._prefixes.clear()
             self.version = int(version)
 
     def end_session(self, session: str) -> None:
@@ -245,7 +274,69 @@ class TransformersPolicy:
                 by_prompt[key] = Unit(list(request.prompt_ids), None, 0)
                 units.append(by_prompt[key])
             by_prompt[key].rows.append(i)
+        if self.min_shared_prefix > 0:
+            self._share_prefixes([u for u in units if u.past is None])
         return units
+
+    def _share_prefixes(self, fresh: list[Unit]) -> None:
+        """Give fresh units that share a prefix of at least ``min_shared_prefix`` tokens the
+        prefix's keys and values, computed once (or taken from the kept prefixes).
+
+        Prompts are sorted so that those sharing a prefix are neighbours; a run of neighbours
+        whose common prefixes stay long enough shares the longest prefix common to all of them.
+        A lone prompt that matches nothing kept is kept after its prefill, so the next prompt
+        with the same system prompt (the next client of a server) finds it.
+        """
+        fresh = sorted(fresh, key=lambda u: u.prompt_ids)
+        runs: list[tuple[list[Unit], int]] = []
+        for unit in fresh:
+            if runs:
+                run, length = runs[-1]
+                shared = _common(run[-1].prompt_ids, unit.prompt_ids, length)
+                if shared >= self.min_shared_prefix:
+                    runs[-1] = (run + [unit], shared)
+                    continue
+            runs.append(([unit], len(unit.prompt_ids) - 1))
+        for run, length in runs:
+            kept = self._kept_prefix(run[0].prompt_ids, length)
+            if kept is not None:
+                prefix, kv, cost = kept[0], kept[1], 0
+            elif len(run) > 1:
+                prefix = tuple(run[0].prompt_ids[:length])
+                kv, _, cost = self._prefill(Unit(list(prefix), None, 0))
+                self._keep_prefix(prefix, kv)
+            else:
+                run[0].keep = self.max_prefixes > 0
+                continue
+            for j, unit in enumerate(run):
+                unit.past, unit.num_past = kv, len(prefix)
+                unit.shared_processed = cost if j == 0 else 0
+
+    def _kept_prefix(self, prompt: list[int], limit: int) -> tuple[tuple[int, ...], KV] | None:
+        """The longest common prefix (at most ``limit`` tokens, at least ``min_shared_prefix``) of
+        ``prompt`` and a kept prefix, with its keys and values. A kept prefix that matches only
+        in part is cut to the part that matched: what remains is what prompts share."""
+        best, best_len = None, self.min_shared_prefix - 1
+        for prefix in self._prefixes:
+            n = _common(prefix, prompt, limit)
+            if n > best_len:
+                best, best_len = prefix, n
+        if best is None:
+            return None
+        kv = self._prefixes.pop(best)
+        if best_len < len(best):
+            best, kv = best[:best_len], [(k[:, :, :best_len], v[:, :, :best_len]) for k, v in kv]
+            kv = self._prefixes.pop(best, kv)  # the cut prefix may be kept already
+        self._keep_prefix(best, kv)
+        return best, kv
+
+    def _keep_prefix(self, prefix: tuple[int, ...], kv: KV) -> None:
+        if self.max_prefixes == 0:
+            return
+        self._prefixes[prefix] = kv
+        self._prefixes.move_to_end(prefix)
+        while len(self._prefixes) > self.max_prefixes:
+            self._prefixes.popitem(last=False)
 
     def _session_past(self, request: GenerationRequest) -> tuple[KV, int] | None:
         """The session's cached keys and values for the longest prefix it shares with the request."""
@@ -275,7 +366,9 @@ class TransformersPolicy:
                     batches.append([])
                     room = self.max_batch_size
                 take, rows = rows[:room], rows[room:]
-                batches[-1].append(Unit(unit.prompt_ids, unit.past, unit.num_past, take))
+                # Only the first part counts the shared prefix: the others reuse its keys and values.
+                shared = unit.shared_processed if take[0] == unit.rows[0] else 0
+                batches[-1].append(Unit(unit.prompt_ids, unit.past, unit.num_past, take, shared, unit.keep))
                 room -= len(take)
         return [b for b in batches if b]
 
@@ -305,7 +398,11 @@ class TransformersPolicy:
         input_ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)  # (1, T)
         position_ids = torch.arange(unit.num_past, len(unit.prompt_ids), device=self.device).unsqueeze(0)  # (1, T)
         logits = self._forward(input_ids, position_ids, cache, None)
-        return [(layer.keys, layer.values) for layer in cache.layers], logits, len(new_ids)
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        if unit.keep:  # a lone fresh prompt: later prompts may share its beginning
+            n = len(unit.prompt_ids) - 1
+            self._keep_prefix(tuple(unit.prompt_ids[:n]), [(k[:, :, :n], v[:, :, :n]) for k, v in kv])
+        return kv, logits, len(new_ids)
 
     def _stop_ids(self, request: GenerationRequest) -> frozenset[int]:
         return self.stop_token_ids | frozenset(request.params.stop_token_ids)

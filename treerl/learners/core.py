@@ -344,8 +344,6 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     if ranks.is_main and cfg.eval_episodes and not cfg.eval_env_kwargs and "data_path" in cfg.env_kwargs:
         print("warning: the held-out evaluation draws its tasks from the training data (env_kwargs data_path); pass "
               "--eval-env-kwargs '{\"data_path\": \"test.jsonl\"}' to evaluate on held-out rows.", file=sys.stderr)
-    if ranks.is_main:
-        _warn_if_template_ignores_tools(tokenizer, env_factory)
 
     state = TrainerState()
     if cfg.resume and (ckpt := resume_checkpoint(out_dir)) is not None:
@@ -354,6 +352,8 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
             print(f"resumed from {ckpt} at step {state.step}", file=sys.stderr)
             truncate_metrics(out_dir / "metrics.jsonl", state.step)
     source = source if source is not None else cfg.group_source()
+    if ranks.is_main and source is None:  # groups from a source were rendered elsewhere
+        _warn_if_template_ignores_tools(tokenizer, env_factory)
     sync = WeightSync(model, policy, version=state.policy_version)
     if hasattr(source, "set_weights"):  # e.g. `treerl serve`: its later requests sample the new weights
         sync.targets.append(source)
@@ -366,7 +366,8 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
               attention=attention, policy_model=policy_model, source=source, precision=precision,
               eval_env_factory=eval_env_factory)
     if ranks.is_main:
-        print(f"precision: {precision.describe(checkpoint=loaded, weights=checkpoint_dtype(model))}", file=sys.stderr)  # the other ranks write nothing and wait for rank 0 at the first step's collectives
+        # The other ranks write nothing and wait for rank 0 at the first step's collectives.
+        print(f"precision: {precision.describe(checkpoint=loaded, weights=checkpoint_dtype(model))}", file=sys.stderr)
         (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
         run.log = MetricsLog(out_dir, report_to=cfg.report_to, config=asdict(cfg), total_steps=cfg.steps,
                              start_step=state.step, progress=cfg.progress)

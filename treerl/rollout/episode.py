@@ -76,6 +76,14 @@ class Turn:
     """The sampled text without a final special stop token (:meth:`ChatRenderer.completion_text`)."""
     before: list[dict[str, Any]]
     """The conversation the turn's context was rendered from."""
+    forced: list[int] = field(default_factory=list)
+    """Tokens put at the start of the turn rather than sampled (a server forcing a tool call's
+    opening): recorded as an ``env`` segment before the sampled one, never trained on."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The whole turn as the context holds it: forced tokens, then sampled ones."""
+        return [*self.forced, *self.generation.token_ids]
 
 
 def turn_params(params: SamplingParams, state: EpisodeState, max_episode_tokens: int) -> SamplingParams | None:
@@ -87,20 +95,25 @@ def turn_params(params: SamplingParams, state: EpisodeState, max_episode_tokens:
 
 
 async def sample_turn(policy: Policy, state: EpisodeState, group: Group, renderer: ChatRenderer,
-                      params: SamplingParams, *, seed: int | None, shared: str | None, session: str | None) -> Turn:
-    """Sample the next assistant turn from the episode's context and record it as a ``sampled`` segment."""
-    request = GenerationRequest(prompt_ids=list(state.context_ids), params=params, seed=seed, group=shared,
+                      params: SamplingParams, *, seed: int | None, shared: str | None, session: str | None,
+                      forced: list[int] | None = None) -> Turn:
+    """Sample the next assistant turn from the episode's context and record it as a ``sampled`` segment.
+
+    ``forced`` tokens open the turn without being sampled (an ``env`` segment before the sampled one)."""
+    forced = list(forced or [])
+    parent = group.add_segment("env", forced, parent=state.parent) if forced else state.parent
+    request = GenerationRequest(prompt_ids=[*state.context_ids, *forced], params=params, seed=seed, group=shared,
                                 session=session)
     gen = await policy.agenerate(request)
     leaf = group.add_segment(
-        "sampled", gen.token_ids, parent=state.parent, logprobs=gen.logprobs, candidates=gen.candidates,
+        "sampled", gen.token_ids, parent=parent, logprobs=gen.logprobs, candidates=gen.candidates,
         policy_version=gen.policy_version, finish_reason=gen.finish_reason,
         top_ids=gen.top_ids, top_logprobs=gen.top_logprobs,
     )
-    text = renderer.completion_text(gen.token_ids)
+    text = renderer.completion_text([*forced, *gen.token_ids])
     before = state.messages
     state.messages = [*before, assistant_message(text)]
-    return Turn(leaf=leaf, generation=gen, text=text, before=before)
+    return Turn(leaf=leaf, generation=gen, text=text, before=before, forced=forced)
 
 
 def observe(state: EpisodeState, renderer: ChatRenderer, turn: Turn, obs: list[dict[str, Any]]) -> Bridge:
@@ -109,7 +122,7 @@ def observe(state: EpisodeState, renderer: ChatRenderer, turn: Turn, obs: list[d
     The turn stays in the conversation in the form the bridge rendered it (raw, or
     structured when the template needs the parsed calls), so later renderings agree.
     """
-    bridge = renderer.bridge(turn.before, turn.generation.token_ids, turn.text, obs)
+    bridge = renderer.bridge(turn.before, turn.token_ids, turn.text, obs)
     turn_message = bridge.message if bridge.message is not None else assistant_message(turn.text)
     state.messages = [*turn.before, turn_message, *copy.deepcopy(obs)]
     return bridge
@@ -119,7 +132,7 @@ def next_context_len(state: EpisodeState, turn: Turn, bridge: Bridge) -> int:
     """The length of the context the next turn would start from."""
     if bridge.branch:
         return len(bridge.context_ids or [])
-    return len(state.context_ids) + len(turn.generation.token_ids) + len(bridge.ids)
+    return len(state.context_ids) + len(turn.token_ids) + len(bridge.ids)
 
 
 def apply_bridge(state: EpisodeState, group: Group, turn: Turn, bridge: Bridge) -> bool:
@@ -128,7 +141,7 @@ def apply_bridge(state: EpisodeState, group: Group, turn: Turn, bridge: Bridge) 
         restart(state, group, list(bridge.context_ids or []), old_leaf=turn.leaf, reason=bridge.reason)
         return True
     state.parent = group.add_segment("env", bridge.ids, parent=turn.leaf)
-    state.context_ids = [*state.context_ids, *turn.generation.token_ids, *bridge.ids]
+    state.context_ids = [*state.context_ids, *turn.token_ids, *bridge.ids]
     return False
 
 

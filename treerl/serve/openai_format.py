@@ -36,7 +36,7 @@ from treerl.envs.parsers import ParseResult
 from treerl.envs.tools import Tool
 from treerl.errors import ToolCallError
 
-__all__ = ["RequestError", "ChatRequest", "parse_request", "message_key", "template_messages", "tool_reply",
+__all__ = ["RequestError", "ChatRequest", "parse_request", "message_key", "template_messages", "tool_reply", "call_opening",
            "completion_body", "stream_chunks", "error_body"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -280,6 +280,36 @@ def template_messages(messages: Sequence[Mapping[str, Any]], raw_texts: Mapping[
 
 
 # -- replies -------------------------------------------------------------------------------------
+
+
+def call_opening(parser: Any, request: ChatRequest) -> str | None:
+    """The text a reply must open with for ``request.tool_choice``: None for ``auto`` and ``none``.
+
+    ``required`` opens a call in the template's format (the model picks the tool and writes the
+    arguments); a named function also writes the name, so the model writes only the arguments.
+    The server puts these tokens at the start of the turn unsampled (recorded as such, never
+    trained on), then samples the rest: the reply opens a call whatever the model would have done.
+
+    >>> from treerl.envs.parsers import get_parser
+    >>> request = ChatRequest(messages=[], tools=[{"type": "function", "function": {"name": "add"}}])
+    >>> request.tool_choice = {"type": "function", "function": {"name": "add"}}
+    >>> call_opening(get_parser("hermes"), request)
+    '<tool_call>\\n{"name": "add", "arguments": '
+    >>> request.tool_choice = "required"
+    >>> call_opening(get_parser("qwen3_coder"), request)
+    '<tool_call>\\n<function='
+    """
+    choice = request.tool_choice
+    if not request.tools or choice in ("auto", "none"):
+        return None
+    name = choice["function"]["name"] if isinstance(choice, Mapping) else None
+    kind = type(parser).__name__
+    if kind == "HermesParser":
+        return "<tool_call>\n" if name is None else '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": '
+    if kind == "Qwen3CoderParser":
+        return "<tool_call>\n<function=" if name is None else f"<tool_call>\n<function={name}>\n"
+    raise RequestError("tool_choice", f"{choice!r} is enforced for hermes and Qwen3-Coder call formats; this "
+                                      f"model's template calls tools in another ({kind}). Send tool_choice 'auto'.")
 
 
 def tool_reply(text: str, parsed: ParseResult | None, tools: Sequence[Mapping[str, Any]] | None

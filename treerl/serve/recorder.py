@@ -54,7 +54,8 @@ from treerl.rollout.episode import (
 from treerl.rollout.record import tokenizer_info
 from treerl.rollout.trajectory import Group, GroupWriter, make_header, read_groups
 from treerl.serve.config import ServeConfig
-from treerl.serve.openai_format import ChatRequest, RequestError, message_key, template_messages, tool_reply
+from treerl.serve.openai_format import (ChatRequest, RequestError, call_opening, message_key, template_messages,
+                                        tool_reply)
 
 __all__ = ["Recorder", "Choice", "serve_header"]
 
@@ -176,8 +177,9 @@ class Recorder:
         """Sample ``request.n`` replies for ``request`` in its episode; records them unless ``record`` is False."""
         await self.running.wait()  # paused while weights change
         params = self._params(request)  # bad sampling options are refused before the episode changes
+        opening = call_opening(self.parser, request)  # tool_choice required or named: the call's opening, forced
         if not record:
-            return await self._unrecorded(request, params)
+            return await self._unrecorded(request, params, opening)
         episode = self._find(request, episode_id, task_id)
         async with episode.lock:
             if episode.id not in self.episodes:  # it finished (a reward came) while this request waited
@@ -192,7 +194,8 @@ class Recorder:
                                                f"{self.cfg.max_episode_tokens}.", code="context_length_exceeded")
             turns = await asyncio.gather(*(
                 sample_turn(policy, c.state, c.task.group, c.renderer, p, shared=shared, session=c.session,
-                            seed=None if request.seed is None else request_seed(request.seed, i))
+                            seed=None if request.seed is None else request_seed(request.seed, i),
+                            forced=c.renderer.encode(opening) if opening else None)
                 for i, (c, p) in enumerate(zip(children, limited))))
             choices = [self._reply(c, t, request) for c, t in zip(children, turns)]
             for child in children:  # a later request without an id finds its episode by these messages
@@ -376,7 +379,7 @@ class Recorder:
         self.metrics["requests/context_tokens"] += len(state.context_ids)
         return Choice(episode.id, message, finish, turn.generation, turn.text, len(state.context_ids))
 
-    async def _unrecorded(self, request: ChatRequest, params: SamplingParams) -> list[Choice]:
+    async def _unrecorded(self, request: ChatRequest, params: SamplingParams, opening: str | None) -> list[Choice]:
         """Replies to a request that is not to be recorded (an evaluation): the same policy and renderer."""
         renderer = self._renderer(request.tools)
         messages = template_messages(request.messages, {})
@@ -393,7 +396,8 @@ class Recorder:
         for i in range(request.n):
             s = state.fork(i)
             turn = await sample_turn(policy, s, scratch, renderer, params, shared=None, session=None,
-                                     seed=None if request.seed is None else request_seed(request.seed, i))
+                                     seed=None if request.seed is None else request_seed(request.seed, i),
+                                     forced=renderer.encode(opening) if opening else None)
             episode = _Episode(id="", task=_Task("", "", None, scratch, 1), state=s, renderer=renderer,
                                tools=request.tools, client_messages=list(request.messages))
             choices.append(self._reply(episode, turn, request))
