@@ -24,7 +24,7 @@ from treerl.learners.config import LearnerConfig
 from treerl.learners.precision import Precision, checkpoint_dtype
 from treerl.models import model_directory
 
-__all__ = ["colocated_vllm_policy", "vllm_engine_kwargs"]
+__all__ = ["colocated_vllm_policy", "vllm_engine_kwargs", "vllm_policy"]
 
 
 def vllm_engine_kwargs(cfg: LearnerConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -52,3 +52,12 @@ def colocated_vllm_policy(cfg: LearnerConfig, precision: Precision, model: torch
     dtype = precision.sampler_dtype(checkpoint_dtype(model))
     max_candidates = max(64, cfg.top_k or 0, getattr(cfg, "top_logprobs", 0) or 0)
     return VLLMPolicy(model_directory(cfg.model), max_candidates=max_candidates, **vllm_engine_kwargs(cfg, dtype))
+
+
+def vllm_policy(cfg: LearnerConfig, precision: Precision, model: torch.nn.Module, tokenizer: Any) -> Any:
+    """The sampler of ``--use-vllm``: a colocated engine, or the server of ``--vllm-mode server``."""
+    if cfg.vllm_mode == "server":
+        from treerl.learners.vllm_server import server_vllm_policy
+
+        return server_vllm_policy(cfg, model, tokenizer)
+    return colocated_vllm_policy(cfg, precision, model)
