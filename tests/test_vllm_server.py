@@ -81,8 +81,8 @@ def test_tokens_logprobs_and_candidates_cross_http_exactly(tmp_path):
     model, tokenizer = load_default_model()
     reference = TransformersPolicy(model, tokenizer)
     prompt = tokenizer("Compute 12 + 30.")["input_ids"]
-    requests = [GenerationRequest(prompt, SamplingParams(temperature=0.8, top_k=12, top_p=0.9, max_new_tokens=10),
-                                  seed=s) for s in range(3)]
+    requests = [GenerationRequest(prompt, SamplingParams(temperature=0.8, top_k=12, top_p=0.9, max_new_tokens=8),
+                                  seed=s) for s in range(2)]
     requests.append(GenerationRequest(prompt, SamplingParams(max_new_tokens=6), seed=7))  # the whole vocabulary
     with FakeVLLMServer() as server:
         policy = VLLMServerPolicy(server.url, server.served_name, weights_dir=tmp_path)
@@ -152,6 +152,53 @@ def test_learn_pushes_weights_after_each_step_and_records_the_new_version(tmp_pa
     assert versions == {1: {0}, 2: {1}}
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["policy/version"] for m in metrics] == [1, 2]
+
+
+def test_nccl_sync_drives_vllms_trainer_engine_between_pause_and_resume(tmp_path, monkeypatch):
+    # vLLM's trainer-side classes (vllm/distributed/weight_transfer, 0.33) stand in as recorders: the
+    # NCCL data plane needs two GPUs; what is tested is the order of the control plane around it.
+    from types import ModuleType, SimpleNamespace
+
+    calls = []
+
+    class Engine:
+        def send_weights(self):
+            calls.append("send_weights")
+
+        def shutdown(self):
+            calls.append("shutdown")
+
+    def trainer_init(init, *, client, source):
+        calls.append(("trainer_init", init, client.url, source.module))
+        return Engine()
+
+    modules = {
+        "vllm": {}, "vllm.distributed": {}, "vllm.distributed.weight_transfer": {}, "vllm.utils": {},
+        "vllm.distributed.weight_transfer.base": {"ModuleSource": lambda module: SimpleNamespace(module=module)},
+        "vllm.distributed.weight_transfer.clients": {
+            "HTTPVLLMWeightSyncClient": lambda url, timeout: SimpleNamespace(url=url)},
+        "vllm.distributed.weight_transfer.factory": {
+            "WeightTransferTrainerFactory": SimpleNamespace(trainer_init=trainer_init)},
+        "vllm.distributed.weight_transfer.nccl_engine": {"NCCLTrainerInitInfo": lambda **kw: kw},
+        "vllm.utils.network_utils": {"get_ip": lambda: "10.0.0.7", "get_open_port": lambda: 29500},
+    }
+    for name, attrs in modules.items():
+        module = ModuleType(name)
+        module.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+    model = torch.nn.Linear(2, 2)
+    with FakeVLLMServer() as server:
+        policy = VLLMServerPolicy(server.url, server.served_name, weight_sync="nccl", trainer_model=model)
+        policy.set_weights({}, version=1)
+        policy.set_weights({}, version=2)
+        g = policy.generate([GenerationRequest([1, 2], SamplingParams(max_new_tokens=2), seed=0)])[0]
+        policy.close()
+        routes = [route for route, _ in server.control]
+    init = {"master_address": "10.0.0.7", "master_port": 29500, "world_size": 2, "rank": 0}  # 1 worker + trainer
+    assert calls == [("trainer_init", init, server.url, model), "send_weights", "send_weights", "shutdown"]
+    push = ["/reset_prefix_cache", "/update_weight_version", "/resume"]
+    assert routes == ["/weight_info", "/pause", "/get_world_size", *push, "/pause", *push]
+    assert g.policy_version == 2
 
 
 def free_port() -> int:

@@ -284,13 +284,15 @@ class VLLMServerPolicy:
                 f"the vLLM server at {self.url} serves {served}, not {self.model!r}: start `vllm serve "
                 f"{self.model}` (the checkpoint the trainer starts from), or pass --vllm-server-model NAME when "
                 "it serves the same weights under another name.")
-        # Processed log-probs with top_k=1: the sampled token has log-prob 0 and every other -inf.
+        # Processed log-probs with top_k=1: the sampled token has log-prob 0 and the runner-up -inf (raw ones
+        # give the runner-up a finite log-prob, even when the model is sure of the first).
         probe = completion_request(GenerationRequest([0], SamplingParams(top_k=1, max_new_tokens=1), seed=0),
                                    self.model, frozenset())
+        probe["logprobs"] = 2
         choice = self._request("POST", "/v1/completions", probe)["choices"][0]
         step = (choice.get("logprobs") or {}).get("top_logprobs") or [None]
         values = sorted((step[0] or {}).values(), reverse=True)
-        if not values or abs(values[0]) > 1e-6 or any(v > CUT_LOGPROB for v in values[1:]):
+        if len(values) < 2 or abs(values[0]) > 1e-6 or any(v > CUT_LOGPROB for v in values[1:]):
             raise VLLMServerError(
                 f"the vLLM server at {self.url} returns raw log-probs (top_k=1 gave {values}, processed ones give "
                 f"[0.0, {CUT_LOGPROB}]): the learner needs those of the distribution tokens were drawn from. "
