@@ -201,6 +201,22 @@ def test_nccl_sync_drives_vllms_trainer_engine_between_pause_and_resume(tmp_path
     assert g.policy_version == 2
 
 
+def test_a_server_left_with_an_earlier_runs_weights_gets_this_runs_first(tmp_path):
+    from treerl.learners.vllm_server import server_vllm_policy
+
+    model, tokenizer = load_default_model()
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.5)  # this run starts from other weights than the server's checkpoint
+    with FakeVLLMServer() as server:
+        server.weight_version = "60"  # an earlier run pushed 60 versions
+        cfg = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", vllm_server_url=server.url)
+        policy = server_vllm_policy(cfg, model, tokenizer)
+        g = policy.generate([GenerationRequest([1, 2], SamplingParams(max_new_tokens=2), seed=0)])[0]
+        policy.close()
+        assert server.weight_version == "0" and g.policy_version == 0
+        assert torch.equal(server.model.model.norm.weight, model.model.norm.weight)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -248,36 +264,67 @@ def test_server_mode_options_are_validated():
         GRPOConfig(output_dir="x", use_vllm=True, vllm_mode="server", vllm_weight_sync="ipc")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real vLLM server needs a CUDA GPU")
-@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (pip install 'treerl[vllm]')")
-def test_real_vllm_server_trains_the_shipped_model(tmp_path):
-    model = str(default_model_path())
+NO_GPU_OR_VLLM = ("a real vLLM server needs a CUDA GPU" if not torch.cuda.is_available() else
+                  "vllm is not installed (pip install 'treerl[vllm]')" if not HAS_VLLM else None)
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory):
+    """``vllm serve`` on the shipped model, as the README starts it (the server and the trainer share one GPU)."""
+    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
     port = free_port()
-    log = open(tmp_path / "vllm.log", "w")
-    server = subprocess.Popen(
-        [shutil.which("vllm") or sys.executable, *([] if shutil.which("vllm") else ["-m", "vllm.entrypoints.cli.main"]),
-         "serve", model, "--port", str(port), "--logprobs-mode", "processed_logprobs", "--max-logprobs", "64",
-         "--gpu-memory-utilization", "0.2", "--enforce-eager", "--max-model-len", "2048"],
-        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5)
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "vllm.log").read_text()
-                time.sleep(2)
-        cfg = GRPOConfig(output_dir=str(tmp_path / "run"), use_vllm=True, vllm_mode="server", device="cuda",
-                         vllm_server_url=f"http://127.0.0.1:{port}", steps=2, tasks_per_step=2, group_size=4,
-                         max_new_tokens=32, eval_episodes=0, progress=False, top_k=20)
-        train(cfg)
-        lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-        assert [m["policy/version"] for m in lines] == [1, 2]
-        for m in lines:  # sampler and trainer compute nearly the same distribution
-            if "is/ratio_mean" in m:
-                assert abs(m["is/ratio_mean"] - 1.0) < 0.1
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(default_model_path()), "--port", str(port),
+             "--logprobs-mode", "processed_logprobs", "--max-logprobs", "64", "--gpu-memory-utilization", "0.2",
+             "--enforce-eager", "--max-model-len", "1024", "--dtype", "float32"],
+            env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+                    break
+                except OSError:
+                    assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()[-4000:]
+                    time.sleep(2)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+
+
+@pytest.mark.skipif(NO_GPU_OR_VLLM is not None, reason=str(NO_GPU_OR_VLLM))
+def test_real_server_logprobs_and_candidates_match_a_transformers_forward(real_server, tmp_path):
+    model, tokenizer = load_default_model()
+    policy = VLLMServerPolicy(real_server, str(default_model_path()), weights_dir=tmp_path)
+    prompt = tokenizer("Compute 12 + 30.")["input_ids"]
+    params = SamplingParams(top_k=20, top_p=0.9, max_new_tokens=16)
+    g = policy.generate([GenerationRequest(prompt, params, seed=0)])[0]
+    policy.close()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + g.token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
+    processed = process_logits(logits, params)
+    for t, token in enumerate(g.token_ids):
+        ids = processed.candidate_ids[t].tolist()
+        assert g.logprobs[t] == pytest.approx(processed.logprobs[t, ids.index(token)].item(), abs=1e-3)
+        assert set(g.candidates[t]) == set(candidate_lists(processed)[t])
+
+
+@pytest.mark.skipif(NO_GPU_OR_VLLM is not None, reason=str(NO_GPU_OR_VLLM))
+def test_real_vllm_server_trains_the_shipped_model(real_server, tmp_path):
+    # The shipped model's context is 1024 tokens: an episode's last turn must fit in the server's max_model_len.
+    cfg = GRPOConfig(output_dir=str(tmp_path / "run"), use_vllm=True, vllm_mode="server", device="cuda",
+                     vllm_server_url=real_server, steps=2, tasks_per_step=2, group_size=4, max_new_tokens=32,
+                     max_episode_tokens=900, eval_episodes=0, progress=False, top_k=20, sample_every=1)
+    train(cfg)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["policy/version"] for m in lines] == [1, 2]
+    for m in lines:  # sampler and trainer compute nearly the same distribution
+        if "is/ratio_mean" in m:
+            assert abs(m["is/ratio_mean"] - 1.0) < 0.1
+    from treerl.rollout.trajectory import read_groups
+
+    sampled = [s for g in read_groups(tmp_path / "run" / "trajectories" / "step-000002.jsonl")
+               for s in g.segments if s.kind == "sampled"]
+    assert sampled and {s.policy_version for s in sampled} == {1}  # the server's label of the pushed weights

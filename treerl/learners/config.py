@@ -77,8 +77,9 @@ class LearnerConfig(EpisodeOptions):
                                          "float32 (default: on for a CUDA GPU with bfloat16, off on CPU).")
     fp16: bool = field_help(False, "Forward and backward under float16 autocast with a loss scaler (GPUs without "
                                    "bfloat16); needs --dtype float32.")
-    use_vllm: bool = field_help(False, "Sample with a vLLM engine in this process (the vllm extra, a CUDA GPU): "
-                                       "the weights are loaded into it in place after each step.")
+    use_vllm: bool = field_help(False, "Sample with vLLM: an engine in this process (the vllm extra, a CUDA GPU; "
+                                       "the weights loaded into it in place after each step), or a server started "
+                                       "separately with --vllm-mode server (the weights pushed to it).")
     vllm_gpu_memory_utilization: float = field_help(0.3, "Share of the GPU's memory the colocated vLLM engine takes "
                                                          "(weights and KV cache); the rest is training's.")
     vllm_kwargs: dict[str, Any] = field_help(help='More keyword arguments of vllm.LLM, e.g. \'{"enforce_eager": '
