@@ -9,7 +9,6 @@ import importlib.util
 import json
 import math
 import os
-import shutil
 import socket
 import subprocess
 import sys
