@@ -226,6 +226,11 @@ def test_server_problems_are_named_with_the_fix(tmp_path):
     name = str(default_model_path())
     with pytest.raises(VLLMServerError, match=r"no vLLM server answers there.*vllm serve.*--vllm-server-url"):
         VLLMServerPolicy(f"http://127.0.0.1:{free_port()}", name, weights_dir=tmp_path, timeout_s=5)
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        with pytest.raises(VLLMServerError, match="did not answer within 1 s.*--vllm-server-timeout-s"):
+            VLLMServerPolicy(f"http://127.0.0.1:{silent.getsockname()[1]}", name, weights_dir=tmp_path, timeout_s=1)
     with FakeVLLMServer(served_name="Qwen/Qwen3-0.6B") as server:
         with pytest.raises(VLLMServerError, match=r"serves \['Qwen/Qwen3-0.6B'\].*--vllm-server-model"):
             VLLMServerPolicy(server.url, name, weights_dir=tmp_path)

@@ -271,6 +271,9 @@ class VLLMServerPolicy:
                 raise VLLMServerError(f"{method} {self.url}{path}: {detail.strip()}; the server serves another "
                                       "model name: pass it as --vllm-server-model.") from None
             raise VLLMServerError(f"{method} {self.url}{path}: HTTP {exc.code}: {detail.strip()}") from None
+        except TimeoutError:
+            raise VLLMServerError(f"{method} {self.url}{path}: the server did not answer within {self.timeout_s:g} s; "
+                                  "raise --vllm-server-timeout-s, or check the server's log.") from None
         except (urllib.error.URLError, OSError) as exc:
             raise VLLMServerError(
                 f"{method} {self.url}{path}: no vLLM server answers there ({getattr(exc, 'reason', exc)}): start "

@@ -37,6 +37,9 @@ def server_vllm_policy(cfg: LearnerConfig, model: torch.nn.Module, tokenizer: An
         cfg.vllm_server_url, name, stop_token_ids=end_of_turn_ids(model, tokenizer),
         weight_sync=cfg.vllm_weight_sync, weights_dir=weights_dir, trainer_model=model,
         timeout_s=cfg.vllm_server_timeout_s, max_concurrency=cfg.max_concurrency)
+    print(f"sampler: the vLLM server at {policy.url} ({name}); weights pushed after each step by "
+          f"{cfg.vllm_weight_sync}" + (f" through {weights_dir}" if cfg.vllm_weight_sync == "disk" else ""),
+          file=sys.stderr)
     if policy.server_weight_version != "default":
         # An earlier run pushed its weights there; sampling must start from this run's.
         print(f"the vLLM server at {policy.url} holds pushed weights (version {policy.server_weight_version}); "
