@@ -67,6 +67,9 @@ def test_replies_that_cannot_be_recorded_exactly_are_refused():
     with pytest.raises(VLLMServerError, match="another client"):
         completion_to_generation(choice(ok, [5], [{"version": "ckpt-a", "start": 0, "end": 1}]), SamplingParams(),
                                  num_prompt_tokens=1, num_cached_tokens=None, version=0)
+    with pytest.raises(VLLMServerError, match="restarted mid-run.*--resume"):
+        completion_to_generation(choice(ok, [5], [{"version": "default", "start": 0, "end": 1}]), SamplingParams(),
+                                 num_prompt_tokens=1, num_cached_tokens=None, version=3)
     with pytest.raises(VLLMServerError, match="abort"):
         completion_to_generation(choice(ok, [5], finish="abort"), SamplingParams(), num_prompt_tokens=1,
                                  num_cached_tokens=None, version=0)

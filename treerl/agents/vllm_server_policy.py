@@ -191,7 +191,12 @@ def completion_to_generation(choice: Mapping[str, Any], params: SamplingParams, 
     if len(labels) > 1:
         raise VLLMServerError(f"one generation was sampled by several weights versions {sorted(labels)}: the server "
                               "took new weights mid-request; pause it around weight updates (/pause?mode=wait).")
-    if labels and (label := labels.pop()) != "default":
+    label = labels.pop() if labels else None
+    if label == "default" and version != 0:
+        raise VLLMServerError(f"the server samples with the weights it loaded at start (label 'default'), but treerl "
+                              f"pushed version {version} to it: it was restarted mid-run. Continue the run with "
+                              "--resume (which pushes the checkpoint's weights first).")
+    if label not in (None, "default"):
         if not label.lstrip("-").isdigit():
             raise VLLMServerError(f"the server labels its weights {label!r}, not a treerl version number: another "
                                   "client updates this server; give treerl a server of its own.")
@@ -264,9 +269,10 @@ class VLLMServerPolicy:
                     f"{method} {self.url}{path}: HTTP 404: the server has no {path.split('?')[0]} route, which "
                     f"exists only in development mode: start it as {SERVE_HINT}.") from None
             if "greater than max allowed" in detail:
-                raise VLLMServerError(f"{method} {self.url}{path}: {detail.strip()}: every top-k request asks for "
-                                      "top_k log-probs (the candidate set); restart the server with --max-logprobs "
-                                      "at least --top-k, or lower --top-k.") from None
+                raise VLLMServerError(f"{method} {self.url}{path}: {detail.strip()}: a top-k request asks for top_k "
+                                      "log-probs per token (the candidate set), otherwise for the head that score "
+                                      "centering reads; restart the server with --max-logprobs at least that many "
+                                      "(--top-k), or lower --top-k.") from None
             if "does not exist" in detail and "model" in detail.lower():
                 raise VLLMServerError(f"{method} {self.url}{path}: {detail.strip()}; the server serves another "
                                       "model name: pass it as --vllm-server-model.") from None
