@@ -76,6 +76,7 @@ def test_learn_samples_with_a_colocated_engine_and_updates_it_in_place(fake_vllm
     assert llm.kwargs["model"] == str(default_model_path()) and llm.kwargs["logprobs_mode"] == "processed_logprobs"
     assert llm.kwargs["dtype"] == "float32" and llm.kwargs["gpu_memory_utilization"] == 0.3
     assert llm.kwargs["enforce_eager"] is True and llm.kwargs["max_logprobs"] >= 4
+    assert llm.kwargs["max_model_len"] == 1024  # the shipped model's positions: vLLM refuses a longer context
     # Each step's weights reached the workers, under the transformers names, and the prefix cache was dropped.
     assert len(llm.loaded) == 2 and llm.resets == 2
     assert set(llm.loaded[-1]) == set(model.state_dict())

@@ -77,12 +77,27 @@ class LearnerConfig(EpisodeOptions):
                                          "float32 (default: on for a CUDA GPU with bfloat16, off on CPU).")
     fp16: bool = field_help(False, "Forward and backward under float16 autocast with a loss scaler (GPUs without "
                                    "bfloat16); needs --dtype float32.")
-    use_vllm: bool = field_help(False, "Sample with a vLLM engine in this process (the vllm extra, a CUDA GPU): "
-                                       "the weights are loaded into it in place after each step.")
+    use_vllm: bool = field_help(False, "Sample with vLLM: an engine in this process (the vllm extra, a CUDA GPU; "
+                                       "the weights loaded into it in place after each step), or a server started "
+                                       "separately with --vllm-mode server (the weights pushed to it).")
     vllm_gpu_memory_utilization: float = field_help(0.3, "Share of the GPU's memory the colocated vLLM engine takes "
                                                          "(weights and KV cache); the rest is training's.")
     vllm_kwargs: dict[str, Any] = field_help(help='More keyword arguments of vllm.LLM, e.g. \'{"enforce_eager": '
                                                   'true, "max_num_seqs": 64}\'.', default_factory=dict)
+    vllm_mode: str = field_help("colocate", "With --use-vllm: colocate (an engine in this process) or server (a "
+                                            "`vllm serve` started separately, at --vllm-server-url).")
+    vllm_server_url: str = field_help("http://127.0.0.1:8000", "The vLLM OpenAI server of --vllm-mode server, started "
+                                                               "as VLLM_SERVER_DEV_MODE=1 vllm serve MODEL "
+                                                               "--logprobs-mode processed_logprobs.")
+    vllm_server_model: str | None = field_help(None, "The name the server serves the model under (default: "
+                                                     "--model, as `vllm serve MODEL` names it).")
+    vllm_weight_sync: str = field_help("disk", "How --vllm-mode server gets each step's weights: disk (a safetensors "
+                                               "directory the server reads, then its /collective_rpc reload_weights) "
+                                               "or nccl (vLLM's GPU-to-GPU weight transfer; the server needs "
+                                               "--weight-transfer-config '{\"backend\": \"nccl\"}').")
+    vllm_weights_dir: str | None = field_help(None, "Where disk weight sync writes (default: output_dir/vllm_weights);"
+                                                    " the server must read the same path.")
+    vllm_server_timeout_s: float = field_help(600.0, "Limit of one request to the vLLM server, in seconds.")
     gradient_checkpointing: bool = field_help(False, "Recompute each decoder layer's activations in the backward "
                                                      "instead of keeping them: less memory for long episodes, about "
                                                      "a third more compute (works with tree attention and LoRA).")
@@ -152,6 +167,23 @@ class LearnerConfig(EpisodeOptions):
         if self.use_vllm and (self.from_rollouts or self.from_server):
             raise ValueError("use_vllm samples the environment's episodes, but from_rollouts/from_server bring "
                              "their own groups; drop --use-vllm.")
+        if self.vllm_mode not in ("colocate", "server"):
+            raise ValueError(f"vllm_mode={self.vllm_mode!r}: use colocate (an engine in this process) or server (a "
+                             "`vllm serve` started separately), e.g. --vllm-mode server.")
+        if self.vllm_mode == "server" and not self.use_vllm:
+            raise ValueError("vllm_mode=server samples with vLLM, but use_vllm is off; add --use-vllm.")
+        if not self.vllm_server_url.startswith(("http://", "https://")):
+            raise ValueError(f"vllm_server_url={self.vllm_server_url!r} must be an http(s) URL, e.g. "
+                             "--vllm-server-url http://127.0.0.1:8000.")
+        if self.vllm_weight_sync not in ("disk", "nccl"):
+            raise ValueError(f"vllm_weight_sync={self.vllm_weight_sync!r}: use disk (a directory the server reads) "
+                             "or nccl (GPU to GPU), e.g. --vllm-weight-sync disk.")
+        if self.vllm_weight_sync == "nccl" and self.lora_r > 0:
+            raise ValueError("vllm_weight_sync=nccl broadcasts the trainer's own parameters, which under LoRA are "
+                             "adapter and base layers, not the checkpoint's; use --vllm-weight-sync disk (it sends "
+                             "the adapter merged into the base weights).")
+        if not self.vllm_server_timeout_s > 0:
+            raise ValueError(f"vllm_server_timeout_s={self.vllm_server_timeout_s} must be > 0 (seconds).")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: use one of {', '.join(DTYPES)} (--dtype float32 keeps float32 "
                              "master weights; add --bf16 for bfloat16 compute).")

@@ -313,9 +313,9 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     ranks.broadcast_parameters(model)  # every rank starts from rank 0's weights
     policy_model = None
     if policy is None and cfg.use_vllm:
-        from treerl.learners.vllm_colocate import colocated_vllm_policy
+        from treerl.learners.vllm_colocate import vllm_policy
 
-        policy = colocated_vllm_policy(cfg, precision, model)
+        policy = vllm_policy(cfg, precision, model, tokenizer)
     elif policy is None:  # the sampler computes in the trainer's compute precision
         policy_model = copy.deepcopy(model).to(precision.sampler_dtype(checkpoint_dtype(model))).eval()
         policy = TransformersPolicy(policy_model, tokenizer, device=device,
