@@ -154,8 +154,8 @@ def _check_inputs(
 CPU_CHUNK_VOCAB = 1024
 """The chunked path's vocabulary tile on CPU: a 1024 x 1024 float32 tile (4 MiB) stays in cache
 through the half-dozen elementwise passes each tile takes, where 1024 x 8192 (32 MiB) streams
-them through memory; with a 32k vocabulary the forward + backward took 0.72x the CPU time
-(``benchmarks/bench_logprobs.py``)."""
+them through memory; with a 32k vocabulary the forward + backward took 0.75x the CPU time
+(``benchmarks/bench_logprobs.py``, 2,048 tokens)."""
 
 GPU_CHUNK_VOCAB = 8192
 """The vocabulary tile (chunked) or span of one program (Triton) on GPUs."""
