@@ -321,3 +321,24 @@ def test_no_tensor_larger_than_one_tile(impl):
         assert probe.max_numel >= num_tokens * vocab, probe.worst_op
     else:
         assert probe.max_numel <= chunk_tokens * chunk_vocab, (probe.max_numel, probe.worst_op)
+
+
+def test_default_cpu_tiles_are_cache_sized_and_exact():
+    # chunk_vocab=None on CPU takes 1024-wide vocabulary tiles (cache-sized, see CPU_CHUNK_VOCAB):
+    # no logits tensor wider than that, and the same values and gradients as full logits.
+    num_tokens, vocab = 8, 2500  # three tiles, the last one partial; the weight (2500 x 3) is below a tile
+    hidden, weight, bias, targets, candidates = make_inputs(num_tokens, vocab, hidden_size=3, num_cand=6)
+    h, w, b = leaves(hidden, weight, bias)
+    probe = LargestAllocation()
+    with probe:
+        out = token_logprobs(h, w, targets, bias=b, candidates=candidates, temperature=0.8)
+        (out.logp.sum() + out.entropy.sum() + out.logp_candidates.sum()).backward()
+    assert out.choice.name == "chunked"
+    assert probe.max_numel <= num_tokens * 1024, (probe.max_numel, probe.worst_op)
+    ref = reference_token_logprobs(hidden, weight, targets, bias=bias, candidates=candidates, temperature=0.8)
+    for got, want in zip(outputs(out), outputs(ref)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    kwargs = dict(targets=targets, candidates=candidates, temperature=0.8)
+    for got, want in zip(grads(token_logprobs, hidden, weight, bias, (1.0, 1.0, 1.0), **kwargs),
+                         grads(reference_token_logprobs, hidden, weight, bias, (1.0, 1.0, 1.0), **kwargs)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

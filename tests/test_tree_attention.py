@@ -153,6 +153,9 @@ CASES = {
                              TreeLayout.from_parents([9, 2, 4, 4], [-1, 0, -1, -1])],
     "chains": lambda: [TreeLayout.from_parents([11], [-1]), TreeLayout.from_parents([4], [-1])],
     "full_chains": lambda: [TreeLayout.from_parents([7], [-1]), TreeLayout.from_parents([7], [-1])],
+    # Consecutive segments of equal length: views of the row instead of gathers.
+    "equal_roots": lambda: [TreeLayout.from_parents([6, 6, 6], [-1, -1, -1])],
+    "equal_siblings": lambda: [TreeLayout.from_parents([5, 4, 4, 4], [-1, 0, 0, 0])],
 }
 
 
@@ -231,6 +234,53 @@ def test_segment_uses_the_causal_kernel_where_nothing_branches(monkeypatch, case
     torch.testing.assert_close(out, reference_tree_attention(q, k, v, batch), atol=1e-5, rtol=1e-5)
     assert sum(causal and not masked for causal, masked in calls) == want_causal, calls
     assert sum(masked for _, masked in calls) == want_masked, calls
+
+
+@pytest.mark.parametrize(("case", "want_gathers"), [
+    ("equal_roots", 0),  # three packed episodes of 6 tokens: one causal call on a view of the row
+    ("equal_siblings", 2),  # the prompt and its 3 children are views; only the children's path keys and values
+    ("siblings", 21),  # uneven children: 5 masked buckets gather queries, keys, values and valid outputs; the order
+])
+def test_segment_gathers_only_what_is_not_consecutive(case, want_gathers):
+    class CountGathers(torch.overrides.TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.count += func.__name__ == "index_select"
+            return func(*args, **(kwargs or {}))
+
+    batch = TreeBatch(CASES[case]())
+    q, k, v = random_qkv(batch)
+    with CountGathers() as counter:
+        out = segment_tree_attention(q, k, v, batch)
+    assert counter.count == want_gathers
+    want, want_grads = grads_of(reference_tree_attention, batch, q, k, v)
+    got, got_grads = grads_of(segment_tree_attention, batch, q, k, v)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_segment_builds_each_mask_once_per_batch(monkeypatch):
+    import treerl.kernels.tree_attention as module
+
+    masks = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        if kwargs.get("attn_mask") is not None:
+            masks.append(kwargs["attn_mask"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module.F, "scaled_dot_product_attention", spy)
+    batch = TreeBatch(CASES["equal_siblings"]())
+    q, k, v = random_qkv(batch)
+    for _ in range(3):  # three layers of one forward
+        segment_tree_attention(q, k, v, batch)
+    assert len(masks) == 3 and masks[1] is masks[0] and masks[2] is masks[0]
+    assert masks[0].dtype == q.dtype  # additive already: SDPA converts nothing per call
 
 
 def test_segment_handles_different_value_dim():

@@ -62,6 +62,9 @@ __all__ = [
     "chunked_token_logprobs",
     "select_impl",
     "IMPLS",
+    "CPU_CHUNK_VOCAB",
+    "GPU_CHUNK_VOCAB",
+    "default_chunk_vocab",
 ]
 
 logger = logging.getLogger(__name__)
@@ -148,12 +151,33 @@ def _check_inputs(
         )
 
 
-def _check_chunks(chunk_tokens: int, chunk_vocab: int) -> None:
+CPU_CHUNK_VOCAB = 1024
+"""The chunked path's vocabulary tile on CPU: a 1024 x 1024 float32 tile (4 MiB) stays in cache
+through the half-dozen elementwise passes each tile takes, where 1024 x 8192 (32 MiB) streams
+them through memory; with a 32k vocabulary the forward + backward took 0.75x the CPU time
+(``benchmarks/bench_logprobs.py``, 2,048 tokens)."""
+
+GPU_CHUNK_VOCAB = 8192
+"""The vocabulary tile (chunked) or span of one program (Triton) on GPUs."""
+
+
+def default_chunk_vocab(impl: str, device: torch.device) -> int:
+    """The vocabulary tile ``token_logprobs`` uses when ``chunk_vocab`` is None.
+
+    >>> default_chunk_vocab("chunked", torch.device("cpu")), default_chunk_vocab("triton", torch.device("cuda"))
+    (1024, 8192)
+    """
+    return CPU_CHUNK_VOCAB if impl == "chunked" and device.type == "cpu" else GPU_CHUNK_VOCAB
+
+
+def _check_chunks(chunk_tokens: int, chunk_vocab: int | None) -> None:
     for name, value in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
+        if name == "chunk_vocab" and value is None:
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(
-                f"{name} must be an int >= 1, got {value!r}; the defaults (1024 tokens x 8192 vocab) "
-                "bound one logits tile at 32 MiB in float32"
+                f"{name} must be an int >= 1, got {value!r}; the defaults (1024 tokens x 1024 vocab on CPU, "
+                "x 8192 on GPUs) bound one logits tile at 4 or 32 MiB in float32"
             )
 
 
@@ -174,7 +198,7 @@ def reference_token_logprobs(
     temperature: float = 1.0,
     candidates: Tensor | None = None,
     chunk_tokens: int = 1024,
-    chunk_vocab: int = 8192,
+    chunk_vocab: int | None = None,
     impl: str = "reference",
 ) -> TokenLogprobs:
     """The same outputs as :func:`token_logprobs` from the full ``(N, V)`` logits.
@@ -374,7 +398,7 @@ def chunked_token_logprobs(
     temperature: float = 1.0,
     candidates: Tensor | None = None,
     chunk_tokens: int = 1024,
-    chunk_vocab: int = 8192,
+    chunk_vocab: int | None = None,
 ) -> TokenLogprobs:
     """The tiled torch path: no tensor larger than ``chunk_tokens x chunk_vocab`` logits.
 
@@ -382,6 +406,8 @@ def chunked_token_logprobs(
     few tiles plus, in backward, float32 gradients of one ``(chunk_vocab, H)`` weight
     tile and of ``hidden``.
     """
+    if chunk_vocab is None:
+        chunk_vocab = default_chunk_vocab("chunked", hidden.device)
     logp, entropy, logp_cand = _ChunkedLogprobs.apply(
         hidden, weight, bias, targets, candidates, float(temperature), chunk_tokens, chunk_vocab
     )
@@ -427,7 +453,7 @@ def token_logprobs(
     temperature: float = 1.0,
     candidates: Tensor | None = None,
     chunk_tokens: int = 1024,
-    chunk_vocab: int = 8192,
+    chunk_vocab: int | None = None,
     impl: str = "auto",
 ) -> TokenLogprobs:
     """Log-prob of each target, entropy, and candidate-renormalized log-prob, from the LM head.
@@ -440,7 +466,9 @@ def token_logprobs(
         temperature: the sampler's temperature; logits are divided by it before softmax.
         candidates: (N, K) long, the sampler's candidate set per position padded with -1;
             the target must be a member and ids must not repeat.
-        chunk_tokens, chunk_vocab: the tile size; memory is bounded by one tile of logits.
+        chunk_tokens, chunk_vocab: the tile size; memory is bounded by one tile of logits. None
+            for ``chunk_vocab`` takes :func:`default_chunk_vocab` (smaller tiles on CPU, where a
+            tile that stays in cache is faster).
         impl: "auto", "triton", "chunked" or "reference" (full logits). The choice and its reason are
             returned in ``.choice`` and logged at DEBUG level.
 
@@ -456,6 +484,8 @@ def token_logprobs(
     _check_inputs(hidden, weight, targets, bias, temperature, candidates)
     _check_chunks(chunk_tokens, chunk_vocab)
     choice = select_impl(impl, hidden)
+    if chunk_vocab is None:
+        chunk_vocab = default_chunk_vocab(choice.name, hidden.device)
     logger.debug("token_logprobs: impl=%s (%s)", choice.name, choice.reason)
     out = IMPLS[choice.name](
         hidden,

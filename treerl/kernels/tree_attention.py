@@ -152,31 +152,49 @@ def segment_tree_attention(
     k_flat = key.transpose(1, 2).reshape(batch_size * length, num_kv_heads, head_dim)  # (B*T, Hkv, D)
     v_flat = value.transpose(1, 2).reshape(batch_size * length, num_kv_heads, value_dim)  # (B*T, Hkv, Dv)
 
+    def rows(flat: Tensor, index: Tensor, start: int | None) -> Tensor:
+        # Consecutive slots are a view of the row: no gather forward, no scatter-add backward.
+        return flat.narrow(0, start, index.numel()) if start is not None else flat.index_select(0, index)
+
     outs = []
-    for bucket in plan.buckets:
+    for b, bucket in enumerate(plan.buckets):
         n, q_len, k_len = bucket.num, bucket.q_len, bucket.k_len
         if bucket.roots_only and sliding_window is None:
             # A root attends causally to itself (a root's keys are its queries, q_len == k_len):
             # the causal kernel skips the upper triangle that a mask would only zero out.
-            q = q_flat.index_select(0, bucket.q_index).view(n, q_len, num_heads, head_dim).transpose(1, 2)
-            k = k_flat.index_select(0, bucket.k_index).view(n, k_len, num_kv_heads, head_dim).transpose(1, 2)
-            v = v_flat.index_select(0, bucket.k_index).view(n, k_len, num_kv_heads, value_dim).transpose(1, 2)
+            q = rows(q_flat, bucket.q_index, bucket.q_start).view(n, q_len, num_heads, head_dim).transpose(1, 2)
+            k = rows(k_flat, bucket.k_index, bucket.q_start).view(n, k_len, num_kv_heads, head_dim).transpose(1, 2)
+            v = rows(v_flat, bucket.k_index, bucket.q_start).view(n, k_len, num_kv_heads, value_dim).transpose(1, 2)
             o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
                                                enable_gqa=n_rep > 1)  # (N, H, Lq, Dv)
-            outs.append(o.transpose(1, 2).reshape(n * q_len, num_heads, value_dim).index_select(0, bucket.q_valid_rows))
+            o = o.transpose(1, 2).reshape(n * q_len, num_heads, value_dim)
+            outs.append(o if bucket.q_start is not None else o.index_select(0, bucket.q_valid_rows))
             continue
-        q = q_flat.index_select(0, bucket.q_index).view(n, q_len, num_kv_heads, n_rep, head_dim)
+        q = rows(q_flat, bucket.q_index, bucket.q_start).view(n, q_len, num_kv_heads, n_rep, head_dim)
         q = q.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, n_rep * q_len, head_dim)  # (N, Hkv, R*Lq, D)
         k = k_flat.index_select(0, bucket.k_index).view(n, k_len, num_kv_heads, head_dim).transpose(1, 2)
         v = v_flat.index_select(0, bucket.k_index).view(n, k_len, num_kv_heads, value_dim).transpose(1, 2)
-        mask = bucket.mask(sliding_window)  # (N, Lq, Lk)
-        mask = mask[:, None, None].expand(n, 1, n_rep, q_len, k_len).reshape(n, 1, n_rep * q_len, k_len)
+        # Every layer of the forward (and its backward) uses the same mask: build it once per
+        # batch, already additive in the query dtype, which SDPA would otherwise convert per call.
+        mask = batch.cached(
+            ("segment_mask", b, str(query.device), query.dtype, n_rep, sliding_window),
+            lambda: _additive_mask(bucket.mask(sliding_window), n_rep, query.dtype),
+        )  # (N, 1, R*Lq, Lk)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
         o = o.view(n, num_kv_heads, n_rep, q_len, value_dim).permute(0, 3, 1, 2, 4)  # (N, Lq, Hkv, R, Dv)
         o = o.reshape(n * q_len, num_heads, value_dim)
-        outs.append(o.index_select(0, bucket.q_valid_rows))  # (V, H, Dv)
-    out = torch.cat(outs).index_select(0, plan.inverse_order)  # (B*T, H, Dv)
+        outs.append(o if bucket.q_start is not None else o.index_select(0, bucket.q_valid_rows))  # (V, H, Dv)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (B*T, H, Dv)
+    if not plan.in_order:
+        out = out.index_select(0, plan.inverse_order)
     return out.view(batch_size, length, num_heads, value_dim)
+
+
+def _additive_mask(mask: Tensor, n_rep: int, dtype: torch.dtype) -> Tensor:
+    """(N, Lq, Lk) bool -> (N, 1, R*Lq, Lk) of 0 and -inf, the query heads of a key head folded into Lq."""
+    n, q_len, k_len = mask.shape
+    mask = mask[:, None, None].expand(n, 1, n_rep, q_len, k_len).reshape(n, 1, n_rep * q_len, k_len)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def tree_mask_mod(subtree_end: Tensor, depth: Tensor | None = None, sliding_window: int | None = None) -> Callable:

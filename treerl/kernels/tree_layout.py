@@ -246,6 +246,11 @@ class SegmentBucket:
     roots_only: bool = False
     """Every segment of the bucket is a root (no ancestors): its mask is plain causal, so the
     backend may use the causal kernel, which skips the masked half of the work."""
+    q_start: int | None = None
+    """Set when the query slots are the consecutive flat tokens ``[q_start, q_start + num * q_len)``
+    (every segment exactly ``q_len`` tokens, one after the other, as packed episodes of equal
+    length or equally long siblings are): a view of the row then replaces the gather, and for a
+    root bucket, whose keys are its queries, the key gather too."""
 
     def mask(self, sliding_window: int | None = None) -> Tensor:
         """(N, Lq, Lk) bool: causal-on-path visibility, plus the sliding window if given.
@@ -274,6 +279,9 @@ class SegmentPlan:
     buckets: tuple[SegmentBucket, ...]
     inverse_order: Tensor
     """(B * T,) long: where each flat token's output sits in the concatenation of bucket outputs."""
+    in_order: bool = False
+    """The concatenation of bucket outputs is already in flat token order (``inverse_order`` is
+    the identity), as when a row's buckets follow each other depth first: no final gather."""
 
 
 def _bucket_size(n: int) -> int:
@@ -414,6 +422,8 @@ class TreeBatch:
                 ancestors.append(num_ancestor_tokens)
                 order += queries
             valid = torch.tensor(q_valid, dtype=torch.bool)
+            first = q_index[0]
+            contiguous = all(valid) and q_index == list(range(first, first + len(q_index)))
             buckets.append(
                 SegmentBucket(
                     q_index=torch.tensor(q_index, dtype=torch.long, device=device),
@@ -425,11 +435,13 @@ class TreeBatch:
                     q_len=q_len,
                     k_len=k_len,
                     roots_only=roots_only,
+                    q_start=first if contiguous else None,
                 )
             )
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
-        return SegmentPlan(buckets=tuple(buckets), inverse_order=inverse.to(device))
+        in_order = order == list(range(len(order)))
+        return SegmentPlan(buckets=tuple(buckets), inverse_order=inverse.to(device), in_order=in_order)
 
 
 def _describe(value: object) -> str:

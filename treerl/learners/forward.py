@@ -144,7 +144,7 @@ def packed_logprobs(
     temperature: float = 1.0,
     impl: str = "auto",
     chunk_tokens: int = 1024,
-    chunk_vocab: int = 8192,
+    chunk_vocab: int | None = None,
     head: bool = False,
     precision: Precision | None = None,
 ) -> PackedLogprobs:
