@@ -56,7 +56,7 @@ from treerl.rollout.trajectory import Group, GroupWriter, make_header, read_grou
 from treerl.serve.config import ServeConfig
 from treerl.serve.openai_format import (ChatRequest, RequestError, call_opening, message_key, template_messages,
                                         tool_reply)
-from treerl.serve.streaming import StreamStart, token_sink
+from treerl.serve.streaming import StreamStart, TokenRelay
 
 __all__ = ["Recorder", "Choice", "serve_header"]
 
@@ -183,6 +183,7 @@ class Recorder:
         self.running = asyncio.Event()
         self.running.set()
         self._new_groups: asyncio.Condition | None = None
+        self._relay: TokenRelay | None = None  # streamed tokens: from the decode thread to the event loop
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -225,7 +226,13 @@ class Recorder:
 
     def _policy(self, request: ChatRequest, renderer: ChatRenderer, stream: asyncio.Queue | None, index: int) -> Any:
         """The policy as choice ``index`` of ``request`` sees it: streamed, cut at stop strings."""
-        policy: Any = self.policy if stream is None else _Streamed(self.policy, token_sink(stream, index))
+        if stream is None:
+            policy: Any = self.policy
+        else:
+            loop = asyncio.get_running_loop()
+            if self._relay is None or self._relay.loop is not loop:
+                self._relay = TokenRelay(loop)
+            policy = _Streamed(self.policy, self._relay.sink(stream, index))
         return _StopStrings(policy, renderer, request.stop) if request.stop else policy
 
     def _find(self, request: ChatRequest, episode_id: str | None, task_id: str | None) -> _Episode:

@@ -3,7 +3,7 @@
 The recorder's :meth:`~treerl.serve.recorder.Recorder.complete` runs as its own task and
 reports into a queue: a :class:`StreamStart` once the request is accepted (its episodes
 found, nothing sampled yet), then ``(choice, token_id)`` for every token as the policy's
-decode loop samples it (``GenerationRequest.on_token``), then :data:`END` when the task is
+decode loop samples it (``GenerationRequest.on_token``, through a :class:`TokenRelay`), then :data:`END` when the task is
 done. :func:`events` turns that into OpenAI ``chat.completion.chunk`` events.
 
 What a chunk may carry (:class:`ChoiceText`): only text that the finished reply's
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from typing import Any
 from treerl.agents.chat import ChatRenderer
 from treerl.serve.openai_format import chunk
 
-__all__ = ["StreamStart", "END", "ChoiceText", "token_sink", "started", "events"]
+__all__ = ["StreamStart", "END", "ChoiceText", "TokenRelay", "started", "events"]
 
 END = ("end",)
 """The queue's last item: the completion task is done (its result or error is the task's)."""
@@ -49,17 +50,41 @@ class StreamStart:
     """Per choice, the tokens that open the reply unsampled (a forced tool call's opening)."""
 
 
-def token_sink(queue: asyncio.Queue, index: int) -> Callable[[int], None]:
-    """An ``on_token`` callback for choice ``index``: safe to call from the policy's decode thread."""
-    loop = asyncio.get_running_loop()
+class TokenRelay:
+    """Hands tokens from the policy's decode thread to the streams' queues on the event loop.
 
-    def on_token(token_id: int) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, (index, token_id))
-        except RuntimeError:  # the event loop is closed (the server is shutting down): nobody listens
-            pass
+    Waking the event loop from another thread costs a system call and a context switch; the
+    relay wakes it at most once for all the tokens that arrive before it runs (every row of a
+    decode step, of every stream), so the decode thread pays a lock and an append per token.
+    Order is kept: a token is in the queue before anything the decode thread hands over after
+    it (the generation's result).
+    """
 
-    return on_token
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, tuple[int, int]]] = []
+
+    def sink(self, queue: asyncio.Queue, index: int) -> Callable[[int], None]:
+        """An ``on_token`` callback for choice ``index`` of the stream ``queue``."""
+
+        def on_token(token_id: int) -> None:
+            with self._lock:
+                self._pending.append((queue, (index, token_id)))
+                if len(self._pending) > 1:  # a wake-up is on its way already
+                    return
+            try:
+                self.loop.call_soon_threadsafe(self._flush)
+            except RuntimeError:  # the event loop is closed (the server is stopping): nobody listens
+                pass
+
+        return on_token
+
+    def _flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, item in pending:
+            queue.put_nowait(item)
 
 
 def _partial_suffix(text: str, needles: Sequence[str]) -> int:
