@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from treerl.agents import ChatRenderer, TransformersPolicy
-from treerl.serve.app import bind, create_app
+from treerl.serve.app import bind, create_app, open_recorder
 from treerl.serve.config import ServeConfig
 from treerl.serve.recorder import Recorder
 
@@ -22,7 +22,7 @@ def running_server(model: Any, tokenizer: Any, **options: Any) -> Iterator[tuple
 
     cfg = ServeConfig(port=0, **options)
     policy = TransformersPolicy(model, tokenizer, max_batch_size=cfg.max_batch_size, batch_wait_s=cfg.batch_wait_s)
-    recorder = Recorder(policy, tokenizer, cfg)
+    recorder = open_recorder(policy, tokenizer, cfg)
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(create_app(recorder, cfg), log_level="warning"))

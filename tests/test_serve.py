@@ -510,3 +510,34 @@ def test_the_command_line_serves(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_chat_template_and_its_variables_as_treerl_learn_takes_them(tiny, tmp_path):
+    """--chat-template (a .jinja file here) and --chat-template-kwargs: served traffic is rendered, parsed
+    and recorded with that template and its fixed variables, as `treerl learn` renders its episodes."""
+    import copy
+
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+
+    model, tok = tiny
+    tok = copy.deepcopy(tok)  # the template becomes the tokenizer's own: keep the module's tokenizer as it was
+    path = tmp_path / "greeting.jinja"
+    path.write_text("{{- '<|im_start|>system\\n' + greeting + '<|im_end|>\\n' }}" + tok.chat_template)
+    argv = ["serve", "--chat-template", str(path), "--chat-template-kwargs", '{"greeting": "Ahoy"}']
+    args = build_parser().parse_args(argv)
+    cfg = config_from_args(ServeConfig, args)
+    assert (cfg.chat_template, cfg.chat_template_kwargs) == (str(path), {"greeting": "Ahoy"})
+    with pytest.raises(ValueError, match="chat_template='chatml' is not a template choice"):
+        ServeConfig(chat_template="chatml")
+    with running_server(model, tok, chat_template=str(path), chat_template_kwargs={"greeting": "Ahoy"},
+                        max_new_tokens=8) as (url, recorder):
+        client = make_client(url)
+        messages = [{"role": "user", "content": "What is 2 + 3?"}]
+        reply = client.chat.completions.with_raw_response.create(model="treerl", messages=messages, max_tokens=8,
+                                                                  extra_headers={"X-Task-Id": "template"})
+        client.post(f"/episodes/{reply.headers['x-episode-id']}/reward", body={"reward": 1.0}, cast_to=object)
+        [group] = recorder.finished
+    prompt = tok.decode(group.segments[0].token_ids, skip_special_tokens=False)
+    assert prompt.startswith("<|im_start|>system\nAhoy<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?")
+    assert prompt == ChatRenderer(tok).render(messages)

@@ -85,7 +85,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-__all__ = ["ChatRenderer", "Bridge", "BranchReason", "assistant_message", "structured_message",
+__all__ = ["ChatRenderer", "Bridge", "BranchReason", "TextStream", "assistant_message", "structured_message",
            "DEFAULT_TURN_END_ALIASES"]
 
 DEFAULT_TURN_END_ALIASES: dict[str, str] = {"<|eom_id|>": "<|eot_id|>"}
@@ -297,6 +297,10 @@ class ChatRenderer:
         text = self._decode([self._anchor_id, *ids])
         return text[len(anchor):] if text.startswith(anchor) else self._decode(ids)
 
+    def text_stream(self) -> TextStream:
+        """An incremental :meth:`completion_text`: feed it sampled ids one by one (streaming)."""
+        return TextStream(self)
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
@@ -411,3 +415,49 @@ def _first_difference(a: str, b: str) -> int:
         if x != y:
             return i
     return min(len(a), len(b))
+
+
+class TextStream:
+    """:meth:`ChatRenderer.completion_text` of a completion that is still being sampled, piece by piece.
+
+    :meth:`push` takes the next sampled id and returns the text it makes stable: the pieces
+    joined are always a prefix of ``completion_text`` of the ids pushed so far. Held back:
+    an incomplete UTF-8 character (a token ending inside a multi-byte character decodes to
+    U+FFFD until the rest arrives) and a special token (it is dropped when it turns out to
+    be the last, the stop token). Each call decodes a short window, the ids since the last
+    stable point plus the ones before it (merges and leading spaces depend on the previous
+    token), so a completion of n tokens costs O(n) decoding, not O(n^2).
+
+    >>> from types import SimpleNamespace
+    >>> vocab = {1: b"caf", 2: b"\\xc3", 3: b"\\xa9", 4: b"!", 9: b"<end>"}
+    >>> decode = lambda ids, **kw: b"".join(vocab[i] for i in ids).decode(errors="replace")
+    >>> tok = SimpleNamespace(decode=decode, added_tokens_decoder={}, all_special_ids=[9], chat_template="{{ x }}")
+    >>> stream = ChatRenderer(tok).text_stream()
+    >>> [stream.push(i) for i in (1, 2, 3, 4, 9)]
+    ['caf', '', 'é', '!', '']
+    """
+
+    def __init__(self, renderer: ChatRenderer):
+        self._decode = renderer._decode
+        self._special_ids = renderer._special_ids
+        # The anchor first, as completion_text decodes: a SentencePiece-style leading space survives.
+        self._ids: list[int] = [] if renderer._anchor_id is None else [renderer._anchor_id]
+        self._prefix = 0  # window start: the id before the last stable point (its merges reach into the next)
+        self._read = len(self._ids)  # the last stable point: text of ids[:_read] has been handed out
+        self._held: int | None = None  # a special id that is the stop token if nothing follows it
+
+    def push(self, token_id: int) -> str:
+        """The text that ``token_id`` (the next sampled id) makes stable; "" when nothing is yet."""
+        if self._held is not None:
+            self._ids.append(self._held)
+            self._held = None
+        if token_id in self._special_ids:
+            self._held = token_id
+            return ""
+        self._ids.append(token_id)
+        before = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        if len(text) <= len(before) or text.endswith("\ufffd") or not text.startswith(before):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(before):]

@@ -15,6 +15,9 @@ waiting for the whole batch, and each result is handed back as soon as its row s
 weight update waits for the rows in flight to finish (new rows are held back meanwhile), so
 every generation is sampled by one weights version.
 
+A request with an ``on_token`` callback (streaming) is handed each token as its row samples it,
+in the decode thread; the others pay one ``is None`` test per token.
+
 Cache layout per layer: keys (B, Hkv, capacity, D) in a buffer; columns ``[start_b, cur)``
 of row ``b`` hold its context, columns before ``start_b`` are left padding.
 """
@@ -177,6 +180,8 @@ class DecodeBatch:
             token = token_list[b]
             row.token_ids.append(token)
             row.logprobs.append(logprob_list[b])
+            if row.request.on_token is not None:  # a streamed request: its token, as soon as it exists
+                row.request.on_token(token)
             if candidates is not None and candidates[b] is not None:
                 if row.candidates is None:
                     row.candidates = []

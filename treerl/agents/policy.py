@@ -21,7 +21,7 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 from torch import Tensor
@@ -150,6 +150,11 @@ class GenerationRequest:
     """Requests of one group share a prompt (a GRPO group); backends prefill it once."""
     session: str | None = None
     """A multi-turn episode: continue from its cache when ``prompt_ids`` extends what it saw."""
+    on_token: Callable[[int], None] | None = field(default=None, compare=False, repr=False)
+    """Called with each token id as soon as it is sampled (streaming), from the backend's decode
+    thread: it must return at once and never raise (hand the id to an event loop, e.g. with
+    ``loop.call_soon_threadsafe``). Backends that cannot report tokens early ignore it; the
+    :class:`Generation` is the same either way."""
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) == 0:

@@ -31,11 +31,51 @@ from treerl.envs.registry import make
 from treerl.models import load_model, set_chat_template
 from treerl.rollout.engine import RolloutEngine
 
-__all__ = ["EpisodeOptions"]
+__all__ = ["EpisodeOptions", "ChatTemplateOptions"]
 
 
 @dataclass
-class EpisodeOptions(SamplingOptions):
+class ChatTemplateOptions:
+    """The chat template a command renders conversations with (a base of :class:`EpisodeOptions` and of
+    ``treerl serve``'s config), and :meth:`apply_chat_template`, which makes it the tokenizer's own.
+
+    >>> ChatTemplateOptions(chat_template="chatml")
+    Traceback (most recent call last):
+    ...
+    ValueError: chat_template='chatml' is not a template choice: use 'model', 'training', one of [...
+    """
+
+    chat_template: str = field_help(
+        "model", "The chat template episodes are rendered with: 'model' (the tokenizer's own), 'training' (treerl's "
+                 "prefix-preserving variant of the model's family where its template rewrites history: more shared "
+                 "prefix, see the README's 'Model families'), a shipped name such as 'qwen3_training', or a .jinja file.")
+    chat_template_kwargs: dict[str, Any] = field_help(
+        help='Template variables fixed for the run, e.g. \'{"enable_thinking": false}\' (a mapping in YAML).',
+        default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs={self.chat_template_kwargs!r} must be a mapping, e.g. "
+                             "--chat-template-kwargs '{\"enable_thinking\": false}'.")
+        if not isinstance(self.chat_template, str) or not (
+                self.chat_template in ("model", "training", *TRAINING_TEMPLATES) or self.chat_template.endswith(".jinja")):
+            raise ValueError(f"chat_template={self.chat_template!r} is not a template choice: use 'model', 'training', "
+                             f"one of {sorted(TRAINING_TEMPLATES)} or the path of a .jinja file "
+                             "(--chat-template training).")
+
+    def apply_chat_template(self, tokenizer: Any) -> None:
+        """Make ``chat_template`` (and the fixed ``chat_template_kwargs``) the tokenizer's own template, so
+        that every renderer of the run (rollout, evaluation, ``treerl serve``, a teacher's context, flat
+        records for TRL) uses it without being told."""
+        template = resolve_chat_template(self.chat_template, tokenizer)
+        if template is not None:
+            tokenizer.chat_template = template
+        set_chat_template(tokenizer, None, self.chat_template_kwargs)
+        mark_chat_template(tokenizer, self.chat_template)
+
+
+@dataclass
+class EpisodeOptions(ChatTemplateOptions, SamplingOptions):
     """The environment, model, sampling and per-episode limits (a base of each command's config)."""
 
     env: str = field_help("treerl/Calculator-v0", "Registered environment id (see `treerl envs`).")
@@ -49,10 +89,6 @@ class EpisodeOptions(SamplingOptions):
     max_concurrency: int = field_help(32, "Episodes in flight at once.")
     max_episode_tokens: int = field_help(2048, "An episode whose context reaches this many tokens is truncated.")
     max_episode_seconds: float = field_help(300.0, "Wall-clock limit of one episode.")
-    chat_template: str = field_help(
-        "model", "The chat template episodes are rendered with: 'model' (the tokenizer's own), 'training' (treerl's "
-                 "prefix-preserving variant of the model's family where its template rewrites history: more shared "
-                 "prefix, see the README's 'Model families'), a shipped name such as 'qwen3_training', or a .jinja file.")
     continuous_batching: bool = field_help(True, "Requests join the policy's running batch between decode steps "
                                                  "(faster with mixed turn lengths; batch composition then depends "
                                                  "on timing, so float results may differ from run to run).")
@@ -60,14 +96,9 @@ class EpisodeOptions(SamplingOptions):
                                        "policy's batches and every float repeat from run to run (needs "
                                        "--continuous-batching false; a turn waits for the slowest tool call; "
                                        "all episodes of a step are in play at once).")
-    chat_template_kwargs: dict[str, Any] = field_help(
-        help='Template variables fixed for the run, e.g. \'{"enable_thinking": false}\' (a mapping in YAML).',
-        default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.chat_template_kwargs, dict):
-            raise ValueError(f"chat_template_kwargs={self.chat_template_kwargs!r} must be a mapping, e.g. "
-                             "--chat-template-kwargs '{\"enable_thinking\": false}'.")
+        super().__post_init__()
         if not isinstance(self.env_kwargs, dict):
             raise ValueError(f"env_kwargs={self.env_kwargs!r} must be a mapping of keyword arguments for the "
                              "environment, e.g. --env-kwargs '{\"data_path\": \"problems.jsonl\"}' (or a YAML "
@@ -85,11 +116,6 @@ class EpisodeOptions(SamplingOptions):
         if self.lockstep and self.continuous_batching:
             raise ValueError("lockstep=True needs continuous_batching=False: rows joining a running batch make its "
                              "membership depend on time (--continuous-batching false, or --lockstep false).")
-        if not isinstance(self.chat_template, str) or not (
-                self.chat_template in ("model", "training", *TRAINING_TEMPLATES) or self.chat_template.endswith(".jinja")):
-            raise ValueError(f"chat_template={self.chat_template!r} is not a template choice: use 'model', 'training', "
-                             f"one of {sorted(TRAINING_TEMPLATES)} or the path of a .jinja file "
-                             "(--chat-template training).")
         self.sampling()  # SamplingParams validates the sampling options with its own messages
 
     def load_model(self, device: Any = None) -> tuple[Any, Any]:
@@ -98,16 +124,6 @@ class EpisodeOptions(SamplingOptions):
         model, tokenizer = load_model(self.model, self.device if device is None else device)
         self.apply_chat_template(tokenizer)
         return model, tokenizer
-
-    def apply_chat_template(self, tokenizer: Any) -> None:
-        """Make ``chat_template`` (and the fixed ``chat_template_kwargs``) the tokenizer's own template, so
-        that every renderer of the run (rollout, evaluation, ``treerl serve``, a teacher's context, flat
-        records for TRL) uses it without being told."""
-        template = resolve_chat_template(self.chat_template, tokenizer)
-        if template is not None:
-            tokenizer.chat_template = template
-        set_chat_template(tokenizer, None, self.chat_template_kwargs)
-        mark_chat_template(tokenizer, self.chat_template)
 
     def env_factory(self) -> Callable[[], Any]:
         """A fresh environment per call: ``make(env, **env_kwargs)``."""

@@ -38,12 +38,15 @@ import sys
 import time
 from typing import Any
 
+from treerl.agents.chat import ChatRenderer
 from treerl.agents.policy import Policy
 from treerl.serve.config import ServeConfig
-from treerl.serve.openai_format import RequestError, completion_body, error_body, parse_request, stream_chunks
+from treerl.serve import streaming
+from treerl.serve.openai_format import (RequestError, call_markers, completion_body, completion_head, error_body,
+                                        parse_request)
 from treerl.serve.recorder import Choice, Recorder
 
-__all__ = ["create_app", "serve", "require_serve_extra"]
+__all__ = ["create_app", "serve", "open_recorder", "require_serve_extra"]
 
 
 def require_serve_extra() -> None:
@@ -150,6 +153,9 @@ def create_app(recorder: Recorder, cfg: ServeConfig) -> Any:
         return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model", "created": 0,
                                             "owned_by": "treerl"}]}
 
+    streams: set[asyncio.Task] = set()  # streamed completions run on when their client goes away
+    plain_renderer = ChatRenderer(tokenizer)  # a stream's text: the tokenizer's decoding, whatever the tools
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         chat_request = parse_request(await _read_json(request, cfg.max_request_bytes))
@@ -157,24 +163,44 @@ def create_app(recorder: Recorder, cfg: ServeConfig) -> Any:
         episode_id = _header_or(request, "x-episode-id", meta, "episode_id", chat_request.user)
         task_id = _header_or(request, "x-task-id", meta, "task_id")
         record = (_header_or(request, "x-treerl-record", meta, "record") or "true").lower() not in ("0", "false", "no")
-        choices = await recorder.complete(chat_request, episode_id=episode_id, task_id=task_id, record=record)
-        body = completion_body([_choice_json(c, i, tokenizer, chat_request.logprobs) for i, c in enumerate(choices)],
-                               model=chat_request.model or cfg.served_model_name,
-                               prompt_tokens=choices[0].prompt_tokens, policy_version=policy.version,
-                               episode_id=choices[0].episode_id if len(choices) == 1 and record else None)
-        if not record:
-            for c in body["choices"]:
-                c.pop("episode_id")
-        headers = {"x-episode-id": choices[0].episode_id} if record and len(choices) == 1 else {}
+        model = chat_request.model or cfg.served_model_name
+
+        def body_of(choices: list[Choice], head: dict[str, Any] | None = None) -> dict[str, Any]:
+            body = completion_body([_choice_json(c, i, tokenizer, chat_request.logprobs)
+                                    for i, c in enumerate(choices)],
+                                   model=model, prompt_tokens=choices[0].prompt_tokens, policy_version=policy.version,
+                                   episode_id=choices[0].episode_id if len(choices) == 1 and record else None,
+                                   head=head)
+            if not record:
+                for c in body["choices"]:
+                    c.pop("episode_id")
+            return body
+
+        queue: asyncio.Queue | None = asyncio.Queue() if chat_request.stream else None
+        complete = recorder.complete(chat_request, episode_id=episode_id, task_id=task_id, record=record,
+                                     stream=queue)
         if not chat_request.stream:
-            return JSONResponse(body, headers=headers)
+            choices = await complete
+            headers = {"x-episode-id": choices[0].episode_id} if record and len(choices) == 1 else {}
+            return JSONResponse(body_of(choices), headers=headers)
 
-        async def events():
-            for chunk in stream_chunks(body, chat_request.include_usage):
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        task = asyncio.create_task(complete)
+        streams.add(task)
+        task.add_done_callback(streams.discard)
+        task.add_done_callback(lambda t: queue.put_nowait(streaming.END))
+        start = await streaming.started(queue, task)  # a refused request raises here: its 4xx, unstreamed
+        recorder.metrics["requests/streamed"] += 1
+        ids = start.episode_ids
+        headers = {"x-episode-id": ids[0]} if ids is not None and len(ids) == 1 else {}
+        head = {**completion_head(), "model": model, "system_fingerprint": f"treerl-v{policy.version}"}
+        markers = call_markers(recorder.parser, chat_request)
+        texts = [streaming.ChoiceText(plain_renderer, forced, stops=chat_request.stop, markers=markers)
+                 for forced in start.forced]
+        extras = [{"episode_id": i} for i in ids] if ids is not None else [{} for _ in start.forced]
+        return StreamingResponse(
+            streaming.events(queue, task, texts, head, extras, lambda choices: body_of(choices, head),
+                             chat_request.include_usage, recorder.metrics),
+            media_type="text/event-stream", headers=headers)
 
     async def _one_reward(episode_id: str, item: Any) -> None:
         if not isinstance(item, dict):
@@ -289,6 +315,13 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def open_recorder(policy: Policy, tokenizer: Any, cfg: ServeConfig) -> Recorder:
+    """The server's :class:`Recorder`, with ``cfg.chat_template`` (and its variables) made the tokenizer's own
+    first: the recorder's tool-call parser and every renderer read the template from the tokenizer."""
+    cfg.apply_chat_template(tokenizer)
+    return Recorder(policy, tokenizer, cfg)
+
+
 def serve(cfg: ServeConfig, policy: Policy | None = None, tokenizer: Any = None) -> None:
     """Load the model (unless a policy is given), bind, print the URL and serve until interrupted."""
     require_serve_extra()
@@ -305,7 +338,7 @@ def serve(cfg: ServeConfig, policy: Policy | None = None, tokenizer: Any = None)
         model, tokenizer = load_model(cfg.model, cfg.device)
         policy = TransformersPolicy(model, tokenizer, device=cfg.device, max_batch_size=cfg.max_batch_size,
                                     batch_wait_s=cfg.batch_wait_s)
-    recorder = Recorder(policy, tokenizer, cfg)
+    recorder = open_recorder(policy, tokenizer, cfg)
     sock = bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host

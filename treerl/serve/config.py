@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from treerl.agents.policy import SamplingOptions
 from treerl.config import field_help
+from treerl.rollout.options import ChatTemplateOptions
 
 __all__ = ["ServeConfig", "is_loopback"]
 
@@ -35,8 +36,10 @@ def is_loopback(host: str) -> bool:
 
 
 @dataclass
-class ServeConfig(SamplingOptions):
-    """Options of ``treerl serve``. The sampling options are the defaults of requests that do not set them."""
+class ServeConfig(ChatTemplateOptions, SamplingOptions):
+    """Options of ``treerl serve``. The sampling options are the defaults of requests that do not set them;
+    ``--chat-template`` and ``--chat-template-kwargs`` are ``treerl learn``'s, so served traffic is
+    rendered as the learner's own episodes are."""
 
     model: str | None = field_help(None, "A local transformers model directory; default: the shipped tiny model.")
     served_model_name: str = field_help("treerl", "The model name /v1/models lists (requests may name any model).")
@@ -66,6 +69,7 @@ class ServeConfig(SamplingOptions):
     log_level: str = field_help("warning", "uvicorn's log level.")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.token is None:
             self.token = os.environ.get("TREERL_SERVE_TOKEN") or None
         if not is_loopback(self.host) and not self.token:

@@ -37,7 +37,7 @@ from treerl.envs.tools import Tool
 from treerl.errors import ToolCallError
 
 __all__ = ["RequestError", "ChatRequest", "parse_request", "message_key", "template_messages", "tool_reply", "call_opening",
-           "completion_body", "stream_chunks", "error_body"]
+           "completion_body", "completion_head", "chunk", "call_markers", "error_body"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields that change the sampling distribution in ways this server cannot apply: refused, not ignored.
@@ -282,6 +282,37 @@ def template_messages(messages: Sequence[Mapping[str, Any]], raw_texts: Mapping[
 # -- replies -------------------------------------------------------------------------------------
 
 
+def completion_head() -> dict[str, Any]:
+    """A new completion's id and creation time."""
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time())}
+
+
+# Every call of these formats contains one of these strings; prose without them is content, whole.
+_CALL_MARKERS: dict[str, tuple[str, ...]] = {
+    "HermesParser": ("<tool_call>", "</tool_call>"),
+    "Qwen3CoderParser": ("<tool_call>", "</tool_call>", "<function=", "</function>"),
+    "MistralParser": ("[TOOL_CALLS]",),
+}
+
+
+def call_markers(parser: Any, request: ChatRequest) -> tuple[str, ...] | None:
+    """What a streamed reply must hold back as a possible tool call: None when the reply is not read
+    for calls (no tools, or ``tool_choice`` none); the format's call markers; or ``()`` when any text
+    may turn out to be (or hide) a call (formats without fixed markers, and replies with reasoning,
+    whose calls and content are read after it), so the content comes whole at the end.
+
+    >>> from treerl.envs.parsers import get_parser
+    >>> request = ChatRequest(messages=[], tools=[{"type": "function", "function": {"name": "add"}}])
+    >>> call_markers(get_parser("hermes"), request), call_markers(get_parser("pythonic"), request)
+    (('<tool_call>', '</tool_call>'), ())
+    """
+    if not request.tools or request.tool_choice == "none":
+        return None
+    if getattr(parser, "reasoning", None) is not None:
+        return ()
+    return _CALL_MARKERS.get(type(parser).__name__, ())
+
+
 def call_opening(parser: Any, request: ChatRequest) -> str | None:
     """The text a reply must open with for ``request.tool_choice``: None for ``auto`` and ``none``.
 
@@ -345,11 +376,14 @@ def tool_reply(text: str, parsed: ParseResult | None, tools: Sequence[Mapping[st
 
 
 def completion_body(choices: Sequence[dict[str, Any]], *, model: str, prompt_tokens: int, policy_version: int,
-                    episode_id: str | None) -> dict[str, Any]:
-    """A ``chat.completion`` object; ``choices`` hold index, message, finish_reason, logprobs, episode_id."""
+                    episode_id: str | None, head: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A ``chat.completion`` object; ``choices`` hold index, message, finish_reason, logprobs, episode_id.
+
+    ``head`` gives the id and creation time a stream announced already (see :func:`completion_head`)."""
     completion_tokens = sum(c.pop("_completion_tokens", 0) for c in choices)
+    head = head or completion_head()
     body = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        "id": head["id"], "object": "chat.completion", "created": head["created"],
         "model": model, "choices": list(choices), "system_fingerprint": f"treerl-v{policy_version}",
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
@@ -360,29 +394,8 @@ def completion_body(choices: Sequence[dict[str, Any]], *, model: str, prompt_tok
     return body
 
 
-def stream_chunks(body: Mapping[str, Any], include_usage: bool) -> list[dict[str, Any]]:
-    """The ``chat.completion.chunk`` objects of a finished completion, in server-sent-event order.
-
-    The policy returns a whole turn at once, so each choice comes as a role chunk, one content
-    chunk, its tool calls, and a chunk with its finish reason.
-    """
-    base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"],
-            "system_fingerprint": body["system_fingerprint"]}
-    chunks = []
-    for c in body["choices"]:
-        extra = {"episode_id": c["episode_id"]} if "episode_id" in c else {}
-
-        def chunk(delta: dict[str, Any], finish: str | None = None, c=c, extra=extra) -> dict[str, Any]:
-            return {**base, "choices": [{"index": c["index"], "delta": delta, "logprobs": None,
-                                         "finish_reason": finish, **extra}]}
-
-        message = c["message"]
-        chunks.append(chunk({"role": "assistant", "content": ""}))
-        if message.get("content"):
-            chunks.append(chunk({"content": message["content"]}))
-        for j, call in enumerate(message.get("tool_calls") or []):
-            chunks.append(chunk({"tool_calls": [{"index": j, **call}]}))
-        chunks.append(chunk({}, c["finish_reason"]))
-    if include_usage:
-        chunks.append({**base, "choices": [], "usage": body["usage"]})
-    return chunks
+def chunk(head: Mapping[str, Any], index: int, delta: dict[str, Any], finish: str | None = None,
+          extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One ``chat.completion.chunk`` of choice ``index``; ``head`` holds id, created, model, system_fingerprint."""
+    return {**head, "object": "chat.completion.chunk",
+            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, **(extra or {})}]}

@@ -30,7 +30,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -56,6 +56,7 @@ from treerl.rollout.trajectory import Group, GroupWriter, make_header, read_grou
 from treerl.serve.config import ServeConfig
 from treerl.serve.openai_format import (ChatRequest, RequestError, call_opening, message_key, template_messages,
                                         tool_reply)
+from treerl.serve.streaming import StreamStart, TokenRelay
 
 __all__ = ["Recorder", "Choice", "serve_header"]
 
@@ -146,6 +147,19 @@ class _StopStrings:
                        candidates=gen.candidates[:lo] if gen.candidates is not None else None, finish_reason="stop")
 
 
+class _Streamed:
+    """A policy view that reports each sampled token of its requests to ``on_token`` (a streamed choice)."""
+
+    def __init__(self, policy: Policy, on_token: Callable[[int], None]):
+        self.policy, self.on_token = policy, on_token
+
+    def end_session(self, session: str) -> None:
+        self.policy.end_session(session)
+
+    async def agenerate(self, request: GenerationRequest) -> Generation:
+        return await self.policy.agenerate(replace(request, on_token=self.on_token))
+
+
 class Recorder:
     """Serves chat requests through ``policy`` and records them as trees (see the module docstring)."""
 
@@ -169,17 +183,23 @@ class Recorder:
         self.running = asyncio.Event()
         self.running.set()
         self._new_groups: asyncio.Condition | None = None
+        self._relay: TokenRelay | None = None  # streamed tokens: from the decode thread to the event loop
 
     # -- requests ---------------------------------------------------------------------------------
 
     async def complete(self, request: ChatRequest, *, episode_id: str | None, task_id: str | None,
-                       record: bool = True) -> list[Choice]:
-        """Sample ``request.n`` replies for ``request`` in its episode; records them unless ``record`` is False."""
+                       record: bool = True, stream: asyncio.Queue | None = None) -> list[Choice]:
+        """Sample ``request.n`` replies for ``request`` in its episode; records them unless ``record`` is False.
+
+        With a ``stream`` queue, a :class:`~treerl.serve.streaming.StreamStart` is put there once the
+        request is accepted, then ``(choice, token_id)`` for each token as it is sampled; the replies
+        and the records are the same as without.
+        """
         await self.running.wait()  # paused while weights change
         params = self._params(request)  # bad sampling options are refused before the episode changes
         opening = call_opening(self.parser, request)  # tool_choice required or named: the call's opening, forced
         if not record:
-            return await self._unrecorded(request, params, opening)
+            return await self._unrecorded(request, params, opening, stream)
         episode = self._find(request, episode_id, task_id)
         async with episode.lock:
             if episode.id not in self.episodes:  # it finished (a reward came) while this request waited
@@ -187,20 +207,33 @@ class Recorder:
             self._take_messages(episode, request)
             children = self._fork(episode, request.n) if request.n > 1 else [episode]
             shared = f"{episode.task.key}/{episode.state.name}/turn{episode.state.turn}" if len(children) > 1 else None
-            policy = _StopStrings(self.policy, episode.renderer, request.stop) if request.stop else self.policy
             limited = [turn_params(params, c.state, self.cfg.max_episode_tokens) for c in children]
             if any(p is None for p in limited):
                 raise RequestError("messages", f"the episode's context has reached max_episode_tokens="
                                                f"{self.cfg.max_episode_tokens}.", code="context_length_exceeded")
+            forced = episode.renderer.encode(opening) if opening else None
+            if stream is not None:
+                stream.put_nowait(StreamStart([c.id for c in children], [forced or []] * len(children)))
             turns = await asyncio.gather(*(
-                sample_turn(policy, c.state, c.task.group, c.renderer, p, shared=shared, session=c.session,
-                            seed=None if request.seed is None else request_seed(request.seed, i),
-                            forced=c.renderer.encode(opening) if opening else None)
+                sample_turn(self._policy(request, c.renderer, stream, i), c.state, c.task.group, c.renderer, p,
+                            shared=shared, session=c.session,
+                            seed=None if request.seed is None else request_seed(request.seed, i), forced=forced)
                 for i, (c, p) in enumerate(zip(children, limited))))
             choices = [self._reply(c, t, request) for c, t in zip(children, turns)]
             for child in children:  # a later request without an id finds its episode by these messages
                 self.by_view[_digest(child.view)] = child.id
             return choices
+
+    def _policy(self, request: ChatRequest, renderer: ChatRenderer, stream: asyncio.Queue | None, index: int) -> Any:
+        """The policy as choice ``index`` of ``request`` sees it: streamed, cut at stop strings."""
+        if stream is None:
+            policy: Any = self.policy
+        else:
+            loop = asyncio.get_running_loop()
+            if self._relay is None or self._relay.loop is not loop:
+                self._relay = TokenRelay(loop)
+            policy = _Streamed(self.policy, self._relay.sink(stream, index))
+        return _StopStrings(policy, renderer, request.stop) if request.stop else policy
 
     def _find(self, request: ChatRequest, episode_id: str | None, task_id: str | None) -> _Episode:
         keys = [message_key(m) for m in request.messages]
@@ -379,7 +412,8 @@ class Recorder:
         self.metrics["requests/context_tokens"] += len(state.context_ids)
         return Choice(episode.id, message, finish, turn.generation, turn.text, len(state.context_ids))
 
-    async def _unrecorded(self, request: ChatRequest, params: SamplingParams, opening: str | None) -> list[Choice]:
+    async def _unrecorded(self, request: ChatRequest, params: SamplingParams, opening: str | None,
+                          stream: asyncio.Queue | None) -> list[Choice]:
         """Replies to a request that is not to be recorded (an evaluation): the same policy and renderer."""
         renderer = self._renderer(request.tools)
         messages = template_messages(request.messages, {})
@@ -389,15 +423,18 @@ class Recorder:
         if params is None:
             raise RequestError("messages", "the conversation is longer than max_episode_tokens.",
                                code="context_length_exceeded")
-        policy = _StopStrings(self.policy, renderer, request.stop) if request.stop else self.policy
         scratch = Group(task_key="unrecorded", env_id=ENV_ID)
         scratch.add_segment("prompt", state.context_ids)
+        forced = renderer.encode(opening) if opening else None
+        if stream is not None:
+            stream.put_nowait(StreamStart(None, [forced or []] * request.n))
         choices = []
         for i in range(request.n):
             s = state.fork(i)
-            turn = await sample_turn(policy, s, scratch, renderer, params, shared=None, session=None,
+            turn = await sample_turn(self._policy(request, renderer, stream, i), s, scratch, renderer, params,
+                                     shared=None, session=None,
                                      seed=None if request.seed is None else request_seed(request.seed, i),
-                                     forced=renderer.encode(opening) if opening else None)
+                                     forced=forced)
             episode = _Episode(id="", task=_Task("", "", None, scratch, 1), state=s, renderer=renderer,
                                tools=request.tools, client_messages=list(request.messages))
             choices.append(self._reply(episode, turn, request))
