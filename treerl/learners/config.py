@@ -171,6 +171,9 @@ class LearnerConfig(EpisodeOptions):
         if self.sample_groups < 0 or self.sample_every < 1:
             raise ValueError(f"sample_groups={self.sample_groups}, sample_every={self.sample_every}: keep >= 0 groups "
                              "every >= 1 steps (--sample-groups 0 keeps no trajectory samples).")
+        if not isinstance(self.malformed_ends_episode, bool):
+            raise ValueError(f"malformed_ends_episode={self.malformed_ends_episode!r} must be true or false "
+                             "(--malformed-ends-episode false lets training episodes go on after an error message).")
         if self.eval_episodes < 0 or self.save_every < 0:
             raise ValueError("eval_episodes and save_every must be >= 0 (0 skips evaluation / intermediate "
                              "checkpoints).")
@@ -186,7 +189,7 @@ class LearnerConfig(EpisodeOptions):
 
     def train_env_factory(self, env_factory: Callable[[], Any] | None = None) -> Callable[[], Any]:
         """The training episodes' environments: ``env_factory`` (default: ``make(env, **env_kwargs)``) with
-        :attr:`malformed_ends_episode` set on those that are :class:`~treerl.envs.core.ToolEnv`\s, unless
+        :attr:`malformed_ends_episode` set on those that are :class:`~treerl.envs.core.ToolEnv` instances, unless
         ``env_kwargs`` sets it."""
         env_factory = env_factory or self.env_factory()
         if "malformed_ends_episode" in self.env_kwargs:
