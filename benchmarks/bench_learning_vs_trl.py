@@ -290,7 +290,8 @@ def main() -> None:
         raise SystemExit('bench_learning_vs_trl needs TRL: pip install -e ".[bench]"') from None
 
     torch.set_num_threads(args.threads)
-    command = "python benchmarks/bench_learning_vs_trl.py" + (" " + " ".join(sys.argv[1:]) if sys.argv[1:] else "")
+    shown = [a if prev != "--results-dir" else "DIR" for prev, a in zip(["", *sys.argv[1:]], sys.argv[1:])]
+    command = "python benchmarks/bench_learning_vs_trl.py" + (" " + " ".join(shown) if shown else "")  # no local paths
     with tempfile.TemporaryDirectory() as tmp:
         results = Path(args.results_dir or Path(tmp) / "results")
         results.mkdir(parents=True, exist_ok=True)
