@@ -146,10 +146,30 @@ def run_treerl(args, rows, out_dir: Path) -> dict:
 # -- TRL ------------------------------------------------------------------------------------------
 
 
+def trl_grpo_config(out_dir: Path, *, steps: int, tasks: int, group_size: int, completion_length: int,
+                    temperature: float, learning_rate: float, seed: int, **extra):
+    """TRL's ``GRPOConfig`` matching ``treerl learn``: one generation of ``tasks`` x ``group_size`` completions
+    and one optimizer step per step, constant AdamW without weight decay, DAPO, no KL, tasks in dataset order."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=tasks * group_size,
+        gradient_accumulation_steps=1, steps_per_generation=1,  # one generation of tasks x G completions per step
+        num_generations=group_size, max_completion_length=completion_length,
+        temperature=temperature, top_k=0, top_p=1.0,
+        learning_rate=learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        optim="adamw_torch", max_grad_norm=1.0, gradient_checkpointing=False,
+        loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0, num_iterations=1, scale_rewards="group",
+        shuffle_dataset=False, seed=seed, data_seed=seed,
+        use_vllm=False, use_cpu=True, bf16=False, fp16=False, report_to="none", logging_steps=1,
+        save_strategy="no", eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0, **extra,
+    )
+
+
 def run_trl(args, rows, out_dir: Path) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -166,19 +186,9 @@ def run_trl(args, rows, out_dir: Path) -> dict:
         {"prompt": [{"role": "system", "content": SYSTEM_PROMPT}, *r["messages"]], "answer": r["answer"]}
         for r in rows
     ])
-    batch = args.tasks * args.group_size
-    config = GRPOConfig(
-        output_dir=str(out_dir), max_steps=args.steps, per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1, steps_per_generation=1,  # one generation of tasks x G completions per step
-        num_generations=args.group_size, max_completion_length=args.completion_length,
-        temperature=args.temperature, top_k=0, top_p=1.0,
-        learning_rate=args.learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        optim="adamw_torch", max_grad_norm=1.0, gradient_checkpointing=False,
-        loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0, num_iterations=1, scale_rewards="group",
-        shuffle_dataset=False, seed=args.seed, data_seed=args.seed,
-        use_vllm=False, use_cpu=True, bf16=False, fp16=False, report_to="none", logging_steps=1,
-        save_strategy="no", eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
-    )
+    config = trl_grpo_config(out_dir, steps=args.steps, tasks=args.tasks, group_size=args.group_size,
+                             completion_length=args.completion_length, temperature=args.temperature,
+                             learning_rate=args.learning_rate, seed=args.seed)
     model, tokenizer = load_default_model()
     timer, reward = StepTimer(), MathReward()
     torch.set_num_threads(args.threads)

@@ -197,6 +197,12 @@ class ToolEnv(Env):
             :meth:`is_final`) may take; past it the turn is one ``malformed`` call.
         score_timeout_s: Seconds that :meth:`score` may take; past it the reward is 0.0
             and ``info["metrics"]["score/timeout"]`` is 1.
+        malformed_ends_episode: A reply with a ``malformed`` tool call (one that cannot be
+            parsed) ends the episode at reward 0, its other calls unrun (termination
+            ``malformed_call``, ``info["metrics"]["episode/malformed_call"]`` is 1), as TRL's
+            multi-turn tool loop does. Off (the default), the model reads an error message and
+            may try again, which costs it only a turn: in training, a group's malformed calls
+            then earn the same advantage as clean ones and can grow unchecked.
 
     Parsing, validating and running sync tools, and scoring run in their own threads
     (:mod:`treerl.envs.offload`), not on the event loop that plays the other episodes;
@@ -220,8 +226,13 @@ class ToolEnv(Env):
         render_mode: str | None = None,
         parse_timeout_s: float = 10.0,
         score_timeout_s: float = 60.0,
+        malformed_ends_episode: bool = False,
     ):
         super().__init__(render_mode=render_mode)
+        if not isinstance(malformed_ends_episode, bool):
+            raise ValueError(f"malformed_ends_episode={malformed_ends_episode!r} must be true or false, e.g. "
+                             "--env-kwargs '{\"malformed_ends_episode\": true}'.")
+        self.malformed_ends_episode = malformed_ends_episode
         if max_turns < 1:
             raise ValueError(f"max_turns={max_turns} must be >= 1: the model needs at least one turn to answer.")
         for key, value in (("parse_timeout_s", parse_timeout_s), ("score_timeout_s", score_timeout_s)):
@@ -306,6 +317,8 @@ class ToolEnv(Env):
             verdict = self.answer_feedback(self.task, self.final_answer, self.final_reward)
             if verdict:
                 parts.append(verdict)
+        elif self.metrics.get("episode/malformed_call"):
+            parts.append("The episode ended at a malformed tool call, without a final answer.")
         elif self.done:
             parts.append(f"There was no final answer within {self.max_turns} turns.")
         return "\n\n".join(parts) or None
@@ -356,6 +369,8 @@ class ToolEnv(Env):
         for err in parsed.errors:  # calls the model attempted but wrote badly
             records.append({"name": err.tool_name, "arguments": None, "error": err.kind.value, "message": err.message})
             obs.append({"role": "tool", "content": err.message})
+        if self.malformed_ends_episode and any(e.kind is ToolErrorKind.MALFORMED for e in parsed.errors):
+            return self._end_on_malformed(records)
         results: list[ToolResult] = await asyncio.gather(*(run_tool_call(c, self._tool_map) for c in parsed.calls))
         for res in results:
             records.append({
@@ -396,6 +411,16 @@ class ToolEnv(Env):
             "metrics": dict(self.metrics),
         }
         return obs, reward, terminated, truncated, info
+
+    def _end_on_malformed(self, records: list[dict[str, Any]]):
+        """The step's return when a malformed call ends the episode (``malformed_ends_episode``): reward 0."""
+        self.done = True
+        self.metrics["episode/malformed_call"] = 1
+        self._count(records, terminated=False, truncated=False)  # not a final answer
+        self.tool_records.extend(copy.deepcopy(records))
+        info = {"turn": self.turn, "tool_calls": records, "termination": "malformed_call",
+                "metrics": dict(self.metrics)}
+        return [], 0.0, True, False, info
 
     async def _read_turn(self, action: str) -> tuple[ParseResult, bool]:
         """The reply's calls and whether, having none, it is a final answer; off the event loop, timed."""

@@ -112,7 +112,7 @@ class GeneratorCore:
         self.tokenizer = tokenizer
         self.engine = cfg.engine(self.policy, tokenizer, seed=cfg.seed, branch_at_turn=cfg.branch_at_turn,
                                  branch_factor=cfg.branch_factor, **spec.sampling)
-        self.env_factory = spec.env_factory or cfg.env_factory()
+        self.env_factory = cfg.train_env_factory(spec.env_factory)
         self.version = -1
         self._changed: asyncio.Condition | None = None
         self._load_lock: asyncio.Lock | None = None

@@ -17,11 +17,14 @@ ValueError: report_to='mlflow': use none, tensorboard, wandb or trackio.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from treerl.config import field_help
+from treerl.envs.core import ToolEnv
 from treerl.kernels.tree_attention import BACKENDS
 from treerl.learners.packing import PackingConfig
 from treerl.learners.precision import DTYPES, resolve_precision
@@ -101,6 +104,11 @@ class LearnerConfig(EpisodeOptions):
     gradient_checkpointing: bool = field_help(False, "Recompute each decoder layer's activations in the backward "
                                                      "instead of keeping them: less memory for long episodes, about "
                                                      "a third more compute (works with tree attention and LoRA).")
+    malformed_ends_episode: bool = field_help(True, "In training, a malformed tool call ends its episode at reward 0 "
+                                                    "(ToolEnv environments, as in TRL): an error message the model "
+                                                    "recovers from costs it only a turn, and malformed calls then "
+                                                    "grow unchecked. The held-out evaluation keeps the environment's "
+                                                    "own setting; a value in env_kwargs wins over this one.")
     eval_episodes: int = field_help(64, "Held-out episodes evaluated at the start and the end (0 skips).")
     eval_seed: int = field_help(10_000, "First seed of the held-out tasks (training uses seed + i).")
     eval_env_kwargs: dict[str, Any] = field_help(
@@ -195,6 +203,9 @@ class LearnerConfig(EpisodeOptions):
         if self.sample_groups < 0 or self.sample_every < 1:
             raise ValueError(f"sample_groups={self.sample_groups}, sample_every={self.sample_every}: keep >= 0 groups "
                              "every >= 1 steps (--sample-groups 0 keeps no trajectory samples).")
+        if not isinstance(self.malformed_ends_episode, bool):
+            raise ValueError(f"malformed_ends_episode={self.malformed_ends_episode!r} must be true or false "
+                             "(--malformed-ends-episode false lets training episodes go on after an error message).")
         if self.eval_episodes < 0 or self.save_every < 0:
             raise ValueError("eval_episodes and save_every must be >= 0 (0 skips evaluation / intermediate "
                              "checkpoints).")
@@ -207,6 +218,15 @@ class LearnerConfig(EpisodeOptions):
             raise ValueError(f"from_server={self.from_server!r} must be an http(s) URL, e.g. http://127.0.0.1:8000.")
         if not self.server_timeout_s > 0:
             raise ValueError(f"server_timeout_s={self.server_timeout_s} must be > 0 (seconds).")
+
+    def train_env_factory(self, env_factory: Callable[[], Any] | None = None) -> Callable[[], Any]:
+        """The training episodes' environments: ``env_factory`` (default: ``make(env, **env_kwargs)``) with
+        :attr:`malformed_ends_episode` set on those that are :class:`~treerl.envs.core.ToolEnv` instances, unless
+        ``env_kwargs`` sets it."""
+        env_factory = env_factory or self.env_factory()
+        if "malformed_ends_episode" in self.env_kwargs:
+            return env_factory
+        return functools.partial(_ending_on_malformed, env_factory, self.malformed_ends_episode)
 
     def eval_env_factory(self) -> Any:
         """The held-out evaluation's environment factory: ``env_kwargs`` updated with ``eval_env_kwargs``."""
@@ -228,3 +248,12 @@ class LearnerConfig(EpisodeOptions):
 
     def packing_config(self) -> PackingConfig:
         return PackingConfig(max_tokens_per_row=self.max_tokens_per_row, mode=self.pack_mode)
+
+
+def _ending_on_malformed(env_factory: Callable[[], Any], flag: bool) -> Any:
+    """``env_factory()`` with ``malformed_ends_episode=flag`` when it is a ToolEnv (a module-level function, so
+    that the factory pickles for AsyncGRPO's generator processes)."""
+    env = env_factory()
+    if isinstance(env, ToolEnv):
+        env.malformed_ends_episode = flag
+    return env

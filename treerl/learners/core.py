@@ -269,7 +269,8 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
 
     ``model``/``tokenizer`` default to ``cfg.model`` (the shipped tiny model when unset);
     ``policy`` to a :class:`TransformersPolicy` on the learner's own copy of the model;
-    ``env_factory`` to ``make(cfg.env, **cfg.env_kwargs)``; ``optimizer`` to AdamW with
+    ``env_factory`` to ``make(cfg.env, **cfg.env_kwargs)`` (training plays it through
+    ``cfg.train_env_factory``); ``optimizer`` to AdamW with
     ``cfg.learning_rate`` and ``cfg.weight_decay``. ``reference=True`` keeps a frozen copy of
     the starting weights (a KL term's reference). ``source`` (default: ``cfg.group_source()``)
     replaces the engine in :meth:`Run.rollout`.
@@ -339,8 +340,9 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     scheduler = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=cfg.warmup_steps)
     engine = cfg.engine(policy, tokenizer, seed=cfg.seed, branch_at_turn=cfg.branch_at_turn,
                         branch_factor=cfg.branch_factor)
-    env_factory = env_factory or cfg.env_factory()
-    eval_env_factory = cfg.eval_env_factory() if cfg.eval_env_kwargs else env_factory
+    # Training and the held-out evaluation differ only where the learner sets malformed_ends_episode.
+    eval_env_factory = cfg.eval_env_factory() if cfg.eval_env_kwargs else (env_factory or cfg.env_factory())
+    env_factory = cfg.train_env_factory(env_factory)
     if ranks.is_main and cfg.eval_episodes and not cfg.eval_env_kwargs and "data_path" in cfg.env_kwargs:
         print("warning: the held-out evaluation draws its tasks from the training data (env_kwargs data_path); pass "
               "--eval-env-kwargs '{\"data_path\": \"test.jsonl\"}' to evaluate on held-out rows.", file=sys.stderr)
