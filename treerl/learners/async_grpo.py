@@ -49,7 +49,7 @@ import torch
 from treerl.config import field_help
 from treerl.learners.async_buffer import GroupBuffer
 from treerl.learners.async_generator import GeneratorSpec
-from treerl.learners.async_pool import ProcessPool
+from treerl.learners.async_pool import WEIGHT_TRANSPORTS, ProcessPool
 from treerl.learners.core import OptimizerSpec, Run, TrainResult, build, finish, register_learner
 from treerl.learners.diagnostics import CHECKS, Check
 from treerl.learners.grpo import GRPOConfig, update
@@ -108,6 +108,9 @@ class AsyncGRPOConfig(GRPOConfig):
                                          "treerl[ray] extra).")
     generator_policy: str = field_help("transformers", "What a generator samples with: transformers (CPU or GPU) or "
                                                        "vllm (a vLLM engine on --model, the treerl[vllm] extra).")
+    weight_transport: str = field_help("file", "How weights reach generator processes: file (a safetensors file "
+                                               "on shared memory) or broadcast (torch.distributed: NCCL on GPUs, "
+                                               "gloo on CPU). Ray actors use Ray's object store.")
     ray_address: str | None = field_help(None, "Ray cluster to join (e.g. auto); default starts a local Ray "
                                                "instance.")
     save_groups: bool = field_help(False, "Append every trained group to output_dir/groups.jsonl, with the "
@@ -147,6 +150,11 @@ class AsyncGRPOConfig(GRPOConfig):
             raise ValueError(f"generator_policy={self.generator_policy!r}: use transformers or vllm.")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}: use process (this machine) or ray (Ray actors).")
+        if self.weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"weight_transport={self.weight_transport!r}: use one of {', '.join(WEIGHT_TRANSPORTS)}.")
+        if self.backend == "ray" and self.weight_transport != "file":
+            raise ValueError(f"weight_transport={self.weight_transport!r} is for generator processes; Ray actors get "
+                             "weights through Ray's object store: drop --weight-transport or use --backend process.")
 
     @property
     def capacity(self) -> int:
@@ -371,7 +379,8 @@ def _make_pool(cfg: AsyncGRPOConfig, spec: GeneratorSpec) -> Any:
 
         return RayPool(spec, num_generators=cfg.num_generators, heartbeat_timeout=cfg.heartbeat_timeout,
                        address=cfg.ray_address)
-    return ProcessPool(spec, num_generators=cfg.num_generators, heartbeat_timeout=cfg.heartbeat_timeout)
+    return ProcessPool(spec, num_generators=cfg.num_generators, heartbeat_timeout=cfg.heartbeat_timeout,
+                       weight_transport=cfg.weight_transport)
 
 
 register_learner("async_grpo", AsyncGRPOConfig, train_async,
