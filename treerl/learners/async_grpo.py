@@ -299,7 +299,9 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
     if env_factory is not None:
         _require_picklable(env_factory, "env_factory")
     threads = _split_threads(cfg)
-    cfg = dataclasses.replace(cfg, num_threads=threads[0])
+    # The evaluations at the start and the end run while the generators load their model or after
+    # they stopped: they get every core (or the user's --num-threads), training gets the trainer's share.
+    whole = cfg.num_threads or (_cores() if cfg.device.startswith("cpu") else None)
     spec = GeneratorSpec(cfg=dataclasses.replace(cfg, num_threads=threads[1]), max_staleness=cfg.max_staleness,
                          heartbeat_s=min(1.0, cfg.heartbeat_timeout / 4), sampling=cfg.sampling_overrides(),
                          model=model, tokenizer=tokenizer, env_factory=env_factory, policy=cfg.generator_policy)
@@ -309,8 +311,10 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
         pool.launch()  # generators load their model while the trainer builds and evaluates
     buffer, totals = None, {}
     try:
+        _set_threads(whole)
         run = build(cfg, model=model, tokenizer=tokenizer, env_factory=env_factory, reward_funcs=reward_funcs,
                     reward_weights=reward_weights, optimizer=optimizer, reference=cfg.beta > 0)
+        _set_threads(threads[0])
         with run:
             if pool is not None:
                 buffer = GroupBuffer(tasks_per_step=cfg.tasks_per_step, max_staleness=cfg.max_staleness,
@@ -336,6 +340,7 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
     finally:
         if pool is not None:
             pool.close()
+    _set_threads(whole)
     result = finish(run)
     if run.ranks.is_main:
         summary_path = run.out_dir / "summary.json"
@@ -358,11 +363,20 @@ def _split_threads(cfg: AsyncGRPOConfig) -> tuple[int | None, int | None]:
     """torch threads of the trainer and of each generator: the cores split between them unless set."""
     if not cfg.device.startswith("cpu"):
         return cfg.num_threads, cfg.generator_threads or cfg.num_threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = _cores()
     if cfg.backend == "ray":  # generators live on other machines' cores: one each unless told
         return cfg.num_threads or cores, cfg.generator_threads or 1
     share = max(1, cores // (1 + cfg.num_generators))
     return cfg.num_threads or share, cfg.generator_threads or cfg.num_threads or share
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _set_threads(num_threads: int | None) -> None:
+    if num_threads:
+        torch.set_num_threads(num_threads)
 
 
 def _require_picklable(obj: Any, name: str) -> None:
