@@ -269,8 +269,9 @@ def render(rows: list, learning: list, loads: list[str], command: str, note: str
         "the generators' job is to keep the buffer full at the staleness bound; the number of generators is then "
         "sized so that they produce `tasks_per_step` groups per trainer step. Weights no longer fit a file on "
         "shared memory cheaply (15 GB for a 7B model in bf16): they go through vLLM's weight-update path "
-        "(`--generator-policy vllm` sends them with `collective_rpc`) or Ray's object store; an NCCL broadcast "
-        "from the trainer's GPU is not implemented yet. The publish time (`async/weight_publish_s`, "
+        "(`--generator-policy vllm` sends them with `collective_rpc`), Ray's object store, or an NCCL broadcast "
+        "from the trainer's GPU to each generator's (`--weight-transport broadcast`; measured here only with gloo "
+        "on CPU: no GPU on this machine). The publish time (`async/weight_publish_s`, "
         f"{med(publish) * 1000:.0f} ms for the tiny model here) becomes a real cost that the staleness bound must "
         "cover. The trainer scales on its own GPUs under `accelerate launch` (rank 0 feeds every rank its share of "
         "each step's groups).",

@@ -144,14 +144,16 @@ def test_config_errors_name_the_field_and_the_fix(tmp_path):
 # -- end to end -----------------------------------------------------------------------------------
 
 
-def test_max_staleness_0_with_one_generator_is_synchronous_grpo(tmp_path):
-    """The same groups, the same weights, so the same update as `train`: checked to 1e-5 after 3 steps."""
+@pytest.mark.parametrize("transport", ["file", pytest.param("broadcast", marks=pytest.mark.slow)])
+def test_max_staleness_0_with_one_generator_is_synchronous_grpo(tmp_path, transport):
+    """The same groups, the same weights, so the same update as `train`: checked to 1e-5 after 3 steps
+    (with the weights reaching the generator as a file, or by gloo broadcast: slow, a second run)."""
     common = {**SMALL, "steps": 3}
     sync_model, tok = _load()
     train(GRPOConfig(output_dir=str(tmp_path / "sync"), **common), model=sync_model, tokenizer=tok)
     async_model, tok = _load()
-    train_async(AsyncGRPOConfig(output_dir=str(tmp_path / "async"), max_staleness=0, num_generators=1, **common),
-                model=async_model, tokenizer=tok)
+    train_async(AsyncGRPOConfig(output_dir=str(tmp_path / "async"), max_staleness=0, num_generators=1,
+                                weight_transport=transport, **common), model=async_model, tokenizer=tok)
     start, _ = _load()
     moved = max((v - start.state_dict()[k]).abs().max().item() for k, v in sync_model.state_dict().items())
     assert moved > 1e-4, "training must move the weights for the comparison to mean anything"

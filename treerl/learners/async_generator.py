@@ -17,6 +17,8 @@ trainer over one duplex pipe:
 direction    message                               meaning
 ============ ===================================== =====================================
 trainer ->   ``("weights", version, path)``        load the safetensors file at ``path``
+trainer ->   ``("weights_broadcast", version,      receive ``version`` over the weight
+             layout, bucket_bytes)``               group now, load it between batches
 trainer ->   ``("tickets", [(task, target), ...])`` play these
 trainer ->   ``("stop",)``                         finish and exit
 -> trainer   ``("ready", pid)``                    model loaded, waiting for weights
@@ -227,17 +229,27 @@ def _vllm_policy(spec: GeneratorSpec) -> tuple[Any, Any]:
 # -- the process --------------------------------------------------------------------------------
 
 
-def generator_main(spec: GeneratorSpec, generator_id: int, conn: Any) -> None:
-    """A generator process: build the core, then serve the trainer's messages until it stops or goes away."""
+def generator_main(spec: GeneratorSpec, generator_id: int, conn: Any, weight_group: Any = None) -> None:
+    """A generator process: build the core, then serve the trainer's messages until it stops or goes away.
+
+    ``weight_group`` (a :class:`~treerl.learners.weight_broadcast.GroupAddress`) is where weights
+    come by broadcast; None when they come as files.
+    """
     logging.basicConfig(level=logging.WARNING)
+    group = None
+    if weight_group is not None:
+        from treerl.learners.weight_broadcast import WeightGroup
+
+        # First thing, before the model loads: the trainer waits for the pair to form.
+        group = WeightGroup(weight_group, rank=1, device=spec.cfg.device)
     core = GeneratorCore(spec, generator_id)
     try:
-        asyncio.run(_serve(core, conn))
+        asyncio.run(_serve(core, conn, group))
     finally:
         core.close()
 
 
-async def _serve(core: GeneratorCore, conn: Any) -> None:
+async def _serve(core: GeneratorCore, conn: Any, group: Any = None) -> None:
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
 
@@ -248,6 +260,14 @@ async def _serve(core: GeneratorCore, conn: Any) -> None:
                 message = conn.recv()
             except (EOFError, OSError):
                 message = ("stop",)
+            if message[0] == "weights_broadcast":
+                # Received at once, here (the trainer's broadcast waits for it); loaded between batches.
+                _, version, layout, bucket_bytes = message
+                try:
+                    message = ("weights", version, group.receive(layout, version, bucket_bytes))
+                except Exception:  # a broken pair cannot be repaired here: exit, the trainer replaces us
+                    logger.exception("generator: weight broadcast failed")
+                    os._exit(1)
             loop.call_soon_threadsafe(inbox.put_nowait, message)
             if message[0] == "stop":
                 # If the loop does not wind down (an environment that hangs), leave anyway; a daemon

@@ -49,7 +49,7 @@ import torch
 from treerl.config import field_help
 from treerl.learners.async_buffer import GroupBuffer
 from treerl.learners.async_generator import GeneratorSpec
-from treerl.learners.async_pool import ProcessPool
+from treerl.learners.async_pool import WEIGHT_TRANSPORTS, ProcessPool
 from treerl.learners.core import OptimizerSpec, Run, TrainResult, build, finish, register_learner
 from treerl.learners.diagnostics import CHECKS, Check
 from treerl.learners.grpo import GRPOConfig, update
@@ -108,6 +108,9 @@ class AsyncGRPOConfig(GRPOConfig):
                                          "treerl[ray] extra).")
     generator_policy: str = field_help("transformers", "What a generator samples with: transformers (CPU or GPU) or "
                                                        "vllm (a vLLM engine on --model, the treerl[vllm] extra).")
+    weight_transport: str = field_help("file", "How weights reach generator processes: file (a safetensors file "
+                                               "on shared memory) or broadcast (torch.distributed: NCCL on GPUs, "
+                                               "gloo on CPU). Ray actors use Ray's object store.")
     ray_address: str | None = field_help(None, "Ray cluster to join (e.g. auto); default starts a local Ray "
                                                "instance.")
     save_groups: bool = field_help(False, "Append every trained group to output_dir/groups.jsonl, with the "
@@ -147,6 +150,11 @@ class AsyncGRPOConfig(GRPOConfig):
             raise ValueError(f"generator_policy={self.generator_policy!r}: use transformers or vllm.")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}: use process (this machine) or ray (Ray actors).")
+        if self.weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"weight_transport={self.weight_transport!r}: use one of {', '.join(WEIGHT_TRANSPORTS)}.")
+        if self.backend == "ray" and self.weight_transport != "file":
+            raise ValueError(f"weight_transport={self.weight_transport!r} is for generator processes; Ray actors get "
+                             "weights through Ray's object store: drop --weight-transport or use --backend process.")
 
     @property
     def capacity(self) -> int:
@@ -291,7 +299,9 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
     if env_factory is not None:
         _require_picklable(env_factory, "env_factory")
     threads = _split_threads(cfg)
-    cfg = dataclasses.replace(cfg, num_threads=threads[0])
+    # The evaluations at the start and the end run while the generators load their model or after
+    # they stopped: they get every core (or the user's --num-threads), training gets the trainer's share.
+    whole = cfg.num_threads or (_cores() if cfg.device.startswith("cpu") else None)
     spec = GeneratorSpec(cfg=dataclasses.replace(cfg, num_threads=threads[1]), max_staleness=cfg.max_staleness,
                          heartbeat_s=min(1.0, cfg.heartbeat_timeout / 4), sampling=cfg.sampling_overrides(),
                          model=model, tokenizer=tokenizer, env_factory=env_factory, policy=cfg.generator_policy)
@@ -301,8 +311,10 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
         pool.launch()  # generators load their model while the trainer builds and evaluates
     buffer, totals = None, {}
     try:
+        _set_threads(whole)
         run = build(cfg, model=model, tokenizer=tokenizer, env_factory=env_factory, reward_funcs=reward_funcs,
                     reward_weights=reward_weights, optimizer=optimizer, reference=cfg.beta > 0)
+        _set_threads(threads[0])
         with run:
             if pool is not None:
                 buffer = GroupBuffer(tasks_per_step=cfg.tasks_per_step, max_staleness=cfg.max_staleness,
@@ -328,6 +340,7 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
     finally:
         if pool is not None:
             pool.close()
+    _set_threads(whole)
     result = finish(run)
     if run.ranks.is_main:
         summary_path = run.out_dir / "summary.json"
@@ -350,11 +363,20 @@ def _split_threads(cfg: AsyncGRPOConfig) -> tuple[int | None, int | None]:
     """torch threads of the trainer and of each generator: the cores split between them unless set."""
     if not cfg.device.startswith("cpu"):
         return cfg.num_threads, cfg.generator_threads or cfg.num_threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = _cores()
     if cfg.backend == "ray":  # generators live on other machines' cores: one each unless told
         return cfg.num_threads or cores, cfg.generator_threads or 1
     share = max(1, cores // (1 + cfg.num_generators))
     return cfg.num_threads or share, cfg.generator_threads or cfg.num_threads or share
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _set_threads(num_threads: int | None) -> None:
+    if num_threads:
+        torch.set_num_threads(num_threads)
 
 
 def _require_picklable(obj: Any, name: str) -> None:
@@ -371,7 +393,8 @@ def _make_pool(cfg: AsyncGRPOConfig, spec: GeneratorSpec) -> Any:
 
         return RayPool(spec, num_generators=cfg.num_generators, heartbeat_timeout=cfg.heartbeat_timeout,
                        address=cfg.ray_address)
-    return ProcessPool(spec, num_generators=cfg.num_generators, heartbeat_timeout=cfg.heartbeat_timeout)
+    return ProcessPool(spec, num_generators=cfg.num_generators, heartbeat_timeout=cfg.heartbeat_timeout,
+                       weight_transport=cfg.weight_transport)
 
 
 register_learner("async_grpo", AsyncGRPOConfig, train_async,

@@ -1,24 +1,22 @@
 """Generator processes on one machine: started, fed, watched and replaced by the trainer.
 
-:class:`ProcessPool` starts ``num_generators`` processes (``multiprocessing`` with the
-``spawn`` start method, each running :func:`~treerl.learners.async_generator.generator_main`
-with one duplex pipe to the trainer) and a monitor thread in the trainer that
+:class:`ProcessPool` is the :class:`~treerl.learners.async_supervisor.GeneratorPool` whose
+generators are processes (``multiprocessing`` with the ``spawn`` start method), each running
+:func:`~treerl.learners.async_generator.generator_main` with one duplex pipe to the trainer.
+The monitor thread reads every message as it comes (finished groups, started tickets,
+heartbeats); a pipe that reaches end-of-file means the process died (e.g. SIGKILL), and the
+base replaces it. A generator replaced for a missed heartbeat is killed with SIGKILL.
 
-- reads every message as it comes: finished groups go into the
-  :class:`~treerl.learners.async_buffer.GroupBuffer`, heartbeats update the generator's clock;
-- hands out the buffer's new tickets, to the generators with the fewest;
-- replaces a generator whose pipe reached end-of-file (the process died, e.g. SIGKILL): its
-  tickets are lost and re-issued, a new process takes its place and loads the latest weights;
-- replaces a generator that sent no heartbeat for ``heartbeat_timeout`` seconds (hung,
-  stopped): it is reported, killed with SIGKILL and replaced the same way.
+Weights reach the generators by one of two transports (``weight_transport``):
 
-Weights are published as a safetensors file in a directory on shared memory (``/dev/shm``
-where it exists, else a temporary directory): written once per version, renamed into place,
-and announced to every generator, which loads it between its batches. No generator ever gets
-a copy per episode; a generator that starts later loads the latest file.
-
-Generators that keep dying before they deliver a group (a broken environment or model) stop
-the run with the exit code rather than restart forever.
+- ``file``: a safetensors file in a directory on shared memory (``/dev/shm`` where it exists,
+  else a temporary directory), written once per version, renamed into place and announced to
+  every generator, which loads it between its batches; a generator that starts later loads the
+  latest file. No generator ever gets a copy per episode.
+- ``broadcast``: a ``torch.distributed`` broadcast over a process group the trainer forms with
+  each generator (:mod:`~treerl.learners.weight_broadcast`; NCCL on GPUs, gloo on CPU), bucketed,
+  with the version in its header; the generator receives as soon as it is announced and loads
+  between its batches.
 """
 
 from __future__ import annotations
@@ -39,20 +37,17 @@ from typing import Any
 
 from torch import Tensor
 
-from treerl.learners.async_buffer import GroupBuffer, Ticket
+from treerl.learners.async_buffer import Ticket
 from treerl.learners.async_generator import GeneratorSpec, generator_main
+from treerl.learners.async_supervisor import Generator, GeneratorFailed, GeneratorPool
+from treerl.learners.weight_broadcast import (DEFAULT_BUCKET_BYTES, GroupAddress, WeightGroup, backend_for,
+                                              layout_of, serve_store)
 
-__all__ = ["ProcessPool", "GeneratorFailed", "weights_dir"]
+__all__ = ["ProcessPool", "GeneratorFailed", "weights_dir", "WEIGHT_TRANSPORTS"]
 
 logger = logging.getLogger(__name__)
 
-# Generators that die this many times in a row before delivering a group stop the run (a broken
-# environment or model would otherwise be restarted forever).
-_MAX_FAILED_STARTS = 3
-
-
-class GeneratorFailed(RuntimeError):
-    """Generators keep dying before they are ready: the run cannot make progress."""
+WEIGHT_TRANSPORTS = ("file", "broadcast")
 
 
 def weights_dir() -> Path:
@@ -63,236 +58,163 @@ def weights_dir() -> Path:
 
 
 @dataclass
-class _Generator:
-    id: int
+class _Process:
+    """A generator's process, the trainer's end of its pipe and, for broadcasts, its weight group."""
+
     process: Any
     conn: Any
-    started: float = field(default_factory=time.monotonic)
-    ready: bool = False
-    delivered: bool = False
-    """It sent at least one group: a death before that counts towards giving up."""
-    last_beat: float = field(default_factory=time.monotonic)
-    stats: dict[str, float] = field(default_factory=dict)
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    group: WeightGroup | None = None
+    group_ready: threading.Event = field(default_factory=threading.Event)
+    group_error: BaseException | None = None
 
 
-class ProcessPool:
-    """``num_generators`` generator processes feeding ``buffer`` (see the module docstring).
+class ProcessPool(GeneratorPool):
+    """``num_generators`` generator processes feeding a buffer (see the module docstring).
 
     Args:
-        spec: what each generator builds itself from.
-        buffer: where finished groups go and tickets come from.
-        num_generators: processes to keep running.
-        heartbeat_timeout: seconds without a heartbeat before a ready generator is replaced.
-        startup_timeout: seconds a new generator may take to load before it is replaced.
-        on_report: called with ``(kind, message)`` when a generator is replaced.
+        weight_transport: ``file`` or ``broadcast``.
+        bucket_bytes: bytes per broadcast call (``broadcast`` only).
+        The others are :class:`~treerl.learners.async_supervisor.GeneratorPool`'s.
     """
 
     def __init__(self, spec: GeneratorSpec, *, num_generators: int, heartbeat_timeout: float,
-                 startup_timeout: float = 300.0, on_report: Callable[[str, str], None] | None = None):
-        self.spec = spec
-        self.buffer: GroupBuffer | None = None
-        self.num_generators = num_generators
-        self.heartbeat_timeout = heartbeat_timeout
-        self.startup_timeout = startup_timeout
-        self.on_report = on_report or (lambda kind, message: None)
+                 startup_timeout: float = 300.0, on_report: Callable[[str, str], None] | None = None,
+                 weight_transport: str = "file", bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        if weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"weight_transport={weight_transport!r}: use one of {', '.join(WEIGHT_TRANSPORTS)}.")
+        super().__init__(spec, num_generators=num_generators, heartbeat_timeout=heartbeat_timeout,
+                         startup_timeout=startup_timeout, on_report=on_report)
         self._ctx = multiprocessing.get_context("spawn")
-        self._gens: dict[int, _Generator] = {}
-        self._next_id = 0
-        self._failed_starts = 0
-        self._lock = threading.Lock()
-        self._weights_dir = weights_dir()
-        self._latest: tuple[int, str] | None = None
-        self._closed = threading.Event()
-        self._error: BaseException | None = None
-        self._monitor: threading.Thread | None = None
-        self.restarts = 0
-        self.heartbeat_timeouts = 0
-        self.last_publish_s = 0.0
+        self.weight_transport = weight_transport
+        self.bucket_bytes = bucket_bytes
+        self._weights_dir = weights_dir() if weight_transport == "file" else None
+        # The broadcast groups' rendezvous: one store, one key prefix per generator.
+        self._store = serve_store(startup_timeout) if weight_transport == "broadcast" else None
 
-    # -- lifecycle ---------------------------------------------------------------------------
+    # -- processes ---------------------------------------------------------------------------
 
-    def launch(self) -> None:
-        """Start the generator processes (they load their model, then wait for weights and tickets)."""
-        for _ in range(self.num_generators):
-            self._spawn()
+    def _start(self, gen_id: int) -> Generator:
+        parent, child = self._ctx.Pipe(duplex=True)
+        address = None
+        if self._store is not None:
+            address = GroupAddress(port=self._store.port, prefix=f"generator-{gen_id}",
+                                   backend=backend_for(self.spec.cfg.device), timeout_s=self.startup_timeout)
+        process = self._ctx.Process(target=generator_main, args=(self.spec, gen_id, child, address),
+                                    name=f"treerl-generator-{gen_id}", daemon=True)
+        process.start()
+        child.close()  # only the child holds its end now: its death reads as end-of-file here
+        handle = _Process(process, parent)
+        if address is not None:
+            # The pair forms when both sides construct it; the generator does so first thing, so this
+            # thread returns within its start-up, without holding up the monitor meanwhile.
+            threading.Thread(target=self._form_group, args=(handle, address), daemon=True,
+                             name=f"treerl-weight-group-{gen_id}").start()
+        return Generator(gen_id, handle, pid=process.pid)
 
-    def attach(self, buffer: GroupBuffer) -> None:
-        """Feed ``buffer`` from now on: its tickets go out, the groups come back into it."""
-        self.buffer = buffer
-        for gen_id in self.pids:
-            buffer.add_generator(gen_id)
-        self._monitor = threading.Thread(target=self._watch, name="treerl-async-monitor", daemon=True)
-        self._monitor.start()
+    def _form_group(self, handle: _Process, address: GroupAddress) -> None:
+        try:
+            handle.group = WeightGroup(address, rank=0, device=self.spec.cfg.device, store=self._store)
+        except Exception as exc:  # noqa: BLE001 - the generator died or never came; the monitor replaces it
+            handle.group_error = exc
+        handle.group_ready.set()
 
-    def close(self) -> None:
-        """Stop every generator (a polite stop, then SIGKILL) and remove the weight files."""
-        self._closed.set()
-        if self._monitor is not None:
-            self._monitor.join(timeout=5.0)
-        with self._lock:
-            gens = list(self._gens.values())
-            self._gens.clear()
+    def _stop(self, gen: Generator) -> None:
+        process = gen.handle.process
+        if process.is_alive():
+            process.kill()
+        process.join(timeout=5.0)
+        gen.handle.conn.close()
+
+    def _stop_all(self, gens: list[Generator]) -> None:
         for gen in gens:
             self._send(gen, ("stop",))
         deadline = time.monotonic() + 5.0
         for gen in gens:
-            gen.process.join(timeout=max(deadline - time.monotonic(), 0.1))
-            if gen.process.is_alive():
-                gen.process.kill()
-                gen.process.join(timeout=5.0)
-            gen.conn.close()
-        shutil.rmtree(self._weights_dir, ignore_errors=True)
+            gen.handle.process.join(timeout=max(deadline - time.monotonic(), 0.1))
+            self._stop(gen)
+        if self._weights_dir is not None:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
 
-    def check(self) -> None:
-        """Raise the monitor's error, if it hit one (call from the trainer's loop)."""
-        if self._error is not None:
-            raise self._error
+    def kill(self, gen_id: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to generator ``gen_id`` (tests and a heartbeat timeout use it)."""
+        gen = self._get(gen_id)
+        if gen is not None:
+            os.kill(gen.pid, sig)
 
-    @property
-    def pids(self) -> dict[int, int]:
-        """Generator id -> process id, of the generators running now."""
-        with self._lock:
-            return {g.id: g.process.pid for g in self._gens.values()}
-
-    def stats(self) -> dict[int, dict[str, float]]:
-        """Generator id -> its last heartbeat's figures (alive and idle seconds, weight loads)."""
-        with self._lock:
-            return {g.id: dict(g.stats) for g in self._gens.values() if g.stats}
-
-    # -- weights -----------------------------------------------------------------------------
-
-    def set_weights(self, weights: Mapping[str, Tensor], version: int) -> None:
-        """Publish ``weights`` as ``version``: one file, announced to every generator."""
-        from safetensors.torch import save_file
-
-        start = time.perf_counter()
-        path = self._weights_dir / f"v{version}.safetensors"
-        tmp = path.with_suffix(".tmp")
-        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp))
-        os.replace(tmp, path)  # a generator opens either no file or a whole one
-        with self._lock:
-            previous, self._latest = self._latest, (version, str(path))
-            gens = [g for g in self._gens.values()]
-        for gen in gens:
-            self._send(gen, ("weights", version, str(path)))
-        if previous is not None:
-            # A generator may still be reading the one before: keep it, drop older ones.
-            for old in self._weights_dir.glob("v*.safetensors"):
-                if int(old.stem[1:]) < previous[0]:
-                    old.unlink(missing_ok=True)
-        self.last_publish_s = time.perf_counter() - start
-
-    # -- generators --------------------------------------------------------------------------
-
-    def _spawn(self) -> _Generator:
-        parent, child = self._ctx.Pipe(duplex=True)
-        with self._lock:
-            gen_id, self._next_id = self._next_id, self._next_id + 1
-        process = self._ctx.Process(target=generator_main, args=(self.spec, gen_id, child),
-                                    name=f"treerl-generator-{gen_id}", daemon=True)
-        process.start()
-        child.close()  # only the child holds its end now: its death reads as end-of-file here
-        gen = _Generator(gen_id, process, parent)
-        with self._lock:
-            self._gens[gen_id] = gen
-            latest = self._latest
-        if self.buffer is not None:
-            self.buffer.add_generator(gen_id)
-        if latest is not None:
-            self._send(gen, ("weights", *latest))
-        return gen
-
-    def _send(self, gen: _Generator, message: tuple) -> bool:
+    def _send(self, gen: Generator, message: tuple) -> bool:
         try:
-            with gen.send_lock:
-                gen.conn.send(message)
+            with gen.lock:
+                gen.handle.conn.send(message)
             return True
         except (BrokenPipeError, OSError):
             return False  # it is dying; the monitor sees the end-of-file and replaces it
 
-    def kill(self, gen_id: int, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to generator ``gen_id`` (tests and a heartbeat timeout use it)."""
+    def _hand_out(self, gen: Generator, tickets: list[Ticket]) -> None:
+        self._send(gen, ("tickets", [(t.task, t.target) for t in tickets]))
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def _publish(self, weights: Mapping[str, Tensor], version: int) -> Any:
+        if self.weight_transport == "broadcast":
+            return {k: v.detach() for k, v in weights.items()}  # sent to each generator from where they are
+        from safetensors.torch import save_file
+
+        path = self._weights_dir / f"v{version}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp))
+        os.replace(tmp, path)  # a generator opens either no file or a whole one
+        if self._latest is not None:
+            # A generator may still be reading the previous version: keep it, drop older ones.
+            for old in self._weights_dir.glob("v*.safetensors"):
+                if int(old.stem[1:]) < self._latest[0]:
+                    old.unlink(missing_ok=True)
+        return str(path)
+
+    def _send_weights(self, gen: Generator, version: int, published: Any) -> None:
+        if self.weight_transport == "file":
+            self._send(gen, ("weights", version, published))
+            return
+        handle: _Process = gen.handle
+        if not handle.group_ready.wait(self.startup_timeout) or handle.group is None:
+            return  # it never joined: the monitor replaces it (dead, or not ready in time)
+        with gen.lock:  # the announcement and its broadcast stay together, in order
+            try:
+                handle.conn.send(("weights_broadcast", version, layout_of(published), self.bucket_bytes))
+                handle.group.send(published, version, self.bucket_bytes)
+            except Exception as exc:  # noqa: BLE001 - a broken pair: end the process, the monitor replaces it
+                logger.warning("weight broadcast to generator %d failed (%s); it will be replaced", gen.id, exc)
+                if handle.process.is_alive():
+                    handle.process.kill()
+
+    def _welcome(self, gen: Generator, version: int, published: Any) -> None:
+        if self.weight_transport == "file":
+            self._send_weights(gen, version, published)
+        else:  # waits for the pair to form: not on the monitor thread that spawned it
+            threading.Thread(target=self._send_weights, args=(gen, version, published), daemon=True,
+                             name=f"treerl-weights-to-{gen.id}").start()
+
+    # -- messages ----------------------------------------------------------------------------
+
+    def _poll(self, timeout: float) -> None:
         with self._lock:
-            gen = self._gens.get(gen_id)
-        if gen is not None and gen.process.pid is not None:
-            os.kill(gen.process.pid, sig)
+            by_conn = {g.handle.conn: g for g in self._gens.values()}
+        for conn in wait(list(by_conn), timeout=timeout):
+            self._receive(by_conn[conn])
 
-    def _replace(self, gen: _Generator, kind: str, message: str) -> None:
-        with self._lock:
-            if self._gens.pop(gen.id, None) is None:
-                return
-        if gen.process.is_alive():
-            gen.process.kill()
-        gen.process.join(timeout=5.0)
-        gen.conn.close()
-        lost = self.buffer.lose(gen.id)
-        if not gen.delivered:
-            self._failed_starts += 1
-            if self._failed_starts >= _MAX_FAILED_STARTS:
-                raise GeneratorFailed(
-                    f"generator processes died {self._failed_starts} times in a row before they delivered a group "
-                    f"(last exit code {gen.process.exitcode}); run the same environment and model with `treerl "
-                    "rollout` to see the error.")
-        self.restarts += 1
-        text = f"generator {gen.id} (pid {gen.process.pid}) {message}; {lost} groups in flight lost; replaced"
-        logger.warning(text)
-        self.on_report(kind, text)
-        if not self._closed.is_set():
-            self._spawn()
-
-    # -- the monitor thread ------------------------------------------------------------------
-
-    def _watch(self) -> None:
+    def _receive(self, gen: Generator) -> None:
         try:
-            while not self._closed.is_set():
-                with self._lock:
-                    by_conn = {g.conn: g for g in self._gens.values()}
-                for conn in wait(list(by_conn), timeout=0.05):
-                    self._receive(by_conn[conn])
-                for gen_id, tickets in self.buffer.issue().items():
-                    self._hand_out(gen_id, tickets)
-                self._check_heartbeats()
-        except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread by check()
-            self._error = exc
-
-    def _hand_out(self, gen_id: int, tickets: list[Ticket]) -> None:
-        with self._lock:
-            gen = self._gens.get(gen_id)
-        # A send that fails means the generator is dying: its end-of-file comes next, and with it
-        # the replacement that loses these tickets.
-        if gen is not None:
-            self._send(gen, ("tickets", [(t.task, t.target) for t in tickets]))
-
-    def _receive(self, gen: _Generator) -> None:
-        try:
-            message = gen.conn.recv()
+            message = gen.handle.conn.recv()
         except (EOFError, OSError):
-            gen.process.join(timeout=1.0)
-            self._replace(gen, "generator_died", f"exited (code {gen.process.exitcode})")
+            gen.handle.process.join(timeout=1.0)
+            self._replace(gen, "generator_died", f"exited (code {gen.handle.process.exitcode})")
             return
         kind = message[0]
-        gen.last_beat = time.monotonic()
         if kind == "group":
             _, task, oldest, newest, payload = message
-            self.buffer.arrive(gen.id, task=task, oldest=oldest, newest=newest, payload=payload)
-            gen.delivered, self._failed_starts = True, 0
+            self._arrived(gen, task, oldest, newest, payload)
         elif kind == "started":
-            self.buffer.start(gen.id, task=message[1], version=message[2])
+            self._started(gen, task=message[1], version=message[2])
         elif kind == "heartbeat":
-            gen.stats = message[1]
+            self._beat(gen, stats=message[1])
         elif kind == "ready":
-            gen.ready = True
-
-    def _check_heartbeats(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            gens = list(self._gens.values())
-        for gen in gens:
-            if gen.ready and now - gen.last_beat > self.heartbeat_timeout:
-                self.heartbeat_timeouts += 1
-                self._replace(gen, "heartbeat_timeout",
-                              f"sent no heartbeat for {now - gen.last_beat:.1f} s (timeout {self.heartbeat_timeout} s)")
-            elif not gen.ready and now - gen.started > self.startup_timeout:
-                self._replace(gen, "generator_startup_timeout",
-                              f"was not ready after {self.startup_timeout} s")
+            self._beat(gen, ready=True)

@@ -1,6 +1,7 @@
 """AsyncGRPO generators as Ray actors (the ``treerl[ray]`` extra): the same tickets, buffer and weights on a cluster.
 
-:class:`RayPool` is :class:`~treerl.learners.async_pool.ProcessPool`'s counterpart on Ray.
+:class:`RayPool` is the :class:`~treerl.learners.async_supervisor.GeneratorPool` whose
+generators are Ray actors (:class:`~treerl.learners.async_pool.ProcessPool`'s counterpart).
 Each generator is an asynchronous Ray actor holding a
 :class:`~treerl.learners.async_generator.GeneratorCore`; a ticket is one ``play`` call (many
 run at once on the actor's event loop), and its result (the group's JSON line and the
@@ -23,17 +24,17 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
 from treerl.errors import ConfigError
-from treerl.learners.async_buffer import GroupBuffer, Ticket
+from treerl.learners.async_buffer import Ticket
 from treerl.learners.async_generator import GeneratorCore, GeneratorSpec
+from treerl.learners.async_supervisor import Generator, GeneratorPool
 
 __all__ = ["RayPool", "GeneratorActor", "import_ray"]
 
@@ -68,30 +69,29 @@ class GeneratorActor:
 
 @dataclass
 class _Actor:
-    id: int
+    """An actor's handle and the heartbeat call in flight (heartbeats are pulled: one call at a time)."""
+
     handle: Any
-    started: float = field(default_factory=time.monotonic)
-    ready: bool = False
-    pid: int | None = None
     beat: Any = None
-    """The heartbeat call in flight, and when it was sent."""
     beat_sent: float = 0.0
-    stats: dict[str, float] = field(default_factory=dict)
 
 
-class RayPool:
-    """``num_generators`` generator actors feeding a :class:`GroupBuffer` (see the module docstring)."""
+class RayPool(GeneratorPool):
+    """``num_generators`` generator actors feeding a buffer (see the module docstring).
+
+    Args:
+        address: the Ray cluster to join; None starts a local Ray instance unless one is running.
+        The others are :class:`~treerl.learners.async_supervisor.GeneratorPool`'s.
+    """
+
+    monitor_name = "treerl-ray-monitor"
 
     def __init__(self, spec: GeneratorSpec, *, num_generators: int, heartbeat_timeout: float,
                  address: str | None = None, startup_timeout: float = 300.0,
                  on_report: Callable[[str, str], None] | None = None):
+        super().__init__(spec, num_generators=num_generators, heartbeat_timeout=heartbeat_timeout,
+                         startup_timeout=startup_timeout, on_report=on_report)
         self.ray = import_ray()
-        self.spec = spec
-        self.num_generators = num_generators
-        self.heartbeat_timeout = heartbeat_timeout
-        self.startup_timeout = startup_timeout
-        self.on_report = on_report or (lambda kind, message: None)
-        self.buffer: GroupBuffer | None = None
         self._started_ray = False
         if not self.ray.is_initialized():
             kwargs = {"address": address} if address else {"num_cpus": os.cpu_count(), "include_dashboard": False}
@@ -101,161 +101,93 @@ class RayPool:
         self._actor_class = self.ray.remote(GeneratorActor).options(
             num_cpus=cfg.num_threads or 1, num_gpus=1 if cfg.device.startswith("cuda") else 0,
             max_concurrency=1000)
-        self._actors: dict[int, _Actor] = {}
         self._inflight: dict[Any, tuple[int, Ticket]] = {}
-        self._next_id = 0
-        self._lock = threading.Lock()
-        self._latest: tuple[int, Any] | None = None
-        self._closed = threading.Event()
-        self._error: BaseException | None = None
-        self._monitor: threading.Thread | None = None
-        self.restarts = 0
-        self.heartbeat_timeouts = 0
-        self.last_publish_s = 0.0
-
-    # -- lifecycle ---------------------------------------------------------------------------
-
-    def launch(self) -> None:
-        for _ in range(self.num_generators):
-            self._spawn()
-
-    def attach(self, buffer: GroupBuffer) -> None:
-        self.buffer = buffer
-        for gen_id in list(self._actors):
-            buffer.add_generator(gen_id)
-        self._monitor = threading.Thread(target=self._watch, name="treerl-ray-monitor", daemon=True)
-        self._monitor.start()
-
-    def close(self) -> None:
-        self._closed.set()
-        if self._monitor is not None:
-            self._monitor.join(timeout=5.0)
-        with self._lock:
-            actors = list(self._actors.values())
-            self._actors.clear()
-        for actor in actors:
-            self.ray.kill(actor.handle)
-        if self._started_ray:
-            self.ray.shutdown()
-
-    def check(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    @property
-    def pids(self) -> dict[int, int]:
-        with self._lock:
-            return {a.id: a.pid for a in self._actors.values() if a.pid is not None}
-
-    def stats(self) -> dict[int, dict[str, float]]:
-        with self._lock:
-            return {a.id: dict(a.stats) for a in self._actors.values() if a.stats}
-
-    def kill(self, gen_id: int) -> None:
-        """Kill actor ``gen_id`` (as a crash would); the monitor replaces it."""
-        with self._lock:
-            actor = self._actors.get(gen_id)
-        if actor is not None:
-            self.ray.kill(actor.handle, no_restart=True)
-
-    # -- weights -----------------------------------------------------------------------------
-
-    def set_weights(self, weights: Mapping[str, Tensor], version: int) -> None:
-        """Put ``weights`` in the object store once and have every actor load them as ``version``."""
-        start = time.perf_counter()
-        ref = self.ray.put({k: v.detach().contiguous().cpu() for k, v in weights.items()})
-        with self._lock:
-            self._latest = (version, ref)
-            actors = list(self._actors.values())
-        for actor in actors:
-            actor.handle.load_weights.remote(version, ref)
-        self.last_publish_s = time.perf_counter() - start
+        """``play`` calls in flight: their result, the generator and the ticket."""
 
     # -- actors ------------------------------------------------------------------------------
 
-    def _spawn(self) -> None:
+    def _start(self, gen_id: int) -> Generator:
+        return Generator(gen_id, _Actor(self._actor_class.remote(self.spec, gen_id)))
+
+    def _stop(self, gen: Generator) -> None:
+        self.ray.kill(gen.handle.handle, no_restart=True)
+
+    def _stop_all(self, gens: list[Generator]) -> None:
+        super()._stop_all(gens)
+        if self._started_ray:
+            self.ray.shutdown()
+
+    def _forget(self, gen: Generator) -> None:
         with self._lock:
-            gen_id, self._next_id = self._next_id, self._next_id + 1
-            actor = _Actor(gen_id, self._actor_class.remote(self.spec, gen_id))
-            self._actors[gen_id] = actor
-            latest = self._latest
-        if self.buffer is not None:
-            self.buffer.add_generator(gen_id)
-        if latest is not None:
-            actor.handle.load_weights.remote(*latest)
+            self._inflight = {ref: v for ref, v in self._inflight.items() if v[0] != gen.id}
 
-    def _replace(self, actor: _Actor, kind: str, message: str) -> None:
+    def kill(self, gen_id: int) -> None:
+        """Kill actor ``gen_id`` (as a crash would); the monitor replaces it."""
+        gen = self._get(gen_id)
+        if gen is not None:
+            self._stop(gen)
+
+    def _hand_out(self, gen: Generator, tickets: list[Ticket]) -> None:
+        for ticket in tickets:
+            ref = gen.handle.handle.play.remote(ticket.task, ticket.target)
+            with self._lock:
+                self._inflight[ref] = (gen.id, ticket)
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def _publish(self, weights: Mapping[str, Tensor], version: int) -> Any:
+        """The weights in the object store, once; every actor loads that one object."""
+        return self.ray.put({k: v.detach().contiguous().cpu() for k, v in weights.items()})
+
+    def _send_weights(self, gen: Generator, version: int, published: Any) -> None:
+        gen.handle.handle.load_weights.remote(version, published)
+
+    # -- results and heartbeats --------------------------------------------------------------
+
+    def _poll(self, timeout: float) -> None:
+        self._heartbeats()
         with self._lock:
-            if self._actors.pop(actor.id, None) is None:
-                return
-            self._inflight = {ref: v for ref, v in self._inflight.items() if v[0] != actor.id}
-        self.ray.kill(actor.handle, no_restart=True)
-        lost = self.buffer.lose(actor.id)
-        self.restarts += 1
-        text = f"generator {actor.id} (pid {actor.pid}) {message}; {lost} groups in flight lost; replaced"
-        logger.warning(text)
-        self.on_report(kind, text)
-        if not self._closed.is_set():
-            self._spawn()
-
-    # -- the monitor thread ------------------------------------------------------------------
-
-    def _watch(self) -> None:
-        try:
-            while not self._closed.is_set():
-                for gen_id, tickets in self.buffer.issue().items():
-                    with self._lock:
-                        actor = self._actors.get(gen_id)
-                    for ticket in tickets if actor is not None else ():
-                        self._inflight[actor.handle.play.remote(ticket.task, ticket.target)] = (gen_id, ticket)
-                self._heartbeats()
-                if not self._inflight:
-                    time.sleep(0.05)
-                    continue
-                done, _ = self.ray.wait(list(self._inflight), num_returns=len(self._inflight), timeout=0.05)
-                for ref in done:
-                    self._collect(ref)
-        except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread by check()
-            self._error = exc
+            refs = list(self._inflight)
+        if not refs:
+            time.sleep(timeout)
+            return
+        done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        for ref in done:
+            self._collect(ref)
 
     def _collect(self, ref: Any) -> None:
-        entry = self._inflight.pop(ref, None)
-        if entry is None:
-            return
-        gen_id, ticket = entry
+        with self._lock:
+            entry = self._inflight.pop(ref, None)
+        gen = self._get(entry[0]) if entry is not None else None
+        if gen is None:
+            return  # its generator was replaced: the ticket is lost already
         try:
             oldest, newest, payload = self.ray.get(ref)
         except self.ray.exceptions.RayActorError:
-            with self._lock:
-                actor = self._actors.get(gen_id)
-            if actor is not None:
-                self._replace(actor, "generator_died", "died")
+            self._replace(gen, "generator_died", "died")
             return
-        self.buffer.arrive(gen_id, task=ticket.task, oldest=oldest, newest=newest, payload=payload)
+        self._arrived(gen, entry[1].task, oldest, newest, payload)
 
     def _heartbeats(self) -> None:
+        """Collect the heartbeat answers that came, and ask again every ``heartbeat_s``."""
         now = time.monotonic()
         with self._lock:
-            actors = list(self._actors.values())
-        for actor in actors:
+            gens = list(self._gens.values())
+        for gen in gens:
+            actor: _Actor = gen.handle
             if actor.beat is not None:
                 done, _ = self.ray.wait([actor.beat], timeout=0)
-                if done:
-                    try:
-                        actor.stats = self.ray.get(actor.beat)
-                    except self.ray.exceptions.RayActorError:
-                        self._replace(actor, "generator_died", "died")
-                        continue
-                    actor.pid, actor.ready, actor.beat = int(actor.stats.pop("pid")), True, None
-                    for task, version in actor.stats.pop("starts"):
-                        self.buffer.start(actor.id, task, version)
-                elif actor.ready and now - actor.beat_sent > self.heartbeat_timeout:
-                    self.heartbeat_timeouts += 1
-                    self._replace(actor, "heartbeat_timeout", f"answered no heartbeat for {now - actor.beat_sent:.1f} "
-                                                              f"s (timeout {self.heartbeat_timeout} s)")
+                if not done:
+                    continue  # unanswered: the base's heartbeat check times it out
+                try:
+                    stats = self.ray.get(actor.beat)
+                except self.ray.exceptions.RayActorError:
+                    self._replace(gen, "generator_died", "died")
                     continue
-                elif not actor.ready and now - actor.started > self.startup_timeout:
-                    self._replace(actor, "generator_startup_timeout", f"was not ready after {self.startup_timeout} s")
-                    continue
-            if actor.beat is None and now - actor.beat_sent >= self.spec.heartbeat_s:
+                actor.beat = None
+                pid, starts = int(stats.pop("pid")), stats.pop("starts")
+                self._beat(gen, stats=stats, pid=pid, ready=True)
+                for task, version in starts:
+                    self._started(gen, task, version)
+            if now - actor.beat_sent >= self.spec.heartbeat_s:
                 actor.beat, actor.beat_sent = actor.handle.heartbeat.remote(), now
