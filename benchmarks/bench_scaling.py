@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
@@ -176,7 +177,15 @@ def verdict(axis: str, rows: list[dict], names: list[str]) -> str:
     what = (f"parameters x{any_g['params']:.1f} at equal tokens (ideal: time x{any_g['params']:.1f} or less, the "
             "cost per token of the layers grows with the parameters)" if axis == "model" else
             f"unique tokens x{any_g['unique']:.2f}, flat tokens x{any_g['flat']:.2f}")
-    sides_txt = "; ".join(f"{n} time x{g[n]['time']:.2f}, peak x{g[n]['peak']:.2f}" for n in names)
+
+    def tracks(n: str) -> str:
+        if axis == "model":
+            return f"time per parameter x{g[n]['time'] / g[n]['params']:.2f}"
+        # Which token count the time followed more closely, on a log scale.
+        near = min(("unique", "flat"), key=lambda k: abs(math.log(g[n]["time"]) - math.log(g[n][k])))
+        return f"time per unique token x{g[n]['time'] / g[n]['unique']:.2f} (1 is ideal): follows {near} tokens"
+
+    sides_txt = "; ".join(f"{n} time x{g[n]['time']:.2f}, peak x{g[n]['peak']:.2f}, {tracks(n)}" for n in names)
     return f"- **{LABELS[axis]}** {_value(axis, rows[0])} -> {_value(axis, rows[-1])}: {what}; {sides_txt}."
 
 
