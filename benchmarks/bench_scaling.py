@@ -181,9 +181,13 @@ def verdict(axis: str, rows: list[dict], names: list[str]) -> str:
     def tracks(n: str) -> str:
         if axis == "model":
             return f"time per parameter x{g[n]['time'] / g[n]['params']:.2f}"
-        # Which token count the time followed more closely, on a log scale.
-        near = min(("unique", "flat"), key=lambda k: abs(math.log(g[n]["time"]) - math.log(g[n][k])))
-        return f"time per unique token x{g[n]['time'] / g[n]['unique']:.2f} (1 is ideal): follows {near} tokens"
+        # Which token count the time followed (within 25%), if either.
+        ratio = {k: g[n]["time"] / g[n][k] for k in ("unique", "flat")}
+        close = [k for k in ("unique", "flat") if 0.8 <= ratio[k] <= 1.25]
+        how = (f"follows {close[0]} tokens" if close else
+               "grows faster than unique tokens and slower than flat ones" if ratio["unique"] > 1 > ratio["flat"]
+               else "grows faster than both token counts" if ratio["flat"] > 1 else "grows slower than both")
+        return f"time per unique token x{ratio['unique']:.2f} (1 is ideal), {how}"
 
     sides_txt = "; ".join(f"{n} time x{g[n]['time']:.2f}, peak x{g[n]['peak']:.2f}, {tracks(n)}" for n in names)
     return f"- **{LABELS[axis]}** {_value(axis, rows[0])} -> {_value(axis, rows[-1])}: {what}; {sides_txt}."
@@ -236,6 +240,7 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, figure: str
 
     names = sides(args.device)
     on_cuda = args.device.startswith("cuda")
+    load = getattr(args, "load", None)
     command = "python benchmarks/bench_scaling.py" + (" " + " ".join(args.argv) if args.argv else "")
     measure = ("synchronized wall time" if on_cuda else
                f"process CPU time with {args.threads} torch thread(s)")
@@ -243,7 +248,8 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, figure: str
         f"Command: `{command}` (run {datetime.date.today().isoformat()}, torch {torch.__version__}, TRL "
         f"{trl.__version__}, {platform.machine()}, {os.cpu_count()} CPU cores, {args.device}, "
         f"{'bfloat16 autocast on both sides' if on_cuda else 'float32 on both sides'}; "
-        f"{wall_s / 60:.1f} min for the whole script).",
+        f"{wall_s / 60:.1f} min for the whole script"
+        + (f"; load average {load[0]} at its start and {load[1]} at its end)." if load else ")."),
         "",
         f"Each axis grows with the others fixed at prompt {BASE.prompt} tokens, group {BASE.group}, "
         f"{BASE.turns} turns, model {BASE.model}. One task per step: one group of G episodes sharing the "
@@ -265,6 +271,18 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, figure: str
         lines += [f"**{LABELS[axis]}**", "", axis_table(axis, rows, names), ""]
     lines += ["Which axis each side's cost grows with (first -> last point of each axis):", ""]
     lines += [verdict(axis, rows, names) for axis, rows in results.items()]
+    lines += [
+        "",
+        "Reading: the unique-token ideal counts each token's work once and the same for every token; two real "
+        "costs are outside it. Attention is quadratic in context length, so a longer prompt costs more per "
+        "token on both sides (treerl attends over the shared prompt once; TRL once per episode), and so does a "
+        "longer episode (more turns: every later token attends over a longer path). Along the model axis, "
+        "tokens are fixed and the ideal is cost x parameters; small models spend a large share of a step on "
+        "work that does not grow with the parameters (attention scores, norms, the loss, Python), so both sides "
+        "grow less than the parameter count. Only the prompt is shared between the "
+        "episodes of a group here (every generation differs from its first token), so the more of an episode "
+        "its own turns are, the closer flat and unique tokens get and the smaller treerl's lead.",
+    ]
     return "\n".join(lines)
 
 
@@ -288,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--save-results" in args.argv:  # where the raw numbers went is not part of the command to rerun
         at = args.argv.index("--save-results")
         del args.argv[at:at + 2]
+    if "--no-write" in args.argv:
+        args.argv.remove("--no-write")
     args.axes = [a for a in args.axes.split(",") if a]
     if unknown := [a for a in args.axes if a not in AXES]:
         parser.error(f"--axes: {unknown} not in {list(AXES)}")
@@ -318,10 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in saved["args"].items():  # the measured run's settings, for the report
             setattr(args, key, value)
     else:
+        args.load = [round(os.getloadavg()[0], 1)]
         results = run_all(args)
         wall_s = time.perf_counter() - start
+        args.load.append(round(os.getloadavg()[0], 1))
     if args.save_results:
-        settings = {k: getattr(args, k) for k in ("argv", "device", "repeats", "warmup", "threads")}
+        settings = {k: getattr(args, k) for k in ("argv", "device", "repeats", "warmup", "threads", "load")}
         args.save_results.write_text(json.dumps({"results": results, "wall_s": wall_s, "args": settings}))
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
     figure = Path("docs") / f"scaling-{kind}.png"
