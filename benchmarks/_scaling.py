@@ -32,21 +32,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from _common import reset_rss_peak, rss_peak
 
-MODELS: dict[str, dict[str, int]] = {
-    # name: Qwen3Config sizes; "1.7M" is the shipped tiny model's architecture (vocab 721, tied head).
-    "1.7M": dict(hidden_size=192, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2, head_dim=32,
-                 intermediate_size=512),
-    "6M": dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
-               intermediate_size=768),
-    "14M": dict(hidden_size=384, num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2, head_dim=64,
-                intermediate_size=1152),
-    "24M": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                intermediate_size=1536),
-    "49M": dict(hidden_size=640, num_hidden_layers=10, num_attention_heads=10, num_key_value_heads=2, head_dim=64,
-                intermediate_size=2048),
+MODEL_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size")
+MODELS: dict[str, tuple[int, ...]] = {
+    # name: Qwen3Config sizes in MODEL_FIELDS order; "1.7M" is the shipped tiny model's architecture
+    # (vocab 721, tied head).
+    "1.7M": (192, 4, 6, 2, 32, 512),
+    "6M": (256, 8, 8, 2, 32, 768),
+    "14M": (384, 8, 6, 2, 64, 1152),
+    "24M": (512, 8, 8, 2, 64, 1536),
+    "49M": (640, 10, 10, 2, 64, 2048),
 }
 
 
@@ -124,7 +121,8 @@ def build_group(tokenizer: Any, point: Point, seed: int = 0) -> Any:
                         "arguments": {"query": f"blue kettle {rng.randrange(10_000)}", "limit": rng.randrange(1, 50)}}
                 text = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
             else:
-                text = f"There are {rng.randrange(1000)} units left; the last order was on 2026-0{rng.randrange(1, 10)}-1{rng.randrange(10)}."
+                text = (f"There are {rng.randrange(1000)} units left; the last order was on "
+                        f"2026-0{rng.randrange(1, 10)}-1{rng.randrange(10)}.")
             ids = [*renderer.encode(text), end_id]
             parent = group.add_segment("sampled", ids, parent=parent, logprobs=[-1.0] * len(ids), policy_version=0)
             if turn < point.turns - 1:
@@ -146,6 +144,14 @@ def token_counts(group: Any) -> dict[str, int]:
     return {"unique_tokens": group.num_unique_tokens, "flat_tokens": sum(paths),
             "padded_tokens": len(paths) * (prompt + max(p - prompt for p in paths)),
             "sampled_tokens": sum(e.num_sampled_tokens for e in group.episodes), "prompt_tokens": prompt}
+
+
+def group_advantages(group: Any) -> torch.Tensor:
+    """(G,) GRPO's advantages of the group's rewards (group mean baseline, scaled by the group's std)."""
+    from treerl.learners.advantages import AdvantageConfig, compute_advantages
+
+    rewards = torch.tensor(group.rewards, dtype=torch.float32)
+    return compute_advantages(rewards, torch.zeros(len(rewards), dtype=torch.long), AdvantageConfig()).adv
 
 
 def trl_batch(group: Any, adv: torch.Tensor, pad_id: int, device: str) -> dict[str, Any]:
@@ -181,7 +187,7 @@ def build_model(name: str, device: str, max_positions: int) -> torch.nn.Module:
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=721, tie_word_embeddings=True, max_position_embeddings=max_positions,
                          attention_dropout=0.0, pad_token_id=0, eos_token_id=2, bos_token_id=None,
-                         **MODELS[name])
+                         **dict(zip(MODEL_FIELDS, MODELS[name], strict=True)))
     model = Qwen3ForCausalLM(config).to(device)
     model.set_attn_implementation("sdpa")
     return model.train()
@@ -220,7 +226,6 @@ class _Meter:
 def run_treerl(point: Point, *, device: str, impl: str, steps: int, bf16: bool) -> dict:
     """``steps`` GRPO steps of treerl's learner on the point's group; per-step measurements."""
     from treerl.kernels.tree_attention import enable_tree_attention
-    from treerl.learners.advantages import AdvantageConfig, compute_advantages
     from treerl.learners.grpo import GRPOConfig, optimize
     from treerl.learners.packing import pack_groups
     from treerl.learners.precision import resolve_precision
@@ -238,8 +243,7 @@ def run_treerl(point: Point, *, device: str, impl: str, steps: int, bf16: bool) 
     precision = resolve_precision(cfg.dtype, cfg.bf16, cfg.fp16, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)  # constant, as treerl learn's
-    adv = compute_advantages(torch.tensor(group.rewards, dtype=torch.float32), torch.zeros(point.group, dtype=torch.long),
-                             AdvantageConfig()).adv
+    adv = group_advantages(group)
     meter = _Meter(device)
     for _ in range(steps):
         meter.begin()
@@ -256,15 +260,13 @@ def run_trl(point: Point, *, device: str, steps: int, bf16: bool) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from treerl.learners.advantages import AdvantageConfig, compute_advantages
     from treerl.models import load_default_model
 
     _, tokenizer = load_default_model()
     group = build_group(tokenizer, point)
     counts = token_counts(group)
     model = build_model(point.model, device, max_positions=counts["prompt_tokens"] + 4096)
-    adv = compute_advantages(torch.tensor(group.rewards, dtype=torch.float32), torch.zeros(point.group, dtype=torch.long),
-                             AdvantageConfig()).adv
+    adv = group_advantages(group)
     batch = trl_batch(group, adv, tokenizer.pad_token_id, device)
     meter = _Meter(device)
 

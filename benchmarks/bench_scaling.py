@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import subprocess
@@ -50,8 +49,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, mib, write_section  # noqa: E402
-from _scaling import MODELS, Point, point_from_json, point_json, run_treerl, run_trl, summarize  # noqa: E402
+from _common import ROOT, mib, write_section
+from _scaling import (
+    MODELS,
+    Point,
+    point_from_json,
+    point_json,
+    run_treerl,
+    run_trl,
+    summarize,
+)
 
 SECTIONS = {"cpu": "## Cost curves vs TRL GRPOTrainer (CPU)", "cuda": "## Cost curves vs TRL GRPOTrainer (GPU)"}
 AXES: dict[str, tuple] = {
@@ -103,7 +110,7 @@ def measure_in_child(side: str, point: Point, args: argparse.Namespace) -> dict:
     # A fixed mmap threshold makes glibc return freed large blocks to the OS, so the RSS
     # high-water mark of a step measures that step.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode:
         sys.stderr.write(done.stderr[-4000:])
         raise SystemExit(f"{side} at {point} failed")
@@ -273,7 +280,7 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, figure: str
     lines += [verdict(axis, rows, names) for axis, rows in results.items()]
     lines += [
         "",
-        "Reading: the unique-token ideal counts each token's work once and the same for every token; two real "
+        ("Reading: the unique-token ideal counts each token's work once and the same for every token; two real "
         "costs are outside it. Attention is quadratic in context length, so a longer prompt costs more per "
         "token on both sides (treerl attends over the shared prompt once; TRL once per episode), and so does a "
         "longer episode (more turns: every later token attends over a longer path). Along the model axis, "
@@ -281,7 +288,7 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, figure: str
         "work that does not grow with the parameters (attention scores, norms, the loss, Python), so both sides "
         "grow less than the parameter count. Only the prompt is shared between the "
         "episodes of a group here (every generation differs from its first token), so the more of an episode "
-        "its own turns are, the closer flat and unique tokens get and the smaller treerl's lead.",
+        "its own turns are, the closer flat and unique tokens get and the smaller treerl's lead."),
     ]
     return "\n".join(lines)
 

@@ -19,10 +19,10 @@ pytest.importorskip("trl", reason="TRL is in the bench extra: pip install -e '.[
 pytest.importorskip("matplotlib", reason="matplotlib is in the bench extra: pip install -e '.[bench]'")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import _scaling  # noqa: E402
-import bench_scaling  # noqa: E402
+import _scaling
+import bench_scaling
 
-from treerl.models import load_default_model  # noqa: E402
+from treerl.models import load_default_model
 
 
 def test_episodes_are_the_rendered_conversation():
