@@ -30,16 +30,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import treerl  # noqa: E402
-from treerl.agents.transformers_policy import TransformersPolicy  # noqa: E402
-from treerl.kernels.tree_attention import enable_tree_attention  # noqa: E402
-from treerl.learners.forward import packed_logprobs  # noqa: E402
-from treerl.learners.packing import PackingConfig, pack_groups  # noqa: E402
-from treerl.learners.sdpo import SDPOConfig  # noqa: E402
-from treerl.learners.teacher import teacher_terms  # noqa: E402
-from treerl.learners.teacher_context import TeacherPrompter  # noqa: E402
-from treerl.models import load_default_model  # noqa: E402
-from treerl.rollout.engine import RolloutEngine  # noqa: E402
+import treerl
+from treerl.agents.transformers_policy import TransformersPolicy
+from treerl.kernels.tree_attention import enable_tree_attention
+from treerl.learners.forward import packed_logprobs
+from treerl.learners.packing import PackingConfig, pack_groups
+from treerl.learners.sdpo import SDPOConfig
+from treerl.learners.teacher import teacher_terms
+from treerl.learners.teacher_context import TeacherPrompter
+from treerl.models import load_default_model
+from treerl.rollout.engine import RolloutEngine
 
 
 def episode_gaps(model, groups, prompts, temperature: float) -> dict[int, tuple[float, float, int]]:
@@ -94,12 +94,7 @@ def main() -> None:
             kinds.append(f"{kind} {'success' if won else 'failure'}")
             prompts.append(c.prompt_ids)
             identity.append(list(g.segments[g.path_indices(e.leaf)[0]].token_ids))
-            own = None
-            if won:
-                from treerl.learners.teacher_context import demonstration_text
-                num_prompt = int(g.info.get("num_prompt_messages", 2))
-                own = prompter._render(e.messages[:num_prompt], demonstration_text(e, num_prompt), None)[0]
-            self_copy.append(own)
+            self_copy.append(prompter.self_prompt(g, i) if won else None)
             if c.prompt_ids is not None and shown < args.show and c.demonstration is not None:
                 print("---- teacher prompt (demo) ----\n" + tok.decode(c.prompt_ids) + "\n---- its completion ----\n"
                       + tok.decode([t for s in g.path_indices(e.leaf)[1:] for t in g.segments[s].token_ids]))

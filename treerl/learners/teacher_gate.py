@@ -38,7 +38,7 @@ from treerl.learners.packing import PackingConfig, pack_groups
 from treerl.learners.teacher import teacher_trees
 from treerl.rollout.trajectory import Group
 
-__all__ = ["TeacherGate", "episode_logp", "copy_gaps"]
+__all__ = ["TeacherGate", "copy_gaps", "episode_logp"]
 
 
 class TeacherGate:
