@@ -45,9 +45,11 @@ from _common import write_section  # noqa: E402
 SECTION = "## SDPO vs GRPO at equal samples"
 LEARNERS: dict[str, list[str]] = {
     "grpo": [],
-    "sdpo": ["--learner", "sdpo"],
-    "sdpo+grpo": ["--learner", "sdpo", "--distillation-weight", "0.5"],
+    "sdpo": ["--learner", "sdpo", "--distillation-weight", "1"],  # distillation alone, gated
+    "sdpo+grpo": ["--learner", "sdpo"],  # the defaults: half GRPO, half distillation, gated
+    "sdpo-ungated": ["--learner", "sdpo", "--distillation-weight", "1", "--distillation-gate-margin", "none"],
 }
+DEFAULT_LEARNERS = ("grpo", "sdpo", "sdpo+grpo")  # the paper's ungated SDPO alone on request
 ENVS = ("treerl/Calculator-v0", "treerl/CodeSandbox-v0")
 
 
@@ -165,7 +167,7 @@ def _env_command(env: str, env_runs: list[dict]) -> str:
     seeds = sorted({r["seed"] for r in env_runs})
     learners = [name for name in LEARNERS if any(r["learner"] == name for r in env_runs)]
     cmd = f"python benchmarks/bench_sdpo.py --envs {env} --seeds {' '.join(map(str, seeds))}"
-    if learners != list(LEARNERS):
+    if learners != list(DEFAULT_LEARNERS):
         cmd += f" --learners {' '.join(learners)}"
     extra = _extra(env_runs[0])
     return cmd + (f" -- {' '.join(extra)}" if extra else "")
@@ -199,7 +201,7 @@ def report(runs: list[dict], envs: list[str], loads: list[str], note: str = "",
         r0 = env_runs[0]
         steps, episodes = r0.get("steps", DEFAULT_STEPS), r0.get("eval_episodes", DEFAULT_EVAL_EPISODES)
         reduced = steps != DEFAULT_STEPS or episodes != DEFAULT_EVAL_EPISODES or any(
-            sorted(r["seed"] for r in env_runs if r["learner"] == learner) != [0, 1] for learner in LEARNERS)
+            sorted(r["seed"] for r in env_runs if r["learner"] == learner) != [0, 1] for learner in DEFAULT_LEARNERS)
         per_run = steps * r0.get("tasks_per_step", 8) * r0.get("group_size", 8)
         lines += [f"**{env}**: `{_env_command(env, env_runs)}`: {steps} steps = {per_run:,} episodes per run, "
                   f"seeds {', '.join(map(str, seeds))}, {episodes} held-out episodes"
@@ -257,7 +259,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--envs", nargs="+", default=list(ENVS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--learners", nargs="+", default=list(LEARNERS), choices=list(LEARNERS))
+    parser.add_argument("--learners", nargs="+", default=list(DEFAULT_LEARNERS), choices=list(LEARNERS))
     parser.add_argument("--workdir", type=Path, default=None, help="Keep runs here (rerunning skips finished ones).")
     parser.add_argument("--no-write", action="store_true", help="Print without updating BENCHMARKS.md.")
     parser.add_argument("--report-only", action="store_true",

@@ -33,6 +33,7 @@ from treerl.learners.packing import PackingConfig, pack_groups
 from treerl.learners.sdpo import Distillation, SDPOConfig, teacher_prompts, train
 from treerl.learners.teacher import ema_update, teacher_terms, teacher_trees, term_ranks
 from treerl.learners.teacher_context import TeacherPrompter
+from treerl.learners.teacher_gate import TeacherGate, copy_gaps
 from treerl.models import load_default_model
 from treerl.rollout.engine import RolloutEngine
 from treerl.rollout.trajectory import read_groups, sample_path
@@ -193,7 +194,7 @@ def _run(cfg, model):
 def test_the_distillation_loss_and_gradient_equal_an_unpacked_reference(tiny, groups, tmp_path, mode, alpha):
     model, tok = tiny
     cfg = _cfg(tmp_path, use_feedback=False, distillation_mode=mode, distillation_alpha=alpha, distillation_topk=20,
-               teacher="live", distillation_chunk_tokens=16)
+               teacher="live", distillation_chunk_tokens=16, distillation_weight=1.0)
     prompts, _ = _prompts(tok, groups, cfg)
     student = _tree_model(model)
     batches = pack_groups(groups, torch.zeros(8), cfg.packing_config())
@@ -308,7 +309,7 @@ SMALL = ["--steps", "2", "--tasks-per-step", "2", "--group-size", "4", "--max-ne
 def test_treerl_learn_sdpo_trains_and_checkpoints_its_ema_teacher(tmp_path):
     out = tmp_path / "run"
     assert main(["learn", "--learner", "sdpo", "--env", ENV, "--output-dir", str(out), *SMALL,
-                 "--teacher-update-rate", "0.25"]) == 0
+                 "--teacher-update-rate", "0.25", "--distillation-gate-margin", "none"]) == 0
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
@@ -327,7 +328,7 @@ def test_treerl_learn_sdpo_trains_and_checkpoints_its_ema_teacher(tmp_path):
         assert torch.allclose(teacher2[k], 0.75 * teacher1[k] + 0.25 * theta2[k], atol=1e-6), k
     # A resumed run's teacher continues from the checkpoint, not from the student.
     assert main(["learn", "--learner", "sdpo", "--env", ENV, "--output-dir", str(out), *SMALL, "--steps", "3",
-                 "--teacher-update-rate", "0.25", "--resume", "true"]) == 0
+                 "--teacher-update-rate", "0.25", "--distillation-gate-margin", "none", "--resume", "true"]) == 0
     theta3 = load_file(ckpt / "step-3" / "model.safetensors")
     teacher3 = load_file(ckpt / "step-3" / "teacher.safetensors")
     for k in teacher3:
@@ -341,7 +342,7 @@ def test_the_other_teachers_train(tiny, tmp_path, kind):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     cfg = _cfg(tmp_path, teacher=kind, steps=1, tasks_per_step=1, group_size=4, eval_episodes=0, progress=False,
                max_new_tokens=24, distillation_mode="sampled_token", distillation_alpha=1.0,
-               distillation_weight=0.5)
+               distillation_weight=0.5, distillation_gate_margin=None)
     train(cfg, model=model, tokenizer=tok, policy=_script(tok))
     [m] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert m["sdpo/reprompt_frac"] == 1.0 and m["sdpo/distill_terms"] > 0 and math.isfinite(m["loss/distill"])
@@ -390,3 +391,59 @@ def test_config_errors_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="solution_template"):
         _cfg(tmp_path, solution_template="{solution}")
     assert main(["learn", "--learner", "sdpo", "--output-dir", str(tmp_path), "--distillation-mode", "nope"]) == 2
+
+
+# -- the gate -----------------------------------------------------------------------------------------
+
+
+def test_the_gate_keeps_teachers_whose_demonstration_it_can_copy():
+    gate = TeacherGate(margin=0.1)
+    assert gate.decide([None, None], [True, False], {}) == [True, False]  # nothing measured yet: trusted
+    # Demonstration 2 copies (0.5 >= 0.1), 5 does not; feedback-only episodes follow the pooled gap
+    # (0.5 * 10 + 0.0 * 30) / 40 = 0.125 >= 0.1.
+    assert gate.decide([2, 5, None, None], [True, True, True, False], {2: (0.5, 10), 5: (0.0, 30)}) == [
+        True, False, True, False]
+    assert gate.decide([None], [True], {}) == [True]  # a step without probes: the last pooled gap judges
+    assert gate.decide([7, None], [True, True], {7: (-0.3, 5)}) == [False, False]
+    assert gate.decide([None], [True], {}) == [False] and gate.last_pooled == -0.3
+
+
+def test_the_copy_probe_equals_an_unpacked_reference(tiny, groups, tmp_path):
+    model, tok = tiny
+    cfg = _cfg(tmp_path)
+    prompter = TeacherPrompter(tok, cfg.context_config(), tools=treerl.make(ENV).tool_schemas)
+    tree = _tree_model(model)
+    own = list(groups[0].segments[0].token_ids)
+    probes = [prompter.self_prompt(groups[0], i) if i in (0, 3) else None for i in range(8)]
+    gaps = copy_gaps(tree, tree, groups, probes, cfg.packing_config(), temperature=TEMPERATURE, device="cpu")
+    assert set(gaps) == {0, 3}
+    with torch.no_grad():
+        taught = _unpacked_logits(model, groups, probes)
+        plain = _unpacked_logits(model, groups, [own if p is not None else None for p in probes])
+    for e in (0, 3):
+        (lt, target), (ls, _) = taught[e], plain[e]
+        reference = (lt.log_softmax(-1)[torch.arange(len(target)), target]
+                     - ls.log_softmax(-1)[torch.arange(len(target)), target]).mean()
+        assert gaps[e][1] == len(target) and abs(gaps[e][0] - float(reference)) < 1e-5
+    # Probed with the student's own prompt, the teacher is the student: the gap is 0.
+    same = copy_gaps(tree, tree, groups, [own if p is not None else None for p in probes], cfg.packing_config(),
+                     temperature=TEMPERATURE, device="cpu")
+    assert all(abs(g) < 1e-6 for g, _ in same.values())
+    # The shipped model does not copy what its teacher prompt shows: the gap is negative.
+    assert all(g < 0 for g, _ in gaps.values())
+
+
+def test_the_gate_turns_off_a_teacher_that_cannot_copy_and_grpo_still_learns(tiny, tmp_path):
+    model, tok = tiny
+    model = copy.deepcopy(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = _cfg(tmp_path, steps=1, tasks_per_step=2, group_size=4, eval_episodes=0, progress=False, max_new_tokens=24)
+    assert cfg.distillation_weight == 0.5 and cfg.distillation_gate_margin == 0.0  # the defaults
+    train(cfg, model=model, tokenizer=tok, policy=_script(tok))
+    [m] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # Task 0's two successes are probed (each demonstrates for someone); both copy badly, so every
+    # teacher is gated, task 1's feedback-only ones by the pooled gap.
+    assert m["sdpo/copy_probes"] == 2 and m["sdpo/copy_gap"] < 0
+    assert m["sdpo/reprompt_frac"] == 1.0 and m["sdpo/gated_frac"] == 1.0 and m["sdpo/distill_terms"] == 0
+    assert m["diag/sdpo_teacher_gated"] == 1.0
+    assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())  # GRPO's half trained

@@ -62,6 +62,19 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _or_none(tp: type) -> Any:
+    """argparse type: ``tp(text)``, or None for ``none``/``null``.
+
+    >>> _or_none(float)("2.5"), _or_none(float)("None")
+    (2.5, None)
+    """
+    def parse(text: str) -> Any:
+        return None if text.strip().lower() in ("none", "null") else tp(text)
+
+    parse.__name__ = tp.__name__  # argparse names the type in its error message
+    return parse
+
+
 def _parse_bool(text: str) -> bool:
     lowered = text.lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -110,6 +123,8 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         elif origin in (list, tuple):
             (item,) = typing.get_args(tp)[:1]
             kwargs.update(type=item, nargs="+")
+        elif tp in (int, float) and optional:
+            kwargs["type"] = _or_none(tp)  # unsetting an optional number from the command line: --flag none
         elif tp in (int, float, str):
             kwargs["type"] = tp
         elif tp is Path:

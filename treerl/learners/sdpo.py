@@ -15,6 +15,7 @@ tokens** the student produced, and the student is trained towards it token by to
         adv = advantages(groups, rewards, ...)              # GRPO's, for the blended part
         run.keep_sample(step, groups, adv)                  # every N steps, a few groups for `treerl view`
         prompts = teacher_prompts(groups, rewards, ...)     # per episode: demonstration / feedback -> tokens
+        prompts = gate_prompts(...)                         # no teacher where it cannot copy what it is shown
         batches = pack_groups(groups, adv, ...)
         optimize(..., policy_coef=1 - w, extra_loss=Distillation(...))   # + w * distillation, per micro-batch
         ema_update(teacher, model, rate)                    # the EMA teacher follows the student
@@ -34,7 +35,13 @@ Defaults follow the authors' runs (top-k 100 with a tail bucket, ``alpha = 0.5``
 rate 0.05, IS clip 2, a successful sample taught by another) with the environment's
 feedback shown with or without a demonstration (the authors show it only without one:
 ``--feedback-only-without-solution true``); ``--distillation-mode sampled_token
---distillation-alpha 1`` is TRL's default objective. The README's SDPO section lists how
+--distillation-alpha 1`` is TRL's default objective. Two defaults differ from the paper,
+for models that cannot read a teacher prompt (the shipped tiny model, shown a successful
+attempt verbatim, gives its tokens 0.8 nats less per token than without it): the **gate**
+(:mod:`treerl.learners.teacher_gate`, ``--distillation-gate-margin``) drops the teacher
+where a copy probe finds it uninformative, and ``distillation_weight`` is 0.5, so GRPO's
+half still learns where the gate closes (``--distillation-weight 1
+--distillation-gate-margin none`` is the paper's SDPO). The README's SDPO section lists how
 the loss and its aggregation compare with TRL's and the authors' code.
 
     treerl learn --learner sdpo --env treerl/Calculator-v0 --output-dir runs/sdpo
@@ -74,10 +81,11 @@ from treerl.learners.losses import AGGREGATIONS, LossInputs, LossNormalizer
 from treerl.learners.packing import PackedBatch, pack_groups
 from treerl.learners.rewards import RewardFunc, score
 from treerl.learners.teacher import TEACHER_KINDS, ema_update, make_teacher, rebasable, teacher_terms
-from treerl.learners.teacher_context import TeacherContextConfig, TeacherPrompter, context_metrics
+from treerl.learners.teacher_context import TeacherContext, TeacherContextConfig, TeacherPrompter, context_metrics
+from treerl.learners.teacher_gate import TeacherGate, copy_gaps
 from treerl.rollout.trajectory import Group
 
-__all__ = ["SDPOConfig", "Distillation", "SDPO_CHECKS", "teacher_prompts", "train"]
+__all__ = ["SDPOConfig", "Distillation", "SDPO_CHECKS", "gate_prompts", "teacher_prompts", "train"]
 
 DISTILLATION_AGGREGATIONS = ("token_mean", "sequence_mean")
 
@@ -87,6 +95,11 @@ SDPO_CHECKS: tuple[Check, ...] = (
           "could demonstrate) and the environment gave no feedback. Lower --success-threshold, raise "
           "--group-size, keep --use-feedback on with an environment whose feedback() says what went wrong, or "
           "blend in GRPO with --distillation-weight below 1."),
+    Check("sdpo_teacher_gated", "sdpo/gated_frac", 0.9, True,
+          "The gate turned most of SDPO's teachers off: shown a successful attempt, the teacher gives it a lower "
+          "log-prob than the student (sdpo/copy_gap < --distillation-gate-margin), so this model does not read "
+          "its teacher prompt. Learning comes from GRPO's share (--distillation-weight below 1); try other "
+          "--reprompt-template/--solution-template, or a model that can use its context."),
 )
 
 
@@ -94,8 +107,13 @@ SDPO_CHECKS: tuple[Check, ...] = (
 class SDPOConfig(GRPOConfig):
     """Options of ``treerl learn --learner sdpo`` (GRPO's, plus the distillation, the teacher and its prompts)."""
 
-    distillation_weight: float = field_help(1.0, "Loss = (1 - w) * GRPO loss + w * distillation loss; 1 is SDPO "
-                                                 "alone, 0 is GRPO.")
+    distillation_weight: float = field_help(0.5, "Loss = (1 - w) * GRPO loss + w * distillation loss; 1 is SDPO "
+                                                 "alone (the paper's), 0 is GRPO. The default blends: where the "
+                                                 "gate finds the teacher uninformative, GRPO still learns.")
+    distillation_gate_margin: float | None = field_help(
+        0.0, "Distill only where the teacher can copy: shown a successful attempt, it must give that attempt's "
+             "tokens a mean log-prob at least the student's plus this margin (per demonstration; feedback-only "
+             "episodes by the step's pooled probe). Unset (none): always distill.")
     distillation_mode: str = field_help("topk", "sampled_token (reverse KL at the sampled token), topk (over the "
                                                 "student's top-k) or full (the whole vocabulary).")
     distillation_alpha: float = field_help(0.5, "0 forward KL(teacher||student), 1 reverse KL, between: generalized "
@@ -182,8 +200,11 @@ def weighted_rewards(rewards: torch.Tensor, weights: Sequence[float]) -> torch.T
 
 
 def teacher_prompts(groups: Sequence[Group], rewards: torch.Tensor, weights: Sequence[float],
-                    prompter: TeacherPrompter, metrics: dict[str, float]) -> list[list[int] | None]:
-    """(E,) per episode (groups in order) its teacher prompt ids, or None when it has no teacher."""
+                    prompter: TeacherPrompter, metrics: dict[str, float],
+                    contexts_out: list[list[TeacherContext]] | None = None) -> list[list[int] | None]:
+    """(E,) per episode (groups in order) its teacher prompt ids, or None when it has no teacher.
+
+    ``contexts_out``, if given, receives each group's :class:`TeacherContext` list."""
     totals = weighted_rewards(rewards, weights).tolist()
     contexts, prompts, first = [], [], 0
     for group in groups:
@@ -195,7 +216,38 @@ def teacher_prompts(groups: Sequence[Group], rewards: torch.Tensor, weights: Seq
         contexts.append(group_contexts)
         first += len(group.episodes)
     metrics.update(context_metrics(contexts))
+    if contexts_out is not None:
+        contexts_out.extend(contexts)
     return prompts
+
+
+def gate_prompts(run: Run, teacher: torch.nn.Module, gate: TeacherGate, groups: Sequence[Group],
+                 contexts: Sequence[Sequence[TeacherContext]], prompts: list[list[int] | None],
+                 prompter: TeacherPrompter, metrics: dict[str, float]) -> list[list[int] | None]:
+    """``prompts`` with the teacher removed where the copy probe finds it uninformative
+    (:mod:`treerl.learners.teacher_gate`); adds ``sdpo/gated_frac`` and ``sdpo/copy_gap``."""
+    start = time.perf_counter()
+    demonstrations: list[int | None] = []
+    probes: list[list[int] | None] = [None] * len(prompts)
+    first = 0
+    for group, group_contexts in zip(groups, contexts):
+        for c in group_contexts:
+            demo = None if c.demonstration is None or c.prompt_ids is None else first + c.demonstration
+            demonstrations.append(demo)
+            if demo is not None and probes[demo] is None:
+                probes[demo] = prompter.self_prompt(group, c.demonstration)
+        first += len(group.episodes)
+    gaps = copy_gaps(teacher, run.model, groups, probes, run.cfg.packing_config(), temperature=run.cfg.temperature,
+                     device=run.device) if any(p is not None for p in probes) else {}
+    keep = gate.decide(demonstrations, [p is not None for p in prompts], gaps)
+    with_teacher = sum(p is not None for p in prompts)
+    gated = [p if k else None for p, k in zip(prompts, keep)]
+    metrics["sdpo/gated_frac"] = (with_teacher - sum(p is not None for p in gated)) / max(with_teacher, 1)
+    metrics["sdpo/copy_probes"] = float(len(gaps))
+    if gaps:
+        metrics["sdpo/copy_gap"] = sum(g * n for g, n in gaps.values()) / sum(n for _, n in gaps.values())
+    metrics["perf/gate_s"] = time.perf_counter() - start
+    return gated
 
 
 class Distillation:
@@ -297,7 +349,8 @@ class Distillation:
         return metrics
 
 
-def sdpo_step(run: Run, teacher: torch.nn.Module, prompter: TeacherPrompter, step: int) -> dict[str, float]:
+def sdpo_step(run: Run, teacher: torch.nn.Module, prompter: TeacherPrompter, step: int,
+              gate: TeacherGate | None = None) -> dict[str, float]:
     """One SDPO step on the run's parts; returns the logged metrics."""
     cfg, metrics = run.cfg, {}
     start = time.perf_counter()
@@ -308,7 +361,10 @@ def sdpo_step(run: Run, teacher: torch.nn.Module, prompter: TeacherPrompter, ste
     # Before the update, as GRPO: the stored trainer log-probs are those the step's IS weights saw.
     # The advantage shown is GRPO's (what the (1 - w) part trains with; SDPO alone ignores it).
     run.keep_sample(step, groups, adv)
-    prompts = teacher_prompts(groups, rewards, run.reward_weights, prompter, metrics)
+    contexts: list[list[TeacherContext]] = []
+    prompts = teacher_prompts(groups, rewards, run.reward_weights, prompter, metrics, contexts)
+    if gate is not None and cfg.distillation_weight > 0:
+        prompts = gate_prompts(run, teacher, gate, groups, contexts, prompts, prompter, metrics)
     batches = pack_groups(groups, adv, cfg.packing_config())
     normalizer = run.ranks.normalizer(batches)
     distill = None
@@ -367,11 +423,12 @@ def train(cfg: SDPOConfig, *, model: torch.nn.Module | None = None, tokenizer: A
         prompter = TeacherPrompter(run.tokenizer, cfg.context_config(), tools=env.tool_schemas or None)
     finally:
         env.close()
+    gate = None if cfg.distillation_gate_margin is None else TeacherGate(cfg.distillation_gate_margin)
     if run.diagnostics is not None:
         run.diagnostics.checks = (*run.diagnostics.checks, *SDPO_CHECKS)
     with run:
         for step in run.steps():
-            sdpo_step(run, teacher, prompter, step)
+            sdpo_step(run, teacher, prompter, step, gate)
             if cfg.teacher == "ema":
                 _save_teacher(run, teacher)
     result = finish(run)

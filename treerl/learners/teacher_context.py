@@ -191,6 +191,13 @@ class TeacherPrompter:
                                       too_long=ids is None))
         return out
 
+    def self_prompt(self, group: Group, index: int) -> list[int] | None:
+        """The teacher prompt that shows episode ``index``'s own attempt (no feedback): the gate's copy probe."""
+        num_prompt = int(group.info.get("num_prompt_messages", 2))
+        episode = group.episodes[index]
+        text = demonstration_text(episode, num_prompt, remove_thinking=self.cfg.remove_thinking)
+        return self._render(episode.messages[:num_prompt], text, None)[0]
+
     def _render(self, prompt_messages: Sequence[Mapping[str, Any]], solution: str | None,
                 feedback: str | None) -> tuple[list[int] | None, bool]:
         """The teacher prompt's ids within the length bound, and whether anything was shortened."""
