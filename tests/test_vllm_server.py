@@ -123,7 +123,8 @@ def test_learn_pushes_weights_after_each_step_and_records_the_new_version(tmp_pa
                      "--output-dir", str(out), "--steps", "2", "--tasks-per-step", "1", "--group-size", "2",
                      "--max-new-tokens", "8", "--eval-episodes", "0", "--progress", "false", "--sample-every",
                      "1", "--top-k", "8", "--skip-zero-advantage", "false", "--learning-rate", "1e-3",
-                     "--reward-funcs", f"{tmp_path / 'rewards.py'}:by_length"])
+                     "--reward-funcs", f"{tmp_path / 'rewards.py'}:by_length",
+                     "--malformed-ends-episode", "false"])  # an 8-token cut call must not zero the reward
         assert code == 0
         routes = [route for route, _ in server.control]
         final = {k: v.clone() for k, v in server.model.state_dict().items()}
