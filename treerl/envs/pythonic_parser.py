@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from treerl.envs import python_source
 from treerl.envs.parser_base import ParseResult, ToolCall, ToolCallParser, short_snippet
 from treerl.errors import ToolCallError
 
@@ -138,7 +139,7 @@ class PythonicParser(ToolCallParser):
 
     def _read_list(self, source: str, calls: list[ToolCall], errors: list[ToolCallError]) -> None:
         try:
-            tree = ast.parse(source, filename=_SOURCE_NAME, mode="eval")
+            tree = python_source.parse(source, filename=_SOURCE_NAME, mode="eval")
         except _READ_ERRORS as exc:
             errors.append(self._error(f"invalid Python ({_reason(exc)}) in {short_snippet(source)}"))
             return

@@ -29,6 +29,8 @@ from typing import Callable
 
 import numpy as np
 
+from treerl.envs import python_source
+
 __all__ = [
     "SYSTEM_PROMPT",
     "CalculatorTask",
@@ -160,7 +162,7 @@ def evaluate_expression(expression: str) -> int | float:
     if len(text) > MAX_EXPRESSION_LENGTH:
         raise ValueError(f"the expression is longer than {MAX_EXPRESSION_LENGTH} characters; split the work into steps")
     try:
-        tree = ast.parse(text, mode="eval")
+        tree = python_source.parse(text, mode="eval")
     except SyntaxError:
         raise ValueError(f'not a valid arithmetic expression: {text!r}; write something like "(3 + 4) * 2"') from None
     return _eval_node(tree.body)
