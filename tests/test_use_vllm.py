@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
+import _vllm_fake_engine as _fake
 import pytest
 import torch
+from _vllm_fake_engine import install_fake_vllm, lp
 
 from treerl.learners.grpo import GRPOConfig, train
 from treerl.models import load_default_model
@@ -19,48 +20,24 @@ from treerl.models import load_default_model
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
-class FakeLLM:
-    """``vllm.LLM``'s interface as VLLMPolicy uses it: generate, collective_rpc, reset_prefix_cache."""
-
-    instances: list = []
-
-    def __init__(self, **kwargs):
-        self.kwargs, self.loaded, self.resets = kwargs, [], 0
-        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(logprobs_mode=kwargs.get("logprobs_mode")))
-        FakeLLM.instances.append(self)
+class FakeLLM(_fake.FakeLLM):
+    """Reads the model directory's tokenizer and answers two tokens and the end of turn."""
 
     def get_tokenizer(self):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(self.kwargs["model"])
 
-    def generate(self, prompts, sampling_params, use_tqdm=True):
-        outputs = []
-        for prompt, sp in zip(prompts, sampling_params):
-            # A short answer ending in the end-of-turn token, with processed log-probs of every candidate.
-            ids = [33, 34, sorted(sp.stop_token_ids)[0]][:sp.max_tokens]
-            steps = [{t: SimpleNamespace(logprob=-0.5), t + 1: SimpleNamespace(logprob=-1.0)} for t in ids]
-            done = SimpleNamespace(token_ids=ids, logprobs=steps, finish_reason="stop")
-            outputs.append(SimpleNamespace(outputs=[done], num_cached_tokens=0))
-        return outputs
-
-    def collective_rpc(self, method, args=()):
-        worker = SimpleNamespace(model_runner=SimpleNamespace(model=SimpleNamespace(
-            load_weights=lambda weights: self.loaded.append(dict(weights)))))
-        method(worker, *args)
-
-    def reset_prefix_cache(self):
-        self.resets += 1
+    def complete(self, prompt_ids, sp):
+        # A short answer ending in the end-of-turn token, with processed log-probs of every candidate.
+        ids = [33, 34, sorted(sp.stop_token_ids)[0]][:sp.max_tokens]
+        steps = [{t: lp(-0.5), t + 1: lp(-1.0)} for t in ids]
+        return SimpleNamespace(token_ids=ids, logprobs=steps, finish_reason="stop"), 0
 
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    module = ModuleType("vllm")
-    module.LLM = FakeLLM
-    module.SamplingParams = lambda **kwargs: SimpleNamespace(**kwargs)
-    monkeypatch.setitem(sys.modules, "vllm", module)
-    FakeLLM.instances.clear()
-    return module
+    return install_fake_vllm(monkeypatch, FakeLLM)
 
 
 def test_learn_samples_with_a_colocated_engine_and_updates_it_in_place(fake_vllm, tmp_path):

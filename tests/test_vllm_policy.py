@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import sys
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
+import _vllm_fake_engine as _fake
 import pytest
 import torch
+from _vllm_fake_engine import install_fake_vllm, lp
 
 from treerl.agents.policy import GenerationRequest, Policy, SamplingParams
 from treerl.agents.vllm_policy import VLLMPolicy, to_generation, to_vllm_sampling_kwargs
@@ -31,10 +32,6 @@ def test_sampling_kwargs_ask_for_exact_candidates():
     assert kwargs["detokenize"] is False
     full_vocab = to_vllm_sampling_kwargs(GenerationRequest([1], SamplingParams()), frozenset())
     assert full_vocab["top_k"] == -1 and full_vocab["logprobs"] == 0
-
-
-def lp(x: float) -> SimpleNamespace:
-    return SimpleNamespace(logprob=x)
 
 
 def test_to_generation_keeps_finite_ids_most_likely_first():
@@ -63,44 +60,20 @@ def test_to_generation_rejects_missing_logprobs_and_aborts():
                       SamplingParams(), num_prompt_tokens=1, num_cached_tokens=None, version=0)
 
 
-class FakeLLM:
-    """Records what VLLMPolicy asks of the engine and answers deterministically."""
-
-    def __init__(self, **kwargs):
-        self.kwargs = kwargs
-        self.calls: list = []
-        self.rpc: list = []
-        self.resets = 0
-        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(logprobs_mode=kwargs.get("logprobs_mode")))
+class FakeLLM(_fake.FakeLLM):
+    """Answers each prompt with its last token + 1, one token, one prompt token cached."""
 
     def get_tokenizer(self):
         return SimpleNamespace(eos_token_id=2, get_vocab=lambda: {"<|im_end|>": 6})
 
-    def generate(self, prompts, sampling_params, use_tqdm=True):
-        self.calls.append((prompts, sampling_params))
-        outputs = []
-        for prompt, sp in zip(prompts, sampling_params):
-            token = prompt["prompt_token_ids"][-1] + 1
-            completion = SimpleNamespace(token_ids=[token], logprobs=[{token: lp(-0.25)}], finish_reason="length")
-            outputs.append(SimpleNamespace(outputs=[completion], num_cached_tokens=1))
-        return outputs
-
-    def collective_rpc(self, method, args=()):
-        worker = SimpleNamespace(model_runner=SimpleNamespace(model=SimpleNamespace(
-            load_weights=lambda weights: self.rpc.append(dict(weights)))))
-        method(worker, *args)
-
-    def reset_prefix_cache(self):
-        self.resets += 1
+    def complete(self, prompt_ids, sp):
+        token = prompt_ids[-1] + 1
+        return SimpleNamespace(token_ids=[token], logprobs=[{token: lp(-0.25)}], finish_reason="length"), 1
 
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    module = ModuleType("vllm")
-    module.LLM = FakeLLM
-    module.SamplingParams = lambda **kwargs: SimpleNamespace(**kwargs)
-    monkeypatch.setitem(sys.modules, "vllm", module)
-    return module
+    return install_fake_vllm(monkeypatch, FakeLLM)
 
 
 def test_policy_builds_a_processed_logprobs_engine_and_keeps_request_order(fake_vllm):
@@ -133,12 +106,12 @@ def test_set_weights_reaches_workers_and_resets_prefix_cache(fake_vllm, tmp_path
     policy = VLLMPolicy("tiny/model")
     policy.set_weights({"w": torch.ones(2)}, version=3)
     assert policy.version == 3 and policy.llm.resets == 1
-    assert torch.equal(policy.llm.rpc[0]["w"], torch.ones(2))
+    assert torch.equal(policy.llm.loaded[0]["w"], torch.ones(2))
     from safetensors.torch import save_file
 
     save_file({"w": torch.zeros(2)}, str(tmp_path / "w.safetensors"))
     policy.set_weights(tmp_path / "w.safetensors", version=4)
-    assert policy.version == 4 and torch.equal(policy.llm.rpc[1]["w"], torch.zeros(2))
+    assert policy.version == 4 and torch.equal(policy.llm.loaded[1]["w"], torch.zeros(2))
     assert policy.generate([GenerationRequest([1], SamplingParams())])[0].policy_version == 4
 
 
