@@ -20,8 +20,8 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from treerl.envs import python_source
 from treerl.envs.parser_base import ParseResult, ToolCall, ToolCallParser, short_snippet
+from treerl.envs.python_source import parse as parse_python
 from treerl.errors import ToolCallError
 
 __all__ = ["PythonicParser"]
@@ -139,7 +139,7 @@ class PythonicParser(ToolCallParser):
 
     def _read_list(self, source: str, calls: list[ToolCall], errors: list[ToolCallError]) -> None:
         try:
-            tree = python_source.parse(source, filename=_SOURCE_NAME, mode="eval")
+            tree = parse_python(source, filename=_SOURCE_NAME, mode="eval")
         except _READ_ERRORS as exc:
             errors.append(self._error(f"invalid Python ({_reason(exc)}) in {short_snippet(source)}"))
             return

@@ -29,7 +29,7 @@ from typing import Callable
 
 import numpy as np
 
-from treerl.envs import python_source
+from treerl.envs.python_source import parse as parse_python
 
 __all__ = [
     "SYSTEM_PROMPT",
@@ -162,7 +162,7 @@ def evaluate_expression(expression: str) -> int | float:
     if len(text) > MAX_EXPRESSION_LENGTH:
         raise ValueError(f"the expression is longer than {MAX_EXPRESSION_LENGTH} characters; split the work into steps")
     try:
-        tree = python_source.parse(text, mode="eval")
+        tree = parse_python(text, mode="eval")
     except SyntaxError:
         raise ValueError(f'not a valid arithmetic expression: {text!r}; write something like "(3 + 4) * 2"') from None
     return _eval_node(tree.body)
