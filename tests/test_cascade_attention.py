@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from test_transformers_policy import VOCAB, tiny_model
 
-import treerl.agents.cascade as cascade
+from treerl.agents import cascade
 from treerl.agents.cascade import CascadeState, cascade_attend, cascade_unsupported
 from treerl.agents.decode import DecodeBatch, Row
 from treerl.agents.policy import GenerationRequest, SamplingParams

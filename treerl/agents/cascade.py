@@ -49,8 +49,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["ATTN_NAME", "CASCADE_KWARG", "CascadeState", "cascade_attend", "cascade_unsupported",
-           "cascade_attention"]
+__all__ = [
+    "ATTN_NAME",
+    "CASCADE_KWARG",
+    "CascadeState",
+    "cascade_attend",
+    "cascade_attention",
+    "cascade_unsupported",
+]
 
 ATTN_NAME = "treerl_cascade"
 """The name registered with transformers' ``AttentionInterface``."""
