@@ -15,7 +15,9 @@ from treerl.agents.decode import DecodeBatch, Row
 from treerl.agents.policy import GenerationRequest, SamplingParams
 from treerl.agents.transformers_policy import TransformersPolicy, _weight_stationary_head
 
-PREFIX = [(13 + 7 * i) % (VOCAB - 10) + 10 for i in range(80)]  # longer than min_cascade_prefix (64)
+PREFIX = [(13 + 7 * i) % (VOCAB - 10) + 10 for i in range(80)]
+# The tiny model's layers hold 2 kv heads of 16: keep a prefix once from 4 rows of 64 tokens.
+MIN_KV = 4 * 64 * 2 * 16
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -79,7 +81,7 @@ def test_cascade_attend_equals_attention_over_per_row_copies():
                                     SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=12)],
                          ids=["greedy", "top-k-top-p"])
 def test_group_decodes_over_one_prefix_with_the_same_samples(model, cascade_calls, params):
-    policy = TransformersPolicy(model, None, max_prefixes=0)
+    policy = TransformersPolicy(model, None, max_prefixes=0, min_cascade_kv=MIN_KV)
     per_row = TransformersPolicy(model, None, max_prefixes=0, cascade_attention=False)
     assert policy.cascade_reason is None and per_row.cascade_reason == "cascade_attention=False"
     policy.stop_token_ids = per_row.stop_token_ids = frozenset()  # every row decodes all its steps
@@ -128,7 +130,7 @@ def test_rows_that_join_cut_the_shared_prefix_to_what_they_share(model, cascade_
         return [(0, requests_of(group, params, 0)), (3, requests_of(same_system, params, 10)),
                 (5, requests_of(unrelated, params, 20)), (7, requests_of(later, params, 30))]
 
-    policy = TransformersPolicy(model, None, max_prefixes=0)
+    policy = TransformersPolicy(model, None, max_prefixes=0, min_cascade_kv=MIN_KV)
     per_row = TransformersPolicy(model, None, max_prefixes=0, cascade_attention=False)
     ours, prefix_lengths = decode_with_arrivals(policy, waves())
     assert prefix_lengths == [len(group[0]), 70, 0, 0]
@@ -142,7 +144,8 @@ def test_sessions_saved_from_a_shared_prefix_continue_like_per_row_ones(model):
     prompt = PREFIX + question(5)
     outs = []
     for cascade_attention in (True, False):
-        policy = TransformersPolicy(model, None, max_prefixes=0, cascade_attention=cascade_attention)
+        policy = TransformersPolicy(model, None, max_prefixes=0, cascade_attention=cascade_attention,
+                                    min_cascade_kv=MIN_KV)
         policy.stop_token_ids = frozenset()
         first = policy.generate(requests_of([prompt] * 3, params, 0, session="s"))
         # The next turn: each episode's context so far plus a tool result; only the new tokens are prefilled.
@@ -155,10 +158,15 @@ def test_sessions_saved_from_a_shared_prefix_continue_like_per_row_ones(model):
 
 def test_short_or_unshared_prefixes_decode_per_row(model, cascade_calls):
     params = SamplingParams(top_k=5, max_new_tokens=4)
-    policy = TransformersPolicy(model, None, max_prefixes=0)
-    policy.generate([GenerationRequest(PREFIX[:40] + question(0), params, seed=i) for i in range(3)])  # 45 < 64
+    policy = TransformersPolicy(model, None, max_prefixes=0, min_cascade_kv=MIN_KV)
+    policy.generate([GenerationRequest(PREFIX[:40] + question(0), params, seed=i) for i in range(3)])  # 3 x 45
     policy.generate([GenerationRequest(PREFIX + question(0), params, seed=0)])  # one row: nothing to share
+    default = TransformersPolicy(model, None, max_prefixes=0)  # the tiny model's prefixes are too small to split
+    default.generate([GenerationRequest(PREFIX + question(0), params, seed=i) for i in range(8)])
     assert not cascade_calls
+    # The default threshold: 8 rows of a 512-token prompt over 2 kv heads of 64 split, 256 tokens do not.
+    keys = torch.empty(1, 2, 1, 64)
+    assert DecodeBatch(default)._pays(8, 512, keys) and not DecodeBatch(default)._pays(8, 256, keys)
 
 
 def test_models_the_cascade_cannot_serve_say_why():

@@ -140,7 +140,8 @@ class DecodeBatch:
         elif self.prefix is not None:
             shared = min(_common_len(self.prefix_ids, unit.prompt_ids) for unit in units)
             if shared < len(self.prefix_ids):
-                self._cut_prefix(shared if shared >= self.policy.min_cascade_prefix else 0)
+                num_rows = len(self.rows) + sum(map(len, rows))
+                self._cut_prefix(shared if self._pays(num_rows, shared, self.prefix[0][0]) else 0)
         num_prefix = len(self.prefix_ids)
         new_rows, new_lens, new_logits = [], [], []
         for unit, unit_rows, (_, logits, num_run) in zip(units, rows, prefilled):
@@ -183,12 +184,16 @@ class DecodeBatch:
     def _start_prefix(self, units: list[Unit], rows: list[list[Row]], prefilled: list) -> None:
         """A fresh batch: keep the prefix every new row shares once, if the policy allows and it pays."""
         self.prefix_ids, self.prefix = [], None
-        if self.policy.cascade_reason is not None or sum(map(len, rows)) < 2:
+        if self.policy.cascade_reason is not None:
             return
         shared = min(_common_len(units[0].prompt_ids, unit.prompt_ids) for unit in units)
-        if shared >= self.policy.min_cascade_prefix:
+        if self._pays(sum(map(len, rows)), shared, prefilled[0][0][0][0]):
             self.prefix_ids = units[0].prompt_ids[:shared]
             self.prefix = [(k[:, :, :shared], v[:, :, :shared]) for k, v in prefilled[0][0]]
+
+    def _pays(self, num_rows: int, shared: int, keys: Tensor) -> bool:
+        """Whether ``num_rows`` rows' copies of ``shared`` tokens are worth keeping once (``keys``: a layer's, (1, Hkv, T, D))."""
+        return num_rows >= 2 and num_rows * shared * keys.shape[1] * keys.shape[3] >= self.policy.min_cascade_kv
 
     def _cut_prefix(self, keep: int) -> None:
         """Keep only the first ``keep`` prefix tokens shared; the rest is copied into every row's
