@@ -99,8 +99,9 @@ def _weight_stationary_head(model, device: torch.device) -> tuple[tuple[torch.nn
     """
     name = type(model).__name__
     if device.type != "cpu":
-        return None, f"on {device.type} the model's own head is as fast"
-    if name not in _PLAIN_HEAD_MODELS:
+        return None, f"on {device.type} the model's own head runs (the product was measured faster on CPU only)"
+    # The class itself, from transformers (remote code may reuse a name for other logits).
+    if name not in _PLAIN_HEAD_MODELS or not type(model).__module__.startswith("transformers.models."):
         return None, f"{name} is not one of {sorted(_PLAIN_HEAD_MODELS)}, whose logits are their plain head's"
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     if decoder is None or decoder is model or type(head) is not torch.nn.Linear or head.bias is not None:
@@ -234,6 +235,7 @@ class TransformersPolicy:
         self.cascade_reason = cascade_unsupported(self.model) if cascade_attention else "cascade_attention=False"
         """Why decode steps never read a shared prefix once for all rows (None: they do when rows share one)."""
         self._head, self.head_reason = _weight_stationary_head(self.model, self.device)
+        """Whether the policy computes the logits as ``W @ h^T`` itself, or why the model's own head runs."""
         if self._head is not None:
             decoder_params = inspect.signature(self._head[0].forward).parameters
             self._decoder_cache_kwarg = "cache" if "cache" in decoder_params else "past_key_values"
