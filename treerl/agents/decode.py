@@ -19,7 +19,11 @@ A request with an ``on_token`` callback (streaming) is handed each token as its 
 in the decode thread; the others pay one ``is None`` test per token.
 
 Cache layout per layer: keys (B, Hkv, capacity, D) in a buffer; columns ``[start_b, cur)``
-of row ``b`` hold its context, columns before ``start_b`` are left padding.
+of row ``b`` hold its context, columns before ``start_b`` are left padding. When every row's
+context starts with the same ``P`` tokens (a group's prompt) and the policy allows it, those
+are kept once, ``(1, Hkv, P, D)`` per layer in ``prefix``, the buffer holds only what follows
+them, and decode steps attend to both (:mod:`treerl.agents.cascade`). Rows that join without
+the whole prefix cut it to what they share, moving the rest into every row's own columns.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from treerl.agents.cascade import CascadeState
 from treerl.agents.policy import Generation, GenerationRequest, SamplingParams
 
 __all__ = ["DecodeBatch", "ContinuousDecoder", "Unit", "Row"]
@@ -119,6 +124,8 @@ class DecodeBatch:
         self.cache = None
         self.logits: Tensor | None = None  # (B, V) the next token's logits of each row
         self._partitions = None
+        self.prefix_ids: list[int] = []  # tokens every row starts with, kept once (see the module docstring)
+        self.prefix: KV | None = None  # their keys and values, (1, Hkv, P, D) per layer
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -128,13 +135,21 @@ class DecodeBatch:
         from transformers import DynamicCache
 
         prefilled = [self.policy._prefill(unit) for unit in units]
+        if not self.rows:
+            self._start_prefix(units, rows, prefilled)
+        elif self.prefix is not None:
+            shared = min(_common_len(self.prefix_ids, unit.prompt_ids) for unit in units)
+            if shared < len(self.prefix_ids):
+                num_rows = len(self.rows) + sum(map(len, rows))
+                self._cut_prefix(shared if self._pays(num_rows, shared, self.prefix[0][0]) else 0)
+        num_prefix = len(self.prefix_ids)
         new_rows, new_lens, new_logits = [], [], []
         for unit, unit_rows, (_, logits, num_run) in zip(units, rows, prefilled):
             for j, row in enumerate(unit_rows):
                 row.num_prompt_tokens_processed = num_run + unit.shared_processed if j == 0 else 0
                 row.uniforms = uniform_stream(row.request, self.policy.device)
                 new_rows.append(row)
-                new_lens.append(len(unit.prompt_ids))
+                new_lens.append(len(unit.prompt_ids) - num_prefix)  # what the row keeps beyond the prefix
             new_logits.append(logits.expand(len(unit_rows), -1))
 
         # The new layout: old columns from the first one any row still needs, shifted right so
@@ -156,15 +171,57 @@ class DecodeBatch:
                 values[: len(self.rows), :, shift:cur] = old.values[:, :, first:]
             b = len(self.rows)
             for unit, unit_rows, (kv, _, _) in zip(units, rows, prefilled):
-                stop, length = b + len(unit_rows), len(unit.prompt_ids)
-                keys[b:stop, :, cur - length : cur] = kv[layer_idx][0]
-                values[b:stop, :, cur - length : cur] = kv[layer_idx][1]
+                stop, length = b + len(unit_rows), len(unit.prompt_ids) - num_prefix
+                keys[b:stop, :, cur - length : cur] = kv[layer_idx][0][:, :, num_prefix:]
+                values[b:stop, :, cur - length : cur] = kv[layer_idx][1][:, :, num_prefix:]
                 b = stop
             cache.layers.append(growing_layer(keys, values, cur))
         self.start = [s - first + shift for s in self.start] + [cur - n for n in new_lens]
         self.cache, self.cur, self.rows = cache, cur, everyone
         self.logits = torch.cat([self.logits, *new_logits]) if self.logits is not None else torch.cat(new_logits)
         self._partitions = None
+
+    def _start_prefix(self, units: list[Unit], rows: list[list[Row]], prefilled: list) -> None:
+        """A fresh batch: keep the prefix every new row shares once, if the policy allows and it pays."""
+        self.prefix_ids, self.prefix = [], None
+        if self.policy.cascade_reason is not None:
+            return
+        shared = min(_common_len(units[0].prompt_ids, unit.prompt_ids) for unit in units)
+        if self._pays(sum(map(len, rows)), shared, prefilled[0][0][0][0]):
+            self.prefix_ids = units[0].prompt_ids[:shared]
+            self.prefix = [(k[:, :, :shared], v[:, :, :shared]) for k, v in prefilled[0][0]]
+
+    def _pays(self, num_rows: int, shared: int, keys: Tensor) -> bool:
+        """Whether ``num_rows`` rows' copies of ``shared`` tokens are worth keeping once (``keys``: a layer's, (1, Hkv, T, D))."""
+        return num_rows >= 2 and num_rows * shared * keys.shape[1] * keys.shape[3] >= self.policy.min_cascade_kv
+
+    def _cut_prefix(self, keep: int) -> None:
+        """Keep only the first ``keep`` prefix tokens shared; the rest is copied into every row's
+        own columns, right before them (each row's left padding stays where it was)."""
+        moved = len(self.prefix_ids) - keep
+        growing_layer = _growing_layer_class()
+        layers = []
+        for layer, (prefix_k, prefix_v) in zip(self.cache.layers, self.prefix):
+            buffers = []
+            for old, prefix in ((layer._key_buffer, prefix_k), (layer._value_buffer, prefix_v)):
+                new = old.new_zeros(old.shape[0], old.shape[1], old.shape[2] + moved, old.shape[3])
+                new[:, :, moved : self.cur + moved] = old[:, :, : self.cur]
+                for b, start in enumerate(self.start):
+                    new[b, :, start : start + moved] = prefix[0, :, keep:]
+                buffers.append(new)
+            layers.append(growing_layer(buffers[0], buffers[1], self.cur + moved))
+        self.cache.layers[:] = layers
+        self.cur += moved
+        self.prefix_ids = self.prefix_ids[:keep]
+        self.prefix = [(k[:, :, :keep], v[:, :, :keep]) for k, v in self.prefix] if keep else None
+
+    def _row_kv(self, b: int) -> KV:
+        """Batch row b's whole context: a copy, (1, Hkv, T, D) per layer."""
+        start, own = self.start[b], [(layer.keys, layer.values) for layer in self.cache.layers]
+        if self.prefix is None:
+            return [(k[b : b + 1, :, start:].clone(), v[b : b + 1, :, start:].clone()) for k, v in own]
+        return [(torch.cat([pk, k[b : b + 1, :, start:]], dim=2), torch.cat([pv, v[b : b + 1, :, start:]], dim=2))
+                for (pk, pv), (k, v) in zip(self.prefix, own)]
 
     def step(self) -> list[Row]:
         """Sample one token for every row; returns the rows that stopped (their session saved),
@@ -195,7 +252,7 @@ class DecodeBatch:
                     row.top_ids.append(head_ids)
             if token in row.stop_ids or len(row.token_ids) >= row.request.params.max_new_tokens:
                 # The cache holds the context and every sampled token but this last one.
-                self.policy._save_session(row, self.cache, b, self.start[b], self.cur)
+                self.policy._save_session(row, functools.partial(self._row_kv, b))
                 finished.append(row)
             else:
                 keep.append(b)
@@ -219,11 +276,16 @@ class DecodeBatch:
         if token_ids is None:
             return
         start = torch.tensor(self.start, device=self.policy.device)  # (B,)
-        position_ids = (self.cur - start).unsqueeze(1)  # (B, 1) real tokens before the new one
-        attention_mask = None
-        if bool((start > 0).any()):  # left padding somewhere: mask it (new column included)
-            attention_mask = (torch.arange(self.cur + 1, device=start.device) >= start.unsqueeze(1)).long()
-        self.logits = self.policy._forward(token_ids.unsqueeze(1), position_ids, self.cache, attention_mask)
+        position_ids = (len(self.prefix_ids) + self.cur - start).unsqueeze(1)  # (B, 1) real tokens before the new one
+        valid = None
+        if any(self.start):  # left padding somewhere: mask it (new column included)
+            valid = torch.arange(self.cur + 1, device=start.device) >= start.unsqueeze(1)  # (B, cur + 1)
+        if self.prefix is None:
+            attention_mask = None if valid is None else valid.long()
+            self.logits = self.policy._forward(token_ids.unsqueeze(1), position_ids, self.cache, attention_mask)
+        else:
+            state = CascadeState(self.prefix, valid)
+            self.logits = self.policy._forward(token_ids.unsqueeze(1), position_ids, self.cache, None, cascade=state)
         self.cur += 1
 
 
@@ -351,6 +413,16 @@ class ContinuousDecoder:
         rows = [[Row(i, requests[i], self.policy._stop_ids(requests[i]), version, deliver=admit[i][1])
                  for i in unit.rows] for unit in units]
         self._batch.admit(units, rows)
+
+
+def _common_len(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of ``a`` and ``b``.
+
+    >>> _common_len([1, 2, 3], [1, 2, 4, 5]), _common_len([1, 2], [1, 2, 3])
+    (2, 2)
+    """
+    n = min(len(a), len(b))
+    return next((j for j in range(n) if a[j] != b[j]), n)
 
 
 @functools.cache

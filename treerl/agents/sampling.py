@@ -78,13 +78,15 @@ def process_logits(logits: Tensor, params: SamplingParams) -> ProcessedLogits:
     >>> [round(x, 4) for x in p.logprobs.exp().tolist()[0]]
     [0.6667, 0.3333, 0.0]
     """
-    z = logits.float() / params.temperature  # (B, V)
     if params.top_k is None:
         # SamplingParams guarantees top_p == 1 and min_p == 0 here.
-        return ProcessedLogits(torch.log_softmax(z, dim=-1), None, None)
+        return ProcessedLogits(torch.log_softmax(logits.float() / params.temperature, dim=-1), None, None)
 
-    k = min(params.top_k, z.shape[-1])
-    z_k, candidate_ids = torch.topk(z, k, dim=-1, sorted=True)  # (B, K) each, descending
+    k = min(params.top_k, logits.shape[-1])
+    # Dividing by a temperature > 0 keeps the order, so only the k survivors are divided (the
+    # same values as dividing all V first).
+    z_k, candidate_ids = torch.topk(logits.float(), k, dim=-1, sorted=True)  # (B, K) each, descending
+    z_k = z_k / params.temperature
     keep = torch.ones_like(z_k, dtype=torch.bool)  # (B, K)
     if params.min_p > 0.0:
         # p_j >= min_p * p_max  <=>  z_j - z_max >= log(min_p): no softmax needed.
