@@ -10,6 +10,7 @@ episodes at a malformed call by default, while its held-out evaluation keeps the
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 from _scripted import ScriptedPolicy
@@ -131,7 +132,8 @@ def test_malformed_penalty_must_be_a_finite_number_at_least_0(value):
 
 def test_the_learner_sets_the_penalty_on_training_environments_unless_env_kwargs_does():
     assert GRPOConfig(output_dir="runs/x").train_env_factory()().malformed_penalty == 0.0
-    env = GRPOConfig(output_dir="runs/x", malformed_penalty=0.1).train_env_factory()()
+    factory = pickle.loads(pickle.dumps(GRPOConfig(output_dir="runs/x", malformed_penalty=0.1).train_env_factory()))
+    env = factory()  # pickled as AsyncGRPO sends it to its generator processes
     assert (env.malformed_penalty, env.malformed_ends_episode) == (0.1, True)
     cfg = GRPOConfig(output_dir="runs/x", malformed_penalty=0.1, env_kwargs={"malformed_penalty": 0.3,
                                                                              "malformed_ends_episode": False})
