@@ -48,6 +48,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -318,7 +319,7 @@ def main() -> None:
         raise SystemExit('bench_learning_vs_trl needs TRL: pip install -e ".[bench]"') from None
 
     torch.set_num_threads(args.threads)
-    shown = [a if prev != "--results-dir" else "DIR" for prev, a in zip(["", *sys.argv[1:]], sys.argv[1:])]
+    shown = [shlex.quote(a) if prev != "--results-dir" else "DIR" for prev, a in zip(["", *sys.argv[1:]], sys.argv[1:])]
     command = "python benchmarks/bench_learning_vs_trl.py" + (" " + " ".join(shown) if shown else "")  # no local paths
     with tempfile.TemporaryDirectory() as tmp:
         results = Path(args.results_dir or Path(tmp) / "results")
