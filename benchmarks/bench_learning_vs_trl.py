@@ -35,7 +35,9 @@ What TRL needs to play this environment (its side's adaptations, nothing else di
 
 Results and the exact command go to the "## Learning on tool use: treerl vs TRL GRPOTrainer"
 section of BENCHMARKS.md. ``--results-dir`` keeps each run's figures as JSON so an interrupted
-benchmark resumes where it stopped.
+benchmark resumes where it stopped; treerl's files are named by ``--treerl-env-kwargs``, so a rerun
+with other treerl options in the same directory trains only treerl's side and reuses TRL's runs and
+the untrained evaluation (the report names what it reused).
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ import argparse
 import datetime
 import json
 import math
+import os
 import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -179,29 +183,53 @@ def check_same_prompt(trainer, tokenizer, env, messages: list[dict]) -> None:
 # -- the comparison -------------------------------------------------------------------------------
 
 
-def cached(path: Path, fn, *fn_args) -> dict:
-    """``fn(*fn_args)``, or what an earlier run of the benchmark stored at ``path``."""
+def cached(path: Path, fn, *fn_args, reused: list[str] | None = None) -> dict:
+    """``fn(*fn_args)`` with the 1-minute load average before and after it, or what an earlier run of the
+    benchmark stored at ``path`` (its name then goes to ``reused``)."""
     if path.exists():
         print(f"reusing {path}", flush=True)
+        if reused is not None:
+            reused.append(path.stem)
         return json.loads(path.read_text())
-    result = fn(*fn_args)
+    load = os.getloadavg()[0]
+    result = {**fn(*fn_args), "load_before": load, "load_after": os.getloadavg()[0]}
     path.write_text(json.dumps(result, indent=1))
     return result
 
 
+def side_name(side: str, args) -> str:
+    """``side``, and for treerl its environment options: runs with other options are other files."""
+    options = json.loads(args.treerl_env_kwargs)
+    if side != "treerl" or not options:
+        return side
+    return side + "".join(f"+{k}={v}" for k, v in sorted(options.items())).replace("/", "_")
+
+
 def run_all(args, results: Path, work: Path) -> dict:
-    out = {"untrained": cached(results / "untrained.json", held_out, None, args), "seeds": {}}
+    reused: list[str] = []
+    out = {"untrained": cached(results / "untrained.json", held_out, None, args, reused=reused), "seeds": {},
+           "reused": reused}
     print(f"untrained: {out['untrained']}", flush=True)
     for seed in args.seeds:
         per_side = {}
         for side in args.sides:
             train_fn = run_treerl if side == "treerl" else run_trl
-            trained = cached(results / f"{side}-seed{seed}-train.json", train_fn, args, seed, work / f"{side}-{seed}")
-            scored = cached(results / f"{side}-seed{seed}-eval.json", held_out, trained["model_dir"], args)
+            name = side_name(side, args)
+            trained = cached(results / f"{name}-seed{seed}-train.json", train_fn, args, seed,
+                             work / f"{name}-{seed}", reused=reused)
+            scored = cached(results / f"{name}-seed{seed}-eval.json", held_out, trained["model_dir"], args,
+                            reused=reused)
             per_side[side] = {**trained, "eval": scored}
             print(f"seed {seed} {side}: trained in {trained['train_s']:.0f} s, held-out {scored}", flush=True)
         out["seeds"][seed] = per_side
     return out
+
+
+def load(trained: dict) -> str:
+    """The machine's load around a training run (others' jobs slow the wall time, not the CPU time)."""
+    if "load_before" not in trained:
+        return "not recorded"
+    return f"{trained['load_before']:.1f} / {trained['load_after']:.1f}"
 
 
 def report(args, out: dict, command: str) -> str:
@@ -232,6 +260,7 @@ def report(args, out: dict, command: str) -> str:
             f"(**{ratio:.2f}x**) | TRL / treerl >= 2x | {'yes' if ratio >= 2 else '**no**'} |",
             f"| {seed} | training process CPU time | | {ours['train_cpu_s']:.0f} s | {theirs['train_cpu_s']:.0f} s "
             f"({theirs['train_cpu_s'] / ours['train_cpu_s']:.2f}x) | | |",
+            f"| {seed} | load average (1 min) before / after training | | {load(ours)} | {load(theirs)} | | |",
         ]
         verdicts.append(f"seed {seed}: success {'meets' if ok_success else 'misses'}, malformed calls "
                         f"{'meet' if ok_malformed else 'miss'}, wall time {'meets' if ratio >= 2 else 'misses'}")
@@ -249,7 +278,7 @@ Held-out evaluator, the same for every model: treerl's evaluation on {args.eval_
 
 {chr(10).join(lines)}
 
-Against the targets: {'; '.join(verdicts) or 'no seed has both sides'}.
+Against the targets: {'; '.join(verdicts) or 'no seed has both sides'}.{f" Reused from an earlier run of the benchmark in the same results directory (same settings on that side): {', '.join(out['reused'])}." if out.get('reused') else ''}
 
 Training wall time: building the trainer through the end of training on both sides (treerl's `train()` also writes checkpoints, trajectory samples and the model; TRL's model is saved outside the timing). TRL's side needed two adaptations to play this environment: the shipped chat template is Qwen3's format but not byte-equal to a template TRL recognizes, so `add_response_schema` refuses it and the benchmark sets `trl.chat_template_utils.qwen3_template` as the tokenizer's response template; and TRL derives the tool's JSON Schema from the Python function (adding `"return": {{"type": "string"}}`, lacking `"additionalProperties": false`), so the trainer's `tools` are set to treerl's schema after construction (the function still runs the calls); the benchmark checks that both sides render the same prompt. Where the environments differ by design: a reply with a malformed call ends TRL's episode (its parser falls back to plain text; reward 0), and so it does in treerl's training environment when `malformed_ends_episode` is on; a reply with neither a call nor `\\boxed{{}}` ends TRL's episode, while treerl's Calculator answers it with a reminder.
 
@@ -290,7 +319,7 @@ def main() -> None:
         raise SystemExit('bench_learning_vs_trl needs TRL: pip install -e ".[bench]"') from None
 
     torch.set_num_threads(args.threads)
-    shown = [a if prev != "--results-dir" else "DIR" for prev, a in zip(["", *sys.argv[1:]], sys.argv[1:])]
+    shown = [shlex.quote(a) if prev != "--results-dir" else "DIR" for prev, a in zip(["", *sys.argv[1:]], sys.argv[1:])]
     command = "python benchmarks/bench_learning_vs_trl.py" + (" " + " ".join(shown) if shown else "")  # no local paths
     with tempfile.TemporaryDirectory() as tmp:
         results = Path(args.results_dir or Path(tmp) / "results")

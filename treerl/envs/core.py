@@ -203,6 +203,12 @@ class ToolEnv(Env):
             multi-turn tool loop does. Off (the default), the model reads an error message and
             may try again, which costs it only a turn: in training, a group's malformed calls
             then earn the same advantage as clean ones and can grow unchecked.
+        malformed_penalty: Subtracted from a step's reward once per ``malformed`` call in the
+            reply (the episode's reward is the sum of its steps; success, read from the final
+            step, is unchanged). A reply that breaks the format then costs its episode even
+            when the model recovers after the error message, and a reply of many broken calls
+            costs more than one; with ``malformed_ends_episode`` the ending step's reward is
+            ``-malformed_penalty`` times its malformed calls, below a wrong answer's 0.
 
     Parsing, validating and running sync tools, and scoring run in their own threads
     (:mod:`treerl.envs.offload`), not on the event loop that plays the other episodes;
@@ -227,8 +233,14 @@ class ToolEnv(Env):
         parse_timeout_s: float = 10.0,
         score_timeout_s: float = 60.0,
         malformed_ends_episode: bool = False,
+        malformed_penalty: float = 0.0,
     ):
         super().__init__(render_mode=render_mode)
+        if not (isinstance(malformed_penalty, (int, float)) and not isinstance(malformed_penalty, bool)
+                and 0 <= malformed_penalty < float("inf")):
+            raise ValueError(f"malformed_penalty={malformed_penalty!r} must be a finite number >= 0 (the reward a "
+                             "malformed call costs), e.g. --env-kwargs '{\"malformed_penalty\": 0.1}'.")
+        self.malformed_penalty = float(malformed_penalty)
         if not isinstance(malformed_ends_episode, bool):
             raise ValueError(f"malformed_ends_episode={malformed_ends_episode!r} must be true or false, e.g. "
                              "--env-kwargs '{\"malformed_ends_episode\": true}'.")
@@ -369,8 +381,9 @@ class ToolEnv(Env):
         for err in parsed.errors:  # calls the model attempted but wrote badly
             records.append({"name": err.tool_name, "arguments": None, "error": err.kind.value, "message": err.message})
             obs.append({"role": "tool", "content": err.message})
+        penalty = self.malformed_penalty * sum(e.kind is ToolErrorKind.MALFORMED for e in parsed.errors)
         if self.malformed_ends_episode and any(e.kind is ToolErrorKind.MALFORMED for e in parsed.errors):
-            return self._end_on_malformed(records)
+            return self._end_on_malformed(records, 0.0 - penalty)  # not -0.0 when there is no penalty
         results: list[ToolResult] = await asyncio.gather(*(run_tool_call(c, self._tool_map) for c in parsed.calls))
         for res in results:
             records.append({
@@ -393,6 +406,7 @@ class ToolEnv(Env):
                 records.append({"name": None, "arguments": None, "error": ToolErrorKind.NO_CALL.value,
                                 "message": self.no_call_message()})
                 obs.append({"role": "user", "content": self.no_call_message()})
+        reward -= penalty  # a reply with calls is not a final answer: its reward was 0
         truncated = not terminated and self.turn >= self.max_turns
         if truncated:
             termination = "max_turns"
@@ -412,15 +426,16 @@ class ToolEnv(Env):
         }
         return obs, reward, terminated, truncated, info
 
-    def _end_on_malformed(self, records: list[dict[str, Any]]):
-        """The step's return when a malformed call ends the episode (``malformed_ends_episode``): reward 0."""
+    def _end_on_malformed(self, records: list[dict[str, Any]], reward: float):
+        """The step's return when a malformed call ends the episode (``malformed_ends_episode``): ``reward`` (0, or
+        less with ``malformed_penalty``)."""
         self.done = True
         self.metrics["episode/malformed_call"] = 1
         self._count(records, terminated=False, truncated=False)  # not a final answer
         self.tool_records.extend(copy.deepcopy(records))
         info = {"turn": self.turn, "tool_calls": records, "termination": "malformed_call",
                 "metrics": dict(self.metrics)}
-        return [], 0.0, True, False, info
+        return [], reward, True, False, info
 
     async def _read_turn(self, action: str) -> tuple[ParseResult, bool]:
         """The reply's calls and whether, having none, it is a final answer; off the event loop, timed."""

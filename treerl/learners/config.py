@@ -109,6 +109,10 @@ class LearnerConfig(EpisodeOptions):
                                                     "recovers from costs it only a turn, and malformed calls then "
                                                     "grow unchecked. The held-out evaluation keeps the environment's "
                                                     "own setting; a value in env_kwargs wins over this one.")
+    malformed_penalty: float = field_help(0.0, "In training, each malformed tool call costs its episode this much "
+                                               "reward (ToolEnv environments; success is unchanged): a reply of "
+                                               "many broken calls costs more than one. The held-out evaluation "
+                                               "keeps the environment's own setting; a value in env_kwargs wins.")
     eval_episodes: int = field_help(64, "Held-out episodes evaluated at the start and the end (0 skips).")
     eval_seed: int = field_help(10_000, "First seed of the held-out tasks (training uses seed + i).")
     eval_env_kwargs: dict[str, Any] = field_help(
@@ -206,6 +210,9 @@ class LearnerConfig(EpisodeOptions):
         if not isinstance(self.malformed_ends_episode, bool):
             raise ValueError(f"malformed_ends_episode={self.malformed_ends_episode!r} must be true or false "
                              "(--malformed-ends-episode false lets training episodes go on after an error message).")
+        if isinstance(self.malformed_penalty, bool) or not 0 <= self.malformed_penalty < float("inf"):
+            raise ValueError(f"malformed_penalty={self.malformed_penalty!r} must be a finite number >= 0 (the reward "
+                             "a malformed call costs; 0 costs nothing), e.g. --malformed-penalty 0.1.")
         if self.eval_episodes < 0 or self.save_every < 0:
             raise ValueError("eval_episodes and save_every must be >= 0 (0 skips evaluation / intermediate "
                              "checkpoints).")
@@ -221,12 +228,12 @@ class LearnerConfig(EpisodeOptions):
 
     def train_env_factory(self, env_factory: Callable[[], Any] | None = None) -> Callable[[], Any]:
         """The training episodes' environments: ``env_factory`` (default: ``make(env, **env_kwargs)``) with
-        :attr:`malformed_ends_episode` set on those that are :class:`~treerl.envs.core.ToolEnv` instances, unless
-        ``env_kwargs`` sets it."""
+        :attr:`malformed_ends_episode` and :attr:`malformed_penalty` set on those that are
+        :class:`~treerl.envs.core.ToolEnv` instances, each unless ``env_kwargs`` sets it."""
         env_factory = env_factory or self.env_factory()
-        if "malformed_ends_episode" in self.env_kwargs:
-            return env_factory
-        return functools.partial(_ending_on_malformed, env_factory, self.malformed_ends_episode)
+        settings = {k: getattr(self, k) for k in ("malformed_ends_episode", "malformed_penalty")
+                    if k not in self.env_kwargs}
+        return functools.partial(_on_malformed, env_factory, settings) if settings else env_factory
 
     def eval_env_factory(self) -> Any:
         """The held-out evaluation's environment factory: ``env_kwargs`` updated with ``eval_env_kwargs``."""
@@ -250,10 +257,11 @@ class LearnerConfig(EpisodeOptions):
         return PackingConfig(max_tokens_per_row=self.max_tokens_per_row, mode=self.pack_mode)
 
 
-def _ending_on_malformed(env_factory: Callable[[], Any], flag: bool) -> Any:
-    """``env_factory()`` with ``malformed_ends_episode=flag`` when it is a ToolEnv (a module-level function, so
-    that the factory pickles for AsyncGRPO's generator processes)."""
+def _on_malformed(env_factory: Callable[[], Any], settings: dict[str, Any]) -> Any:
+    """``env_factory()`` with ``settings`` (how malformed calls are treated) when it is a ToolEnv (a module-level
+    function, so that the factory pickles for AsyncGRPO's generator processes)."""
     env = env_factory()
     if isinstance(env, ToolEnv):
-        env.malformed_ends_episode = flag
+        for key, value in settings.items():
+            setattr(env, key, value)
     return env
