@@ -276,6 +276,8 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="The model every run starts from: a shipped model's name (tiny, tiny-reader) or a directory.")
     parser.add_argument("--copy-check-tasks", type=int, default=16, help="Tasks of the copy check (0 skips it).")
+    parser.add_argument("--preamble", type=Path, default=None,
+                        help="A Markdown file whose text opens the section (what the figures show, in words).")
     parser.add_argument("--note", default="", help="Replaces the load figures in the report's first line.")
     parser.add_argument("--also", type=Path, default=None,
                         help="Append a report of the finished runs in this earlier workdir (e.g. another scale).")
@@ -298,6 +300,8 @@ def main() -> None:
         loads.append(_load())
     check = copy_check(args.copy_check_tasks, args.model) if args.copy_check_tasks else None
     body = report(runs, args.envs, loads, args.note, check)
+    if args.preamble is not None:
+        body = args.preamble.read_text().rstrip() + "\n\n" + body
     if args.also is not None:
         earlier = _finished(args.also, args.envs, args.seeds, args.learners)
         body += "\n" + "\n".join(["### Earlier runs", "", *([args.also_note, ""] if args.also_note else []),

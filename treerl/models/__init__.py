@@ -59,7 +59,8 @@ def shipped_model_path(name: str) -> Path:
     path = SHIPPED_MODELS[name]
     missing = [f for f in _REQUIRED_FILES if not (path / f).is_file()]
     if missing:
-        how = "--p-reading 0.5 --steps 1200" if name == "tiny-reader" else ""
+        how = (f"--init-from {DEFAULT_MODEL_PATH} --p-reading 0.6 --steps 300 --lr 1e-3" if name == "tiny-reader"
+               else "")
         raise FileNotFoundError(
             f"the shipped model {name!r} is incomplete: {', '.join(missing)} missing in {path}. "
             f"Reinstall treerl, or rebuild it with `python -m treerl.models.train_tiny --out {path} --seed 0"

@@ -26,10 +26,13 @@ successful attempt at the same task and, for a share, the environment's feedback
 one; the assistant turns copy what is shown. A pretrained LLM copies a demonstration in its
 context; a model trained on Calculator episodes alone never saw one and does not, so SDPO's
 teacher (the model reading that prompt) would have nothing to teach. The other examples keep
-their deliberate imperfections, so the success without a demonstration stays where it was.
-``treerl/models/tiny-reader`` is built this way:
+their deliberate imperfections, so the success without a demonstration stays near where it was
+(tiny-reader: 25.0% over 256 held-out tasks in this script's evaluation, tiny: 18.0%).
+``treerl/models/tiny-reader`` is the shipped ``tiny`` continued this way (16 minutes on the
+loaded 2-core machine):
 
-    python -m treerl.models.train_tiny --out treerl/models/tiny-reader --seed 0 --p-reading 0.5 --steps 1200
+    python -m treerl.models.train_tiny --out treerl/models/tiny-reader --seed 0 --init-from treerl/models/tiny \\
+        --p-reading 0.6 --steps 300 --lr 1e-3
 """
 
 from __future__ import annotations
