@@ -85,7 +85,7 @@ def run_one(env: str, learner: str, seed: int, workdir: Path, extra: list[str], 
               "sdpo": {k: statistics.mean(m[k] for m in metrics if k in m) for k in
                        ("sdpo/reprompt_frac", "sdpo/demonstration_frac", "sdpo/feedback_used_frac",
                         "sdpo/no_teacher_group_frac", "sdpo/divergence", "sdpo/teacher_logp", "sdpo/student_logp",
-                        "sdpo/logp_gap_success", "sdpo/logp_gap_failure")
+                        "sdpo/logp_gap_success", "sdpo/logp_gap_failure", "sdpo/gated_frac", "sdpo/copy_gap")
                        if any(k in m for m in metrics)}}
     record.write_text(json.dumps(result))
     print(f"{env} {learner} seed {seed}: {result['start']:.1%} -> {result['end']:.1%} "
