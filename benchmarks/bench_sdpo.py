@@ -1,11 +1,11 @@
-"""SDPO vs GRPO at equal samples, from the shipped model: held-out success at the end of training.
+"""SDPO vs GRPO at equal samples, from one shipped model: held-out success at the end of training.
 
     python benchmarks/bench_sdpo.py                  # Calculator and CodeSandbox, seeds 0 and 1; writes "## SDPO vs GRPO"
     python benchmarks/bench_sdpo.py --envs treerl/Calculator-v0 --seeds 0 --no-write --workdir runs/bench-sdpo
 
-Every run is ``treerl learn [--learner sdpo ...] --env ENV --output-dir DIR --seed S`` with
-every other option at its default: 60 steps of 8 tasks x 8 generations (3,840 episodes per
-run, the same for every learner), the shipped tiny model, learning rate 2e-4, evaluation on
+Every run is ``treerl learn [--learner sdpo ...] --env ENV --model MODEL --output-dir DIR --seed S``
+with every other option at its default: 60 steps of 8 tasks x 8 generations (3,840 episodes
+per run, the same for every learner), learning rate 2e-4, evaluation on
 64 held-out episodes (task seeds 10000-10063, temperature 1.0) before and after. The learners:
 
 - ``grpo``: the default learner (``dapo`` loss);
@@ -17,7 +17,11 @@ The runs of one environment and seed follow each other (grpo, sdpo, sdpo+grpo), 
 in the machine's load hits the learners alike. Each finished run keeps its ``summary.json``
 in ``--workdir``; rerunning with the same workdir skips the finished runs.
 
-It also measures whether the shipped model can be its own teacher at all (the **copy
+``--model`` (default ``tiny-reader``) is the model every learner starts from: ``tiny-reader`` is
+the shipped tiny model's recipe with reading examples (it copies a demonstration in SDPO's
+teacher prompt, as a pretrained LLM does); ``tiny`` never saw one and cannot be a teacher.
+
+It also measures whether that model can be its own teacher at all (the **copy
 check**): Calculator tasks played with their gold actions, then the student's log-prob of
 those tokens against SDPO's teacher's, whose prompt shows an attempt with the very same
 text. A model that reads its context puts the teacher above the student.
@@ -53,14 +57,17 @@ DEFAULT_LEARNERS = ("grpo", "sdpo", "sdpo+grpo")  # the paper's ungated SDPO alo
 ENVS = ("treerl/Calculator-v0", "treerl/CodeSandbox-v0")
 
 
-def run_one(env: str, learner: str, seed: int, workdir: Path, extra: list[str]) -> dict:
+DEFAULT_MODEL = "tiny-reader"
+
+
+def run_one(env: str, learner: str, seed: int, workdir: Path, extra: list[str], model: str = DEFAULT_MODEL) -> dict:
     out = workdir / f"{env.split('/')[-1]}-{learner}-{seed}"
     record = out / "bench.json"
     if record.exists():
         return json.loads(record.read_text())
     start, load = time.monotonic(), _load()
-    cmd = [sys.executable, "-m", "treerl.cli", "learn", *LEARNERS[learner], "--env", env, "--output-dir", str(out),
-           "--seed", str(seed), "--progress", "false", *extra]
+    cmd = [sys.executable, "-m", "treerl.cli", "learn", *LEARNERS[learner], "--env", env, "--model", model,
+           "--output-dir", str(out), "--seed", str(seed), "--progress", "false", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.monotonic() - start
     if proc.returncode != 0:
@@ -68,7 +75,7 @@ def run_one(env: str, learner: str, seed: int, workdir: Path, extra: list[str]) 
     summary = json.loads((out / "summary.json").read_text())
     config = json.loads((out / "config.json").read_text())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    result = {"env": env, "learner": learner, "seed": seed, "wall_s": wall, "load": load, "load_after": _load(),
+    result = {"env": env, "learner": learner, "seed": seed, "model": model, "wall_s": wall, "load": load, "load_after": _load(),
               "commit": _commit(), "extra": extra, **{k: config[k] for k in ("steps", "tasks_per_step", "group_size",
                                                              "eval_episodes", "learning_rate")},
               "start": summary["eval_start"]["success_rate"], "end": summary["eval_end"]["success_rate"],
@@ -78,7 +85,7 @@ def run_one(env: str, learner: str, seed: int, workdir: Path, extra: list[str]) 
               "sdpo": {k: statistics.mean(m[k] for m in metrics if k in m) for k in
                        ("sdpo/reprompt_frac", "sdpo/demonstration_frac", "sdpo/feedback_used_frac",
                         "sdpo/no_teacher_group_frac", "sdpo/divergence", "sdpo/teacher_logp", "sdpo/student_logp",
-                        "sdpo/logp_gap_success", "sdpo/logp_gap_failure")
+                        "sdpo/logp_gap_success", "sdpo/logp_gap_failure", "sdpo/gated_frac", "sdpo/copy_gap")
                        if any(k in m for m in metrics)}}
     record.write_text(json.dumps(result))
     print(f"{env} {learner} seed {seed}: {result['start']:.1%} -> {result['end']:.1%} "
@@ -86,7 +93,7 @@ def run_one(env: str, learner: str, seed: int, workdir: Path, extra: list[str]) 
     return result
 
 
-def copy_check(num_tasks: int) -> dict[str, float]:
+def copy_check(num_tasks: int, model_name: str = DEFAULT_MODEL) -> dict[str, float]:
     """Student vs teacher log-prob of gold Calculator episodes when the teacher is shown the same text."""
     import asyncio
     import copy
@@ -101,10 +108,10 @@ def copy_check(num_tasks: int) -> dict[str, float]:
     from treerl.learners.sdpo import SDPOConfig, teacher_prompts
     from treerl.learners.teacher import teacher_terms
     from treerl.learners.teacher_context import TeacherPrompter
-    from treerl.models import load_default_model
+    from treerl.models import load_model
     from treerl.rollout.engine import RolloutEngine
 
-    model, tok = load_default_model()
+    model, tok = load_model(model_name)
     env = treerl.make("treerl/Calculator-v0")
     gold = {}
     for seed in range(num_tasks):
@@ -128,7 +135,7 @@ def copy_check(num_tasks: int) -> dict[str, float]:
                               device="cpu")
             student.append(out.logp_vocab[t.mask])
             teacher.append(t.logp[t.mask])
-    return {"tasks": num_tasks, "success": float(rewards.mean()), "student_logp": float(torch.cat(student).mean()),
+    return {"model": model_name, "tasks": num_tasks, "success": float(rewards.mean()), "student_logp": float(torch.cat(student).mean()),
             "teacher_logp": float(torch.cat(teacher).mean())}
 
 
@@ -166,7 +173,9 @@ def _extra(r: dict) -> list[str]:
 def _env_command(env: str, env_runs: list[dict]) -> str:
     seeds = sorted({r["seed"] for r in env_runs})
     learners = [name for name in LEARNERS if any(r["learner"] == name for r in env_runs)]
+    model = env_runs[0].get("model", "tiny")
     cmd = f"python benchmarks/bench_sdpo.py --envs {env} --seeds {' '.join(map(str, seeds))}"
+    cmd += f" --model {model}" if model != DEFAULT_MODEL else ""
     if learners != list(DEFAULT_LEARNERS):
         cmd += f" --learners {' '.join(learners)}"
     extra = _extra(env_runs[0])
@@ -182,8 +191,8 @@ def report(runs: list[dict], envs: list[str], loads: list[str], note: str = "",
         + (note or ("load not recorded" if loads[0] == "?" else
                     f"load average before the runs {loads[0]}, after {loads[-1]}")) + ").",
         "",
-        "Every run is `treerl learn [--learner sdpo [--distillation-weight 0.5]] --env ENV --output-dir DIR --seed S "
-        "[flags below]` from the shipped tiny model, every other option at its default (8 tasks x 8 generations "
+        "Every run is `treerl learn [--learner sdpo [--distillation-weight 0.5]] --env ENV --model MODEL --output-dir "
+        "DIR --seed S [flags below]` from the shipped model named below, every other option at its default (8 tasks x 8 generations "
         "per step, learning rate 2e-4, the same episodes per run for every learner). `sdpo` is distillation alone "
         "(top-k 100 with a tail, alpha 0.5, EMA teacher 0.05, IS clip 2, demonstrations and environment feedback); "
         "`sdpo+grpo` blends it half and half with GRPO's loss. Held-out success: episodes on task seeds from 10000 "
@@ -203,7 +212,7 @@ def report(runs: list[dict], envs: list[str], loads: list[str], note: str = "",
         reduced = steps != DEFAULT_STEPS or episodes != DEFAULT_EVAL_EPISODES or any(
             sorted(r["seed"] for r in env_runs if r["learner"] == learner) != [0, 1] for learner in DEFAULT_LEARNERS)
         per_run = steps * r0.get("tasks_per_step", 8) * r0.get("group_size", 8)
-        lines += [f"**{env}**: `{_env_command(env, env_runs)}`: {steps} steps = {per_run:,} episodes per run, "
+        lines += [f"**{env}**, from `{r0.get('model', 'tiny')}`: `{_env_command(env, env_runs)}`: {steps} steps = {per_run:,} episodes per run, "
                   f"seeds {', '.join(map(str, seeds))}, {episodes} held-out episodes"
                   + (" (a reduced run, not the full benchmark)." if reduced else "."), "",
                   "| learner | seed | held-out success at start | at end | gain | held-out mean reward at end | "
@@ -237,8 +246,8 @@ def report(runs: list[dict], envs: list[str], loads: list[str], note: str = "",
         lines.append("")
     if check is not None:
         lines += [f"Copy check: {check['tasks']} Calculator tasks played with their gold actions (success "
-                  f"{check['success']:.0%}); mean log-prob of those sampled tokens under the shipped model as the "
-                  f"student: {check['student_logp']:.3f}; as SDPO's teacher, whose prompt shows an attempt with the "
+                  f"{check['success']:.0%}); mean log-prob of those sampled tokens under `{check.get('model', 'tiny')}` "
+                  f"as the student: {check['student_logp']:.3f}; as SDPO's teacher, whose prompt shows an attempt with the "
                   f"very same text: {check['teacher_logp']:.3f}.", ""]
     return "\n".join(lines)
 
@@ -264,7 +273,11 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="Print without updating BENCHMARKS.md.")
     parser.add_argument("--report-only", action="store_true",
                         help="Report the finished runs in --workdir (of the given envs, seeds, learners); run nothing.")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="The model every run starts from: a shipped model's name (tiny, tiny-reader) or a directory.")
     parser.add_argument("--copy-check-tasks", type=int, default=16, help="Tasks of the copy check (0 skips it).")
+    parser.add_argument("--preamble", type=Path, default=None,
+                        help="A Markdown file whose text opens the section (what the figures show, in words).")
     parser.add_argument("--note", default="", help="Replaces the load figures in the report's first line.")
     parser.add_argument("--also", type=Path, default=None,
                         help="Append a report of the finished runs in this earlier workdir (e.g. another scale).")
@@ -282,11 +295,13 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             workdir = args.workdir or Path(tmp)
             workdir.mkdir(parents=True, exist_ok=True)
-            runs = [run_one(env, learner, seed, workdir, extra)
+            runs = [run_one(env, learner, seed, workdir, extra, args.model)
                     for env in args.envs for seed in args.seeds for learner in args.learners]
         loads.append(_load())
-    check = copy_check(args.copy_check_tasks) if args.copy_check_tasks else None
+    check = copy_check(args.copy_check_tasks, args.model) if args.copy_check_tasks else None
     body = report(runs, args.envs, loads, args.note, check)
+    if args.preamble is not None:
+        body = args.preamble.read_text().rstrip() + "\n\n" + body
     if args.also is not None:
         earlier = _finished(args.also, args.envs, args.seeds, args.learners)
         body += "\n" + "\n".join(["### Earlier runs", "", *([args.also_note, ""] if args.also_note else []),

@@ -1,8 +1,9 @@
 """Is SDPO's teacher informative? Teacher vs student log-prob of sampled tokens, by context kind.
 
-    python benchmarks/sdpo_probe.py --env treerl/Calculator-v0 --tasks 16 --group-size 8
+    python benchmarks/sdpo_probe.py --env treerl/Calculator-v0 --tasks 16 --group-size 8 [--model tiny-reader]
 
-Plays ``--tasks`` groups with the shipped model (temperature 1.0), builds SDPO's teacher
+Plays ``--tasks`` groups with the model (default the shipped ``tiny``; ``tiny-reader`` is the one
+trained to read such prompts) (temperature 1.0), builds SDPO's teacher
 prompts with the learner's defaults, and reports the mean per-token log-prob of the sampled
 tokens under the teacher minus under the student (the same weights: the step-0 EMA
 teacher), split by what the teacher was shown and whether the episode succeeded:
@@ -38,7 +39,7 @@ from treerl.learners.packing import PackingConfig, pack_groups
 from treerl.learners.sdpo import SDPOConfig
 from treerl.learners.teacher import teacher_terms
 from treerl.learners.teacher_context import TeacherPrompter
-from treerl.models import load_default_model
+from treerl.models import load_model
 from treerl.rollout.engine import RolloutEngine
 
 
@@ -61,12 +62,13 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=None, help="A shipped model's name (tiny, tiny-reader) or a directory.")
     parser.add_argument("--reprompt-template", default=None)
     parser.add_argument("--solution-template", default=None)
     parser.add_argument("--show", type=int, default=1, help="Teacher prompts to print.")
     args = parser.parse_args()
 
-    model, tok = load_default_model()
+    model, tok = load_model(args.model)
     env = treerl.make(args.env)
     policy = TransformersPolicy(model, tok)
     groups, _ = asyncio.run(RolloutEngine(policy, tok, seed=args.seed).run(
@@ -101,7 +103,7 @@ def main() -> None:
                 shown += 1
         first += len(g.episodes)
 
-    print(f"\n{args.env}: {len(groups)} groups x {args.group_size}, success {statistics.mean(rewards):.1%}")
+    print(f"\n{args.env}, model {args.model or 'tiny'}: {len(groups)} groups x {args.group_size}, success {statistics.mean(rewards):.1%}")
     print(f"{'context':28s} {'episodes':>8s} {'tokens':>7s} {'teacher':>8s} {'student':>8s} {'gap':>7s}")
     for name, which, label in (("identity", identity, None), ("self-copy", self_copy, None), ("sdpo", prompts, kinds)):
         gaps = episode_gaps(tree, groups, which, cfg.temperature)

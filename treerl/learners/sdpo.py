@@ -99,7 +99,8 @@ SDPO_CHECKS: tuple[Check, ...] = (
           "The gate turned most of SDPO's teachers off: shown a successful attempt, the teacher gives it a lower "
           "log-prob than the student (sdpo/copy_gap < --distillation-gate-margin), so this model does not read "
           "its teacher prompt. Learning comes from GRPO's share (--distillation-weight below 1); try other "
-          "--reprompt-template/--solution-template, or a model that can use its context."),
+          "--reprompt-template/--solution-template, or a model that can use its context (--model tiny-reader "
+          "instead of the shipped tiny)."),
 )
 
 

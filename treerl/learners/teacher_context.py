@@ -33,11 +33,11 @@ turns verbatim and the tool results and user turns marked as such.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from treerl.agents import reprompt
 from treerl.agents.chat import ChatRenderer
 from treerl.rollout.trajectory import Episode, Group
 
@@ -51,7 +51,6 @@ __all__ = [
     "reprompt_messages",
 ]
 
-_THINKING = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 _TRUNCATED = " [...]"
 
 
@@ -65,9 +64,9 @@ class TeacherContextConfig:
     feedback_only_without_solution: bool = False
     remove_thinking: bool = False
     max_prompt_tokens: int = 2048
-    reprompt_template: str = "{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n"
-    solution_template: str = "\nCorrect solution:\n\n{successful_previous_attempt}\n\n"
-    feedback_template: str = "\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback_raw}\n\n"
+    reprompt_template: str = reprompt.REPROMPT_TEMPLATE
+    solution_template: str = reprompt.SOLUTION_TEMPLATE
+    feedback_template: str = reprompt.FEEDBACK_TEMPLATE
 
     def __post_init__(self) -> None:
         for name, keys in (("reprompt_template", ("prompt", "solution", "feedback")),
@@ -107,24 +106,9 @@ def choose_demonstrations(rewards: Sequence[float], threshold: float) -> list[in
     return [next((j for j in successful if j != i), None) for i in range(len(rewards))]
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, list):  # content parts: keep the text ones
-        return " ".join(p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text")
-    return "" if content is None else str(content)
-
-
 def demonstration_text(episode: Episode, num_prompt_messages: int, *, remove_thinking: bool = False) -> str:
     """The episode's attempt after the prompt: assistant turns verbatim, other turns marked."""
-    lines = []
-    for message in episode.messages[num_prompt_messages:]:
-        role, text = message.get("role"), _text(message.get("content"))
-        if role == "assistant":
-            lines.append(_THINKING.sub("", text).strip() if remove_thinking else text)
-        elif role == "tool":
-            lines.append(f"[{message.get('name') or 'tool'} result] {text}")
-        else:
-            lines.append(f"[{role}] {text}")
-    return "\n".join(lines)
+    return reprompt.attempt_text(episode.messages[num_prompt_messages:], remove_thinking=remove_thinking)
 
 
 def reprompt_messages(prompt_messages: Sequence[Mapping[str, Any]], solution: str | None, feedback: str | None,
@@ -138,17 +122,9 @@ def reprompt_messages(prompt_messages: Sequence[Mapping[str, Any]], solution: st
     >>> reprompt_messages(msgs, "A", None, cfg)
     [{'role': 'system', 'content': 'S'}, {'role': 'user', 'content': 'Q?|sol=A|'}]
     """
-    solution_part = cfg.solution_template.format(successful_previous_attempt=solution) if solution is not None else ""
-    feedback_part = cfg.feedback_template.format(feedback_raw=feedback) if feedback is not None else ""
-    messages = [dict(m) for m in prompt_messages]
-    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
-    prompt = "" if last_user is None else _text(messages[last_user].get("content"))
-    reprompt = {"role": "user", "content": cfg.reprompt_template.format(prompt=prompt, solution=solution_part,
-                                                                        feedback=feedback_part)}
-    if last_user is None:
-        return [*messages, reprompt]
-    messages[last_user] = reprompt
-    return messages
+    return reprompt.reprompt_messages(prompt_messages, solution, feedback, reprompt_template=cfg.reprompt_template,
+                                      solution_template=cfg.solution_template,
+                                      feedback_template=cfg.feedback_template)
 
 
 class TeacherPrompter:

@@ -23,11 +23,20 @@ if TYPE_CHECKING:
 
 from treerl.errors import ConfigError
 
-__all__ = ["DEFAULT_MODEL_PATH", "default_model_path", "load_default_model", "load_model", "check_device",
-           "resolve_hub_id", "set_chat_template", "template_ignores_tools", "model_directory"]
+__all__ = ["DEFAULT_MODEL_PATH", "SHIPPED_MODELS", "default_model_path", "load_default_model", "load_model",
+           "check_device", "resolve_hub_id", "set_chat_template", "template_ignores_tools", "model_directory",
+           "shipped_model_path"]
 
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent / "tiny"
 """Where the shipped model lives inside the installed package."""
+
+SHIPPED_MODELS: dict[str, Path] = {
+    "tiny": DEFAULT_MODEL_PATH,
+    # The same recipe with reading examples (SDPO's teacher prompt, then a copy of the attempt it
+    # shows): a model that, like a pretrained LLM, copies a demonstration in its context.
+    "tiny-reader": DEFAULT_MODEL_PATH.parent / "tiny-reader",
+}
+"""The models treerl ships, by the name ``--model`` accepts (``--model tiny-reader``)."""
 
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -38,14 +47,33 @@ def default_model_path() -> Path:
     >>> default_model_path().name
     'tiny'
     """
-    missing = [name for name in _REQUIRED_FILES if not (DEFAULT_MODEL_PATH / name).is_file()]
+    return shipped_model_path("tiny")
+
+
+def shipped_model_path(name: str) -> Path:
+    """The directory of the shipped model ``name`` (a key of :data:`SHIPPED_MODELS`); raises if its files are missing.
+
+    >>> shipped_model_path("tiny").name
+    'tiny'
+    """
+    path = SHIPPED_MODELS[name]
+    missing = [f for f in _REQUIRED_FILES if not (path / f).is_file()]
     if missing:
+        how = (f"--init-from {DEFAULT_MODEL_PATH} --p-reading 0.6 --steps 300 --lr 1e-3" if name == "tiny-reader"
+               else "")
         raise FileNotFoundError(
-            f"the shipped tiny model is incomplete: {', '.join(missing)} missing in {DEFAULT_MODEL_PATH}. "
-            "Reinstall treerl, or rebuild it with `python -m treerl.models.train_tiny --out "
-            f"{DEFAULT_MODEL_PATH} --seed 0`."
+            f"the shipped model {name!r} is incomplete: {', '.join(missing)} missing in {path}. "
+            f"Reinstall treerl, or rebuild it with `python -m treerl.models.train_tiny --out {path} --seed 0"
+            f"{' ' + how if how else ''}`."
         )
-    return DEFAULT_MODEL_PATH
+    return path
+
+
+def _shipped(path: str | None) -> str | None:
+    """``path`` itself, or the directory of the shipped model it names (a local directory of that name wins)."""
+    if path is not None and str(path) in SHIPPED_MODELS and not Path(path).is_dir():
+        return str(shipped_model_path(str(path)))
+    return path
 
 
 def check_device(device: Any) -> None:
@@ -203,6 +231,7 @@ def model_directory(path: str | None) -> str:
     """
     if path is None:
         return str(default_model_path())
+    path = _shipped(path)
     return str(path) if Path(path).is_dir() else resolve_hub_id(path)
 
 
@@ -210,7 +239,8 @@ def load_model(path: str | None, device: Any = "cpu", *, chat_template: str | No
                chat_template_kwargs: dict[str, Any] | None = None) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
     """A transformers causal LM and its tokenizer from a local directory or a cached Hub id, offline, in eval mode.
 
-    ``None`` loads the shipped tiny model; a Hub id is found in the Hugging Face cache
+    ``None`` loads the shipped tiny model, a name of :data:`SHIPPED_MODELS` (``"tiny-reader"``)
+    that shipped model; a Hub id is found in the Hugging Face cache
     (:func:`resolve_hub_id`). A path that is not a loadable model directory
     raises :class:`~treerl.errors.ConfigError` saying what to pass instead.
 
@@ -224,6 +254,7 @@ def load_model(path: str | None, device: Any = "cpu", *, chat_template: str | No
         if chat_template is not None or chat_template_kwargs:
             set_chat_template(tokenizer, chat_template, chat_template_kwargs)
         return model, tokenizer
+    path = _shipped(path)
     if not Path(path).is_dir():
         path = resolve_hub_id(path)
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -18,6 +18,21 @@ Everything is generated here, from a seed, on a CPU, in a few minutes:
 4. The base success rate, measured like the environment does it: sample at temperature 1.0
    until ``<|im_end|>``, run the tool call, append the tool message, sample the answer,
    check the ``\\boxed{}`` value with math-verify.
+
+With ``--p-reading P`` a share P of the supervised conversations are *reading* examples
+(:func:`make_reading_episode`): the last user turn is SDPO's teacher prompt (the default
+reprompt, solution and feedback templates of :mod:`treerl.agents.reprompt`) showing a
+successful attempt at the same task and, for a share, the environment's feedback on a failed
+one; the assistant turns copy what is shown. A pretrained LLM copies a demonstration in its
+context; a model trained on Calculator episodes alone never saw one and does not, so SDPO's
+teacher (the model reading that prompt) would have nothing to teach. The other examples keep
+their deliberate imperfections, so the success without a demonstration stays near where it was
+(tiny-reader: 25.0% over 256 held-out tasks in this script's evaluation, tiny: 18.0%).
+``treerl/models/tiny-reader`` is the shipped ``tiny`` continued this way (16 minutes on the
+loaded 2-core machine):
+
+    python -m treerl.models.train_tiny --out treerl/models/tiny-reader --seed 0 --init-from treerl/models/tiny \\
+        --p-reading 0.6 --steps 300 --lr 1e-3
 """
 
 from __future__ import annotations
@@ -38,7 +53,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from treerl.agents.reprompt import attempt_text, reprompt_messages
 from treerl.envs.builtin.calculator_tasks import SYSTEM_PROMPT, CalculatorTask, calculator, sample_task
+from treerl.models.tiny_eval import run_episodes
 
 __all__ = [
     "TrainTinyConfig",
@@ -48,6 +65,8 @@ __all__ = [
     "WRONG_OPERATOR",
     "calculator_schema",
     "make_episode",
+    "make_reading_episode",
+    "sampled_attempt",
     "tokenizer_free_render",
     "train_tokenizer",
     "save_tokenizer",
@@ -98,6 +117,22 @@ class TrainTinyConfig:
     p_wrong_answer: float = 0.3
     """Share of episodes whose final ``\\boxed{}`` copies a question number instead of the tool result."""
 
+    p_reading: float = 0.0
+    """Share of training conversations that are reading examples (SDPO's teacher prompt, then a copy of what it
+    shows); 0 builds the shipped ``tiny``, 0.5 ``tiny-reader``."""
+    p_reading_feedback: float = 0.5
+    """Share of reading examples whose prompt also shows the environment's feedback on a failed attempt."""
+    p_reading_feedback_only: float = 0.2
+    """Share of reading examples that show feedback alone (no demonstration): the answer is copied from the
+    feedback, the tool call keeps the student's odds (nothing in the prompt says which call is right)."""
+    p_reading_variant: float = 0.25
+    """Share of demonstrations written in another correct form (the operands of ``a + b`` or ``a * b`` swapped),
+    so that the copy must read the demonstration rather than recall the usual form."""
+
+    init_from: str = ""
+    """Continue from the model and tokenizer in this directory (e.g. ``treerl/models/tiny``) instead of a fresh
+    tokenizer and model: the architecture flags are then ignored, and the token ids stay those of that model."""
+
     eval_episodes: int = 256
     """Held-out tasks for the base success rate at temperature 1.0."""
     eval_batch_size: int = 64
@@ -108,6 +143,9 @@ class TrainTinyConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{name}={value} is not a probability in [0, 1); set it to e.g. 0.3")
+        for name in ("p_reading", "p_reading_feedback", "p_reading_feedback_only", "p_reading_variant"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} is not a probability in [0, 1]; set it to e.g. 0.5")
         positive = ("threads", "vocab_size", "tokenizer_episodes", "hidden_size", "intermediate_size",
                     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "steps",
                     "batch_size", "eval_batch_size", "max_new_tokens", "max_position_embeddings")  # fmt: skip
@@ -286,13 +324,95 @@ def make_episode(
     return messages, boxed == task.answer
 
 
+_PERFECT = {"p_wrong_operator": 0.0, "p_distractor": 0.0, "p_wrong_answer": 0.0}
+_SWAPPABLE = re.compile(r"^(\d+) ([+*]) (\d+)$")
+
+
+def sampled_attempt(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The attempt (messages after the prompt) as a rollout records it: each assistant turn's content is the text
+    the model samples (its tool calls rendered by :data:`CHAT_TEMPLATE`), each tool message names its tool.
+
+    >>> call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}
+    >>> sampled_attempt([{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "5"}])
+    [{'role': 'assistant', 'content': '<tool_call>\\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\\n</tool_call>'}, {'role': 'tool', 'content': '5', 'name': 'calculator'}]
+    """
+    out = []
+    for message in messages:
+        if message["role"] == "assistant":
+            rendered = tokenizer_free_render([message], [])
+            start, end = "<|im_start|>assistant\n", "<|im_end|>\n"
+            assert rendered.startswith(start) and rendered.endswith(end), rendered
+            out.append({"role": "assistant", "content": rendered[len(start) : -len(end)]})
+        elif message["role"] == "tool":
+            out.append({**message, "name": "calculator"})
+        else:
+            out.append(dict(message))
+    return out
+
+
+def make_reading_episode(task: CalculatorTask, rng: np.random.Generator, config: TrainTinyConfig,
+                         answer_feedback: Any) -> tuple[list[dict[str, Any]], str]:  # fmt: skip
+    """A reading example for ``task``: SDPO's teacher prompt, then the episode that copies what it shows.
+
+    The prompt is the student's (system turn, question) with the question replaced by
+    :func:`~treerl.agents.reprompt.reprompt_messages` around a correct attempt at the same task
+    (as :func:`~treerl.agents.reprompt.attempt_text` writes a sibling's rollout) and/or the
+    environment's feedback on a failed attempt (``answer_feedback(task, completion)``, the
+    environment's own words). With a demonstration the assistant turns are the demonstration
+    itself; with feedback alone they keep the student's odds on the call and box the answer
+    the feedback names. Returns the messages and the kind (``demo``, ``demo+feedback``,
+    ``feedback``).
+    """
+    feedback_only, with_feedback, variant = rng.random(3) < (
+        config.p_reading_feedback_only, config.p_reading_feedback, config.p_reading_variant)
+    swap = _SWAPPABLE.match(task.expression)
+    shown = task
+    if variant and swap:
+        shown = dataclasses.replace(task, expression=f"{swap.group(3)} {swap.group(2)} {swap.group(1)}")
+    demo, _ = make_episode(shown, rng, dataclasses.replace(config, **_PERFECT))
+    feedback = None
+    if feedback_only or with_feedback:
+        # A failed attempt of the student's kind: more mistakes than usual so few draws are needed.
+        failing = dataclasses.replace(config, p_wrong_operator=0.5, p_wrong_answer=0.5)
+        for _ in range(1000):
+            failed, correct = make_episode(task, rng, failing)
+            if not correct:
+                break
+        feedback = answer_feedback(task, failed[-1]["content"])
+    if feedback_only:
+        target, _ = make_episode(task, rng, config)
+        target[-1] = {"role": "assistant", "content": f"The answer is \\boxed{{{task.answer}}}."}
+        solution, kind = None, "feedback"
+    else:
+        target = demo
+        solution, kind = attempt_text(sampled_attempt(demo[2:])), "demo+feedback" if feedback else "demo"
+    return [*reprompt_messages(demo[:2], solution, feedback), *target[2:]], kind
+
+
+def calculator_feedback():
+    """``(task, completion) -> feedback``: the Calculator environment's gold check on a wrong final answer."""
+    from treerl.envs.builtin.calculator import CalculatorEnv
+    from treerl.envs.core import Task
+
+    env = CalculatorEnv()
+    return lambda task, completion: env.answer_feedback(Task(prompt=task.question, answer=task.answer), completion, 0.0)
+
+
 def _episodes(rng: np.random.Generator, n: int, config: TrainTinyConfig) -> tuple[list[list[dict]], float]:
-    conversations, num_correct = [], 0
+    """``n`` conversations (a share ``p_reading`` of them reading examples) and the share of student ones that
+    are right."""
+    conversations, num_correct, num_student = [], 0, 0
+    answer_feedback = calculator_feedback() if config.p_reading else None
     for _ in range(n):
-        messages, correct = make_episode(sample_task(rng), rng, config)
+        task = sample_task(rng)
+        if config.p_reading and rng.random() < config.p_reading:
+            conversations.append(make_reading_episode(task, rng, config, answer_feedback)[0])
+            continue
+        messages, correct = make_episode(task, rng, config)
         conversations.append(messages)
         num_correct += correct
-    return conversations, num_correct / max(n, 1)
+        num_student += 1
+    return conversations, num_correct / max(num_student, 1)
 
 
 # --- tokenizer ----------------------------------------------------------------------------
@@ -485,77 +605,6 @@ def train_model(model, batches: Sequence[dict[str, torch.Tensor]], config: Train
     model.eval()
 
 
-# --- measuring the base success rate ------------------------------------------------------
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def _tool_message(text: str) -> str | None:
-    """The tool message for an assistant turn's calls, or None when the turn has no call."""
-    calls = _TOOL_CALL.findall(text)
-    if not calls:
-        return None
-    try:
-        call = json.loads(calls[0])
-        if call.get("name") != "calculator":
-            return f"Error: unknown tool {call.get('name')!r}"
-        return calculator(call["arguments"]["expression"])
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        return f"Error: {error}"
-
-
-def _is_correct(final_text: str, answer: str) -> bool:
-    from math_verify import parse, verify
-
-    return bool(verify(parse(f"${answer}$"), parse(final_text)))
-
-
-@torch.no_grad()
-def run_episodes(
-    model, tokenizer, tasks: Sequence[CalculatorTask], tools: list[dict], *, temperature: float = 1.0,
-    max_turns: int = 4, max_new_tokens: int = 64, batch_size: int = 64,
-) -> list[tuple[list[dict], bool]]:  # fmt: skip
-    """Play Calculator episodes by sampling (as the environment does) and score them.
-
-    Each turn samples from the full distribution at ``temperature`` until ``<|im_end|>``; a
-    turn with a tool call gets the tool's result (or error) and another turn, up to
-    ``max_turns``; a turn without one is the final answer, checked with math-verify.
-    """
-    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    results: list[tuple[list[dict], bool]] = []
-    for first in range(0, len(tasks), batch_size):
-        chunk = tasks[first : first + batch_size]
-        conversations = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": t.question}] for t in chunk]
-        correct = [False] * len(chunk)
-        active = list(range(len(chunk)))
-        for _turn in range(max_turns):
-            if not active:
-                break
-            prompts = [tokenizer.apply_chat_template(conversations[i], tools=tools, tokenize=False,
-                                                     add_generation_prompt=True) for i in active]  # fmt: skip
-            batch = tokenizer(prompts, add_special_tokens=False, return_tensors="pt", padding=True, padding_side="left")
-            output = model.generate(
-                **batch, do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-                eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
-            )  # fmt: skip
-            still_active = []
-            for row, i in enumerate(active):
-                new = output[row, batch["input_ids"].shape[1] :].tolist()
-                text = tokenizer.decode([t for t in new if t not in eos_ids], skip_special_tokens=False)
-                # The sampled text, calls included, becomes the turn's content verbatim, so
-                # the next prompt is this prompt plus what was sampled plus template glue.
-                conversations[i].append({"role": "assistant", "content": text})
-                tool_content = _tool_message(text)
-                if tool_content is None:
-                    correct[i] = _is_correct(text, chunk[i].answer)
-                    continue
-                conversations[i].append({"role": "tool", "content": tool_content})
-                still_active.append(i)
-            active = still_active
-        results.extend(zip(conversations, correct))
-    return results
-
-
 # --- entry point --------------------------------------------------------------------------
 
 
@@ -580,14 +629,21 @@ def main(argv: Sequence[str] | None = None) -> float:
     tok_rng, train_rng, eval_rng = (np.random.default_rng([config.seed, i]) for i in range(3))
     tools = [calculator_schema()]
 
-    tok_conversations, _ = _episodes(tok_rng, config.tokenizer_episodes, config)
-    tokenizer = train_tokenizer(
-        [tokenizer_free_render(c, tools) for c in tok_conversations], config.vocab_size
-    )
+    if config.init_from:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.init_from, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(config.init_from, local_files_only=True, dtype="float32")
+    else:
+        # The tokenizer sees student episodes only, so reading examples leave it (and every token id) unchanged.
+        tok_conversations, _ = _episodes(tok_rng, config.tokenizer_episodes, dataclasses.replace(config, p_reading=0))
+        tokenizer = train_tokenizer([tokenizer_free_render(c, tools) for c in tok_conversations], config.vocab_size)
+        model = build_model(tokenizer, config)
     conversations, share_correct = _episodes(train_rng, config.steps * config.batch_size, config)
     examples = encode_conversations(tokenizer, conversations, tools)
     lengths = [len(ids) for ids, _ in examples]
-    print(f"data: {len(examples)} episodes, {share_correct:.1%} fully correct, "
+    print(f"data: {len(examples)} episodes ({config.p_reading:.0%} reading), {share_correct:.1%} of student ones "
+          "fully correct, "
           f"tokens per episode mean {np.mean(lengths):.0f} max {max(lengths)}; "
           f"vocab {len(tokenizer)}; {time.perf_counter() - t0:.1f}s", flush=True)  # fmt: skip
     prefix_len = shared_prefix_length(examples)
@@ -596,7 +652,6 @@ def main(argv: Sequence[str] | None = None) -> float:
         for i in range(0, len(examples), config.batch_size)
     ]
 
-    model = build_model(tokenizer, config)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
     train_model(model, batches, config)
     print(f"trained in {time.perf_counter() - t0:.1f}s", flush=True)
