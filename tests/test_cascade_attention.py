@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_transformers_policy import VOCAB, tiny_model
+from test_transformers_policy import VOCAB, one_thread, tiny_model  # noqa: F401 (one_thread: autouse)
 
 from treerl.agents import cascade
 from treerl.agents.cascade import CascadeState, cascade_attend, cascade_unsupported
@@ -18,14 +18,6 @@ from treerl.agents.transformers_policy import TransformersPolicy, _weight_statio
 PREFIX = [(13 + 7 * i) % (VOCAB - 10) + 10 for i in range(80)]
 # The tiny model's layers hold 2 kv heads of 16: keep a prefix once from 4 rows of 64 tokens.
 MIN_KV = 4 * 64 * 2 * 16
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

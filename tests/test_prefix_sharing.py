@@ -8,20 +8,12 @@ import asyncio
 import pytest
 import torch
 
-from test_transformers_policy import VOCAB, TokenCounter, tiny_model
+from test_transformers_policy import VOCAB, TokenCounter, one_thread, tiny_model  # noqa: F401 (one_thread: autouse)
 
 from treerl.agents.policy import GenerationRequest, SamplingParams
 from treerl.agents.transformers_policy import TransformersPolicy
 
 SYSTEM = [(11 + 5 * i) % (VOCAB - 10) + 10 for i in range(40)]  # a 40-token "system prompt"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
