@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -225,14 +223,13 @@ def test_a_generator_samples_with_vllm_where_installed(tmp_path, monkeypatch):
     """The vLLM engine in a generator (here the fake engine of test_vllm_policy: no GPU needed)."""
     import asyncio
 
+    from _vllm_fake_engine import install_fake_vllm
     from test_vllm_policy import FakeLLM
 
     from treerl.learners.async_buffer import Ticket
     from treerl.learners.async_generator import GeneratorCore, GeneratorSpec
 
-    module = type(sys)("vllm")
-    module.LLM, module.SamplingParams = FakeLLM, lambda **kwargs: SimpleNamespace(**kwargs)
-    monkeypatch.setitem(sys.modules, "vllm", module)
+    install_fake_vllm(monkeypatch, FakeLLM)
     cfg = AsyncGRPOConfig(output_dir=str(tmp_path), **SMALL, generator_policy="vllm")
     spec = GeneratorSpec(cfg=cfg, max_staleness=0, sampling=cfg.sampling_overrides(), policy="vllm")
     core = GeneratorCore(spec, generator_id=0)
@@ -244,7 +241,7 @@ def test_a_generator_samples_with_vllm_where_installed(tmp_path, monkeypatch):
 
     oldest, newest, payload = asyncio.run(play())
     core.close()
-    assert (oldest, newest) == (3, 3) and core.policy.llm.rpc, "the weights reached the engine's workers"
+    assert (oldest, newest) == (3, 3) and core.policy.llm.loaded, "the weights reached the engine's workers"
     assert '"top_logprobs"' in payload and '"generator":0' in payload
 
 
