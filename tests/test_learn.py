@@ -127,6 +127,7 @@ def test_learn_cli_reads_yaml_config_and_flags_override(tmp_path):
     assert r.returncode != 0 and "stepz" in r.stderr
 
 
+@pytest.mark.slow  # kill-and-resume: the slow pass of CI runs it
 def test_killed_run_resumes_to_the_same_weights(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = ["--steps", "6", "--tasks-per-step", "2", "--group-size", "4", "--max-new-tokens", "32",

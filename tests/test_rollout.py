@@ -188,6 +188,7 @@ def test_rollout_cli_bad_input_exits_with_a_message(tmp_path):
     assert r.returncode != 0 and "group-size" in r.stderr
 
 
+@pytest.mark.slow  # kill-and-resume: the slow pass of CI runs it
 def test_rollout_killed_with_sigkill_resumes_without_duplicates(tmp_path):
     out = tmp_path / "r.jsonl"
     args = ["rollout", "--num-tasks", "6", "--group-size", "2", "--out", str(out), "--max-concurrency", "2",
