@@ -38,3 +38,30 @@ class LargestAllocation(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.numel() > self.max_numel:
                 self.max_numel, self.worst_op = t.numel(), str(func)
         return result
+
+
+def processed_forward(model, prompt: list[int], token_ids: list[int], params):
+    """The processed distribution each of ``token_ids`` was drawn from, by one forward of ``model``
+    over the prompt and the sampled tokens (the independent reference for a policy's records)."""
+    from treerl.agents.sampling import process_logits
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
+    return process_logits(logits, params)
+
+
+def assert_drawn_from(generation, processed, *, abs_tol: float, ordered: bool) -> None:
+    """A generation's log-probs and candidate sets are those of ``processed`` (its candidates in the
+    same order when ``ordered``, else as sets)."""
+    import pytest
+
+    from treerl.agents.sampling import candidate_lists
+
+    want = candidate_lists(processed)
+    if ordered:
+        assert generation.candidates == want
+    for t, token in enumerate(generation.token_ids):
+        ids = processed.candidate_ids[t].tolist()
+        assert generation.logprobs[t] == pytest.approx(processed.logprobs[t, ids.index(token)].item(), abs=abs_tol)
+        if not ordered:
+            assert set(generation.candidates[t]) == set(want[t])

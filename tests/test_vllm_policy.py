@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import _vllm_fake_engine as _fake
 import pytest
 import torch
+from _helpers import assert_drawn_from, processed_forward
 from _vllm_fake_engine import install_fake_vllm, lp
 
 from treerl.agents.policy import GenerationRequest, Policy, SamplingParams
@@ -145,12 +146,4 @@ def test_real_engine_logprobs_match_a_transformers_forward(tmp_path):
     params = SamplingParams(top_k=20, top_p=0.9, max_new_tokens=8)
     prompt = list(range(10, 20))
     g = policy.generate([GenerationRequest(prompt, params, seed=0)])[0]
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + g.token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
-    from treerl.agents.sampling import candidate_lists, process_logits
-
-    processed = process_logits(logits, params)
-    for t, token in enumerate(g.token_ids):
-        ids = processed.candidate_ids[t].tolist()
-        assert g.logprobs[t] == pytest.approx(processed.logprobs[t, ids.index(token)].item(), abs=1e-3)
-        assert set(g.candidates[t]) == set(candidate_lists(processed)[t])
+    assert_drawn_from(g, processed_forward(model, prompt, g.token_ids, params), abs_tol=1e-3, ordered=False)

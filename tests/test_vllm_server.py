@@ -17,10 +17,10 @@ import urllib.request
 
 import pytest
 import torch
+from _helpers import assert_drawn_from, processed_forward
 from _vllm_fake_server import FakeVLLMServer
 
 from treerl.agents.policy import GenerationRequest, SamplingParams
-from treerl.agents.sampling import candidate_lists, process_logits
 from treerl.agents.transformers_policy import TransformersPolicy
 from treerl.agents.vllm_server_policy import VLLMServerError, VLLMServerPolicy, completion_to_generation
 from treerl.learners.grpo import GRPOConfig, train
@@ -96,18 +96,13 @@ def test_tokens_logprobs_and_candidates_cross_http_exactly(tmp_path):
             (w.token_ids, w.logprobs, w.candidates, w.finish_reason)
     # And against an independent forward: the processed distribution each token was drawn from.
     for request, g in zip(requests, got):
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + g.token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
-        processed = process_logits(logits, request.params)
+        processed = processed_forward(model, prompt, g.token_ids, request.params)
         if request.params.top_k is None:
             assert g.candidates is None
             assert g.logprobs == pytest.approx(processed.logprobs.gather(
                 1, torch.tensor(g.token_ids)[:, None])[:, 0].tolist(), abs=1e-5)
             continue
-        assert g.candidates == candidate_lists(processed)
-        for t, token in enumerate(g.token_ids):
-            ids = processed.candidate_ids[t].tolist()
-            assert g.logprobs[t] == pytest.approx(processed.logprobs[t, ids.index(token)].item(), abs=1e-5)
+        assert_drawn_from(g, processed, abs_tol=1e-5, ordered=True)
 
 
 def test_learn_pushes_weights_after_each_step_and_records_the_new_version(tmp_path):
@@ -310,13 +305,7 @@ def test_real_server_logprobs_and_candidates_match_a_transformers_forward(real_s
     params = SamplingParams(top_k=20, top_p=0.9, max_new_tokens=16)
     g = policy.generate([GenerationRequest(prompt, params, seed=0)])[0]
     policy.close()
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + g.token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
-    processed = process_logits(logits, params)
-    for t, token in enumerate(g.token_ids):
-        ids = processed.candidate_ids[t].tolist()
-        assert g.logprobs[t] == pytest.approx(processed.logprobs[t, ids.index(token)].item(), abs=1e-3)
-        assert set(g.candidates[t]) == set(candidate_lists(processed)[t])
+    assert_drawn_from(g, processed_forward(model, prompt, g.token_ids, params), abs_tol=1e-3, ordered=False)
 
 
 @pytest.mark.skipif(NO_GPU_OR_VLLM is not None, reason=str(NO_GPU_OR_VLLM))
