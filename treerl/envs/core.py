@@ -381,8 +381,9 @@ class ToolEnv(Env):
         for err in parsed.errors:  # calls the model attempted but wrote badly
             records.append({"name": err.tool_name, "arguments": None, "error": err.kind.value, "message": err.message})
             obs.append({"role": "tool", "content": err.message})
-        penalty = self.malformed_penalty * sum(e.kind is ToolErrorKind.MALFORMED for e in parsed.errors)
-        if self.malformed_ends_episode and any(e.kind is ToolErrorKind.MALFORMED for e in parsed.errors):
+        malformed = sum(e.kind is ToolErrorKind.MALFORMED for e in parsed.errors)
+        penalty = self.malformed_penalty * malformed
+        if self.malformed_ends_episode and malformed:
             return self._end_on_malformed(records, 0.0 - penalty)  # not -0.0 when there is no penalty
         results: list[ToolResult] = await asyncio.gather(*(run_tool_call(c, self._tool_map) for c in parsed.calls))
         for res in results:
