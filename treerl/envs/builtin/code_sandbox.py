@@ -4,6 +4,13 @@ The model may try code with the ``run_python`` tool, which runs it in the sandbo
 (:mod:`treerl.envs.sandbox`: separate process, time/memory/process limits, private working
 directory, no network). Its final answer is a reply with a fenced ```python block and no
 tool call; the reward is the fraction of the task's hidden unit tests that pass.
+
+Tasks come from a JSONL file (the shipped dozen by default) or, with ``tasks="word-problems"``,
+are generated from the seed: Calculator's word problems (:mod:`~treerl.envs.builtin.calculator_tasks`)
+as "write ``solve()``" tasks whose hidden test compares against the reference expression
+(``assert solve() == 12 + 7``), so a failed test's feedback shows what was expected, as
+tests written against a reference implementation do. Unlimited held-out tasks for learning
+benchmarks, at a difficulty the shipped ``tiny-coder`` model can learn.
 """
 
 from __future__ import annotations
@@ -13,6 +20,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
+from treerl.envs.builtin.calculator_tasks import sample_task
 from treerl.envs.builtin.math_verify import load_rows
 from treerl.envs.core import Task, ToolEnv
 from treerl.errors import ToolCallError, ToolErrorKind, ToolTimeout
@@ -21,12 +31,36 @@ from treerl.envs.sandbox import SandboxErrorKind, SandboxLimits, run_python
 from treerl.envs.tools import Tool, tool
 from treerl.envs.verifiers import UnitTestReport, unit_test_results
 
-__all__ = ["CodeSandboxEnv", "make_run_python_tool", "extract_code"]
+__all__ = ["CodeSandboxEnv", "make_run_python_tool", "extract_code", "word_problem_task", "unit_test_feedback",
+           "TASK_SOURCES"]
 
 _MAX_FAILED_TESTS = 3
 """Failed tests the feedback shows: enough to point at the mistake, short enough to read."""
 
 _CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+TASK_SOURCES = ("file", "word-problems")
+"""Where ``CodeSandboxEnv`` takes its tasks from: a JSONL file of rows, or generated word problems."""
+
+WORD_PROBLEM_PROMPT = "Write a function `solve()` that returns the answer to this problem, computed from its numbers: {question}"
+
+
+def word_problem_task(rng: np.random.Generator) -> Task:
+    """A Calculator word problem as a code task: ``solve()`` must return its value.
+
+    The hidden test compares with the reference expression, so its failure names it.
+
+    >>> task = word_problem_task(np.random.default_rng(0))
+    >>> task.info["tests"] == [f"assert solve() == {task.info['expression']}"]
+    True
+    >>> task.info["solution"] == f"def solve():\\n    return {task.info['expression']}"
+    True
+    """
+    t = sample_task(rng)
+    info = {"tests": [f"assert solve() == {t.expression}"], "solution": f"def solve():\n    return {t.expression}",
+            "expression": t.expression}
+    return Task(prompt=WORD_PROBLEM_PROMPT.format(question=t.question), answer=None, info=info)
 
 
 def extract_code(text: str) -> str | None:
@@ -65,6 +99,21 @@ def make_run_python_tool(limits: SandboxLimits) -> Tool:
     return tool(run_python_tool, name="run_python", timeout=limits.timeout_s + 10.0)
 
 
+def unit_test_feedback(tests: Sequence[str], report: UnitTestReport) -> str:
+    """The feedback on a failed final answer: which tests failed (the first few) and what they raised.
+
+    >>> print(unit_test_feedback(["assert f() == 1", "assert f() == 2"], UnitTestReport([True, False], [None, "AssertionError"])))
+    The final code passed 1 of 2 tests. Failed tests:
+    - `assert f() == 2` raised AssertionError
+    """
+    if report.code_error is not None:
+        return f"Running the final code raised {report.code_error}, so none of the tests ran."
+    failed = [(test, error) for test, ok, error in zip(tests, report.passed, report.errors) if not ok]
+    lines = [f"- `{test}` raised {error}" for test, error in failed[:_MAX_FAILED_TESTS]]
+    more = f" (the first {_MAX_FAILED_TESTS})" if len(failed) > _MAX_FAILED_TESTS else ""
+    return f"The final code passed {sum(report.passed)} of {len(report.passed)} tests. Failed tests{more}:\n" + "\n".join(lines)
+
+
 class CodeSandboxEnv(ToolEnv):
     """Write a function; hidden unit tests decide the reward.
 
@@ -73,6 +122,8 @@ class CodeSandboxEnv(ToolEnv):
             ``solution`` (for ``validate()``) and ``id``. Defaults to the shipped tasks.
         dataset: Rows instead of a file.
         limits: Sandbox limits for the tool and the hidden tests.
+        tasks: ``"file"`` (the rows of ``data_path``/``dataset``, the shipped tasks by default) or
+            ``"word-problems"`` (generated from the seed by :func:`word_problem_task`).
     """
 
     description = "Write a Python function; a sandboxed run_python tool; reward = fraction of hidden unit tests passed."
@@ -87,13 +138,22 @@ class CodeSandboxEnv(ToolEnv):
         data_path: str | os.PathLike | None = None,
         dataset: Sequence[Mapping[str, Any]] | None = None,
         limits: SandboxLimits | None = None,
+        tasks: str = "file",
         **kwargs: Any,
     ):
-        dataset = load_rows(data_path, dataset, "code_tasks.jsonl")
+        if tasks not in TASK_SOURCES:
+            raise ValueError(f"tasks={tasks!r} is not one of {TASK_SOURCES}; use 'word-problems' for generated tasks.")
+        if tasks == "word-problems" and (data_path is not None or dataset is not None):
+            raise ValueError("tasks='word-problems' generates its tasks; drop data_path/dataset, or use tasks='file'.")
+        rows = None
+        if tasks == "file":
+            rows = [self._row(r, i) for i, r in enumerate(load_rows(data_path, dataset, "code_tasks.jsonl"))]
         self.limits = limits or SandboxLimits()
-        rows = [self._row(r, i) for i, r in enumerate(dataset)]
         kwargs.setdefault("max_turns", 4)
         super().__init__(tools=[make_run_python_tool(self.limits)], dataset=rows, **kwargs)
+
+    def sample_task(self, rng: np.random.Generator) -> Task:
+        return word_problem_task(rng)
 
     @staticmethod
     def _row(row: Mapping[str, Any], index: int) -> Task:
@@ -118,13 +178,7 @@ class CodeSandboxEnv(ToolEnv):
         report: UnitTestReport | None = getattr(self, "test_report", None)
         if report is None or reward >= self.max_reward:
             return None
-        if report.code_error is not None:
-            return f"Running the final code raised {report.code_error}, so none of the tests ran."
-        failed = [(test, error) for test, ok, error in zip(task.info["tests"], report.passed, report.errors) if not ok]
-        lines = [f"- `{test}` raised {error}" for test, error in failed[:_MAX_FAILED_TESTS]]
-        more = f" (the first {_MAX_FAILED_TESTS})" if len(failed) > _MAX_FAILED_TESTS else ""
-        return (f"The final code passed {sum(report.passed)} of {len(report.passed)} tests. "
-                f"Failed tests{more}:\n" + "\n".join(lines))
+        return unit_test_feedback(task.info["tests"], report)
 
     def gold_actions(self, task: Task) -> list[str]:
         solution = task.info.get("solution")
