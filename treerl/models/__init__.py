@@ -35,6 +35,9 @@ SHIPPED_MODELS: dict[str, Path] = {
     # The same recipe with reading examples (SDPO's teacher prompt, then a copy of the attempt it
     # shows): a model that, like a pretrained LLM, copies a demonstration in its context.
     "tiny-reader": DEFAULT_MODEL_PATH.parent / "tiny-reader",
+    # tiny-reader continued on CodeSandbox word problems (write solve(), imperfect) with reading
+    # examples that use a sibling's code or the failed test's reference expression.
+    "tiny-coder": DEFAULT_MODEL_PATH.parent / "tiny-coder",
 }
 """The models treerl ships, by the name ``--model`` accepts (``--model tiny-reader``)."""
 

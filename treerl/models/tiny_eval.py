@@ -13,11 +13,12 @@ from collections.abc import Sequence
 
 import torch
 
-from treerl.envs.builtin.calculator_tasks import SYSTEM_PROMPT, CalculatorTask, calculator
+from treerl.envs.builtin.calculator_tasks import SYSTEM_PROMPT, CalculatorTask, calculator, evaluate_expression
 
-__all__ = ["run_episodes"]
+__all__ = ["run_episodes", "run_code_episodes"]
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_SOLVE = re.compile(r"```python\ndef solve\(\):\n    return ([^\n]*)\n```$")
 
 
 def _tool_message(text: str) -> str | None:
@@ -83,4 +84,43 @@ def run_episodes(
                 still_active.append(i)
             active = still_active
         results.extend(zip(conversations, correct))
+    return results
+
+
+def _solves(reply: str, answer: str) -> bool:
+    """Whether ``reply`` is a ``solve()`` returning an expression worth ``answer``.
+
+    The same verdict as CodeSandbox's hidden test for the replies the tiny coder writes (one
+    ``return`` of an arithmetic expression), computed here without the sandbox.
+    """
+    match = _SOLVE.search(reply.strip())
+    if match is None:
+        return False
+    try:
+        return evaluate_expression(match.group(1)) == evaluate_expression(answer)
+    except ValueError:
+        return False
+
+
+@torch.no_grad()
+def run_code_episodes(
+    model, tokenizer, prompts: Sequence[list[dict]], tasks: Sequence[CalculatorTask], tools: list[dict], *,
+    temperature: float = 1.0, max_new_tokens: int = 64, batch_size: int = 64,
+) -> list[tuple[list[dict], bool]]:  # fmt: skip
+    """Sample one reply per word-problem code task (``prompts[i]`` poses ``tasks[i]``) and grade it."""
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    results: list[tuple[list[dict], bool]] = []
+    for first in range(0, len(tasks), batch_size):
+        chunk = list(range(first, min(first + batch_size, len(tasks))))
+        texts = [tokenizer.apply_chat_template(prompts[i], tools=tools, tokenize=False, add_generation_prompt=True)
+                 for i in chunk]
+        batch = tokenizer(texts, add_special_tokens=False, return_tensors="pt", padding=True, padding_side="left")
+        output = model.generate(
+            **batch, do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+            eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+        for row, i in enumerate(chunk):
+            new = output[row, batch["input_ids"].shape[1] :].tolist()
+            reply = tokenizer.decode([t for t in new if t not in eos_ids], skip_special_tokens=False)
+            results.append(([*prompts[i], {"role": "assistant", "content": reply}], _solves(reply, tasks[i].answer)))
     return results

@@ -55,7 +55,7 @@ import torch
 
 from treerl.agents.reprompt import attempt_text, reprompt_messages
 from treerl.envs.builtin.calculator_tasks import SYSTEM_PROMPT, CalculatorTask, calculator, sample_task
-from treerl.models.tiny_eval import run_episodes
+from treerl.models.tiny_eval import run_code_episodes, run_episodes
 
 __all__ = [
     "TrainTinyConfig",
@@ -66,6 +66,12 @@ __all__ = [
     "calculator_schema",
     "make_episode",
     "make_reading_episode",
+    "make_code_episode",
+    "make_code_reading_episode",
+    "code_feedback",
+    "code_prompt",
+    "code_reply",
+    "code_schema",
     "sampled_attempt",
     "tokenizer_free_render",
     "train_tokenizer",
@@ -77,6 +83,10 @@ __all__ = [
     "run_episodes",
     "main",
 ]
+
+
+TASKS = ("calculator", "code")
+"""What the tiny model is trained to do (``--task``)."""
 
 
 @dataclass
@@ -129,6 +139,10 @@ class TrainTinyConfig:
     """Share of demonstrations written in another correct form (the operands of ``a + b`` or ``a * b`` swapped),
     so that the copy must read the demonstration rather than recall the usual form."""
 
+    task: str = "calculator"
+    """``calculator`` (Calculator episodes with a tool call; ``tiny``, ``tiny-reader``) or ``code``
+    (CodeSandbox word-problem tasks answered with a ``solve()`` function; ``tiny-coder``)."""
+
     init_from: str = ""
     """Continue from the model and tokenizer in this directory (e.g. ``treerl/models/tiny``) instead of a fresh
     tokenizer and model: the architecture flags are then ignored, and the token ids stay those of that model."""
@@ -152,6 +166,8 @@ class TrainTinyConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.task not in TASKS:
+            raise ValueError(f"task={self.task!r} is not one of {TASKS}")
         if self.eval_episodes < 0 or self.warmup_steps < 0:
             raise ValueError("eval_episodes and warmup_steps must be >= 0 (0 skips the evaluation / warmup)")
         if self.hidden_size % self.num_attention_heads:
@@ -398,17 +414,97 @@ def calculator_feedback():
     return lambda task, completion: env.answer_feedback(Task(prompt=task.question, answer=task.answer), completion, 0.0)
 
 
+# --- code episodes (``--task code``: CodeSandbox word problems, ``tiny-coder``) ---------------
+
+
+def code_reply(expression: str) -> str:
+    """The final answer to a word-problem code task: a ``solve()`` returning ``expression`` in a fenced block."""
+    return f"```python\ndef solve():\n    return {expression}\n```"
+
+
+def code_prompt(task: CalculatorTask) -> list[dict[str, Any]]:
+    """The student's prompt for ``task`` as ``treerl/CodeSandbox-v0`` with ``tasks="word-problems"`` poses it."""
+    from treerl.envs.builtin.code_sandbox import WORD_PROBLEM_PROMPT, CodeSandboxEnv
+
+    return [{"role": "system", "content": CodeSandboxEnv.system_prompt},
+            {"role": "user", "content": WORD_PROBLEM_PROMPT.format(question=task.question)}]
+
+
+def code_schema() -> dict[str, Any]:
+    """The ``run_python`` tool's schema exactly as CodeSandbox offers it."""
+    from treerl.envs.builtin.code_sandbox import make_run_python_tool
+    from treerl.envs.sandbox import SandboxLimits
+
+    return make_run_python_tool(SandboxLimits()).schema
+
+
+def make_code_episode(task: CalculatorTask, rng: np.random.Generator,
+                      config: TrainTinyConfig) -> tuple[list[dict[str, Any]], bool]:  # fmt: skip
+    """One supervised code conversation: the prompt, then ``solve()`` returning an imperfect expression.
+
+    The expression is the one :func:`make_episode` would pass to the calculator (the same operator
+    and operand mistakes at the config's odds); it is right when it evaluates to the answer, which
+    is what the hidden test ``assert solve() == <reference expression>`` checks.
+
+    >>> task = CalculatorTask("Ana has 12 apples and buys 7 more. How many?", "12 + 7", "19")
+    >>> messages, correct = make_code_episode(task, np.random.default_rng(0), TrainTinyConfig(**_PERFECT))
+    >>> print(messages[-1]["content"]); correct
+    ```python
+    def solve():
+        return 12 + 7
+    ```
+    True
+    """
+    calculator_messages, _ = make_episode(task, rng, config)
+    expression = calculator_messages[2]["tool_calls"][0]["function"]["arguments"]["expression"]
+    return [*code_prompt(task), {"role": "assistant", "content": code_reply(expression)}], calculator(expression) == task.answer
+
+
+def code_feedback(task: CalculatorTask) -> str:
+    """CodeSandbox's feedback on a wrong ``solve()`` for ``task``: the hidden test, which names the reference."""
+    from treerl.envs.builtin.code_sandbox import unit_test_feedback
+    from treerl.envs.verifiers import UnitTestReport
+
+    return unit_test_feedback([f"assert solve() == {task.expression}"], UnitTestReport([False], ["AssertionError"]))
+
+
+def make_code_reading_episode(task: CalculatorTask, rng: np.random.Generator,
+                              config: TrainTinyConfig) -> tuple[list[dict[str, Any]], str]:  # fmt: skip
+    """A reading example for a code task: SDPO's teacher prompt, then the reply that uses what it shows.
+
+    As :func:`make_reading_episode`: a demonstration (a correct sibling's reply, for a share with its
+    operands swapped), and/or the environment's feedback on a failed attempt. The failed test names
+    the reference expression, so with feedback alone the reply writes that expression; with a
+    demonstration it copies the demonstration. Returns the messages and the kind.
+    """
+    feedback_only, with_feedback, variant = rng.random(3) < (
+        config.p_reading_feedback_only, config.p_reading_feedback, config.p_reading_variant)
+    swap = _SWAPPABLE.match(task.expression)
+    shown = f"{swap.group(3)} {swap.group(2)} {swap.group(1)}" if variant and swap else task.expression
+    feedback = code_feedback(task) if feedback_only or with_feedback else None
+    prompt = code_prompt(task)
+    if feedback_only:
+        return [*reprompt_messages(prompt, None, feedback), {"role": "assistant", "content": code_reply(task.expression)}], "feedback"
+    reply = code_reply(shown)
+    kind = "demo+feedback" if feedback else "demo"
+    return [*reprompt_messages(prompt, reply, feedback), {"role": "assistant", "content": reply}], kind
+
+
 def _episodes(rng: np.random.Generator, n: int, config: TrainTinyConfig) -> tuple[list[list[dict]], float]:
     """``n`` conversations (a share ``p_reading`` of them reading examples) and the share of student ones that
     are right."""
     conversations, num_correct, num_student = [], 0, 0
-    answer_feedback = calculator_feedback() if config.p_reading else None
+    code = config.task == "code"
+    answer_feedback = calculator_feedback() if config.p_reading and not code else None
     for _ in range(n):
         task = sample_task(rng)
         if config.p_reading and rng.random() < config.p_reading:
-            conversations.append(make_reading_episode(task, rng, config, answer_feedback)[0])
+            if code:
+                conversations.append(make_code_reading_episode(task, rng, config)[0])
+            else:
+                conversations.append(make_reading_episode(task, rng, config, answer_feedback)[0])
             continue
-        messages, correct = make_episode(task, rng, config)
+        messages, correct = (make_code_episode if code else make_episode)(task, rng, config)
         conversations.append(messages)
         num_correct += correct
         num_student += 1
@@ -627,7 +723,7 @@ def main(argv: Sequence[str] | None = None) -> float:
     torch.manual_seed(config.seed)
     # Separate streams so that changing one stage's size leaves the others' data unchanged.
     tok_rng, train_rng, eval_rng = (np.random.default_rng([config.seed, i]) for i in range(3))
-    tools = [calculator_schema()]
+    tools = [code_schema() if config.task == "code" else calculator_schema()]
 
     if config.init_from:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -669,8 +765,12 @@ def main(argv: Sequence[str] | None = None) -> float:
     rate = float("nan")
     if config.eval_episodes:
         tasks = [sample_task(eval_rng) for _ in range(config.eval_episodes)]
-        results = run_episodes(model, tokenizer, tasks, tools, batch_size=config.eval_batch_size,
-                               max_new_tokens=config.max_new_tokens)  # fmt: skip
+        if config.task == "code":
+            results = run_code_episodes(model, tokenizer, [code_prompt(t) for t in tasks], tasks, tools,
+                                        batch_size=config.eval_batch_size)  # fmt: skip
+        else:
+            results = run_episodes(model, tokenizer, tasks, tools, batch_size=config.eval_batch_size,
+                                   max_new_tokens=config.max_new_tokens)  # fmt: skip
         rate = sum(ok for _, ok in results) / len(results)
         print(f"base success rate at temperature 1.0 on {len(results)} held-out tasks: {rate:.1%} "
               f"(a perfect fit of the data would give about {share_correct:.1%})", flush=True)  # fmt: skip
