@@ -17,9 +17,14 @@ The runs of one environment and seed follow each other (grpo, sdpo, sdpo+grpo), 
 in the machine's load hits the learners alike. Each finished run keeps its ``summary.json``
 in ``--workdir``; rerunning with the same workdir skips the finished runs.
 
-``--model`` (default ``tiny-reader``) is the model every learner starts from: ``tiny-reader`` is
-the shipped tiny model's recipe with reading examples (it copies a demonstration in SDPO's
-teacher prompt, as a pretrained LLM does); ``tiny`` never saw one and cannot be a teacher.
+``--model`` is the model every learner starts from; by default ``tiny-reader`` on Calculator
+(the shipped tiny model's recipe with reading examples: it copies a demonstration in SDPO's
+teacher prompt, as a pretrained LLM does; ``tiny`` never saw one and cannot be a teacher) and
+``tiny-coder`` on CodeSandbox, whose tasks are then generated word problems
+(``--env-kwargs '{"tasks": "word-problems"}'``: write ``solve()``; the hidden test compares with
+the reference expression, so a failed test shows it). ``tiny-coder`` is ``tiny-reader`` continued
+on such tasks, imperfect at them, with reading examples that use a sibling's code or the failed
+test.
 
 It also measures whether that model can be its own teacher at all (the **copy
 check**): Calculator tasks played with their gold actions, then the student's log-prob of
@@ -58,6 +63,10 @@ ENVS = ("treerl/Calculator-v0", "treerl/CodeSandbox-v0")
 
 
 DEFAULT_MODEL = "tiny-reader"
+ENV_MODELS = {"treerl/Calculator-v0": "tiny-reader", "treerl/CodeSandbox-v0": "tiny-coder"}
+"""The shipped model each environment's runs start from unless ``--model`` says otherwise."""
+ENV_KWARGS: dict[str, dict] = {"treerl/CodeSandbox-v0": {"tasks": "word-problems"}}
+"""Environment settings per environment (CodeSandbox: generated word-problem tasks, so held-out tasks are new)."""
 
 
 def run_one(env: str, learner: str, seed: int, workdir: Path, extra: list[str], model: str = DEFAULT_MODEL) -> dict:
@@ -66,7 +75,8 @@ def run_one(env: str, learner: str, seed: int, workdir: Path, extra: list[str], 
     if record.exists():
         return json.loads(record.read_text())
     start, load = time.monotonic(), _load()
-    cmd = [sys.executable, "-m", "treerl.cli", "learn", *LEARNERS[learner], "--env", env, "--model", model,
+    env_kwargs = ["--env-kwargs", json.dumps(ENV_KWARGS[env])] if env in ENV_KWARGS else []
+    cmd = [sys.executable, "-m", "treerl.cli", "learn", *LEARNERS[learner], "--env", env, *env_kwargs, "--model", model,
            "--output-dir", str(out), "--seed", str(seed), "--progress", "false", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.monotonic() - start
@@ -175,7 +185,7 @@ def _env_command(env: str, env_runs: list[dict]) -> str:
     learners = [name for name in LEARNERS if any(r["learner"] == name for r in env_runs)]
     model = env_runs[0].get("model", "tiny")
     cmd = f"python benchmarks/bench_sdpo.py --envs {env} --seeds {' '.join(map(str, seeds))}"
-    cmd += f" --model {model}" if model != DEFAULT_MODEL else ""
+    cmd += f" --model {model}" if model != ENV_MODELS.get(env, DEFAULT_MODEL) else ""
     if learners != list(DEFAULT_LEARNERS):
         cmd += f" --learners {' '.join(learners)}"
     extra = _extra(env_runs[0])
@@ -212,7 +222,8 @@ def report(runs: list[dict], envs: list[str], loads: list[str], note: str = "",
         reduced = steps != DEFAULT_STEPS or episodes != DEFAULT_EVAL_EPISODES or any(
             sorted(r["seed"] for r in env_runs if r["learner"] == learner) != [0, 1] for learner in DEFAULT_LEARNERS)
         per_run = steps * r0.get("tasks_per_step", 8) * r0.get("group_size", 8)
-        lines += [f"**{env}**, from `{r0.get('model', 'tiny')}`: `{_env_command(env, env_runs)}`: {steps} steps = {per_run:,} episodes per run, "
+        settings = f" with `--env-kwargs '{json.dumps(ENV_KWARGS[env])}'`" if env in ENV_KWARGS else ""
+        lines += [f"**{env}**{settings}, from `{r0.get('model', 'tiny')}`: `{_env_command(env, env_runs)}`: {steps} steps = {per_run:,} episodes per run, "
                   f"seeds {', '.join(map(str, seeds))}, {episodes} held-out episodes"
                   + (" (a reduced run, not the full benchmark)." if reduced else "."), "",
                   "| learner | seed | held-out success at start | at end | gain | held-out mean reward at end | "
@@ -273,8 +284,9 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="Print without updating BENCHMARKS.md.")
     parser.add_argument("--report-only", action="store_true",
                         help="Report the finished runs in --workdir (of the given envs, seeds, learners); run nothing.")
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="The model every run starts from: a shipped model's name (tiny, tiny-reader) or a directory.")
+    parser.add_argument("--model", default=None,
+                        help="The model every run starts from: a shipped model's name (tiny, tiny-reader, tiny-coder) or "
+                             "a directory; default: tiny-reader on Calculator, tiny-coder on CodeSandbox.")
     parser.add_argument("--copy-check-tasks", type=int, default=16, help="Tasks of the copy check (0 skips it).")
     parser.add_argument("--preamble", type=Path, default=None,
                         help="A Markdown file whose text opens the section (what the figures show, in words).")
@@ -295,10 +307,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             workdir = args.workdir or Path(tmp)
             workdir.mkdir(parents=True, exist_ok=True)
-            runs = [run_one(env, learner, seed, workdir, extra, args.model)
+            runs = [run_one(env, learner, seed, workdir, extra, args.model or ENV_MODELS.get(env, DEFAULT_MODEL))
                     for env in args.envs for seed in args.seeds for learner in args.learners]
         loads.append(_load())
-    check = copy_check(args.copy_check_tasks, args.model) if args.copy_check_tasks else None
+    check = copy_check(args.copy_check_tasks, args.model or DEFAULT_MODEL) if args.copy_check_tasks else None
     body = report(runs, args.envs, loads, args.note, check)
     if args.preamble is not None:
         body = args.preamble.read_text().rstrip() + "\n\n" + body
