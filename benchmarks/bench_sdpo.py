@@ -103,6 +103,54 @@ def run_one(env: str, learner: str, seed: int, workdir: Path, extra: list[str], 
     return result
 
 
+def held_out(env: str, model: str, episodes: int) -> float:
+    """Success of ``model`` (a shipped name or a directory) on ``episodes`` held-out tasks (seeds from 10000), at
+    temperature 1.0, as ``treerl eval`` plays them."""
+    env_kwargs = ["--env-kwargs", json.dumps(ENV_KWARGS[env])] if env in ENV_KWARGS else []
+    cmd = [sys.executable, "-m", "treerl.cli", "eval", "--env", env, *env_kwargs, "--model", model,
+           "--num-episodes", str(episodes), "--seed", "10000", "--json", "true"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return float(json.loads(proc.stdout)["success_rate"])
+
+
+def reevaluate(runs: list[dict], workdir: Path, episodes: int) -> None:
+    """Each run's final model and its starting model on ``episodes`` held-out tasks (kept in its record)."""
+    starts: dict[tuple[str, str], float] = {}
+    for r in runs:
+        if r.get("reeval_episodes") == episodes:
+            starts[(r["env"], r["model"])] = r["reeval_start"]
+            continue
+        key = (r["env"], r["model"])
+        if key not in starts:
+            starts[key] = held_out(r["env"], r["model"], episodes)
+        out = workdir / f"{r['env'].split('/')[-1]}-{r['learner']}-{r['seed']}"
+        r.update(reeval_episodes=episodes, reeval_start=starts[key], reeval_end=held_out(r["env"], str(out / "model"), episodes))
+        (out / "bench.json").write_text(json.dumps(r))
+        print(f"{r['env']} {r['learner']} seed {r['seed']} on {episodes} held-out episodes: "
+              f"{r['reeval_start']:.1%} -> {r['reeval_end']:.1%}", file=sys.stderr, flush=True)
+
+
+def _reeval_table(env_runs: list[dict]) -> list[str]:
+    """The re-evaluated runs' table, or nothing."""
+    done = [r for r in env_runs if "reeval_end" in r]
+    if not done:
+        return []
+    n = done[0]["reeval_episodes"]
+    lines = ["", f"The same final models, each on {n} held-out episodes (task seeds 10000-{10000 + n - 1}, `treerl eval "
+             f"--num-episodes {n} --seed 10000`; standard error about {100 * (0.25 / n) ** 0.5:.1f} points at 50%):", "",
+             "| learner | success at start | at end, per seed | mean at end | mean gain |", "|---|---:|---:|---:|---:|"]
+    for learner in LEARNERS:
+        own = [r for r in done if r["learner"] == learner]
+        if own:
+            ends = statistics.mean(r["reeval_end"] for r in own)
+            lines.append(f"| {learner} | {own[0]['reeval_start']:.1%} | "
+                         + " / ".join(f"{r['reeval_end']:.1%}" for r in own)
+                         + f" | {ends:.1%} | {(ends - own[0]['reeval_start']) * 100:+.1f} pts |")
+    return lines
+
+
 def copy_check(num_tasks: int, model_name: str = DEFAULT_MODEL) -> dict[str, float]:
     """Student vs teacher log-prob of gold Calculator episodes when the teacher is shown the same text."""
     import asyncio
@@ -188,6 +236,8 @@ def _env_command(env: str, env_runs: list[dict]) -> str:
     cmd += f" --model {model}" if model != ENV_MODELS.get(env, DEFAULT_MODEL) else ""
     if learners != list(DEFAULT_LEARNERS):
         cmd += f" --learners {' '.join(learners)}"
+    if "reeval_episodes" in env_runs[0]:
+        cmd += f" --reeval-episodes {env_runs[0]['reeval_episodes']}"
     extra = _extra(env_runs[0])
     return cmd + (f" -- {' '.join(extra)}" if extra else "")
 
@@ -245,6 +295,7 @@ def report(runs: list[dict], envs: list[str], loads: list[str], note: str = "",
             lines.append(f"| {learner} | {', '.join(str(r['seed']) for r in own)} | "
                          f"{statistics.mean(r['end'] for r in own):.1%} | "
                          f"{statistics.mean((r['end'] - r['start']) * 100 for r in own):+.1f} pts | {ratio} |")
+        lines += _reeval_table(env_runs)
         sdpo_runs = [r for r in env_runs if r["sdpo"]]
         if sdpo_runs:
             keys = list(sdpo_runs[0]["sdpo"])
@@ -287,6 +338,8 @@ def main() -> None:
     parser.add_argument("--model", default=None,
                         help="The model every run starts from: a shipped model's name (tiny, tiny-reader, tiny-coder) or "
                              "a directory; default: tiny-reader on Calculator, tiny-coder on CodeSandbox.")
+    parser.add_argument("--reeval-episodes", type=int, default=0,
+                        help="Also evaluate every final model (and the start) on this many held-out episodes (0: no).")
     parser.add_argument("--copy-check-tasks", type=int, default=16, help="Tasks of the copy check (0 skips it).")
     parser.add_argument("--preamble", type=Path, default=None,
                         help="A Markdown file whose text opens the section (what the figures show, in words).")
@@ -303,12 +356,16 @@ def main() -> None:
             parser.error("--report-only reads the runs of --workdir DIR")
         runs = _finished(args.workdir, args.envs, args.seeds, args.learners)
         loads = _loads(runs)
+        if args.reeval_episodes:
+            reevaluate(runs, args.workdir, args.reeval_episodes)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             workdir = args.workdir or Path(tmp)
             workdir.mkdir(parents=True, exist_ok=True)
             runs = [run_one(env, learner, seed, workdir, extra, args.model or ENV_MODELS.get(env, DEFAULT_MODEL))
                     for env in args.envs for seed in args.seeds for learner in args.learners]
+            if args.reeval_episodes:
+                reevaluate(runs, workdir, args.reeval_episodes)
         loads.append(_load())
     check = copy_check(args.copy_check_tasks, args.model or DEFAULT_MODEL) if args.copy_check_tasks else None
     body = report(runs, args.envs, loads, args.note, check)
