@@ -346,7 +346,8 @@ def main() -> None:
     parser.add_argument("--note", default="", help="Replaces the load figures in the report's first line.")
     parser.add_argument("--also", type=Path, default=None,
                         help="Append a report of the finished runs in this earlier workdir (e.g. another scale).")
-    parser.add_argument("--also-note", default="", help="What the --also runs are (their heading's text).")
+    parser.add_argument("--also-note", default="", help="What the --also runs are (a paragraph under their heading).")
+    parser.add_argument("--also-heading", default="Earlier runs", help="The heading of the --also runs.")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="More flags for every run, after --, e.g. -- --steps 5")
     args = parser.parse_args()
     extra = [a for a in args.extra if a != "--"]
@@ -373,7 +374,7 @@ def main() -> None:
         body = args.preamble.read_text().rstrip() + "\n\n" + body
     if args.also is not None:
         earlier = _finished(args.also, args.envs, args.seeds, args.learners)
-        body += "\n" + "\n".join(["### Earlier runs", "", *([args.also_note, ""] if args.also_note else []),
+        body += "\n" + "\n".join([f"### {args.also_heading}", "", *([args.also_note, ""] if args.also_note else []),
                                    report(earlier, args.envs, _loads(earlier))])
     print(body)
     if not args.no_write:

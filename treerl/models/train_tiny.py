@@ -33,6 +33,18 @@ loaded 2-core machine):
 
     python -m treerl.models.train_tiny --out treerl/models/tiny-reader --seed 0 --init-from treerl/models/tiny \\
         --p-reading 0.6 --steps 300 --lr 1e-3
+
+With ``--task code`` the conversations are ``treerl/CodeSandbox-v0`` word problems instead
+(``tasks="word-problems"``: write ``solve()``; the hidden test compares with the reference
+expression): the reply is a fenced ``solve()`` returning the expression :func:`make_episode`
+would have passed to the calculator, mistakes included, and the reading examples copy a
+sibling's code or write the expression a failed test names (:func:`make_code_reading_episode`).
+``treerl/models/tiny-coder`` is ``tiny-reader`` continued this way (15 minutes on 2 cores; base
+success 25.8% over 256 held-out tasks):
+
+    python -m treerl.models.train_tiny --task code --out treerl/models/tiny-coder --seed 0 \\
+        --init-from treerl/models/tiny-reader --p-reading 0.6 --p-reading-feedback-only 0.4 \\
+        --p-wrong-operator 0.7 --p-distractor 0.8 --steps 900 --lr 1e-3
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from treerl.envs.tools import Tool, tool
 from treerl.envs.verifiers import UnitTestReport, unit_test_results
 
 __all__ = ["CodeSandboxEnv", "make_run_python_tool", "extract_code", "word_problem_task", "unit_test_feedback",
-           "TASK_SOURCES"]
+           "TASK_SOURCES", "WORD_PROBLEM_PROMPT"]
 
 _MAX_FAILED_TESTS = 3
 """Failed tests the feedback shows: enough to point at the mistake, short enough to read."""
