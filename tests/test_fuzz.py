@@ -177,12 +177,17 @@ def test_parsing_is_linear_in_the_text(name):
     """Four times the text takes about four times the time (a quadratic parser takes sixteen)."""
     extractors = {"extract_boxed": extract_boxed, "extract_code": extract_code}
     fn = extractors.get(name) or (lambda t, p=PARSERS.get(name, None): p().parse(t, SCHEMAS))
-    worst = []
-    for piece in REPEATED:
+    def measure(piece: str) -> tuple[float, float, str]:
         small = (piece * (25_000 // len(piece) + 1))[:25_000]
         large = (piece * (100_000 // len(piece) + 1))[:100_000]
         t_small, t_large = _cpu_seconds(fn, small), _cpu_seconds(fn, large)
-        worst.append((t_large / max(t_small, 2e-4), t_large, piece))
+        return t_large / max(t_small, 2e-4), t_large, piece
+
+    worst = [measure(piece) for piece in REPEATED]
     ratio, seconds, piece = max(worst)
+    for _ in range(2):  # a disturbed timing (a busy machine) rarely repeats; a quadratic parser's 16x does
+        if ratio < 9:
+            break
+        ratio = min(ratio, measure(piece)[0])
     assert ratio < 9, f"{name}: 4x the text of {piece!r} took {ratio:.1f}x the time"
     assert max(t for _, t, _ in worst) < 1.0, f"{name}: 100 KB took {seconds:.2f} s"
