@@ -9,9 +9,11 @@ per run, the same for every learner), learning rate 2e-4, evaluation on
 64 held-out episodes (task seeds 10000-10063, temperature 1.0) before and after. The learners:
 
 - ``grpo``: the default learner (``dapo`` loss);
-- ``sdpo``: ``--learner sdpo`` with its defaults (distillation alone, top-k 100 with a tail,
-  alpha 0.5, EMA teacher at rate 0.05, IS clip 2, demonstrations and environment feedback);
-- ``sdpo+grpo``: the same with ``--distillation-weight 0.5`` (half GRPO's loss, half SDPO's).
+- ``sdpo``: ``--learner sdpo --distillation-weight 1`` (distillation alone; the other defaults:
+  top-k 100 with a tail, alpha 0.5, the frozen initial model as teacher, IS clip 2, the copy
+  gate, demonstrations and environment feedback);
+- ``sdpo+grpo``: ``--learner sdpo`` with its defaults (``--distillation-weight 0.5``: half
+  GRPO's loss, half SDPO's).
 
 The runs of one environment and seed follow each other (grpo, sdpo, sdpo+grpo), so a change
 in the machine's load hits the learners alike. Each finished run keeps its ``summary.json``
@@ -86,7 +88,7 @@ def run_one(env: str, learner: str, seed: int, workdir: Path, extra: list[str], 
     config = json.loads((out / "config.json").read_text())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     result = {"env": env, "learner": learner, "seed": seed, "model": model, "wall_s": wall, "load": load, "load_after": _load(),
-              "commit": _commit(), "extra": extra, **{k: config[k] for k in ("steps", "tasks_per_step", "group_size",
+              "commit": _commit(), "extra": extra, "teacher": config.get("teacher"), **{k: config[k] for k in ("steps", "tasks_per_step", "group_size",
                                                              "eval_episodes", "learning_rate")},
               "start": summary["eval_start"]["success_rate"], "end": summary["eval_end"]["success_rate"],
               "reward_start": summary["eval_start"]["reward/mean"], "reward_end": summary["eval_end"]["reward/mean"],
@@ -242,6 +244,17 @@ def _env_command(env: str, env_runs: list[dict]) -> str:
     return cmd + (f" -- {' '.join(extra)}" if extra else "")
 
 
+def teacher_words(runs: list[dict]) -> str:
+    """The teacher the SDPO runs used, as their configs recorded it."""
+    kinds = set()
+    for r in runs:
+        if r["learner"] == "grpo":
+            continue
+        kinds.add(r.get("teacher") or "ema")  # records from before the default changed name none: theirs was ema
+    names = {"ema": "EMA teacher 0.05", "initial": "the frozen initial model as teacher", "live": "the live student as teacher"}
+    return " / ".join(names.get(k, k) for k in sorted(kinds)) or "no SDPO run"
+
+
 def report(runs: list[dict], envs: list[str], loads: list[str], note: str = "",
            check: dict[str, float] | None = None) -> str:
     commits = sorted({r.get("commit", "not recorded") for r in runs})
@@ -251,12 +264,13 @@ def report(runs: list[dict], envs: list[str], loads: list[str], note: str = "",
         + (note or ("load not recorded" if loads[0] == "?" else
                     f"load average before the runs {loads[0]}, after {loads[-1]}")) + ").",
         "",
-        "Every run is `treerl learn [--learner sdpo [--distillation-weight 0.5]] --env ENV --model MODEL --output-dir "
-        "DIR --seed S [flags below]` from the shipped model named below, every other option at its default (8 tasks x 8 generations "
-        "per step, learning rate 2e-4, the same episodes per run for every learner). `sdpo` is distillation alone "
-        "(top-k 100 with a tail, alpha 0.5, EMA teacher 0.05, IS clip 2, demonstrations and environment feedback); "
-        "`sdpo+grpo` blends it half and half with GRPO's loss. Held-out success: episodes on task seeds from 10000 "
-        "at temperature 1.0, before and after training.",
+        "Every run is `treerl learn [--learner sdpo [--distillation-weight 1]] --env ENV --model MODEL --output-dir "
+        "DIR --seed S [flags below]` from the shipped model named below, every other option at its default (8 tasks "
+        "x 8 generations per step, learning rate 2e-4, the same episodes per run for every learner). `sdpo` is "
+        "distillation alone (`--distillation-weight 1`; top-k 100 with a tail, alpha 0.5, "
+        f"{teacher_words(runs)}, IS clip 2, the copy gate, demonstrations and environment feedback); `sdpo+grpo` "
+        "is `--learner sdpo` at its defaults, half GRPO's loss and half distillation. Held-out success: episodes on "
+        "task seeds from 10000 at temperature 1.0, before and after training.",
         f"The full benchmark (`python benchmarks/bench_sdpo.py`) is {DEFAULT_STEPS} steps (3,840 episodes per run), "
         f"seeds 0 and 1, {DEFAULT_EVAL_EPISODES} held-out episodes, on both environments; a run below with fewer "
         "steps, seeds or held-out episodes is a reduced run and says so.",

@@ -309,7 +309,7 @@ SMALL = ["--steps", "2", "--tasks-per-step", "2", "--group-size", "4", "--max-ne
 def test_treerl_learn_sdpo_trains_and_checkpoints_its_ema_teacher(tmp_path):
     out = tmp_path / "run"
     assert main(["learn", "--learner", "sdpo", "--env", ENV, "--output-dir", str(out), *SMALL,
-                 "--teacher-update-rate", "0.25", "--distillation-gate-margin", "none"]) == 0
+                 "--teacher", "ema", "--teacher-update-rate", "0.25", "--distillation-gate-margin", "none"]) == 0
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
@@ -328,7 +328,8 @@ def test_treerl_learn_sdpo_trains_and_checkpoints_its_ema_teacher(tmp_path):
         assert torch.allclose(teacher2[k], 0.75 * teacher1[k] + 0.25 * theta2[k], atol=1e-6), k
     # A resumed run's teacher continues from the checkpoint, not from the student.
     assert main(["learn", "--learner", "sdpo", "--env", ENV, "--output-dir", str(out), *SMALL, "--steps", "3",
-                 "--teacher-update-rate", "0.25", "--distillation-gate-margin", "none", "--resume", "true"]) == 0
+                 "--teacher", "ema", "--teacher-update-rate", "0.25", "--distillation-gate-margin", "none",
+                 "--resume", "true"]) == 0
     theta3 = load_file(ckpt / "step-3" / "model.safetensors")
     teacher3 = load_file(ckpt / "step-3" / "teacher.safetensors")
     for k in teacher3:

@@ -127,8 +127,10 @@ class SDPOConfig(GRPOConfig):
     distillation_aggregation: str = field_help("token_mean", "Over the terms that have a teacher: token_mean or "
                                                              "sequence_mean.")
     distillation_chunk_tokens: int = field_help(256, "Rows of logits built at once for topk/full (memory bound).")
-    teacher: str = field_help("ema", "The teacher's weights: ema (of the student), initial (frozen start) or "
-                                     "live (the student).")
+    teacher: str = field_help("initial", "The teacher's weights: initial (the frozen start, the default), ema "
+                                         "(of the student, the paper's) or live (the student). The start keeps the "
+                                         "reading of its context it began with; an EMA teacher follows the student "
+                                         "and can lose it (BENCHMARKS.md, SDPO vs GRPO).")
     teacher_update_rate: float = field_help(0.05, "EMA teacher: teacher <- (1 - rate) teacher + rate student, "
                                                   "each step.")
     success_threshold: float = field_help(1.0, "An episode whose reward reaches this can demonstrate for its "
