@@ -88,8 +88,8 @@ def run_one(env: str, learner: str, seed: int, workdir: Path, extra: list[str], 
     config = json.loads((out / "config.json").read_text())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     result = {"env": env, "learner": learner, "seed": seed, "model": model, "wall_s": wall, "load": load, "load_after": _load(),
-              "commit": _commit(), "extra": extra, "teacher": config.get("teacher"), **{k: config[k] for k in ("steps", "tasks_per_step", "group_size",
-                                                             "eval_episodes", "learning_rate")},
+              "commit": _commit(), "extra": extra, "teacher": config.get("teacher"),
+              **{k: config[k] for k in ("steps", "tasks_per_step", "group_size", "eval_episodes", "learning_rate")},
               "start": summary["eval_start"]["success_rate"], "end": summary["eval_end"]["success_rate"],
               "reward_start": summary["eval_start"]["reward/mean"], "reward_end": summary["eval_end"]["reward/mean"],
               "step_s": statistics.median(m["perf/step_s"] for m in metrics),
@@ -246,12 +246,10 @@ def _env_command(env: str, env_runs: list[dict]) -> str:
 
 def teacher_words(runs: list[dict]) -> str:
     """The teacher the SDPO runs used, as their configs recorded it."""
-    kinds = set()
-    for r in runs:
-        if r["learner"] == "grpo":
-            continue
-        kinds.add(r.get("teacher") or "ema")  # records from before the default changed name none: theirs was ema
-    names = {"ema": "EMA teacher 0.05", "initial": "the frozen initial model as teacher", "live": "the live student as teacher"}
+    # Records from before the default changed name no teacher: theirs was ema.
+    kinds = {r.get("teacher") or "ema" for r in runs if r["learner"] != "grpo"}
+    names = {"ema": "EMA teacher 0.05", "initial": "the frozen initial model as teacher",
+             "live": "the live student as teacher"}
     return " / ".join(names.get(k, k) for k in sorted(kinds)) or "no SDPO run"
 
 
