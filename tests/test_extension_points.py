@@ -258,3 +258,29 @@ def test_a_registered_learner_runs_with_its_own_flags(tmp_path, capsys):
     assert main(["learn", "--learner", "nope", "--output-dir", str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err
     assert "no such learner; choose one of [" in err and "'grpo'" in err  # every registered learner is listed
+
+
+def test_an_env_factory_names_its_own_environment_and_refuses_eval_env_kwargs(tmp_path):
+    data = _problems(tmp_path / "problems.jsonl", [{"id": f"p-{i}", "problem": f"{i} + 1?", "answer": str(i + 1)}
+                                                   for i in range(4)])
+
+    def env_factory():
+        return treerl.make("treerl/MathVerify-v0", data_path=str(data), prompt_key="problem")
+
+    # cfg.env keeps its default (Calculator): the groups and the held-out figures are the factory's environment's.
+    cfg = GRPOConfig(output_dir=str(tmp_path / "run"), **{**SMALL, "eval_episodes": 2})
+    run = build(cfg, env_factory=env_factory)
+    with run:
+        groups, _ = run.rollout()
+    run.policy.close()
+    assert {g.env_id for g in groups} == {"treerl/MathVerify-v0"}
+    assert run.eval_start["env"] == "treerl/MathVerify-v0"
+    # eval_env_kwargs describe make(cfg.env, ...): with a factory they would evaluate another environment.
+    cfg = GRPOConfig(output_dir=str(tmp_path / "other"), eval_env_kwargs={"data_path": str(data)}, **SMALL)
+    with pytest.raises(treerl.errors.ConfigError, match="env_factory"):
+        build(cfg, env_factory=env_factory)
+
+
+def test_treerl_make_sets_the_spec_as_gymnasium_make_does():
+    env = treerl.make("treerl/Calculator-v0", max_turns=3)
+    assert env.spec.id == "treerl/Calculator-v0" and env.spec.kwargs["max_turns"] == 3

@@ -12,6 +12,7 @@ its usual checkers; ``treerl.make`` returns the bare environment with ``astep``/
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Any
 
 import gymnasium
 
-__all__ = ["EnvSpec", "register", "make", "registry", "spec"]
+__all__ = ["EnvSpec", "register", "make", "registry", "spec", "env_id_of", "factory_env_id"]
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,32 @@ def spec(id: str) -> EnvSpec:
 
 
 def make(id: str, **kwargs: Any):
-    """Build the registered environment ``id`` (bare, without Gymnasium's wrappers)."""
-    return spec(id).make(**kwargs)
+    """Build the registered environment ``id`` (bare, without Gymnasium's wrappers).
+
+    As ``gymnasium.make`` does, the environment's ``spec`` is its registration with the
+    keyword arguments it was built with.
+    """
+    spec_ = spec(id)
+    env = spec_.make(**kwargs)
+    if isinstance(env, gymnasium.Env) and env.spec is None and id in gymnasium.registry:
+        env.spec = dataclasses.replace(gymnasium.spec(id), kwargs={**spec_.kwargs, **kwargs})
+    return env
+
+
+def env_id_of(env: Any) -> str:
+    """What to call ``env`` in trajectories and reports: its registered id, else its class's import path."""
+    env_spec = getattr(env, "spec", None)
+    unwrapped = getattr(env, "unwrapped", env)
+    return getattr(env_spec, "id", None) or f"{type(unwrapped).__module__}.{type(unwrapped).__qualname__}"
+
+
+def factory_env_id(env_factory: Callable[[], Any]) -> str:
+    """:func:`env_id_of` the environment ``env_factory`` builds (one is built and closed)."""
+    env = env_factory()
+    try:
+        return env_id_of(env)
+    finally:
+        env.close()
 
 
 def description_of(spec_: EnvSpec) -> str:

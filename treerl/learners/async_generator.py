@@ -44,6 +44,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from treerl.envs.registry import factory_env_id
 from treerl.learners.async_buffer import Ticket
 from treerl.learners.config import LearnerConfig
 from treerl.rollout.trajectory import Group
@@ -115,6 +116,7 @@ class GeneratorCore:
         self.engine = cfg.engine(self.policy, tokenizer, seed=cfg.seed, branch_at_turn=cfg.branch_at_turn,
                                  branch_factor=cfg.branch_factor, **spec.sampling)
         self.env_factory = cfg.train_env_factory(spec.env_factory)
+        self.env_id = cfg.env if spec.env_factory is None else factory_env_id(spec.env_factory)
         self.version = -1
         self._changed: asyncio.Condition | None = None
         self._load_lock: asyncio.Lock | None = None
@@ -177,7 +179,7 @@ class GeneratorCore:
             on_start(started_version)
         self._busy(+1)
         try:
-            groups, _ = await self.engine.run(self.env_factory, self.spec.cfg.env, [ticket.task],
+            groups, _ = await self.engine.run(self.env_factory, self.env_id, [ticket.task],
                                               self.spec.cfg.group_size)
         finally:
             self._busy(-1)

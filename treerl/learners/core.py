@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from treerl.agents.policy import Policy
+from treerl.envs.registry import factory_env_id
 from treerl.errors import ConfigError
 from treerl.kernels.tree_attention import TreeAttentionChoice, enable_tree_attention
 from treerl.learners.checkpoints import (
@@ -163,9 +164,11 @@ class Run:
     source: GroupSource | None = None
     """Where the groups come from instead of the engine (a trajectory file, ``treerl serve``)."""
     precision: Precision | None = None
+    """Which dtype the weights, the forward/backward and the sampler use (``--dtype``, ``--bf16``, ``--fp16``)."""
     eval_env_factory: Callable[[], Any] | None = None
     """The held-out evaluation's environments (``eval_env_kwargs``; default: ``env_factory``)."""
-    """Which dtype the weights, the forward/backward and the sampler use (``--dtype``, ``--bf16``, ``--fp16``)."""
+    env_id: str = ""
+    """What groups and figures call the environment: ``cfg.env``, or the id of what a given ``env_factory`` builds."""
     _step_started: float = 0.0
 
     def __enter__(self) -> Run:
@@ -190,7 +193,7 @@ class Run:
         tasks = self.ranks.shard(range(first, first + self.cfg.tasks_per_step))
         if self.source is not None:
             return self.source.take(tasks)
-        return asyncio.run(self.engine.run(self.env_factory, self.cfg.env, tasks, self.cfg.group_size))
+        return asyncio.run(self.engine.run(self.env_factory, self.env_id or self.cfg.env, tasks, self.cfg.group_size))
 
     def publish_weights(self, metrics: dict[str, float]) -> None:
         """Send the updated weights to the policy under the next version."""
@@ -340,6 +343,12 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     scheduler = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=cfg.warmup_steps)
     engine = cfg.engine(policy, tokenizer, seed=cfg.seed, branch_at_turn=cfg.branch_at_turn,
                         branch_factor=cfg.branch_factor)
+    if env_factory is not None and cfg.eval_env_kwargs:
+        raise ConfigError(f"eval_env_kwargs={cfg.eval_env_kwargs!r} configure make(env={cfg.env!r}), not the env_factory "
+                          "passed to train(): register your environment (treerl.register) and set env= and "
+                          "env_kwargs= instead of env_factory=, or leave eval_env_kwargs empty to evaluate on "
+                          "env_factory's environments.")
+    env_id = cfg.env if env_factory is None else factory_env_id(env_factory)
     # Training and the held-out evaluation differ only where the learner sets malformed_ends_episode.
     eval_env_factory = cfg.eval_env_factory() if cfg.eval_env_kwargs else (env_factory or cfg.env_factory())
     env_factory = cfg.train_env_factory(env_factory)
@@ -366,7 +375,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
               optimizer=optimizer, scheduler=scheduler, engine=engine, env_factory=env_factory, sync=sync,
               state=state, reward_funcs=tuple(reward_funcs), reward_weights=weights, reference=ref_model,
               attention=attention, policy_model=policy_model, source=source, precision=precision,
-              eval_env_factory=eval_env_factory)
+              eval_env_factory=eval_env_factory, env_id=env_id)
     if ranks.is_main:
         # The other ranks write nothing and wait for rank 0 at the first step's collectives.
         print(f"precision: {precision.describe(checkpoint=loaded, weights=checkpoint_dtype(model))}", file=sys.stderr)
@@ -375,7 +384,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
                              start_step=state.step, progress=cfg.progress)
         run.diagnostics = Diagnostics(out_dir / "diagnostics.jsonl")
         run.eval_start = evaluate_at_start(cfg, policy, tokenizer, eval_env_factory, out_dir,
-                                           resumed=state.step > 0)
+                                           resumed=state.step > 0, env_id=env_id)
         if run.eval_start is not None and state.step == 0:
             print(f"eval at start: success rate {run.eval_start['success_rate']:.1%} over {cfg.eval_episodes} "
                   f"held-out episodes", file=sys.stderr)
@@ -446,7 +455,8 @@ def finish(run: Run) -> TrainResult:
         run.tokenizer.save_pretrained(model_dir)
         if cfg.lora_r > 0:  # the adapter alone too (a few MB), loadable with peft.PeftModel.from_pretrained
             run.model.save_pretrained(run.out_dir / "adapter")
-        eval_end = (evaluate_policy(cfg, run.policy, run.tokenizer, run.eval_env_factory or run.env_factory)
+        eval_end = (evaluate_policy(cfg, run.policy, run.tokenizer, run.eval_env_factory or run.env_factory,
+                                    env_id=run.env_id)
                     if cfg.eval_episodes > 0 else None)
         result = {"steps": cfg.steps, "policy_version": run.sync.version, "eval_start": run.eval_start,
                   "eval_end": eval_end, "model_dir": str(model_dir)}

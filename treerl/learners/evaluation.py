@@ -20,21 +20,22 @@ from treerl.rollout.evaluate import evaluate_with
 __all__ = ["evaluate_policy", "evaluate_at_start"]
 
 
-def evaluate_policy(cfg: LearnerConfig, policy: Policy, tokenizer: Any, env_factory: Callable[[], Any]) -> dict:
-    """The held-out figures of ``policy`` now."""
+def evaluate_policy(cfg: LearnerConfig, policy: Policy, tokenizer: Any, env_factory: Callable[[], Any],
+                    env_id: str = "") -> dict:
+    """The held-out figures of ``policy`` now (``env_id``: what they call the environment; default ``cfg.env``)."""
     report = evaluate_with(cfg, policy, tokenizer, num_episodes=cfg.eval_episodes, seed=cfg.eval_seed,
-                           env_factory=env_factory, temperature=cfg.eval_temperature)
+                           env_factory=env_factory, env_id=env_id, temperature=cfg.eval_temperature)
     return report.summary()
 
 
 def evaluate_at_start(cfg: LearnerConfig, policy: Policy, tokenizer: Any, env_factory: Callable[[], Any],
-                      out_dir: Path, resumed: bool) -> dict | None:
+                      out_dir: Path, resumed: bool, env_id: str = "") -> dict | None:
     """Evaluate before the first step, or read what a resumed run's first start measured."""
     path = Path(out_dir) / "eval_start.json"
     if resumed:
         return json.loads(path.read_text()) if path.exists() else None
     if cfg.eval_episodes == 0:
         return None
-    figures = evaluate_policy(cfg, policy, tokenizer, env_factory)
+    figures = evaluate_policy(cfg, policy, tokenizer, env_factory, env_id)
     path.write_text(json.dumps(figures, indent=2))
     return figures

@@ -115,13 +115,14 @@ def evaluate(env_id: str, policy: Policy, tokenizer: Any, *, env_kwargs: dict[st
 
 def evaluate_with(cfg: EpisodeOptions, policy: Policy, tokenizer: Any, *, num_episodes: int, seed: int,
                   success_threshold: float = 1.0, env_factory: Callable[[], Any] | None = None,
-                  **sampling_overrides: Any) -> EvalReport:
+                  env_id: str = "", **sampling_overrides: Any) -> EvalReport:
     """:func:`evaluate` with a command's :class:`EpisodeOptions` (environment, sampling, limits).
 
-    ``env_factory`` replaces the one ``cfg`` describes (a learner given its own factory).
+    ``env_factory`` replaces the one ``cfg`` describes (a learner given its own factory), and
+    ``env_id`` then names it (default: ``cfg.env``).
     """
     return asyncio.run(aevaluate(
-        env_factory or cfg.env_factory(), policy, tokenizer, env_id=cfg.env, num_episodes=num_episodes, seed=seed,
+        env_factory or cfg.env_factory(), policy, tokenizer, env_id=env_id or cfg.env, num_episodes=num_episodes, seed=seed,
         params=cfg.sampling(**sampling_overrides), max_concurrency=cfg.max_concurrency,
         max_episode_tokens=cfg.max_episode_tokens, max_episode_seconds=cfg.max_episode_seconds,
         success_threshold=success_threshold, chat_template=resolve_chat_template(cfg.chat_template, tokenizer),
