@@ -70,7 +70,7 @@ def test_reward_functions_with_trl_signature_are_weighted_in(tmp_path):
         seen.update(n=len(completions), answer=answer[0], prompt_roles=[m["role"] for m in prompts[0]],
                     kinds={type(c).__name__ for c in completions}, ids=len(completion_ids[0]))
         log_metric("calls", 1.0)
-        return [1.0 if len(ids) < 30 else 0.0 for ids in completion_ids]
+        return [10.0 / (10 + len(ids)) for ids in completion_ids]  # shorter is better, never 0
 
     train(GRPOConfig(output_dir=str(tmp_path), **{**SMALL, "steps": 1}), model=model, tokenizer=tok,
           reward_funcs=[short_answers], reward_weights=[1.0, 0.5])
@@ -78,6 +78,9 @@ def test_reward_functions_with_trl_signature_are_weighted_in(tmp_path):
     assert seen["answer"] is not None and seen["ids"] > 0
     metrics = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert metrics["reward_fn/calls"] == 1.0 and "reward_fn/short_answers_mean" in metrics
+    # reward/mean is the weighted sum trained on (as TRL's `reward`); the environment's own beside it.
+    want = 1.0 * metrics["reward/env_mean"] + 0.5 * metrics["reward_fn/short_answers_mean"]
+    assert metrics["reward/mean"] == pytest.approx(want, abs=1e-6)
     with pytest.raises(ValueError, match="reward_weights"):
         train(GRPOConfig(output_dir=str(tmp_path / "x"), **SMALL), model=model, tokenizer=tok,
               reward_funcs=[short_answers], reward_weights=[1.0])

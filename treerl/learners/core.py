@@ -228,9 +228,13 @@ class Run:
             "perf/step_s": time.perf_counter() - self._step_started,
             **{k: float(v) for k, v in packing_metrics(batches).items()},
         }
+        rewards = {"reward/mean": summary["reward/mean"], "reward/std": summary["reward/std"]}
+        if self.reward_funcs and "reward/mean" in metrics:
+            # The reward trained on is the weighted sum of the environment's and the functions' (TRL's
+            # `reward`), as the advantages computed it over every rank; the environment's own beside it.
+            rewards = {"reward/env_mean": summary["reward/mean"], "reward/env_std": summary["reward/std"]}
         metrics.update({
-            "reward/mean": summary["reward/mean"],
-            "reward/std": summary["reward/std"],
+            **rewards,
             "reward/success_rate": summary["success_rate"],
             "tools/invalid_rate": summary["tools/invalid_rate"],
             "episode/length_limit_frac": summary["episode/length_limit_frac"],
