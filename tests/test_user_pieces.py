@@ -224,3 +224,35 @@ def test_flat_records_are_what_trl_collates():
     n = len(records[0]["input_ids"])
     assert torch.equal(batch["labels"][0, :n][sampled], batch["input_ids"][0, :n][sampled])
     assert bool((batch["labels"][0, :n][~sampled] == -100).all()) and sampled.any()
+
+
+def test_a_tool_env_datasets_extra_columns_reach_the_reward_functions():
+    from treerl import ToolEnv, tool
+    from treerl.learners.rewards import score
+    from treerl.rollout.trajectory import Group
+
+    @tool
+    def noop() -> str:
+        """Does nothing."""
+        return "ok"
+
+    rows = [{"prompt": "Say hi.", "answer": "hi", "difficulty": "easy", "id": "r0"},
+            {"prompt": "Say bye.", "answer": "bye", "difficulty": "hard", "info": {"row": {"source": "mine"}}}]
+    env = ToolEnv(tools=[noop], dataset=rows)
+    seen = {}
+
+    def by_difficulty(completions, difficulty, **kwargs):
+        seen.update(difficulty=list(difficulty), rest=sorted(kwargs))
+        return [1.0 if d == "hard" else 0.0 for d in difficulty]
+
+    groups = []
+    for index in range(2):
+        _, info = env.reset(seed=0, options={"task_index": index})
+        group = Group(task_key=str(index), env_id="mine", info={"task_id": info["task_id"], "row": info["row"]})
+        root = group.add_segment("prompt", [1, 2])
+        group.add_episode(leaf=group.add_segment("sampled", [3], parent=root, logprobs=[-1.0], policy_version=0),
+                          reward=0.0)
+        groups.append(group)
+    rewards = score(groups, [by_difficulty], {})
+    assert seen["difficulty"] == ["easy", "hard"] and rewards[:, 1].tolist() == [0.0, 1.0]
+    assert "source" in seen["rest"] and "id" not in seen["rest"]  # a row's own info["row"] is kept too

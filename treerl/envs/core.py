@@ -186,7 +186,8 @@ class ToolEnv(Env):
     Args:
         tools: Tools available to the model (default: the class attribute ``tool_list``).
         dataset: Tasks to draw from instead of ``sample_task`` (a sequence of :class:`Task`
-            or of dicts with ``prompt``/``answer``/``info``/``id``, e.g. a ``datasets.Dataset``).
+            or of dicts with ``prompt``/``answer``/``info``/``id``, e.g. a ``datasets.Dataset``; a
+            dict's other columns are kept in ``info["row"]`` and reach reward functions).
         max_turns: Assistant turns before the episode is truncated.
         parser: Tool-call format name (see ``treerl.envs.parsers.PARSERS``) or parser object.
             ``None`` (the default) means "the policy's": the rollout engine and ``treerl eval``
@@ -528,12 +529,12 @@ def _as_task(item: Task | Mapping[str, Any], index: int | None) -> Task:
     elif isinstance(item, Mapping):
         if "prompt" not in item:
             raise EnvError(f"A dataset row needs a 'prompt' field; got keys {sorted(item)}.")
-        task = Task(
-            prompt=item["prompt"],
-            answer=item.get("answer"),
-            info=dict(item.get("info") or {}),
-            id=item.get("id"),
-        )
+        info = dict(item.get("info") or {})
+        # The row's other columns reach reward functions as keyword arguments (TRL passes them so).
+        extra = {k: v for k, v in item.items() if k not in ("prompt", "answer", "info", "id")}
+        if extra:
+            info["row"] = {**extra, **(info.get("row") or {})}
+        task = Task(prompt=item["prompt"], answer=item.get("answer"), info=info, id=item.get("id"))
     else:
         raise EnvError(f"A task must be a Task or a mapping with 'prompt'; got {type(item).__name__}.")
     if task.id is None and index is not None:
