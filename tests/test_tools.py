@@ -3,6 +3,7 @@
 import asyncio
 import enum
 import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from typing import Annotated, Any, Literal, NotRequired, Optional, TypedDict, Un
 
 import jsonschema
 import pytest
+import torch
 
 from treerl.errors import ToolCallError, ToolErrorKind, ToolTimeout
 from treerl.envs.parsers import ToolCall
@@ -409,6 +411,27 @@ def test_unserializable_results_are_a_bug_not_a_model_fault():
 
     with pytest.raises(TypeError, match="tool 'leaky' returned object"):
         run(leaky.acall({}))
+
+
+def test_numpy_torch_and_date_results_become_json_and_sys_exit_is_a_tool_error():
+    import datetime
+    import decimal
+
+    import numpy as np
+
+    @tool
+    def stats() -> Any:
+        return {"count": np.int64(13), "mean": np.float32(0.5), "rows": np.arange(3), "t": torch.tensor([1, 2]),
+                "day": datetime.date(2026, 1, 2), "price": decimal.Decimal("1.10")}
+
+    @tool
+    def quits() -> str:
+        sys.exit(3)
+
+    assert run(stats.acall({})) == ('{"count": 13, "mean": 0.5, "rows": [0, 1, 2], "t": [1, 2], '
+                                    '"day": "2026-01-02", "price": "1.10"}')
+    result = run(run_tool_call(ToolCall("quits", {}), {"quits": quits}))
+    assert result.error is ToolErrorKind.TOOL_ERROR and "SystemExit" in result.content
 
 
 def test_sync_timeout_returns_at_the_limit():

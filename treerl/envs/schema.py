@@ -21,10 +21,13 @@ converter can convert; an unsupported type raises ``TypeError`` when the schema 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import decimal
 import enum
 import inspect
 import json
 import math
+import pathlib
 import sys
 import types
 import typing
@@ -263,13 +266,20 @@ def _json_default(value: Any) -> Any:
         return value.value
     if isinstance(value, (set, frozenset)):
         return sorted(value, key=repr)
+    if callable(getattr(value, "tolist", None)):  # numpy scalars and arrays, torch tensors
+        return value.tolist()
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, (decimal.Decimal, pathlib.PurePath)):
+        return str(value)
     raise TypeError(f"a {type(value).__name__} is not JSON-serializable")
 
 
 def result_text(value: Any, name: str) -> str:
     """A tool's result as the model reads it: a ``str`` as is, anything else as JSON.
 
-    Dataclasses, enums, tuples and sets become JSON too; ``TypeError`` (naming tool
+    Dataclasses, enums, tuples, sets, numpy and torch values, dates, decimals and paths
+    become JSON too; ``TypeError`` (naming tool
     ``name``) for anything else, which is a bug in the tool, not the model's fault.
 
     >>> result_text({"total": 3, "items": (1, 2)}, "count")

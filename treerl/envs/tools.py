@@ -449,12 +449,12 @@ def _capture(kwargs: dict[str, Any], fn: Callable[..., Any]) -> tuple[str, Any]:
     """
     try:
         return "ok", fn(**kwargs)
-    except Exception as exc:  # the tool's failure is the model's observation
+    except (Exception, SystemExit) as exc:  # the tool's failure (sys.exit too) is the model's observation
         return "raised", exc
 
 
 async def _capture_async(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str, Any]:
     try:
         return "ok", await fn(**kwargs)
-    except Exception as exc:  # the tool's failure is the model's observation
+    except (Exception, SystemExit) as exc:  # the tool's failure (sys.exit too) is the model's observation
         return "raised", exc
