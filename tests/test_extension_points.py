@@ -170,7 +170,7 @@ def _problems(path, rows):
     return path
 
 
-def test_env_kwargs_reach_the_environment_of_learn_and_eval(tmp_path):
+def test_env_kwargs_reach_the_environment_of_learn_and_eval(tmp_path, capsys):
     data = _problems(tmp_path / "problems.jsonl", [
         {"id": f"user-{i}", "problem": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(6)
     ])
@@ -192,12 +192,21 @@ def test_env_kwargs_reach_the_environment_of_learn_and_eval(tmp_path):
     assert code == 0 and [m["step"] for m in _metrics(out)] == [1]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_end"]["env"] == "treerl/MathVerify-v0" and summary["eval_end"]["episodes"] == 2
-    # ... and a file without the column the kwargs name fails with the environment's message.
+    # ... and a file without the column the kwargs name fails with the environment's message, in one
+    # line and before any model loads; so do a keyword the environment does not take and a missing file.
     bad = _problems(tmp_path / "bad.jsonl", [{"question": "1 + 1?", "answer": "2"}])
-    with pytest.raises(ValueError, match="no \\['problem'\\] column"):
-        main(["learn", "--env", "treerl/MathVerify-v0", "--env-kwargs",
-              json.dumps({**env_kwargs, "data_path": str(bad)}), "--output-dir", str(tmp_path / "bad"), "--steps", "1",
-              "--eval-episodes", "0", "--progress", "false"])
+    for kwargs, says in (({**env_kwargs, "data_path": str(bad)}, "no ['problem'] column"),
+                         ({**env_kwargs, "bogus": 1}, "unexpected keyword argument 'bogus'"),
+                         ({**env_kwargs, "data_path": str(tmp_path / "nope.jsonl")}, "No such file")):
+        capsys.readouterr()
+        assert main(["learn", "--env", "treerl/MathVerify-v0", "--env-kwargs", json.dumps(kwargs), "--output-dir",
+                     str(tmp_path / "bad"), "--steps", "1", "--eval-episodes", "0", "--progress", "false"]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "--env-kwargs" in err and "Traceback" not in err
+    assert main(["learn", "--env", "treerl/Calculator-v0", "--eval-env-kwargs", '{"bogus": 1}', "--output-dir",
+                 str(tmp_path / "bad")]) == 2
+    assert "--eval-env-kwargs" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()  # refused before the run began
 
 
 def test_eval_and_rollout_take_env_kwargs_and_import(tmp_path, capsys):

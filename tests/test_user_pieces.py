@@ -162,6 +162,9 @@ def test_trl_names_are_aliases_and_typos_get_a_suggestion(tmp_path, capsys):
     with pytest.raises(SystemExit):  # argparse's own exit (status 2)
         main(["learn", "--output-dir", "x", "--lerning-rate", "1e-5"])
     assert "did you mean --learning-rate?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # another command's flag: say whose, not "did you mean" itself
+        main(["eval", "--eval-env-kwargs", "{}"])
+    assert "--eval-env-kwargs is a flag of treerl learn" in capsys.readouterr().err
     (tmp_path / "d.yaml").write_text("lerning_rate: 1e-5\n")
     assert main(["learn", "--output-dir", "x", "--config", str(tmp_path / "d.yaml")]) == 2
     assert "(lerning_rate: did you mean learning_rate?)" in capsys.readouterr().err

@@ -66,7 +66,25 @@ def config_for_command(cls: type, args: argparse.Namespace, *, extra_keys: Seque
         env_spec(cfg.env)
     except KeyError as exc:
         raise ConfigError(exc.args[0]) from None
+    for flag, kwargs in (("--env-kwargs", cfg.env_kwargs),
+                         ("--eval-env-kwargs", {**cfg.env_kwargs, **getattr(cfg, "eval_env_kwargs", {})})):
+        if kwargs:
+            _check_env_builds(cfg.env, kwargs, flag)
     return cfg
+
+
+def _check_env_builds(env_id: str, kwargs: dict, flag: str) -> None:
+    """Build ``env_id`` with ``kwargs`` once, before any model loads: a keyword it does not take or a
+    file it cannot read is the flag's fault, said in one line."""
+    from treerl.envs.registry import make
+    from treerl.errors import EnvError
+
+    try:
+        env = make(env_id, **kwargs)
+    except (TypeError, ValueError, OSError, LookupError, EnvError) as exc:
+        raise ConfigError(f"{flag} {json.dumps(kwargs)}: {env_id} cannot be built with them: "
+                          f"{type(exc).__name__}: {exc}") from None
+    env.close()
 
 
 def _preparse(argv: Sequence[str]) -> argparse.Namespace:
@@ -279,18 +297,27 @@ class _Parser(argparse.ArgumentParser):
         if message.startswith("unrecognized arguments:"):
             import difflib
 
-            flags = [s for p in self._parsers() for a in p._actions for s in a.option_strings if s.startswith("--")]
+            owners: dict[str, list[str]] = {}  # flag -> the commands that have it
+            for name, p in self._parsers():
+                for a in p._actions:
+                    for flag in a.option_strings:
+                        if flag.startswith("--"):
+                            owners.setdefault(flag, []).append(name)
             for arg in message.split(":", 1)[1].split():
-                close = difflib.get_close_matches(arg.split("=")[0], flags, 1) if arg.startswith("--") else []
-                if close:
+                flag = arg.split("=")[0]
+                if not arg.startswith("--"):
+                    continue
+                if flag in owners:  # right flag, another command's
+                    message += f"; {flag} is a flag of {', '.join(f'treerl {c}' for c in owners[flag])}"
+                elif close := difflib.get_close_matches(flag, list(owners), 1):
                     message += f"; {arg}: did you mean {close[0]}?"
         super().error(message)
 
-    def _parsers(self) -> list[argparse.ArgumentParser]:
-        out: list[argparse.ArgumentParser] = [self]
+    def _parsers(self) -> list[tuple[str, argparse.ArgumentParser]]:
+        out: list[tuple[str, argparse.ArgumentParser]] = [("", self)]
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):
-                out.extend(action.choices.values())
+                out.extend(action.choices.items())
         return out
 
 
