@@ -147,6 +147,13 @@ def test_truncation_after_max_turns_and_step_after_end_raises():
     assert (terminated, truncated) == (False, True) and info["termination"] == "max_turns"
     with pytest.raises(EnvError, match="reset"):
         env.step("again")
+    # Truncated on a turn with a call: the call ran, and its result is the step's observation.
+    env = treerl.make("treerl/Calculator-v0", max_turns=1)
+    env.reset(seed=0)
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
+    obs, _, terminated, truncated, info = env.step(call)
+    assert (terminated, truncated) == (False, True) and info["tool_calls"][0]["error"] is None
+    assert obs == [{"role": "tool", "name": "calculator", "content": "5"}]
 
 
 def test_several_tool_calls_in_one_turn_run_concurrently():

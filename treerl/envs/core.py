@@ -416,10 +416,9 @@ class ToolEnv(Env):
 
         self._count(records, terminated, truncated)
         self.tool_records.extend(copy.deepcopy(records))
-        if obs and not self.done:
-            self.messages.extend(copy.deepcopy(obs))
-        else:
-            obs = []  # the episode is over: there is no next turn to observe
+        # Truncated on a turn with calls, the results are still the step's observation (as in Gymnasium,
+        # where a truncated step's observation is a real one); a final answer has none.
+        self.messages.extend(copy.deepcopy(obs))
         info = {
             "turn": self.turn,
             "tool_calls": records,
