@@ -25,7 +25,7 @@ from treerl.errors import ConfigError  # noqa: E402
 from treerl.envs.parsers import get_parser  # noqa: E402
 from treerl.rollout import read_groups  # noqa: E402
 from treerl.serve.config import ServeConfig  # noqa: E402
-from treerl.serve.openai_format import message_key, parse_request, template_messages  # noqa: E402
+from treerl.serve.openai_format import call_opening, message_key, parse_request, template_messages  # noqa: E402
 from treerl.serve.recorder import Recorder  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -194,7 +194,7 @@ def test_tool_choice_forces_the_call_opening_unsampled(server, tiny, choice):
     client = make_client(url)
     name = TOOLS[0]["function"]["name"]
     tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": name}}
-    opening = "<tool_call>\n" if choice == "required" else '<tool_call>\n{"name": "' + name + '", "arguments": '
+    opening = "<tool_call>\n" if choice == "required" else '<tool_call>\n{"name": "' + name + '", "arguments":'
     ask = [{"role": "user", "content": "Tell me about apples."}]  # no reason to call a calculator
     headers = {"X-Episode-Id": f"forced-{choice}"}  # no task: a group of one
     reply = client.chat.completions.create(model="treerl", messages=ask, tools=TOOLS, tool_choice=tool_choice,
@@ -222,6 +222,26 @@ def test_tool_choice_forces_the_call_opening_unsampled(server, tiny, choice):
     checked = parse_request({"messages": [message.model_dump(exclude_none=True)]}).messages[0]
     assert tok.decode(context2, skip_special_tokens=False) == \
         expected_context(tok, follow, {message_key(checked): opening + raw1})
+
+
+def test_a_named_tool_choice_gets_its_call(server, tiny):
+    """The forced opening ends where the model's own call tokens end (after '":', not after its space:
+    the model writes ' {"' as one token), so the model goes on writing arguments as it learned to."""
+    url, _, _ = server
+    _, tok = tiny
+    name = TOOLS[0]["function"]["name"]
+    request = parse_request({"messages": [{"role": "user", "content": "Hi."}], "tools": TOOLS,
+                             "tool_choice": {"type": "function", "function": {"name": name}}})
+    opening = call_opening(get_parser(tokenizer=tok), request)
+    forced = tok.encode(opening)  # the model's own tokens of a whole call begin with the forced ones
+    assert tok.encode(opening + ' {"expression": "2 + 2"}}\n</tool_call>')[:len(forced)] == forced
+    response = make_client(url).chat.completions.create(
+        model="treerl", messages=[{"role": "user", "content": "Tell me about apples."}], tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": name}}, n=8, seed=0, max_tokens=32,
+        extra_headers={"X-Treerl-Record": "false"})
+    calls = [c.message.tool_calls for c in response.choices]
+    assert sum(bool(c) for c in calls) >= 6, [c.message.content for c in response.choices]
+    assert {call.function.name for c in calls if c for call in c} == {name}
 
 
 def test_tool_choice_for_a_format_without_a_known_opening_is_refused(tiny):

@@ -321,11 +321,15 @@ def call_opening(parser: Any, request: ChatRequest) -> str | None:
     The server puts these tokens at the start of the turn unsampled (recorded as such, never
     trained on), then samples the rest: the reply opens a call whatever the model would have done.
 
+    The opening ends where the model's own tokens of a call end: a BPE tokenizer writes
+    ``"arguments": {"`` as ``'":'`` then ``' {"'``, so an opening ending in the space would leave
+    the model after a lone ``' '`` token it never wrote there, and it writes garbage.
+
     >>> from treerl.envs.parsers import get_parser
     >>> request = ChatRequest(messages=[], tools=[{"type": "function", "function": {"name": "add"}}])
     >>> request.tool_choice = {"type": "function", "function": {"name": "add"}}
     >>> call_opening(get_parser("hermes"), request)
-    '<tool_call>\\n{"name": "add", "arguments": '
+    '<tool_call>\\n{"name": "add", "arguments":'
     >>> request.tool_choice = "required"
     >>> call_opening(get_parser("qwen3_coder"), request)
     '<tool_call>\\n<function='
@@ -336,7 +340,7 @@ def call_opening(parser: Any, request: ChatRequest) -> str | None:
     name = choice["function"]["name"] if isinstance(choice, Mapping) else None
     kind = type(parser).__name__
     if kind == "HermesParser":
-        return "<tool_call>\n" if name is None else '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": '
+        return "<tool_call>\n" if name is None else '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments":'
     if kind == "Qwen3CoderParser":
         return "<tool_call>\n<function=" if name is None else f"<tool_call>\n<function={name}>\n"
     raise RequestError("tool_choice", f"{choice!r} is enforced for hermes and Qwen3-Coder call formats; this "
