@@ -450,6 +450,56 @@ def test_bad_requests_get_4xx_naming_the_field(server):
     assert recorder.metrics["http/400"] >= len(cases)
 
 
+def test_malformed_and_unsupported_requests_get_a_400_naming_the_field(server):
+    """Bodies OpenAI refuses are refused here too (never a 500, never served as something else)."""
+    import httpx
+
+    url, recorder, _ = server
+    hi = [{"role": "user", "content": "hi"}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": "{}"}}
+    named = {"type": "function", "function": {"name": "calculator"}}
+    cases = [
+        ({"tools": [{"type": "function", "function": {"name": 5}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 5}}]}, "tools[0].function.parameters"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
+         "tools[0].function.parameters"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "calculator"}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": named}, "tool_choice"),
+        ({"stream_options": "x"}, "stream_options"),
+        ({"stream_options": [1]}, "stream_options"),
+        ({"stream": "false"}, "stream"),
+        ({"logprobs": "false"}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # only with logprobs
+        ({"logit_bias": {"100": -100}}, "logit_bias"),
+        ({"messages": [{"role": "tool", "tool_call_id": "call_1", "content": "4"}]}, "messages[0]"),
+        ({"messages": [*hi, {"role": "assistant", "content": "", "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "call_2", "content": "4"}]}, "messages[2].tool_call_id"),
+        ({"messages": [*hi, {"role": "assistant", "content": "", "tool_calls": [call]}, *hi,
+                       {"role": "tool", "tool_call_id": "call_1", "content": "4"}]}, "messages[3]"),
+    ]
+    before = recorder.metrics["http/400"]
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for fields, param in cases:
+            reply = http.post("/chat/completions", json={"model": "treerl", "messages": hi, "max_tokens": 4, **fields})
+            assert reply.status_code == 400, (fields, reply.text)
+            error = reply.json()["error"]
+            assert error["param"] == param and error["message"].startswith(param + ": "), (fields, error)
+            assert error["type"] == "invalid_request_error"
+        deep = "[" * 100_000 + "]" * 100_000  # a decoder that recurses per level would overflow
+        reply = http.post("/chat/completions", content=deep, headers={"Content-Type": "application/json"})
+        assert reply.status_code == 400 and "nested too deeply" in reply.json()["error"]["message"]
+        # A tool result that answers the call before it is served.
+        ok = http.post("/chat/completions", json={
+            "model": "treerl", "max_tokens": 2, "stream": False, "logprobs": False, "logit_bias": {},
+            "messages": [*hi, {"role": "assistant", "content": "", "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "4"}]},
+            headers={"X-Treerl-Record": "false"})
+        assert ok.status_code == 200, ok.text
+    assert recorder.metrics["http/400"] == before + len(cases) + 1
+
+
 def test_a_call_the_request_has_no_tool_for_comes_back_as_content(server, tiny):
     url, recorder, _ = server
     env = treerl.make("treerl/Calculator-v0")

@@ -69,12 +69,17 @@ async def _read_body(request: Any, limit: int) -> bytes:
     return bytes(body)
 
 
-async def _read_json(request: Any, limit: int) -> Any:
-    data = await _read_body(request, limit)
+def _decode_json(data: bytes) -> Any:
     try:
         return json.loads(data or b"{}")
     except ValueError as exc:
         raise RequestError(None, f"the body is not valid JSON ({exc}).") from None
+    except RecursionError:  # the decoder recurses once per level of nesting
+        raise RequestError(None, "the body's JSON is nested too deeply.") from None
+
+
+async def _read_json(request: Any, limit: int) -> Any:
+    return _decode_json(await _read_body(request, limit))
 
 
 def _header_or(request: Any, header: str, metadata: dict[str, Any], key: str, fallback: str | None = None
@@ -267,10 +272,10 @@ def create_app(recorder: Recorder, cfg: ServeConfig) -> Any:
     async def weights(request: Request, version: int | None = None) -> Any:
         data = await _read_body(request, cfg.max_weights_bytes)
         if request.headers.get("content-type", "").startswith("application/json"):
-            body = json.loads(data or b"{}")
-            source, version = body.get("path"), body.get("version", version)
-            if not isinstance(source, str):
+            body = _decode_json(data)
+            if not isinstance(body, dict) or not isinstance(body.get("path"), str):
                 raise RequestError("path", "a JSON body names a checkpoint: {\"path\": ..., \"version\": N}.")
+            source, version = body["path"], body.get("version", version)
         else:
             from safetensors.torch import load
 

@@ -42,6 +42,8 @@ __all__ = ["RequestError", "ChatRequest", "parse_request", "message_key", "templ
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields that change the sampling distribution in ways this server cannot apply: refused, not ignored.
 _UNSUPPORTED_NONZERO = ("frequency_penalty", "presence_penalty")
+_UNSUPPORTED_NONEMPTY = ("logit_bias",)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 class RequestError(ValueError):
@@ -77,6 +79,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
     user: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
 
@@ -114,6 +117,14 @@ def _number(body: Mapping[str, Any], name: str, lo: float, hi: float, *, integer
     return value
 
 
+def _flag(body: Mapping[str, Any], name: str, where: str | None = None) -> bool:
+    """A boolean field: true, false or absent. A string such as "false" is refused, never read as true."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(where or name, f"must be a boolean (true or false), got {value!r}.")
+    return bool(value)
+
+
 def _check_message(i: int, m: Any) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(m, Mapping):
@@ -138,10 +149,29 @@ def _check_message(i: int, m: Any) -> dict[str, Any]:
             arguments = fn.get("arguments", "{}")
             if not isinstance(arguments, (str, Mapping)):
                 raise RequestError(f"{where}.tool_calls[{j}].function.arguments", "must be a JSON string.")
+            if c.get("id") is not None and not isinstance(c["id"], str):
+                raise RequestError(f"{where}.tool_calls[{j}].id", f"must be a string, got {c['id']!r}.")
             out["tool_calls"].append({"id": c.get("id"), "name": fn["name"], "arguments": arguments})
     if isinstance(m.get("name"), str):
         out["name"] = m["name"]
     return out
+
+
+def _check_tool_results(messages: Sequence[Mapping[str, Any]]) -> None:
+    """Each tool message answers a call of the assistant message before it (other tool messages between),
+    as OpenAI requires: a result with no call would be rendered as an answer to nothing."""
+    calls: set[str] | None = None  # the ids of the calls the tool messages here may answer
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            calls = {c["id"] for c in m.get("tool_calls") or [] if c.get("id") is not None}
+        elif m["role"] != "tool":
+            calls = None
+        elif not calls:
+            raise RequestError(f"messages[{i}]", "a tool message must follow an assistant message with "
+                                                 "tool_calls: it answers one of those calls.")
+        elif m["tool_call_id"] not in calls:
+            raise RequestError(f"messages[{i}].tool_call_id", f"{m['tool_call_id']!r} is not the id of a call in "
+                                                              "the tool_calls of the assistant message before it.")
 
 
 def _check_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
@@ -155,10 +185,19 @@ def _check_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
         fn = t.get("function") if isinstance(t, Mapping) else None
         if not isinstance(t, Mapping) or t.get("type", "function") != "function" or not isinstance(fn, Mapping):
             raise RequestError(f"tools[{i}]", "must be {'type': 'function', 'function': {'name': ..., ...}}.")
+        if not isinstance(fn.get("name"), str):
+            raise RequestError(f"tools[{i}].function.name", f"must be a string, got {fn.get('name')!r}.")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], Mapping):
+            raise RequestError(f"tools[{i}].function.parameters",
+                               f"must be a JSON Schema object, got {fn['parameters']!r}.")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise RequestError(f"tools[{i}].function.description", "must be a string.")
         try:
-            Tool.from_schema(fn.get("name"), fn.get("parameters"))
+            Tool.from_schema(fn["name"], fn.get("parameters"))
         except ValueError as exc:
             raise RequestError(f"tools[{i}].function", str(exc)) from None
+        except RecursionError:
+            raise RequestError(f"tools[{i}].function.parameters", "the schema is nested too deeply.") from None
         if fn["name"] in names:
             raise RequestError(f"tools[{i}].function.name", f"{fn['name']!r} is given twice.")
         names.add(fn["name"])
@@ -175,17 +214,25 @@ def parse_request(body: Any) -> ChatRequest:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "must be a non-empty list of chat messages.")
     request = ChatRequest(messages=[_check_message(i, m) for i, m in enumerate(messages)])
+    _check_tool_results(request.messages)
     if not isinstance(body.get("model", ""), str):
         raise RequestError("model", "must be a string.")
     request.model = body.get("model") or ""
     request.tools = _check_tools(body)
     choice = body.get("tool_choice", "auto")
     if isinstance(choice, Mapping):
-        name = (choice.get("function") or {}).get("name")
+        if choice.get("type", "function") != "function" or not isinstance(choice.get("function"), Mapping):
+            raise RequestError("tool_choice", "a named tool is {'type': 'function', 'function': {'name': ...}}, "
+                                              f"got {dict(choice)!r}.")
+        name = choice["function"].get("name")
+        if not request.tools:
+            raise RequestError("tool_choice", "names a function, but the request has no tools.")
         if name not in request.tool_names:
             raise RequestError("tool_choice.function.name", f"{name!r} is not one of the request's tools.")
-    elif choice not in ("auto", "none", "required"):
+    elif not isinstance(choice, str) or choice not in ("auto", "none", "required"):
         raise RequestError("tool_choice", f"{choice!r} must be auto, none, required or a function object.")
+    elif choice == "required" and not request.tools:
+        raise RequestError("tool_choice", "'required' needs tools: the request has none.")
     request.tool_choice = choice
     request.temperature = _number(body, "temperature", 0.0, 2.0)
     request.top_p = _number(body, "top_p", 1e-9, 1.0)
@@ -202,13 +249,25 @@ def parse_request(body: Any) -> ChatRequest:
     request.stop = list(stop or [])
     request.seed = _number(body, "seed", -(1 << 63), (1 << 63) - 1, integer=True)
     request.n = _number(body, "n", 1, 1 << 20, integer=True) or 1
-    request.stream = bool(body.get("stream") or False)
-    request.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    request.logprobs = bool(body.get("logprobs") or False)
+    request.stream = _flag(body, "stream")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, Mapping):
+        raise RequestError("stream_options", f"must be an object such as {{'include_usage': true}}, "
+                                             f"got {stream_options!r}.")
+    request.include_usage = _flag(stream_options or {}, "include_usage", "stream_options.include_usage")
+    request.logprobs = _flag(body, "logprobs")
+    top_logprobs = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+    if top_logprobs is not None and not request.logprobs:
+        raise RequestError("top_logprobs", "needs logprobs set to true.")
+    request.top_logprobs = top_logprobs or 0
     for name in _UNSUPPORTED_NONZERO:
         if body.get(name) not in (None, 0, 0.0):
             raise RequestError(name, "is not supported: it would change the sampling distribution the trajectory "
                                      "records; leave it unset or 0.")
+    for name in _UNSUPPORTED_NONEMPTY:
+        if body.get(name) not in (None, {}):
+            raise RequestError(name, "is not supported: it would change the sampling distribution the trajectory "
+                                     "records; leave it unset or empty.")
     user = body.get("user")
     request.user = user if isinstance(user, str) and user else None
     metadata = body.get("metadata") or {}
