@@ -8,6 +8,7 @@ own replies rendered from their raw sampled text), token for token what the mode
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -498,6 +499,41 @@ def test_malformed_and_unsupported_requests_get_a_400_naming_the_field(server):
             headers={"X-Treerl-Record": "false"})
         assert ok.status_code == 200, ok.text
     assert recorder.metrics["http/400"] == before + len(cases) + 1
+
+
+def test_top_logprobs_are_the_sampling_distributions_head(server, tiny):
+    """Per token, the top_logprobs most likely tokens of the distribution it was drawn from (all of
+    them under top_k), most likely first, the sampled token among them when it is that likely."""
+    url, recorder, _ = server
+    _, tok = tiny
+    client = make_client(url)
+    ask = [{"role": "user", "content": "Tell me about apples."}]
+    unrecorded = {"X-Treerl-Record": "false"}
+    for top_k, expected in ((None, 5), (3, 3)):
+        extra = {"top_k": top_k} if top_k else {}
+        reply = client.chat.completions.create(model="treerl", messages=ask, max_tokens=12, seed=11, logprobs=True,
+                                               top_logprobs=5, extra_headers=unrecorded, extra_body=extra)
+        content = reply.choices[0].logprobs.content
+        assert len(content) == reply.usage.completion_tokens
+        for token in content:
+            top = [t.logprob for t in token.top_logprobs]
+            assert len(top) == expected and top == sorted(top, reverse=True)
+            assert sum(math.exp(x) for x in top) <= 1 + 1e-4
+            if token.logprob >= top[-1] + 1e-4:
+                assert token.token in [t.token for t in token.top_logprobs]
+    plain = client.chat.completions.create(model="treerl", messages=ask, max_tokens=4, logprobs=True,
+                                           extra_headers=unrecorded)
+    assert all(t.top_logprobs == [] for t in plain.choices[0].logprobs.content)
+    # Cut at a stop string, the recorded turn keeps its tokens' heads and nothing more.
+    text = reply.choices[0].message.content
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stopped = client.chat.completions.create(model="treerl", messages=ask, max_tokens=12, seed=11, logprobs=True,
+                                             top_logprobs=2, stop=[stop], extra_body={"top_k": 3},
+                                             extra_headers={"X-Episode-Id": "top-stopped"})
+    assert stopped.choices[0].finish_reason == "stop"
+    client.post("/episodes/top-stopped/reward", body={"reward": 0.0}, cast_to=object)
+    [segment] = [s for s in group_of(recorder, "top-stopped").segments if s.kind == "sampled"]
+    assert len(segment.top_logprobs) == len(segment.token_ids) == len(stopped.choices[0].logprobs.content)
 
 
 def test_a_call_the_request_has_no_tool_for_comes_back_as_content(server, tiny):

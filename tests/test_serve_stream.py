@@ -156,7 +156,7 @@ def test_openai_client_gets_tokens_as_they_are_sampled(server):
 
 @pytest.mark.parametrize("tools", [None, TOOLS], ids=["chat", "tools"])
 def test_streamed_equals_unstreamed_with_the_same_seed(server, tiny, tools):
-    """Content (joined deltas), tool calls, finish reason, usage and the recorded turn are identical."""
+    """Content (joined deltas), tool calls, finish reason, log-probs, usage and the recorded turn are identical."""
     url, recorder = server
     _, tok = tiny
     client = client_of(url)
@@ -165,10 +165,10 @@ def test_streamed_equals_unstreamed_with_the_same_seed(server, tiny, tools):
     name = "tools" if tools else "chat"
     warm(client, messages, **extra)
     plain = client.chat.completions.with_raw_response.create(
-        model="treerl", messages=messages, max_tokens=48, seed=11, n=2, extra_headers={"X-Task-Id": f"plain-{name}"},
-        **extra)
+        model="treerl", messages=messages, max_tokens=48, seed=11, n=2, logprobs=True, top_logprobs=2,
+        extra_headers={"X-Task-Id": f"plain-{name}"}, **extra)
     streamed = client.chat.completions.with_raw_response.create(
-        model="treerl", messages=messages, max_tokens=48, seed=11, n=2, stream=True,
+        model="treerl", messages=messages, max_tokens=48, seed=11, n=2, logprobs=True, top_logprobs=2, stream=True,
         stream_options={"include_usage": True}, extra_headers={"X-Task-Id": f"streamed-{name}"}, **extra)
     plain_body, chunks = plain.parse(), list(streamed.parse())
     for index, choice in enumerate(plain_body.choices):
@@ -179,6 +179,10 @@ def test_streamed_equals_unstreamed_with_the_same_seed(server, tiny, tools):
         assert [(tc.function.name, tc.function.arguments) for tc in calls] == \
                [(tc.function.name, tc.function.arguments) for tc in choice.message.tool_calls or []]
         assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
+        streamed_logprobs = [t for c in mine if c.logprobs for t in c.logprobs.content]
+        assert [(t.token, t.logprob, [x.logprob for x in t.top_logprobs]) for t in streamed_logprobs] == \
+               [(t.token, t.logprob, [x.logprob for x in t.top_logprobs]) for t in choice.logprobs.content]
+        assert choice.logprobs.content and all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
         if choice.message.tool_calls:  # calls come whole, after the content
             assert all(c.delta.tool_calls is None for c in mine[:-1 - len(calls)])
     assert chunks[-1].usage == plain_body.usage

@@ -4,7 +4,8 @@ Endpoints (all JSON; errors in OpenAI's shape, the field named in ``param``):
 
 ==========================================  ==========================================================
 ``POST /v1/chat/completions``               messages, tools, tool_choice, temperature, top_p, top_k,
-                                            min_p, max_tokens, stop, seed, n, stream, logprobs;
+                                            min_p, max_tokens, stop, seed, n, stream, logprobs,
+                                            top_logprobs;
                                             episode by ``X-Episode-Id`` / ``metadata.episode_id`` /
                                             ``user``, group by ``X-Task-Id`` / ``metadata.task_id``;
                                             ``X-Treerl-Record: false`` serves without recording
@@ -88,15 +89,31 @@ def _header_or(request: Any, header: str, metadata: dict[str, Any], key: str, fa
     return None if value is None else str(value)
 
 
-def _choice_json(choice: Choice, index: int, tokenizer: Any, logprobs: bool) -> dict[str, Any]:
+def token_logprobs(generation: Any, tokenizer: Any, num_top: int) -> list[dict[str, Any]]:
+    """OpenAI's ``logprobs.content`` of a generation: per sampled token its log-prob and, with ``num_top``,
+    the most likely tokens of the distribution it was drawn from (its candidates when top-k bounds it)."""
+    pieces: dict[int, str] = {}
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        if token_id not in pieces:
+            pieces[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"token": pieces[token_id], "logprob": logprob, "bytes": list(pieces[token_id].encode())}
+
+    top_ids = generation.top_ids if generation.top_ids is not None else generation.candidates
+    content = []
+    for t, (token_id, lp) in enumerate(zip(generation.token_ids, generation.logprobs)):
+        top = []
+        if num_top and generation.top_logprobs is not None and top_ids is not None:
+            top = [entry(i, x) for i, x in zip(top_ids[t][:num_top], generation.top_logprobs[t][:num_top])]
+        content.append({**entry(token_id, lp), "top_logprobs": top})
+    return content
+
+
+def _choice_json(choice: Choice, index: int, tokenizer: Any, logprobs: bool, num_top: int) -> dict[str, Any]:
     out = {"index": index, "message": choice.message, "finish_reason": choice.finish_reason, "logprobs": None,
            "episode_id": choice.episode_id, "_completion_tokens": len(choice.generation.token_ids)}
     if logprobs:
-        content = []
-        for token_id, lp in zip(choice.generation.token_ids, choice.generation.logprobs):
-            piece = tokenizer.decode([token_id], skip_special_tokens=False)
-            content.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []})
-        out["logprobs"] = {"content": content}
+        out["logprobs"] = {"content": token_logprobs(choice.generation, tokenizer, num_top)}
     return out
 
 
@@ -171,7 +188,7 @@ def create_app(recorder: Recorder, cfg: ServeConfig) -> Any:
         model = chat_request.model or cfg.served_model_name
 
         def body_of(choices: list[Choice], head: dict[str, Any] | None = None) -> dict[str, Any]:
-            body = completion_body([_choice_json(c, i, tokenizer, chat_request.logprobs)
+            body = completion_body([_choice_json(c, i, tokenizer, chat_request.logprobs, chat_request.top_logprobs)
                                     for i, c in enumerate(choices)],
                                    model=model, prompt_tokens=choices[0].prompt_tokens, policy_version=policy.version,
                                    episode_id=choices[0].episode_id if len(choices) == 1 and record else None,

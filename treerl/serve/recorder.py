@@ -143,8 +143,9 @@ class _StopStrings:
                 hi = mid
             else:
                 lo = mid + 1
-        return replace(gen, token_ids=gen.token_ids[:lo], logprobs=gen.logprobs[:lo],
-                       candidates=gen.candidates[:lo] if gen.candidates is not None else None, finish_reason="stop")
+        cut = {name: getattr(gen, name)[:lo] for name in ("candidates", "top_ids", "top_logprobs")
+               if getattr(gen, name) is not None}
+        return replace(gen, token_ids=gen.token_ids[:lo], logprobs=gen.logprobs[:lo], finish_reason="stop", **cut)
 
 
 class _Streamed:
@@ -371,7 +372,8 @@ class Recorder:
                 stop_ids.append(ids[0])
         try:
             return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                  max_new_tokens=max_tokens, stop_token_ids=tuple(stop_ids))
+                                  max_new_tokens=max_tokens, stop_token_ids=tuple(stop_ids),
+                                  top_logprobs=request.top_logprobs)
         except ValueError as exc:
             raise RequestError("sampling", str(exc)) from None
 

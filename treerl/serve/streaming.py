@@ -13,8 +13,8 @@ or a possible stop token (:class:`~treerl.agents.chat.TextStream`), text that ma
 start of a ``stop`` string, and, when the reply is read for tool calls, everything from
 the first call marker on (and leading or trailing whitespace, which a reply with calls
 loses). At the end the rest of the content, the tool calls (OpenAI ``tool_calls``
-deltas), the finish reason and the usage come from the finished completion, the very
-objects a non-streamed request returns.
+deltas), the finish reason with the log-probs (when asked for) and the usage come from the
+finished completion, the very objects a non-streamed request returns.
 
 A client that goes away mid-stream stops only its events: the completion task is not
 the response's, so the turn is sampled to its end and recorded whole, as if the client had
@@ -220,7 +220,9 @@ async def events(queue: asyncio.Queue, task: asyncio.Task, texts: list[ChoiceTex
                 yield sse(chunk(head, index, {"content": rest}, extra=extra))
             for j, call in enumerate(message.get("tool_calls") or []):
                 yield sse(chunk(head, index, {"tool_calls": [{"index": j, **call}]}, extra=extra))
-            yield sse(chunk(head, index, {}, c["finish_reason"], extra=extra))
+            # The decode loop hands over token ids only: with logprobs, the choice's come with its last chunk.
+            logprobs = {"logprobs": c["logprobs"]} if c["logprobs"] is not None else {}
+            yield sse(chunk(head, index, {}, c["finish_reason"], extra={**extra, **logprobs}))
         if include_usage:
             yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": body["usage"]})
         yield "data: [DONE]\n\n"
