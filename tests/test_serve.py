@@ -536,6 +536,18 @@ def test_top_logprobs_are_the_sampling_distributions_head(server, tiny):
     assert len(segment.top_logprobs) == len(segment.token_ids) == len(stopped.choices[0].logprobs.content)
 
 
+def test_a_prompt_longer_than_the_models_positions_is_refused(server, tiny):
+    """--max-episode-tokens is 2048 by default; the shipped model has 1024 positions: the limit is 1024."""
+    url, recorder, _ = server
+    model, _ = tiny
+    assert model.config.max_position_embeddings == 1024 < recorder.cfg.max_episode_tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        make_client(url).chat.completions.create(model="treerl", messages=[{"role": "user", "content": "apple " * 400}],
+                                                 max_tokens=4, extra_headers={"X-Treerl-Record": "false"})
+    assert info.value.body["code"] == "context_length_exceeded" and info.value.body["param"] == "messages"
+    assert "maximum context length is 1024 tokens" in info.value.body["message"]
+
+
 def test_a_call_the_request_has_no_tool_for_comes_back_as_content(server, tiny):
     url, recorder, _ = server
     env = treerl.make("treerl/Calculator-v0")

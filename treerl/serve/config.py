@@ -49,8 +49,11 @@ class ServeConfig(ChatTemplateOptions, SamplingOptions):
     out: str | None = field_help(None, "Trajectory file finished groups are appended to (resumed when it exists); "
                                        "default: kept in memory only.")
     group_size: int = field_help(1, "Finished episodes of one task_id that make its group complete (GRPO's group).")
-    max_episode_tokens: int = field_help(2048, "An episode whose context would reach this many tokens is refused "
-                                               "with finish_reason length.")
+    max_episode_tokens: int = field_help(2048, "The most tokens an episode's context may reach (prompt, replies and "
+                                               "tool results; a reply is cut there with finish_reason length, a "
+                                               "longer conversation is refused with context_length_exceeded). A "
+                                               "model that declares max_position_embeddings gets the smaller of "
+                                               "the two.")
     max_tokens_cap: int = field_help(1024, "The most max_tokens a request may ask for.")
     max_n: int = field_help(16, "The most choices (n) one request may ask for.")
     max_request_bytes: int = field_help(4 * 2**20, "Requests with a larger body are refused (413).")

@@ -167,6 +167,8 @@ class Recorder:
     def __init__(self, policy: Policy, tokenizer: Any, cfg: ServeConfig):
         self.policy, self.tokenizer, self.cfg = policy, tokenizer, cfg
         self.parser = get_parser(tokenizer=tokenizer)
+        # The most tokens a context may reach: past max_position_embeddings the model's positions are untrained.
+        self.max_context = context_limit(policy, cfg.max_episode_tokens)
         self.episodes: dict[str, _Episode] = {}
         self.forks: dict[str, list[str]] = {}
         self.by_view: dict[str, str] = {}
@@ -208,11 +210,11 @@ class Recorder:
             self._take_messages(episode, request)
             children = self._fork(episode, request.n) if request.n > 1 else [episode]
             shared = f"{episode.task.key}/{episode.state.name}/turn{episode.state.turn}" if len(children) > 1 else None
-            limited = [turn_params(params, c.state, self.cfg.max_episode_tokens) for c in children]
-            if any(p is None for p in limited):
-                raise RequestError("messages", f"the episode's context has reached max_episode_tokens="
-                                               f"{self.cfg.max_episode_tokens}.", code="context_length_exceeded")
             forced = episode.renderer.encode(opening) if opening else None
+            # The forced opening is context the sampled tokens come after: it takes from their budget.
+            limited = [turn_params(params, c.state, self.max_context - len(forced or ())) for c in children]
+            if any(p is None for p in limited):
+                raise self._too_long(len(episode.state.context_ids) + len(forced or ()))
             if stream is not None:
                 stream.put_nowait(StreamStart([c.id for c in children], [forced or []] * len(children)))
             turns = await asyncio.gather(*(
@@ -263,9 +265,8 @@ class Recorder:
         renderer = self._renderer(request.tools)
         messages = template_messages(request.messages, {})
         prompt_ids = _render(renderer, messages)
-        if len(prompt_ids) >= self.cfg.max_episode_tokens:
-            raise RequestError("messages", f"the conversation is longer than max_episode_tokens="
-                                           f"{self.cfg.max_episode_tokens}.", code="context_length_exceeded")
+        if len(prompt_ids) >= self.max_context:
+            raise self._too_long(len(prompt_ids))
         key = task_id if task_id is not None else episode_id
         task = self.tasks.get(key)
         if task is None:
@@ -308,10 +309,9 @@ class Recorder:
             obs = template_messages(new, episode.raw_texts, earlier=episode.client_messages)
             before = state.messages
             bridge = observe(state, episode.renderer, turn, obs)
-            if next_context_len(state, turn, bridge) >= self.cfg.max_episode_tokens:
+            if (needed := next_context_len(state, turn, bridge)) >= self.max_context:
                 state.messages = before  # refused: the episode stays as it was, at its last reply
-                raise RequestError("messages", f"the episode's context would exceed max_episode_tokens="
-                                               f"{self.cfg.max_episode_tokens}.", code="context_length_exceeded")
+                raise self._too_long(needed)
             if apply_bridge(state, group, turn, bridge):
                 self.metrics["episodes/template_branches"] += 1
                 self.policy.end_session(episode.session)
@@ -322,9 +322,8 @@ class Recorder:
                 episode.renderer, episode.tools = self._renderer(request.tools), request.tools
             messages = template_messages(request.messages, episode.raw_texts)
             ids = _render(episode.renderer, messages)
-            if len(ids) >= self.cfg.max_episode_tokens:
-                raise RequestError("messages", f"the conversation is longer than max_episode_tokens="
-                                               f"{self.cfg.max_episode_tokens}.", code="context_length_exceeded")
+            if len(ids) >= self.max_context:
+                raise self._too_long(len(ids))
             restart(state, group, ids, old_leaf=turn.leaf, reason="history_rewritten")
             state.messages = messages
             self.metrics["episodes/history_rewrites"] += 1
@@ -349,6 +348,15 @@ class Recorder:
         self.forks[episode.id] = [c.id for c in children]
         self.policy.end_session(episode.session)
         return children
+
+    def _too_long(self, num_tokens: int) -> RequestError:
+        """OpenAI's refusal of a context the model cannot take (a reply needs at least one token after it)."""
+        why = f"max_episode_tokens={self.cfg.max_episode_tokens}"
+        if self.max_context < self.cfg.max_episode_tokens:
+            why = f"the model's max_position_embeddings, below {why}"
+        return RequestError("messages", f"this model's maximum context length is {self.max_context} tokens ({why}), "
+                                        f"but the conversation needs {num_tokens} tokens before the reply. Shorten "
+                                        "the messages.", code="context_length_exceeded")
 
     def _params(self, request: ChatRequest) -> SamplingParams:
         cfg = self.cfg
@@ -421,13 +429,12 @@ class Recorder:
         messages = template_messages(request.messages, {})
         state = EpisodeState(env=None, messages=messages, context_ids=_render(renderer, messages), parent=0,
                              path=(0,))
-        params = turn_params(params, state, self.cfg.max_episode_tokens)
+        forced = renderer.encode(opening) if opening else None
+        params = turn_params(params, state, self.max_context - len(forced or ()))
         if params is None:
-            raise RequestError("messages", "the conversation is longer than max_episode_tokens.",
-                               code="context_length_exceeded")
+            raise self._too_long(len(state.context_ids) + len(forced or ()))
         scratch = Group(task_key="unrecorded", env_id=ENV_ID)
         scratch.add_segment("prompt", state.context_ids)
-        forced = renderer.encode(opening) if opening else None
         if stream is not None:
             stream.put_nowait(StreamStart(None, [forced or []] * request.n))
         choices = []
@@ -565,6 +572,23 @@ def serve_header(cfg: ServeConfig, tokenizer: Any) -> dict[str, Any]:
         "group_size": cfg.group_size,
         "max_episode_tokens": cfg.max_episode_tokens,
     })
+
+
+def context_limit(policy: Any, max_episode_tokens: int) -> int:
+    """``max_episode_tokens``, or the policy's model's ``max_position_embeddings`` when it declares a smaller one.
+
+    >>> from types import SimpleNamespace
+    >>> model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1024))
+    >>> context_limit(SimpleNamespace(model=model), 2048)
+    1024
+    >>> context_limit(None, 2048)
+    2048
+    """
+    config = getattr(getattr(policy, "model", None), "config", None)
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0:
+        return min(max_episode_tokens, positions)
+    return max_episode_tokens
 
 
 def _render(renderer: ChatRenderer, messages: list[dict[str, Any]]) -> list[int]:
