@@ -548,6 +548,22 @@ def test_a_prompt_longer_than_the_models_positions_is_refused(server, tiny):
     assert "maximum context length is 1024 tokens" in info.value.body["message"]
 
 
+def test_the_model_is_retrieved_and_unknown_paths_answer_in_openais_shape(server):
+    import httpx
+
+    url, _, _ = server
+    client = make_client(url)
+    assert client.models.retrieve("treerl").id == "treerl"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4o")
+    assert info.value.body["code"] == "model_not_found"
+    for method, path in (("GET", "/nothing"), ("POST", "/models"), ("GET", "/groups?start=abc")):
+        reply = httpx.request(method, url + path, timeout=60)
+        assert reply.status_code in (400, 404, 405) and set(reply.json()["error"]) == {"message", "type", "param",
+                                                                                      "code"}, reply.text
+    assert httpx.get(url + "/groups?start=abc", timeout=60).json()["error"]["param"] == "start"
+
+
 def test_a_call_the_request_has_no_tool_for_comes_back_as_content(server, tiny):
     url, recorder, _ = server
     env = treerl.make("treerl/Calculator-v0")

@@ -9,7 +9,8 @@ Endpoints (all JSON; errors in OpenAI's shape, the field named in ``param``):
                                             episode by ``X-Episode-Id`` / ``metadata.episode_id`` /
                                             ``user``, group by ``X-Task-Id`` / ``metadata.task_id``;
                                             ``X-Treerl-Record: false`` serves without recording
-``GET /v1/models``, ``GET /health``         the served model; liveness and the policy version
+``GET /v1/models``, ``/v1/models/{id}``      the served model (404 ``model_not_found`` for another id)
+``GET /health``                             liveness and the policy version
 ``POST /v1/episodes/{id}/reward``           ``{"reward": 1.0}`` or ``{"rewards": [...]}`` finishes it;
                                             optional ``metrics``, ``termination``, ``feedback``
 ``POST /v1/rewards``                        ``{"rewards": [{"episode_id": ..., "reward": ...}, ...]}``
@@ -121,7 +122,9 @@ def create_app(recorder: Recorder, cfg: ServeConfig) -> Any:
     """The FastAPI application serving ``recorder`` (see the module docstring)."""
     require_serve_extra()
     from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any):
@@ -166,14 +169,35 @@ def create_app(recorder: Recorder, cfg: ServeConfig) -> Any:
         return JSONResponse(error_body(f"{exc.param}: {message}" if exc.param else message, param=exc.param,
                                        code=exc.code), exc.status)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Any:  # unknown routes, wrong methods
+        route = f"{request.method} {request.url.path}"
+        message = f"invalid URL ({route})." if exc.status_code == 404 else f"{route}: {exc.detail}"
+        return JSONResponse(error_body(message), exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_parameter(request: Request, exc: RequestValidationError) -> Any:  # e.g. ?start=abc
+        first = exc.errors()[0]
+        param = ".".join(str(x) for x in first["loc"][1:]) or None
+        recorder.metrics["http/400"] += 1
+        return JSONResponse(error_body(f"{param}: {first['msg']}" if param else first["msg"], param=param), 400)
+
     @app.get("/health")
     async def health() -> Any:
         return {"status": "ok", "policy_version": policy.version, "paused": not recorder.running.is_set()}
 
+    served_model = {"id": cfg.served_model_name, "object": "model", "created": 0, "owned_by": "treerl"}
+
     @app.get("/v1/models")
     async def models() -> Any:
-        return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "treerl"}]}
+        return {"object": "list", "data": [served_model]}
+
+    @app.get("/v1/models/{model:path}")  # ids may hold slashes ("org/name")
+    async def model_info(model: str) -> Any:
+        if model != cfg.served_model_name:
+            raise RequestError("model", f"the model {model!r} does not exist; this server serves "
+                                        f"{cfg.served_model_name!r}.", status=404, code="model_not_found")
+        return served_model
 
     streams: set[asyncio.Task] = set()  # streamed completions run on when their client goes away
     plain_renderer = ChatRenderer(tokenizer)  # a stream's text: the tokenizer's decoding, whatever the tools
