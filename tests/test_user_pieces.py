@@ -199,6 +199,37 @@ def test_isolated_tool_defined_in_an_imported_file(tmp_path):
     assert x == "7" and int(pid) != __import__("os").getpid()  # ran in a process of its own
 
 
+SCRIPT_WITH_ISOLATED_TOOL = """
+import asyncio
+from treerl import tool
+
+@tool(isolate=True, timeout=60)
+def add(a: int, b: int) -> int:
+    return a + b
+
+def main():
+    try:
+        print("RESULT", asyncio.run(add.acall({"a": 1, "b": 2})))
+    except TypeError as exc:
+        print("BUG", exc)
+"""
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_an_isolated_tool_in_a_script_runs_or_says_what_the_script_lacks(tmp_path, guarded):
+    import subprocess
+    import sys
+
+    script = tmp_path / "agent.py"
+    script.write_text(SCRIPT_WITH_ISOLATED_TOOL + ('if __name__ == "__main__":\n    main()\n' if guarded else "main()\n"))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path).stdout.splitlines()
+    if guarded:
+        assert out == ["RESULT 3"]
+    else:  # the tool's process ran the script again (and its call) while loading the tool, and died
+        assert out[-1].startswith("BUG tool 'add' has isolate=True") and 'if __name__ == "__main__":' in out[-1]
+
+
 def test_flat_records_are_what_trl_collates():
     pytest.importorskip("trl", reason="the bench extra (trl) compares with its collator")
     import asyncio

@@ -91,6 +91,8 @@ async def run_isolated(
         first = await _receive(receiver, _ISOLATE_STARTUP_S)
         if first is None:
             raise TimeoutError
+        if first[0] == "error":  # it died before the function was even loaded: the setup, not the call
+            return "bug", _died_loading(payload, name)
         if first[0] != "ready":
             return first
         outcome = await _receive(receiver, timeout)
@@ -100,6 +102,16 @@ async def run_isolated(
     finally:
         await akill_and_reap(process, timeout_s=None)
         receiver.close()
+
+
+def _died_loading(payload: tuple[str, Any], name: str) -> str:
+    """Why an isolated tool's process may have exited while loading the tool (its stderr has the detail)."""
+    message = f"tool {name!r} has isolate=True, and its process exited while loading the tool (see its stderr)"
+    if payload[0] == "ref" and payload[1][0] in ("__main__", "__mp_main__"):
+        message += (": the tool is defined in the script being run, which the tool's process runs again to "
+                    "find it; put the script's own work under `if __name__ == \"__main__\":` or define the "
+                    "tool in a module")
+    return message
 
 
 def _resolve(payload: tuple[str, Any]) -> Callable[..., Any]:
