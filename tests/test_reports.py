@@ -85,13 +85,15 @@ def test_eval_per_task_json_from_the_command_line(capsys):
 def test_per_task_table_has_one_row_per_task():
     groups = []
     for seed, (reward, error) in enumerate([(1.0, None), (0.0, "malformed")]):
-        g = Group(task_key=f"seed-{seed}", env_id="demo", info={"answer": str(seed)})
+        g = Group(task_key=f"seed-{seed}", env_id="demo",
+                  info={"answer": str(seed), **({"task_id": "row-7"} if seed else {})})
         root = g.add_segment("prompt", [1, 2])
         leaf = g.add_segment("sampled", [3, 4, 5], parent=root, logprobs=[-0.1] * 3)
         g.add_episode(leaf=leaf, reward=reward, rewards=[0.0, reward], termination="final_answer", metrics={"turns": 2},
                       tool_calls=[{"name": "calculator", "error": error}])
         groups.append(g)
     lines = task_table(task_rows(groups)).splitlines()
-    assert lines[0].split() == ["task", "answer", "reward", "success", "turns", "tokens", "tool", "calls", "ended"]
-    assert lines[2].split() == ["seed-0", "0", "1.000", "100%", "2.0", "3", "ok=1", "final_answer=1"]
-    assert lines[3].split() == ["seed-1", "1", "0.000", "0%", "2.0", "3", "malformed=1", "final_answer=1"]
+    assert lines[0].split() == ["task", "id", "answer", "reward", "success", "turns", "tokens", "tool", "calls",
+                                "ended"]
+    assert lines[2].split() == ["seed-0", "-", "0", "1.000", "100%", "2.0", "3", "ok=1", "final_answer=1"]
+    assert lines[3].split() == ["seed-1", "row-7", "1", "0.000", "0%", "2.0", "3", "malformed=1", "final_answer=1"]

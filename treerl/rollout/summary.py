@@ -133,13 +133,14 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def task_rows(groups: Sequence[Group], success_threshold: float = 1.0) -> list[dict[str, Any]]:
-    """One record per task (group): its answer, reward, success, turns, tool calls and how it ended."""
+    """One record per task (group): its id, answer, reward, success, turns, tool calls and how it ended."""
     rows = []
     for g in groups:
         n = max(len(g.episodes), 1)
         calls = Counter(r.get("error") or "ok" for e in g.episodes for r in e.tool_calls)
         rows.append({
             "task": g.task_key,
+            "id": g.info.get("task_id"),  # the environment's own id of the task (a dataset row's id)
             "answer": g.info.get("answer"),
             "episodes": len(g.episodes),
             "reward": sum(e.reward for e in g.episodes) / n,
@@ -157,10 +158,11 @@ def task_table(rows: Sequence[dict[str, Any]]) -> str:
     def counts(d: dict[str, int]) -> str:
         return ", ".join(f"{k}={v}" for k, v in sorted(d.items())) or "none"
 
-    body = [[r["task"], "-" if r["answer"] is None else str(r["answer"]), f"{r['reward']:.3f}",
+    body = [[r["task"], "-" if r.get("id") is None else str(r["id"]), "-" if r["answer"] is None else str(r["answer"]),
+             f"{r['reward']:.3f}",
              f"{r['success_rate']:.0%}", f"{r['turns']:.1f}", f"{r['sampled_tokens']:.0f}", counts(r["tool_calls"]),
              counts(r["terminations"])] for r in rows]
-    return format_table(["task", "answer", "reward", "success", "turns", "tokens", "tool calls", "ended"], body)
+    return format_table(["task", "id", "answer", "reward", "success", "turns", "tokens", "tool calls", "ended"], body)
 
 
 def summary_table(summary: dict[str, Any], **extra: str) -> str:
