@@ -352,10 +352,9 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
                           "passed to train(): register your environment (treerl.register) and set env= and "
                           "env_kwargs= instead of env_factory=, or leave eval_env_kwargs empty to evaluate on "
                           "env_factory's environments.")
-    env_id = cfg.env if env_factory is None else factory_env_id(env_factory)
     # Training and the held-out evaluation differ only where the learner sets malformed_ends_episode.
     eval_env_factory = cfg.eval_env_factory() if cfg.eval_env_kwargs else (env_factory or cfg.env_factory())
-    env_factory = cfg.train_env_factory(env_factory)
+    given_factory, env_factory = env_factory, cfg.train_env_factory(env_factory)
     if ranks.is_main and cfg.eval_episodes and not cfg.eval_env_kwargs and "data_path" in cfg.env_kwargs:
         print("warning: the held-out evaluation draws its tasks from the training data (env_kwargs data_path); pass "
               "--eval-env-kwargs '{\"data_path\": \"test.jsonl\"}' to evaluate on held-out rows.", file=sys.stderr)
@@ -367,6 +366,9 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
             print(f"resumed from {ckpt} at step {state.step}", file=sys.stderr)
             truncate_metrics(out_dir / "metrics.jsonl", state.step)
     source = source if source is not None else cfg.group_source()
+    # What groups and figures call the environment; a learner fed by a source plays no environment.
+    plays = source is None or cfg.eval_episodes > 0
+    env_id = factory_env_id(given_factory) if given_factory is not None and plays else cfg.env
     if ranks.is_main and source is None:  # groups from a source were rendered elsewhere
         _warn_if_template_ignores_tools(tokenizer, env_factory)
     sync = WeightSync(model, policy, version=state.policy_version)
