@@ -159,6 +159,78 @@ def test_parameters_description_and_openai_schema():
     jsonschema.Draft202012Validator.check_schema(t.parameters)
 
 
+def forecast_rest(city: str, days: int = 3, unit: Literal["c", "f"] = "c", color: Color = Color.RED) -> str:
+    """Look up the weather forecast.
+
+    Uses the offline tables.
+
+    :param str city: The city, in English,
+        without the country.
+    :type city: str
+    :param days: How many days ahead.
+    :type days: int
+    :returns: A forecast.
+    :rtype: str
+    :raises KeyError: for an unknown city.
+    """
+    return forecast(city, days, unit, color)
+
+
+def forecast_numpy(city: str, days: int = 3, unit: Literal["c", "f"] = "c", color: Color = Color.RED) -> str:
+    """Look up the weather forecast.
+
+    Uses the offline tables.
+
+    Parameters
+    ----------
+    city : str
+        The city, in English,
+        without the country.
+    days : int, optional
+        How many days ahead.
+    unit : {"c", "f"}
+    color : Color
+
+    Returns
+    -------
+    str
+        A forecast.
+    """
+    return forecast(city, days, unit, color)
+
+
+@pytest.mark.parametrize("fn", [forecast, forecast_rest, forecast_numpy], ids=["google", "rest", "numpy"])
+def test_google_rest_and_numpy_docstrings_describe_the_same_tool(fn, recwarn):
+    t = tool(fn)
+    assert t.description == "Look up the weather forecast.\n\nUses the offline tables."
+    assert t.parameters == tool(forecast).parameters
+    assert not recwarn.list  # every documented name is a parameter
+
+
+@pytest.mark.parametrize(
+    "docstring",
+    [
+        "Price.\n\nArgs:\n    item: The item.\n    itme: A typo.\n",
+        "Price.\n\n:param item: The item.\n:param itme: A typo.\n",
+        "Price.\n\nParameters\n----------\nitem : str\n    The item.\nitme : str\n",
+    ],
+    ids=["google", "rest", "numpy"],
+)
+def test_a_documented_parameter_the_function_lacks_warns_once(docstring):
+    def price(item: str) -> int:
+        return 1
+
+    price.__doc__ = docstring
+    with pytest.warns(UserWarning) as record:
+        t = tool(price)
+    assert [str(w.message) for w in record] == [
+        "tool 'price': its docstring documents 'itme', which the function does not take (its parameters: item); "
+        "fix the name in the docstring or in the signature"
+    ]
+    assert record[0].filename == __file__  # points at the function, not at treerl
+    assert t.parameters["properties"]["item"]["description"] == "The item."
+
+
 def test_decorator_forms_and_overrides():
     @tool
     def plain(x: int) -> int:
@@ -348,6 +420,127 @@ def test_dataclass_checks_become_invalid_arguments():
     with pytest.raises(ToolCallError, match="argument 'p': value must be positive") as info:
         f.validate({"p": {"value": -1}})
     assert info.value.kind is ToolErrorKind.INVALID_ARGUMENTS
+
+
+# -- pydantic models ------------------------------------------------------------------------
+
+
+def pydantic_models():
+    """A small pydantic model tree, or a skip where pydantic is not installed."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Address(pydantic.BaseModel):
+        """Where a parcel goes."""
+
+        city: str = pydantic.Field(description="The city.")
+        zip_code: Optional[str] = None
+
+    class Parcel(pydantic.BaseModel):
+        weight_kg: float = pydantic.Field(gt=0)
+        to: Address
+        via: list[Address] = []
+        back: Optional[Address] = None
+
+        @pydantic.field_validator("to")
+        @classmethod
+        def not_nowhere(cls, value: Address) -> Address:
+            if value.city == "Nowhere":
+                raise ValueError("no parcels go to Nowhere")  # a check the JSON Schema cannot state
+            return value
+
+    return pydantic, Address, Parcel
+
+
+def test_pydantic_model_parameters_get_an_inlined_schema():
+    _, Address, Parcel = pydantic_models()
+
+    def ship(parcel: Parcel, fallback: Optional[Address] = None) -> str:
+        """Ship a parcel.
+
+        Args:
+            parcel: What to ship.
+        """
+        return "ok"
+
+    t = tool(ship)
+    jsonschema.Draft202012Validator.check_schema(t.parameters)
+    assert "$ref" not in repr(t.parameters) and "$defs" not in repr(t.parameters)
+    assert "'title'" not in repr(t.parameters)  # pydantic's titles only repeat the field names
+    address = {
+        "description": "Where a parcel goes.",
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "description": "The city."},
+            "zip_code": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None},
+        },
+        "required": ["city"],
+    }
+    parcel = t.parameters["properties"]["parcel"]
+    assert parcel["description"] == "What to ship." and parcel["required"] == ["weight_kg", "to"]
+    assert parcel["properties"]["to"] == address
+    assert parcel["properties"]["via"] == {"type": "array", "items": address, "default": []}
+    assert t.parameters["properties"]["fallback"] == {"anyOf": [address, {"type": "null"}], "default": None}
+
+
+def test_pydantic_arguments_are_converted_with_model_validate():
+    _, Address, Parcel = pydantic_models()
+
+    @tool
+    def ship(parcel: Parcel, fallback: Optional[Address] = None, parcels: list[Parcel] = []) -> str:
+        return f"{parcel.to.city}:{parcel.weight_kg}:{fallback.city if fallback else None}"
+
+    converted = ship.validate({
+        "parcel": {"weight_kg": 2, "to": {"city": "Oslo"}, "via": [{"city": "Bergen", "zip_code": "5003"}]},
+        "fallback": {"city": "Rome"},
+        "parcels": [{"weight_kg": 1.5, "to": {"city": "Paris"}}],
+    })
+    parcel = converted["parcel"]
+    assert isinstance(parcel, Parcel) and isinstance(parcel.to, Address) and isinstance(parcel.via[0], Address)
+    assert parcel == Parcel(weight_kg=2.0, to=Address(city="Oslo"), via=[Address(city="Bergen", zip_code="5003")])
+    assert converted["fallback"] == Address(city="Rome") and isinstance(converted["parcels"][0], Parcel)
+    assert ship.validate({"parcel": {"weight_kg": 1, "to": {"city": "Oslo"}}, "fallback": None})["fallback"] is None
+    assert run(ship.acall({"parcel": {"weight_kg": 2, "to": {"city": "Oslo"}}})) == "Oslo:2.0:None"
+
+
+@pytest.mark.parametrize(
+    "parcel, needle",
+    [
+        # The model's own check, after the schema passed:
+        ({"weight_kg": 1, "to": {"city": "Nowhere"}}, "argument 'parcel': field 'to': Value error, no parcels go to"),
+        # The schema's, as for any other parameter:
+        ({"weight_kg": 0, "to": {"city": "Oslo"}}, "argument 'parcel.weight_kg': 0 is less than or equal to"),
+        ({"weight_kg": 1, "to": {}}, "missing required argument 'city' of 'parcel.to'"),
+        ({"weight_kg": 1, "to": {"city": "Oslo"}, "via": [{"city": 3}]}, "argument 'parcel.via[0].city' must be"),
+    ],
+)
+def test_pydantic_validation_errors_are_invalid_arguments(parcel, needle):
+    _, _, Parcel = pydantic_models()
+
+    @tool
+    def ship(parcel: Parcel) -> str:
+        return "ok"
+
+    result = run(run_tool_call(ToolCall("ship", {"parcel": parcel}), {"ship": ship}))
+    assert result.error is ToolErrorKind.INVALID_ARGUMENTS
+    assert needle in result.content and "errors.pydantic.dev" not in result.content
+
+
+def test_recursive_pydantic_models_are_refused_and_results_become_json():
+    pydantic, Address, _ = pydantic_models()
+
+    class Tree(pydantic.BaseModel):
+        children: list["Tree"] = []
+
+    with pytest.raises(TypeError, match="Tree refers to itself"):
+
+        @tool
+        def walk(root: Tree) -> None: ...
+
+    @tool
+    def where() -> Any:
+        return {"to": Address(city="Oslo")}
+
+    assert run(where.acall({})) == '{"to": {"city": "Oslo", "zip_code": null}}'
 
 
 # -- running ---------------------------------------------------------------------------------

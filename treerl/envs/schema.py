@@ -3,13 +3,16 @@
 :func:`type_spec` gives, for one annotated type, the JSON Schema (Draft 2020-12) a tool
 parameter of that type accepts and a converter that turns a value valid for that schema
 into the annotated type (an ``int`` for ``3.0``, the enum member for its value, the
-dataclass for its object). :func:`result_text` goes the other way, from a tool's result
+dataclass or pydantic model for its object). :func:`result_text` goes the other way, from a tool's result
 to the text the model reads, and :func:`explain_error` phrases a validation error for the
 model, naming the field.
 
 Invariants: every schema built here is valid Draft 2020-12 and accepts exactly what its
-converter can convert; an unsupported type raises ``TypeError`` when the schema is built
-(when the tool is defined), never when it is called.
+converter can convert, except for the checks a dataclass's ``__post_init__`` or a pydantic
+model's validators make, which raise ``ValueError``; an unsupported type raises
+``TypeError`` when the schema is built (when the tool is defined), never when it is called.
+pydantic is optional: it is used only for annotations that are pydantic models, and never
+imported here.
 
 >>> spec = type_spec(list[int] | None, "numbers")
 >>> spec.schema
@@ -150,9 +153,12 @@ def type_spec(tp: Any, where: str, seen: tuple[type, ...] = ()) -> TypeSpec:
         if tp in seen:
             raise TypeError(f"{where}: {tp.__name__} refers to itself; recursive types cannot be tool parameters")
         return _record_spec(tp, where, (*seen, tp))
+    pydantic = _pydantic_of(tp)
+    if pydantic is not None:
+        return _pydantic_spec(pydantic, tp, where)
     raise TypeError(
         f"{where}: type {tp!r} is not supported in tool parameters; use str, int, float, bool, "
-        "Literal, Enum, list, tuple, dict[str, ...], Optional, TypedDict, a dataclass or Any"
+        "Literal, Enum, list, tuple, dict[str, ...], Optional, TypedDict, a dataclass, a pydantic model or Any"
     )
 
 
@@ -242,6 +248,90 @@ def _record_spec(cls: type, where: str, seen: tuple[type, ...]) -> TypeSpec:
     return TypeSpec(schema, lambda v: build({k: converters[k](x) for k, x in v.items()}))
 
 
+def _pydantic_of(tp: Any) -> types.ModuleType | None:
+    """The pydantic module when ``tp`` is a pydantic model class, else ``None``.
+
+    pydantic is an optional dependency and is never imported here: a class that is a
+    pydantic model was defined with pydantic, which is therefore already loaded.
+    """
+    pydantic = sys.modules.get("pydantic")
+    if pydantic is None or not isinstance(tp, type):
+        return None
+    base = getattr(pydantic, "BaseModel", None)
+    return pydantic if isinstance(base, type) and issubclass(tp, base) else None
+
+
+def _pydantic_spec(pydantic: types.ModuleType, model: type, where: str) -> TypeSpec:
+    """A pydantic model: the model's own JSON Schema, converted with ``model.model_validate``.
+
+    The model's checks (validators, constraints the schema cannot state) can still refuse a
+    value the schema accepts: the converter then raises ``ValueError`` naming each failing
+    field, which a tool reports as invalid arguments.
+    """
+    if not hasattr(model, "model_json_schema"):
+        raise TypeError(f"{where}: {model.__name__} is a pydantic v1 model; tool parameters need pydantic>=2")
+    try:
+        schema = model.model_json_schema()
+    except pydantic.errors.PydanticUserError as exc:
+        raise TypeError(f"{where}: pydantic cannot give the JSON Schema of {model.__name__} ({exc})") from None
+    defs = schema.get("$defs", {})
+    schema = _inline_refs({k: v for k, v in schema.items() if k != "$defs"}, defs, where, ())
+
+    def convert(value: Any) -> Any:
+        try:
+            return model.model_validate(value)
+        except pydantic.ValidationError as exc:
+            raise ValueError("; ".join(_pydantic_problem(e) for e in exc.errors())) from None
+
+    return TypeSpec(schema, convert)
+
+
+def _pydantic_problem(error: Mapping[str, Any]) -> str:
+    """One pydantic error as ``"field 'a.b[0]': message"``."""
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.get("loc", ())).lstrip(".")
+    return f"field {path!r}: {error['msg']}" if path else str(error["msg"])
+
+
+# The keywords whose value is a schema, a list of schemas, or a mapping of names to schemas.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames",
+              "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas")
+
+
+def _inline_refs(schema: Any, defs: Mapping[str, Any], where: str, expanding: tuple[str, ...]) -> Any:
+    """``schema`` with each ``{"$ref": "#/$defs/X"}`` replaced by ``X`` itself, and without titles.
+
+    A parameter's schema sits inside the tool's ``parameters`` object, where ``#/$defs``
+    would not resolve, so definitions are copied in; a recursive model has no finite copy
+    and is refused, as a recursive dataclass is. Titles only repeat the field names.
+    """
+    if not isinstance(schema, Mapping):
+        return schema
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        name = ref.removeprefix("#/$defs/")
+        if name == ref or name not in defs:
+            raise TypeError(f"{where}: its pydantic model's JSON Schema refers to {ref!r}, which cannot be inlined")
+        if name in expanding:
+            raise TypeError(f"{where}: {name} refers to itself; recursive types cannot be tool parameters")
+        siblings = {k: v for k, v in schema.items() if k != "$ref"}
+        # Keywords next to the reference (a field's description, default) win over the definition's.
+        return _inline_refs({**defs[name], **siblings}, defs, where, (*expanding, name))
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "title" and isinstance(value, str):
+            continue
+        if key in _SUBSCHEMA:
+            value = _inline_refs(value, defs, where, expanding)
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            value = [_inline_refs(v, defs, where, expanding) for v in value]
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, Mapping):
+            value = {k: _inline_refs(v, defs, where, expanding) for k, v in value.items()}
+        out[key] = value
+    return out
+
+
 def with_default(schema: dict, default: Any) -> dict:
     """``schema`` plus ``"default"`` when there is one that JSON can show."""
     if default is dataclasses.MISSING or default is inspect.Parameter.empty:
@@ -266,6 +356,8 @@ def _json_default(value: Any) -> Any:
         return value.value
     if isinstance(value, (set, frozenset)):
         return sorted(value, key=repr)
+    if callable(getattr(value, "model_dump", None)) and not isinstance(value, type):  # pydantic models
+        return value.model_dump(mode="json")
     if callable(getattr(value, "tolist", None)):  # numpy scalars and arrays, torch tensors
         return value.tolist()
     if isinstance(value, (datetime.date, datetime.time)):
@@ -278,8 +370,8 @@ def _json_default(value: Any) -> Any:
 def result_text(value: Any, name: str) -> str:
     """A tool's result as the model reads it: a ``str`` as is, anything else as JSON.
 
-    Dataclasses, enums, tuples, sets, numpy and torch values, dates, decimals and paths
-    become JSON too; ``TypeError`` (naming tool
+    Dataclasses, pydantic models, enums, tuples, sets, numpy and torch values, dates,
+    decimals and paths become JSON too; ``TypeError`` (naming tool
     ``name``) for anything else, which is a bug in the tool, not the model's fault.
 
     >>> result_text({"total": 3, "items": (1, 2)}, "count")

@@ -1,9 +1,11 @@
 """Tools: Python functions the model can call, with a JSON Schema built from their signature.
 
 ``@tool`` turns a typed function into a :class:`Tool`. The parameters' JSON Schema comes
-from the type hints, the descriptions from a Google-style docstring. A call from the model
-is validated with that schema (jsonschema, Draft 2020-12), converted to the annotated
-types, run under a time limit, and its result turned into text for the model.
+from the type hints (dataclasses, TypedDicts and pydantic models included), the
+descriptions from a Google, reST or numpydoc docstring; a docstring that documents a
+parameter the function does not have gives a warning when the tool is made. A call from
+the model is validated with that schema (jsonschema, Draft 2020-12), converted to the
+annotated types, run under a time limit, and its result turned into text for the model.
 
 >>> @tool
 ... def add(a: int, b: int = 0) -> int:
@@ -50,6 +52,7 @@ import inspect
 import json
 import re
 import typing
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -161,6 +164,13 @@ class Tool:
             converters[param.name] = spec.convert
             if param.default is inspect.Parameter.empty:
                 required.append(param.name)
+        unknown = [name for name in arg_descriptions if name not in signature.parameters]
+        if unknown:
+            _warn_at(self.fn, (
+                f"tool {self.name!r}: its docstring documents {', '.join(map(repr, unknown))}, which the function "
+                f"does not take (its parameters: {', '.join(signature.parameters) or 'none'}); "
+                "fix the name in the docstring or in the signature"
+            ))
         parameters = {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
         return parameters, converters
 
@@ -417,6 +427,15 @@ async def run_tool_call(call: ToolCall, tools: Mapping[str, Tool]) -> ToolResult
 
 def _unchanged(value: Any) -> Any:
     return value
+
+
+def _warn_at(fn: Callable[..., Any], message: str) -> None:
+    """A ``UserWarning`` that points at the definition of ``fn``, wherever the tool was made."""
+    code = getattr(inspect.unwrap(getattr(fn, "__func__", fn)), "__code__", None)
+    if code is None:
+        warnings.warn(message, UserWarning, stacklevel=4)  # _warn_at, _build_parameters, Tool(), its caller
+        return
+    warnings.warn_explicit(message, UserWarning, code.co_filename, code.co_firstlineno)
 
 
 def _not_callable(name: str) -> Callable[..., Any]:
