@@ -130,6 +130,27 @@ def test_learn_cli_reads_yaml_config_and_flags_override(tmp_path):
     assert r.returncode != 0 and "stepz" in r.stderr
 
 
+def test_a_second_run_into_the_same_output_dir_is_refused_unless_it_resumes_or_overwrites(tmp_path, capsys):
+    from treerl.cli import main
+
+    out = tmp_path / "run"
+    small = ["--output-dir", str(out), "--tasks-per-step", "1", "--group-size", "2", "--max-new-tokens", "16",
+             "--eval-episodes", "0", "--progress", "false", "--num-threads", "1", "--save-every", "1"]
+    assert main(["learn", "--steps", "2", *small]) == 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1", "step-2"]
+    capsys.readouterr()
+    # Without --resume the new run would append its steps to the first's and leave its checkpoints behind.
+    assert main(["learn", "--steps", "1", *small]) == 2
+    err = capsys.readouterr().err
+    assert "holds an earlier run (metrics.jsonl, checkpoints, model)" in err and "--overwrite-output-dir" in err
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    (out / "notes.txt").write_text("mine")
+    assert main(["learn", "--steps", "1", "--overwrite-output-dir", "true", *small]) == 0
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]  # the first run's step-2 is gone
+    assert (out / "notes.txt").read_text() == "mine"  # only what a learner writes is removed
+
+
 @pytest.mark.slow  # kill-and-resume: the slow pass of CI runs it
 def test_killed_run_resumes_to_the_same_weights(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -175,6 +196,7 @@ def test_diagnostics_fire_with_kind_value_threshold_and_action(tmp_path):
     from treerl.learners.diagnostics import CHECKS, Diagnostics
 
     d = Diagnostics(tmp_path / "d.jsonl")
+    assert (tmp_path / "d.jsonl").read_text() == ""  # there from the start, as the README lists it
     bad = {"reward/zero_std_frac": 1.0, "episode/length_limit_frac": 1.0, "is/ratio_max": 50.0,
            "clip/region_frac": 0.9, "entropy/mean": 0.001}
     fired = d.check(1, bad)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 __all__ = ["TrainerState", "save_checkpoint", "latest_checkpoint", "resume_checkpoint", "load_checkpoint",
-           "checkpoint_path"]
+           "checkpoint_path", "earlier_run", "clear_run"]
 
 
 @dataclass
@@ -68,6 +68,36 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     ckpts = [p for p in (Path(output_dir) / "checkpoints").glob("step-*")
              if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
     return max(ckpts, key=lambda p: int(p.name.split("-", 1)[1])) if ckpts else None
+
+
+RUN_FILES = ("metrics.jsonl", "diagnostics.jsonl", "eval_start.json", "summary.json", "reward_extras.jsonl",
+             "groups.jsonl", "checkpoints", "trajectories", "plots", "model", "adapter", "tensorboard")
+"""What a learner writes into its output directory (config.json aside, rewritten at every start)."""
+
+
+def earlier_run(output_dir: Path) -> list[str]:
+    """The files of an earlier run in ``output_dir`` that a new run would mix with its own.
+
+    >>> import tempfile, pathlib
+    >>> out = pathlib.Path(tempfile.mkdtemp())
+    >>> earlier_run(out)
+    []
+    >>> (out / "metrics.jsonl").write_text("")
+    0
+    >>> earlier_run(out)
+    ['metrics.jsonl']
+    """
+    return [name for name in ("metrics.jsonl", "checkpoints", "model") if (Path(output_dir) / name).exists()]
+
+
+def clear_run(output_dir: Path) -> None:
+    """Remove what a learner wrote into ``output_dir`` (:data:`RUN_FILES`), nothing else."""
+    for name in RUN_FILES:
+        path = Path(output_dir) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
 
 
 def resume_checkpoint(output_dir: Path) -> Path | None:

@@ -127,6 +127,9 @@ class LearnerConfig(EpisodeOptions):
     eval_temperature: float = field_help(1.0, "Sampling temperature of the evaluation.")
     save_every: int = field_help(0, "Checkpoint every N steps (0: only at the end).")
     resume: bool = field_help(False, "Continue from the latest checkpoint in output_dir.")
+    overwrite_output_dir: bool = field_help(False, "Start over in an output_dir that holds an earlier run: its "
+                                                   "metrics, checkpoints, samples and model are removed first "
+                                                   "(without it or --resume such a directory is refused).")
     sample_groups: int = field_help(4, "Groups of a sampled step kept in output_dir/trajectories for `treerl view` "
                                        "(0 keeps none).")
     sample_every: int = field_help(10, "Keep a trajectory sample every N steps (and at the first and last step).")

@@ -54,6 +54,8 @@ from treerl.kernels.tree_attention import TreeAttentionChoice, enable_tree_atten
 from treerl.learners.checkpoints import (
     TrainerState,
     checkpoint_path,
+    clear_run,
+    earlier_run,
     load_checkpoint,
     resume_checkpoint,
     save_checkpoint,
@@ -305,6 +307,16 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     except OSError as exc:
         raise ConfigError(f"--output-dir {cfg.output_dir}: cannot create a directory there ({exc.strerror or exc}); "
                           "pass a new or existing directory, e.g. --output-dir runs/x.") from None
+    if not cfg.resume:
+        # A second run would append to the first's metrics, and a later --resume take the first's checkpoints.
+        found = earlier_run(out_dir)
+        if found and not cfg.overwrite_output_dir:
+            raise ConfigError(f"--output-dir {cfg.output_dir} holds an earlier run ({', '.join(found)}): pass --resume "
+                              "to continue it, --overwrite-output-dir to start over there, or a new --output-dir.")
+        if cfg.overwrite_output_dir:  # every rank decides alike (the files are read before any is removed)
+            if ranks.is_main and found:
+                clear_run(out_dir)
+            ranks.barrier()
     set_seed(cfg.seed)
 
     # Models: the trainer's (tree attention, maybe LoRA) and the sampler's own copy.

@@ -54,6 +54,7 @@ class Diagnostics:
 
     def __init__(self, path: Path, checks: tuple[Check, ...] = CHECKS, tool_error_window: int = 5):
         self.path = Path(path)
+        self.path.touch()  # present from the start (empty: nothing fired), as metrics.jsonl is
         self.checks = checks
         self.window = tool_error_window
         self._tool_errors: list[float] = []
