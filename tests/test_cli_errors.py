@@ -58,6 +58,8 @@ CASES = [
     ("import-missing", [*LEARN, "--import", "{tmp}/none.py"], None, "no such file"),
     ("no-output-dir", ["learn"], None, "output_dir is required"),
     ("rollout-no-out", ["rollout"], None, "--out is required"),
+    ("from-server-unreachable", [*LEARN, "--from-server", "http://127.0.0.1:9", "--eval-episodes", "0"], None,
+     "cannot reach the server"),
     ("rollout-out-is-a-dir", ["rollout", "--out", "{tmp}"], None, "cannot write there"),
     ("rollout-out-under-a-file", ["rollout", "--out", "{file}/r.jsonl"], None, "cannot write there"),
     ("rollout-num-tasks-0", [*ROLLOUT, "--num-tasks", "0"], None, "--num-tasks=0 must be >= 1"),

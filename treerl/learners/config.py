@@ -252,8 +252,10 @@ class LearnerConfig(EpisodeOptions):
             from treerl.serve.client import ServerSource
 
             # The token comes from the environment, never from the config (which is saved with the run).
-            return ServerSource(self.from_server, token=os.environ.get("TREERL_SERVE_TOKEN") or None,
-                                timeout_s=self.server_timeout_s)
+            source = ServerSource(self.from_server, token=os.environ.get("TREERL_SERVE_TOKEN") or None,
+                                  timeout_s=self.server_timeout_s)
+            source.check()  # an unreachable URL is said now, in one line, not at the first step
+            return source
         return None
 
     def packing_config(self) -> PackingConfig:

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import Tensor
 
-from treerl.errors import TreerlError
+from treerl.errors import ConfigError
 from treerl.rollout.sources import stats_of
 from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group
@@ -27,8 +27,10 @@ from treerl.rollout.trajectory import Group
 __all__ = ["ServerSource", "ServerError"]
 
 
-class ServerError(TreerlError):
-    """The server refused a request or could not be reached; the message says which and why."""
+class ServerError(ConfigError):
+    """The server refused a request or could not be reached; the message says which and why (the
+    ``treerl`` command prints it in one line and exits with status 2, as for a wrong setting: most often
+    the URL, the token or a server that was not started)."""
 
 
 class ServerSource:
@@ -62,6 +64,10 @@ class ServerSource:
         except (urllib.error.URLError, OSError) as exc:
             raise ServerError(f"{method} {self.url}{path}: cannot reach the server ({exc}); is `treerl serve` "
                               "running there?") from None
+
+    def check(self) -> None:
+        """Raise :class:`ServerError` now unless the server answers (before a run builds anything on it)."""
+        self._request("GET", "/health", timeout=min(self.poll_s, 30.0))
 
     def take(self, indices: Sequence[int]) -> tuple[list[Group], RolloutStats]:
         """The groups at ``indices``, waiting for the server to finish them (up to ``timeout_s``)."""
