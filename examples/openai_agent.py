@@ -14,7 +14,7 @@ groups; the reward is posted to ``/v1/episodes/{id}/reward``.
     python examples/openai_agent.py play --base-url http://127.0.0.1:8000/v1 --tasks 320 --group-size 8 \\
         --wave 8 --follow-learner
 
-See the README section "Train an agent through `treerl serve`" for the whole run.
+See the README section "Plug in an agent: `treerl serve`" for the whole run.
 """
 
 from __future__ import annotations

@@ -223,6 +223,12 @@ def test_eval_and_rollout_take_env_kwargs_and_import(tmp_path, capsys):
     assert code == 0
     [group] = read_groups(out)
     assert group.info["task_id"] == "only" and len(group.episodes) == 2
+    capsys.readouterr()
+    # Rerun with nothing left: said so, not a summary of zero episodes.
+    assert main(["rollout", "--env", "treerl/MathVerify-v0", "--env-kwargs", json.dumps({"data_path": str(data)}),
+                 "--num-tasks", "1", "--group-size", "2", "--max-new-tokens", "16", "--out", str(out),
+                 "--progress", "false"]) == 0
+    assert capsys.readouterr().out.startswith(f"all 1 tasks are already in {out}: nothing to play")
 
 
 CUSTOM_LEARNER = '''

@@ -181,6 +181,10 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         summary = record(cfg, policy, tokenizer)
     finally:
         policy.close()
+    if summary["groups"] == 0 and summary["skipped_finished_tasks"] == cfg.num_tasks:
+        print(f"all {cfg.num_tasks} tasks are already in {cfg.out}: nothing to play (a larger --num-tasks adds more; "
+              "`treerl view` or read_groups reads them)")
+        return 0
     print(summary_table(summary))
     return 0
 

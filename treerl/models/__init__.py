@@ -4,7 +4,8 @@ A ~2M-parameter Qwen3 with its own byte-level BPE and a Hermes/Qwen chat templat
 by :mod:`treerl.models.train_tiny` on Calculator episodes so that it already makes
 well-formed tool calls and is right about a third of the time: enough for rollouts, tests
 and the quickstart to run on a laptop CPU, with room for RL to improve it. Loading reads
-only local files (no network) and takes well under a second.
+only local files (no network): the weights take milliseconds, the first call in a process a few
+seconds more for the transformers imports.
 
 >>> model, tokenizer = load_default_model()  # doctest: +SKIP
 >>> tokenizer.apply_chat_template([{"role": "user", "content": "2 + 3?"}], add_generation_prompt=True, tokenize=False)  # doctest: +SKIP

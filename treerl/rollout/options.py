@@ -84,7 +84,7 @@ class EpisodeOptions(ChatTemplateOptions, SamplingOptions):
         default_factory=dict)
     model: str | None = field_help(None, "A local transformers model directory, a Hub id in the Hugging Face cache "
                                          "(e.g. Qwen/Qwen3-0.6B; nothing is downloaded), or a shipped model by name "
-                                         "(tiny, tiny-reader); default: the shipped tiny model.")
+                                         "(tiny, tiny-reader, tiny-coder); default: the shipped tiny model.")
     device: str = field_help("cpu", "Torch device of the policy.")
     max_concurrency: int = field_help(32, "Episodes in flight at once.")
     max_episode_tokens: int = field_help(2048, "An episode whose context reaches this many tokens is truncated.")
