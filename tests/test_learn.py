@@ -86,6 +86,25 @@ def test_reward_functions_with_trl_signature_are_weighted_in(tmp_path):
               reward_funcs=[short_answers], reward_weights=[1.0])
 
 
+def test_num_iterations_updates_several_times_against_the_first_weights(tmp_path):
+    model, tok = _load()
+    made = []
+
+    def adamw(params):
+        made.append(torch.optim.AdamW(params, lr=0.05))
+        return made[-1]
+
+    train(GRPOConfig(output_dir=str(tmp_path), loss="grpo", num_iterations=3, **{**SMALL, "steps": 1,
+                                                                                  "tasks_per_step": 4}),
+          model=model, tokenizer=tok, optimizer=adamw)
+    [optimizer] = made
+    assert {int(state["step"]) for state in optimizer.state.values()} == {3}  # three updates on one step's episodes
+    [m] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # The last update's ratio is to the weights before the first, which it has left: the clip acts (at
+    # num_iterations 1 the ratio is 1 and nothing ever clips).
+    assert m["clip/region_frac"] > 0
+
+
 def test_lora_trains_the_adapter_and_the_policy_gets_merged_weights(tmp_path):
     model, tok = _load()
     base = {k: v.clone() for k, v in model.state_dict().items()}

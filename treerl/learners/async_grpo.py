@@ -124,6 +124,10 @@ class AsyncGRPOConfig(GRPOConfig):
             raise ValueError("objective=score_centering centers each token's score with its own importance weight, "
                              f"so it needs is_level=token (got {self.is_level!r}); use --is-level token, or "
                              "--objective clipped for sequence-level importance sampling.")
+        if self.objective == "score_centering" and self.num_iterations != 1:
+            raise ValueError(f"num_iterations={self.num_iterations}: score centering weighs each token by the "
+                             "sampler's ratio to the current weights, one update per batch; use --objective "
+                             "clipped for several updates on each step's episodes.")
         super().__post_init__()
         if self.from_rollouts or self.from_server:
             flag = "from_rollouts" if self.from_rollouts else "from_server"

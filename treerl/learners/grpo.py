@@ -75,6 +75,10 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
     is_ratio_high: float = field_help(2.0, "Upper bound of the sampler/trainer ratio.")
     skip_zero_advantage: bool = field_help(True, "Leave groups whose advantages are all 0 out of the forward pass "
                                                  "(the same update when beta and entropy_coef are 0; one process).")
+    num_iterations: int = field_help(1, "Optimizer steps on each step's episodes (GRPO's mu, TRL's num_iterations). "
+                                        "The old policy of the clipped losses is the weights before the first, so "
+                                        "above 1 the ratio moves and --epsilon-low/--epsilon-high clip; 1 (the "
+                                        "default) is on-policy: ratio 1, only the sampler's importance weights act.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -83,6 +87,9 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
         if self.loss not in POLICY_LOSSES:
             raise ValueError(f"loss={self.loss!r} is not one of {sorted(POLICY_LOSSES)}; a loss of your own needs "
                              "register_loss in a module given with --import.")
+        if isinstance(self.num_iterations, bool) or not isinstance(self.num_iterations, int) or self.num_iterations < 1:
+            raise ValueError(f"num_iterations={self.num_iterations!r} must be a whole number >= 1 (optimizer steps on "
+                             "each step's episodes; 1 is on-policy).")
         # Validate the pieces with their own messages.
         self.loss_config()
         self.advantage_config()
@@ -150,6 +157,19 @@ ExtraLoss = Callable[[PackedBatch, PackedLogprobs], torch.Tensor]
 micro-batch (on the device), from the same forward (``out.hidden`` holds its hidden states)."""
 
 
+def with_old_logprobs(model: torch.nn.Module, batches: Sequence[PackedBatch], cfg: GRPOConfig, device: str,
+                      precision: Precision | None = None) -> list[PackedBatch]:
+    """The batches carrying the model's log-probs now as the old policy of the updates to come
+    (``num_iterations`` > 1: the PPO ratio of every update is against the weights before the first)."""
+    out = []
+    with torch.no_grad():
+        for batch in batches:
+            logp = packed_logprobs(model, batch.to(device), temperature=cfg.temperature, impl="auto",
+                                   precision=precision).logp
+            out.append(batch.with_old_logp(logp.to(batch.term_sampler_logp.device)))
+    return out
+
+
 def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
              batches: Sequence[PackedBatch], cfg: GRPOConfig, device: str, metrics: dict[str, float],
              ranks: Ranks = Ranks(), ref_model: torch.nn.Module | None = None,
@@ -174,9 +194,11 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
         batch = batch.to(device)
         out = packed_logprobs(model, batch, temperature=cfg.temperature, impl="auto", head=is_cfg.centering,
                               precision=precision)
-        # On-policy, one update per batch: the old policy is the current one (ratio 1); the
-        # sampler/trainer gap is corrected by importance weights, detached.
-        iw = importance_weights(out.logp.detach(), batch.term_sampler_logp.to(out.logp.device),
+        # On-policy, one update per batch: the old policy is the current one (ratio 1). With several
+        # (num_iterations) it is the batch's term_old_logp, the weights before the first update. The
+        # sampler/old-policy gap is corrected by importance weights, detached.
+        old = batch.term_old_logp if batch.term_old_logp is not None else out.logp.detach()
+        iw = importance_weights(old, batch.term_sampler_logp.to(out.logp.device),
                                 batch.term_episode.to(out.logp.device), batch.num_episodes, is_cfg,
                                 adv=batch.term_adv.to(out.logp.device))
         centering = batch_centering(batch, out.head_logp, is_cfg) if is_cfg.centering else None
@@ -243,8 +265,11 @@ def update(run: Run, step: int, groups: Sequence[Group], stats: RolloutStats, me
     normalizer = run.ranks.normalizer(batches)  # counts every episode, trained or skipped
     if skips_zero_advantage_groups(cfg, run.ranks):
         batches = without_zero_advantage_groups(groups, adv, batches, cfg, metrics)
-    optimize(run.model, run.optimizer, run.scheduler, batches, cfg, run.device, metrics, run.ranks,
-             ref_model=run.reference, normalizer=normalizer, precision=run.precision)
+    if cfg.num_iterations > 1:  # every update's old policy: the weights before the first
+        batches = with_old_logprobs(run.model, batches, cfg, run.device, run.precision)
+    for _ in range(cfg.num_iterations):
+        optimize(run.model, run.optimizer, run.scheduler, batches, cfg, run.device, metrics, run.ranks,
+                 ref_model=run.reference, normalizer=normalizer, precision=run.precision)
     run.publish_weights(metrics)
     return run.end_step(step, metrics, stats, num_episodes=len(adv), batches=batches, next_task=next_task)
 

@@ -151,6 +151,9 @@ class SDPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.num_iterations != 1:
+            raise ValueError(f"num_iterations={self.num_iterations}: SDPO takes one update per step (its teacher's "
+                             "terms are for the weights that sampled); use --learner grpo for several.")
         if not 0.0 <= self.distillation_weight <= 1.0:
             raise ValueError(f"distillation_weight={self.distillation_weight} must be in [0, 1] (1: SDPO alone, "
                              "0: GRPO alone, between: a blend).")
