@@ -50,6 +50,8 @@ def make_config(name: str, **overrides) -> LossConfig:
         # Wider than GSPO's defaults so that some sequences are inside the clip range.
         gspo_epsilon_low=0.1,
         gspo_epsilon_high=0.1,
+        # The reference below anchors DPPO at old_logp; its default, the sampler, has a test of its own.
+        **({"dppo_anchor": "old"} if name == "dppo" else {}),
     )
     base.update(overrides)
     return LossConfig(**base)
@@ -294,6 +296,33 @@ def test_aggregation_override(aggregation):
     out = POLICY_LOSSES["cispo"](inputs, cfg, LossNormalizer.from_inputs(inputs))
     ref, _ = reference_loss("cispo", cfg, *make_leaves(), with_is=False)
     torch.testing.assert_close(out.loss, ref.to(out.loss.dtype), rtol=1e-10, atol=1e-12)
+
+
+def test_dppo_anchors_its_trust_region_at_the_sampler_by_default():
+    """The paper's DPPO: the mask and the ratio are against the policy that sampled the tokens, and
+    the ratio is the importance weight, so the configured weight is not applied again (its mask is)."""
+    logp, entropy = make_leaves()
+    inputs = make_inputs(logp, entropy, with_is=True)
+    cfg = LossConfig(policy_loss="dppo", max_completion_length=MAX_LEN)
+    assert cfg.dppo_anchor == "sampler"
+    out = compute_loss(inputs, cfg, LossNormalizer.from_inputs(inputs))
+    terms, high, low = [], 0, 0
+    for m in range(len(LOGP)):
+        sampler = LOGP[m] + DELTA[m] + SAMPLER_DELTA[m]
+        diff = math.exp(LOGP[m]) - math.exp(sampler)
+        adv = EPISODE_ADV[EPISODE[m]]
+        masked = diff > cfg.dppo_delta_high if adv > 0 else diff < -cfg.dppo_delta_low
+        high, low = high + int(masked and adv > 0), low + int(masked and adv <= 0)
+        term = 0.0 * logp[m] if masked else -adv * math.exp(LOGP[m] - sampler) * logp[m]
+        terms.append(term * IS_MASK[m])
+    want = reference_aggregate(terms, "token_mean")
+    torch.testing.assert_close(out.loss, want.to(out.loss.dtype), rtol=1e-10, atol=1e-12)
+    assert 0 < high + low < len(LOGP)  # the fixture masks some terms and keeps others
+    assert out.metrics["clip/region_frac"].item() == pytest.approx((high + low) / len(LOGP))
+    # Anchored at old_logp, the same batch masks other terms: the anchor is not a no-op here.
+    old = compute_loss(inputs, LossConfig(policy_loss="dppo", max_completion_length=MAX_LEN, dppo_anchor="old"),
+                       LossNormalizer.from_inputs(inputs))
+    assert not torch.allclose(old.loss, out.loss)
 
 
 def test_on_policy_gradient_is_reinforce():

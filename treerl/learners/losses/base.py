@@ -247,6 +247,9 @@ class LossCoefficients:
                                               "p - p_old > delta_high.")
     dppo_ratio_max: float | None = field_help(None, "DPPO: truncate the detached ratio at this value; unset (the "
                                                     "paper's recipe) does not.")
+    dppo_anchor: str = field_help("sampler", "DPPO's trust region is around the policy that sampled the tokens "
+                                             "(sampler, the paper's; its ratio then is the importance weight) or "
+                                             "the old policy of --num-iterations (old).")
     loss_kwargs: dict[str, Any] = field_help(help="Coefficients of a loss added with register_loss, e.g. "
                                                   "'{\"margin\": 0.1}' (read as cfg.loss_kwargs).",
                                              default_factory=dict)
@@ -303,6 +306,8 @@ class LossCoefficients:
                 f"LossConfig.dppo_delta_low/high are {self.dppo_delta_low}/{self.dppo_delta_high}; "
                 "they bound a difference of probabilities, so use values in (0, 1] such as 0.15."
             )
+        if self.dppo_anchor not in ("sampler", "old"):
+            raise ValueError(f"LossConfig.dppo_anchor is {self.dppo_anchor!r}; use sampler (the paper's) or old.")
         if self.dppo_ratio_max is not None and not self.dppo_ratio_max > 0.0:
             raise ValueError(
                 f"LossConfig.dppo_ratio_max is {self.dppo_ratio_max}; use a positive cap or None."

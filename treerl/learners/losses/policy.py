@@ -196,21 +196,27 @@ def dppo_loss(inputs: LossInputs, cfg: LossConfig, normalizer: LossNormalizer) -
     probability differences do not ("Rethinking the Trust Region in LLM Reinforcement
     Learning", https://arxiv.org/abs/2602.04879; as in verl's ``dppo_tv``).
 
-    The paper anchors the trust region at the rollout policy: pass ``old_logp =
-    sampler_logp`` for that. ``dppo_ratio_max`` truncates the detached ratio; the paper's
-    recipe leaves it off. Clip fractions count masked terms.
+    The paper anchors the trust region at the rollout policy, ``dppo_anchor="sampler"`` (the
+    default): ``p_old`` is the sampler's probability, the ratio is then the importance weight
+    itself, so the configured importance weight is not applied on top (its mask still is).
+    ``dppo_anchor="old"`` anchors it at ``old_logp`` instead (the weights before the first of
+    ``num_iterations`` updates; with one update that is the current policy, and nothing is ever
+    masked). ``dppo_ratio_max`` truncates the detached ratio; the paper's recipe leaves it off.
+    Clip fractions count masked terms.
     """
-    logp, old_logp, adv = (at_least_f32(t) for t in (inputs.logp, inputs.old_logp, inputs.adv))
-    ratio = torch.exp((logp - old_logp).detach().clamp(max=MAX_LOG_RATIO))  # (M,)
+    anchor = inputs.sampler_logp if cfg.dppo_anchor == "sampler" else inputs.old_logp
+    logp, anchor, adv = (at_least_f32(t) for t in (inputs.logp, anchor, inputs.adv))
+    ratio = torch.exp((logp - anchor).detach().clamp(max=MAX_LOG_RATIO))  # (M,)
     if cfg.dppo_ratio_max is not None:
         ratio = ratio.clamp(max=cfg.dppo_ratio_max)
-    diff = torch.exp(logp.detach()) - torch.exp(old_logp)  # (M,) p - p_old
+    diff = torch.exp(logp.detach()) - torch.exp(anchor)  # (M,) p - p_anchor
     positive = adv > 0
     high = positive & (diff > cfg.dppo_delta_high)
     low = ~positive & (diff < -cfg.dppo_delta_low)
     inside = ~(high | low)
     terms = -adv * ratio * logp * inside.to(logp.dtype)
-    return finish_policy_loss(terms, inputs, cfg, normalizer, loss_name="dppo", metrics=clip_metrics(low, high))
+    return finish_policy_loss(terms, inputs, cfg, normalizer, loss_name="dppo", metrics=clip_metrics(low, high),
+                              apply_is_weight=cfg.dppo_anchor != "sampler")
 
 
 # --------------------------------------------------------------------------------------
