@@ -228,7 +228,8 @@ def reference_loss(name, cfg, logp, entropy, *, with_is):
         kl_terms = []
         for m in range(M):
             d = (LOGP[m] + REF_DELTA[m]) - lp[m]
-            kl_terms.append(torch.exp(d) - d - 1)
+            ratio = torch.exp(lp[m] - (LOGP[m] + DELTA[m])) if cfg.kl_bias_correction else 1.0  # to old_logp
+            kl_terms.append((torch.exp(d) - d - 1) * ratio)
         loss = loss + cfg.beta * reference_aggregate(kl_terms, aggregation)
     if cfg.entropy_coef > 0:
         loss = loss - cfg.entropy_coef * reference_aggregate([entropy[m] for m in range(M)], aggregation)
@@ -243,6 +244,7 @@ VARIANTS = {
     "plain": dict(with_is=False, overrides={}),
     "kl_entropy": dict(with_is=False, overrides=dict(beta=0.05, entropy_coef=0.01)),
     "is_weights": dict(with_is=True, overrides=dict(beta=0.05)),
+    "plain_k3": dict(with_is=False, overrides=dict(beta=0.05, kl_bias_correction=False)),
 }
 
 
@@ -323,6 +325,27 @@ def test_dppo_anchors_its_trust_region_at_the_sampler_by_default():
     old = compute_loss(inputs, LossConfig(policy_loss="dppo", max_completion_length=MAX_LEN, dppo_anchor="old"),
                        LossNormalizer.from_inputs(inputs))
     assert not torch.allclose(old.loss, out.loss)
+
+
+def test_the_bias_corrected_kl_has_the_reverse_kl_gradient_on_policy():
+    """TRL's default (use_bias_correction_kl): k3 times the ratio to the old policy has, where that ratio
+    is 1, the value of k3 and the gradient (log pi - log pi_ref) grad log pi; plain k3's is
+    (1 - pi_ref / pi) grad log pi."""
+    logp = torch.tensor(LOGP, dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor(LOGP, dtype=torch.float64) + torch.tensor(REF_DELTA, dtype=torch.float64)
+    inputs = LossInputs(logp=logp, old_logp=logp.detach(), sampler_logp=logp.detach(), adv=torch.zeros(len(LOGP),
+                        dtype=torch.float64), episode=torch.tensor(EPISODE), num_episodes=NUM_EPISODES, ref_logp=ref)
+    grads, values = {}, {}
+    for corrected in (True, False):
+        logp.grad = None
+        cfg = make_config("dapo", beta=1.0, kl_bias_correction=corrected)
+        out = compute_loss(inputs, cfg, LossNormalizer.from_inputs(inputs))
+        out.loss.backward()
+        grads[corrected], values[corrected] = logp.grad.clone(), out.metrics["loss/kl"]
+    n = len(LOGP)
+    torch.testing.assert_close(values[True], values[False])
+    torch.testing.assert_close(grads[True], (logp.detach() - ref) / n)
+    torch.testing.assert_close(grads[False], (1 - torch.exp(ref - logp.detach())) / n)
 
 
 def test_on_policy_gradient_is_reinforce():

@@ -41,7 +41,7 @@ class LearnerConfig(EpisodeOptions):
 
     ALIASES: ClassVar[dict[str, str]] = {  # TRL's names where the meaning is the same (flags and YAML keys)
         "num_generations": "group_size", "max_steps": "steps", "save_steps": "save_every", "loss_type": "loss",
-        "model_name_or_path": "model", "epsilon": "epsilon_low",
+        "model_name_or_path": "model", "epsilon": "epsilon_low", "use_bias_correction_kl": "kl_bias_correction",
     }
 
     output_dir: str | None = field_help(None, "Where metrics, checkpoints and the final model go (required).")

@@ -228,6 +228,9 @@ class LossCoefficients:
     epsilon_high: float = field_help(0.28, "PPO clip: ratios above 1 + epsilon_high stop pushing up; 0.28 is DAPO's "
                                            "clip-higher.")
     beta: float = field_help(0.0, "Weight of the k3 KL to a reference model (the starting weights); 0 keeps none.")
+    kl_bias_correction: bool = field_help(True, "Multiply the k3 KL by the differentiable ratio to the old policy "
+                                                "(value 1 on-policy) so that its gradient is the unbiased reverse-KL "
+                                                "gradient (DeepSeek-V3.2; TRL's default use_bias_correction_kl).")
     entropy_coef: float = field_help(0.0, "Weight of the entropy bonus (subtracted from the loss).")
     gspo_epsilon_low: float = field_help(3e-4, "GSPO sequence-ratio clip below 1 (GSPO paper v2, section 5.1).")
     gspo_epsilon_high: float = field_help(4e-4, "GSPO sequence-ratio clip above 1 (GSPO paper v2, section 5.1).")
@@ -495,7 +498,13 @@ def finish_policy_loss(
                 f"LossConfig.beta is {cfg.beta} but LossInputs.ref_logp is None; compute the "
                 "reference model's log-probs at the loss positions, or set beta=0.0."
             )
-        kl = aggregate(k3_kl(at_least_f32(inputs.logp), at_least_f32(inputs.ref_logp)), inputs, cfg, normalizer)
+        logp = at_least_f32(inputs.logp)
+        kl_terms = k3_kl(logp, at_least_f32(inputs.ref_logp))
+        if cfg.kl_bias_correction:
+            # k3's own gradient, (1 - pi_ref/pi) grad log pi, is biased for the reverse KL; times the ratio
+            # it is (log pi - log pi_ref) grad log pi, the unbiased one, at the same value on-policy.
+            kl_terms = kl_terms * torch.exp((logp - at_least_f32(inputs.old_logp)).clamp(max=MAX_LOG_RATIO))
+        kl = aggregate(kl_terms, inputs, cfg, normalizer)
         loss = loss + cfg.beta * kl
         metrics["loss/kl"] = kl.detach()
 
