@@ -43,6 +43,7 @@ class LearnerConfig(EpisodeOptions):
         "num_generations": "group_size", "max_steps": "steps", "save_steps": "save_every", "loss_type": "loss",
         "model_name_or_path": "model", "epsilon": "epsilon_low", "use_bias_correction_kl": "kl_bias_correction",
     }
+    # TRL's epsilon_high defaults to epsilon; treerl's stays 0.28 (DAPO's clip-higher): pass both to match TRL.
 
     output_dir: str | None = field_help(None, "Where metrics, checkpoints and the final model go (required).")
     steps: int = field_help(60, "Optimizer steps.")

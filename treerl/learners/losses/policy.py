@@ -92,7 +92,10 @@ def gspo_loss(inputs: LossInputs, cfg: LossConfig, normalizer: LossNormalizer) -
     ``s_i`` and its gradient ``s_i * grad log pi(o_t)``, so a token-level advantage is
     possible; with one advantage per sequence this equals GSPO exactly ("Group Sequence
     Policy Optimization", https://arxiv.org/abs/2507.18071, the GSPO-token variant).
-    Aggregated as GRPO.
+    Aggregated as GRPO. With token-level importance weights (the learners' default) each
+    term carries its own token's weight; TRL applies them to one sequence-level objective
+    (the episode's mean weight times its mean score), so the gradients differ there; with
+    sequence-level weights (``--is-level sequence``) or none they are the same.
 
     Needs all of an episode's terms in one micro-batch (checked when
     ``normalizer.episode_num_tokens`` is given). Clip fractions count terms of clipped
@@ -162,7 +165,8 @@ def vespo_loss(inputs: LossInputs, cfg: LossConfig, normalizer: LossNormalizer) 
     chosen by the sign of the advantage. ``L = -1/N sum sg[phi(w_i)] A_t log pi(o_t)``
     ("VESPO: Variational Sequence-Level Soft Policy Optimization",
     https://arxiv.org/abs/2602.10693; the reference code and TRL use the same kernel and
-    the same token-mean aggregation).
+    the same token-mean aggregation; TRL builds ``w_i`` from its truncated importance ratios,
+    treerl from the raw ones, so they agree while no token's ratio reaches TRL's cap).
 
     VESPO is itself the off-policy correction, so it reads ``sampler_logp`` and ignores
     ``is_weight`` (applying it too would correct twice); ``is_mask`` still applies. Needs all
