@@ -226,7 +226,7 @@ class LossCoefficients:
     epsilon_low: float = field_help(0.2, "PPO clip: ratios below 1 - epsilon_low stop pushing down (grpo, dapo, "
                                          "dr_grpo).")
     epsilon_high: float = field_help(0.28, "PPO clip: ratios above 1 + epsilon_high stop pushing up; 0.28 is DAPO's "
-                                           "clip-higher.")
+                                           "clip-higher (TRL's --epsilon sets epsilon_low only: pass both).")
     beta: float = field_help(0.0, "Weight of the k3 KL to a reference model (the starting weights); 0 keeps none.")
     kl_bias_correction: bool = field_help(True, "Multiply the k3 KL by the differentiable ratio to the old policy "
                                                 "(value 1 on-policy) so that its gradient is the unbiased reverse-KL "
