@@ -24,6 +24,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -32,6 +33,7 @@ from transformers import PreTrainedTokenizerFast
 from treerl.agents.chat import ChatRenderer
 from treerl.agents.chat_templates import load_template, resolve_chat_template, template_family
 from treerl.agents.policy import Generation, SamplingParams
+from treerl.agents.transformers_policy import end_of_turn_ids
 from treerl.envs.core import Task, ToolEnv
 from treerl.envs.parsers import get_parser
 from treerl.envs.tools import tool
@@ -218,16 +220,21 @@ def make_tokenizer(base_bpe: str, family: Family) -> PreTrainedTokenizerFast:
 
 
 class ScriptPolicy:
-    """Samples the next scripted turn; records every context it was given."""
+    """Samples the next scripted turn; records every context it was given.
 
-    def __init__(self, tok, turns, *, canonical: bool):
-        self.tok, self.turns, self.canonical = tok, turns, canonical
+    With ``stop_ids`` the turn ends at the first of them, as a sampler given those stop ids
+    would end it (without, the whole scripted turn is sampled whatever it holds)."""
+
+    def __init__(self, tok, turns, *, canonical: bool, stop_ids: frozenset[int] | None = None):
+        self.tok, self.turns, self.canonical, self.stop_ids = tok, turns, canonical, stop_ids
         self.contexts: list[list[int]] = []
 
     async def agenerate(self, request) -> Generation:
         text, stop, _ = self.turns[len(self.contexts)]
         self.contexts.append(list(request.prompt_ids))
         ids = self._ids(request.prompt_ids, text) + [self.tok.convert_tokens_to_ids(stop)]
+        if self.stop_ids is not None:
+            ids = ids[:next(k for k, i in enumerate(ids) if i in self.stop_ids) + 1]
         return Generation(token_ids=ids, logprobs=[-1.0] * len(ids), candidates=None, finish_reason="stop",
                           policy_version=0, num_prompt_tokens_processed=len(request.prompt_ids))
 
@@ -397,6 +404,54 @@ def test_engine_plays_a_family_faithfully(base_bpe, name, turns, executed, varia
         assert [t for s in group.path_indices(segment)[:-1] for t in group.segments[s].token_ids] == context
     if name == "gpt_oss":  # the conversation holds the structured turn the template needed
         assert episode.messages[2]["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": 17, "b": 23}}
+
+
+# -- where a turn stops: each family's own stop ids ---------------------------------------------
+
+# The eos tokens of each model's generation_config.json (what a sampler stops on before treerl
+# adds the template's end-of-turn tokens); tokens a test tokenizer lacks are left out.
+GENERATION_EOS = {
+    "qwen2_5": ["<|im_end|>", "<|endoftext|>"], "qwen3": ["<|im_end|>", "<|endoftext|>"],
+    "qwen3_5": ["<|im_end|>", "<|endoftext|>"], "nemotron3_nano": ["<|im_end|>"],
+    "llama3_1": ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"], "llama3_2": ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"],
+    "mistral": ["</s>"], "gemma3": ["<eos>", "<end_of_turn>"], "phi3_5": ["<|endoftext|>", "<|end|>"],
+    "gpt_oss": ["<|return|>", "<|endoftext|>", "<|call|>"],
+    "glm4_moe": ["<|endoftext|>", "<|user|>", "<|observation|>"], "deepseek_r1": ["<｜end▁of▁sentence｜>"],
+}
+
+
+def family_stop_ids(tok, name: str) -> frozenset[int]:
+    """The stop ids a policy of this family samples with (:func:`end_of_turn_ids`, as the policies call it)."""
+    vocab = tok.get_vocab()
+    model = SimpleNamespace(generation_config=SimpleNamespace(
+        eos_token_id=[vocab[t] for t in GENERATION_EOS[name] if t in vocab]))
+    return end_of_turn_ids(model, tok)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_turn_stops_only_where_the_family_ends_it(base_bpe, name):
+    # gpt-oss writes <|end|> after its analysis, inside the turn: stopping there would end every
+    # turn before its call or its answer.
+    family = FAMILIES[name]
+    tok = make_tokenizer(base_bpe, family)
+    stops = family_stop_ids(tok, name)
+    for text, stop, _ in episode_script(family):
+        inside = [tok.convert_ids_to_tokens(i) for i in tok.encode(text, add_special_tokens=False) if i in stops]
+        assert inside == [], f"{name}: the turn would stop inside at {inside}: {text!r}"
+        assert tok.convert_tokens_to_ids(stop) in stops, f"{name}: {stop} does not stop the turn"
+
+
+def test_gpt_oss_plays_call_and_answer_with_its_own_stop_ids(base_bpe):
+    tok = make_tokenizer(base_bpe, FAMILIES["gpt_oss"])
+    tok.chat_template = real_template("gpt_oss")
+    turns = [(HARMONY_CALL.format(r="Multiply.", a=17, b=23), "<|call|>", None),
+             (FAMILIES["gpt_oss"].answer.format(r="It said 391.", n=391), "<|return|>", None)]
+    policy = _EnginePolicy(tok, turns, canonical=True, stop_ids=family_stop_ids(tok, "gpt_oss"))
+    engine = RolloutEngine(policy, tok, params=SamplingParams(max_new_tokens=512), max_concurrency=1)
+    group = asyncio.run(engine.run_group(_Multiply(tools=[multiply]), "multiply", 0, 1))
+    (episode,) = group.episodes
+    assert [(c["name"], c.get("arguments")) for c in episode.tool_calls] == [("multiply", {"a": 17, "b": 23})]
+    assert episode.reward == 1.0 and episode.termination == "final_answer"
 
 
 # -- choosing the template: --chat-template -----------------------------------------------------

@@ -53,20 +53,30 @@ from treerl.agents.decode import KV, ContinuousDecoder, DecodeBatch, Row, Unit
 from treerl.agents.policy import AsyncBatcher, Generation, GenerationRequest
 from treerl.agents.sampling import candidate_lists, head_lists, process_logits, sample_processed
 
-__all__ = ["TransformersPolicy", "END_OF_TURN_TOKENS", "end_of_turn_ids", "load_state_dict"]
+__all__ = ["TransformersPolicy", "END_OF_TURN_TOKENS", "HARMONY_TURN_END_TOKENS", "end_of_turn_ids", "load_state_dict"]
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 """Chat-template end-of-turn tokens that stop a turn when the tokenizer's vocabulary has them."""
 
+HARMONY_TURN_END_TOKENS = ("<|return|>", "<|call|>")
+"""gpt-oss's (harmony's) end-of-turn tokens: a final answer, a tool call. In harmony ``<|end|>``
+ends one message of a turn (the analysis before the answer or the call), not the turn: a
+vocabulary with these tokens stops on them instead of :data:`END_OF_TURN_TOKENS`."""
+
+
 def end_of_turn_ids(model, tokenizer=None) -> frozenset[int]:
     """Every id that ends a turn: the generation config's eos (int or list), the tokenizer's
-    eos, and the template's end-of-turn tokens (:data:`END_OF_TURN_TOKENS`) it knows.
+    eos, and the template's end-of-turn tokens (:data:`END_OF_TURN_TOKENS`) it knows; a
+    harmony vocabulary's are :data:`HARMONY_TURN_END_TOKENS` instead.
 
     >>> from types import SimpleNamespace
     >>> model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 9]))
     >>> tokenizer = SimpleNamespace(eos_token_id=9, get_vocab=lambda: {"<|im_end|>": 4, "a": 5})
     >>> sorted(end_of_turn_ids(model, tokenizer))
     [4, 7, 9]
+    >>> harmony = SimpleNamespace(eos_token_id=None, get_vocab=lambda: {"<|end|>": 1, "<|return|>": 2, "<|call|>": 3})
+    >>> sorted(end_of_turn_ids(SimpleNamespace(generation_config=None, config=None), harmony))
+    [2, 3]
     """
     ids: set[int] = set()
     generation_config = getattr(model, "generation_config", None)
@@ -78,7 +88,9 @@ def end_of_turn_ids(model, tokenizer=None) -> frozenset[int]:
         if isinstance(getattr(tokenizer, "eos_token_id", None), int):
             ids.add(tokenizer.eos_token_id)
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-        ids.update(vocab[token] for token in END_OF_TURN_TOKENS if token in vocab)
+        harmony = any(token in vocab for token in HARMONY_TURN_END_TOKENS)
+        tokens = HARMONY_TURN_END_TOKENS if harmony else END_OF_TURN_TOKENS
+        ids.update(vocab[token] for token in tokens if token in vocab)
     return frozenset(int(i) for i in ids)
 
 
