@@ -170,6 +170,31 @@ def test_a_second_run_into_the_same_output_dir_is_refused_unless_it_resumes_or_o
     assert (out / "notes.txt").read_text() == "mine"  # only what a learner writes is removed
 
 
+def test_resume_starts_over_without_a_checkpoint_and_names_what_does_not_fit(tmp_path, capsys):
+    import shutil
+
+    from treerl.cli import main
+
+    out = tmp_path / "run"
+    small = ["--output-dir", str(out), "--tasks-per-step", "1", "--group-size", "2", "--max-new-tokens", "16",
+             "--eval-episodes", "0", "--progress", "false", "--num-threads", "1"]
+
+    def steps(name="metrics.jsonl"):
+        return [json.loads(line)["step"] for line in (out / name).read_text().splitlines()]
+
+    assert main(["learn", "--steps", "2", *small]) == 0
+    shutil.rmtree(out / "checkpoints")  # as a run killed before its first checkpoint leaves it
+    capsys.readouterr()
+    assert main(["learn", "--steps", "2", "--resume", "true", *small]) == 0
+    assert "no checkpoint" in capsys.readouterr().err and steps() == [1, 2]  # not 1, 2, 1, 2
+    # A resumed run with other settings says which; one whose weights do not fit is one line, exit 2.
+    assert main(["learn", "--steps", "3", "--resume", "true", "--seed", "5", *small]) == 0
+    assert "seed 0 -> 5" in capsys.readouterr().err and steps() == [1, 2, 3]
+    assert main(["learn", "--steps", "4", "--resume", "true", "--lora-r", "4", *small]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "does not fit this run's model" in err[-1] and "--lora-r" in err[-1] and "Traceback" not in "".join(err)
+
+
 @pytest.mark.slow  # kill-and-resume: the slow pass of CI runs it
 def test_killed_run_resumes_to_the_same_weights(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

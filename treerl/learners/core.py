@@ -373,10 +373,24 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
 
     state = TrainerState()
     if cfg.resume and (ckpt := resume_checkpoint(out_dir)) is not None:
-        state = load_checkpoint(ckpt, model, optimizer, scheduler)
+        try:
+            state = load_checkpoint(ckpt, model, optimizer, scheduler)
+        except (RuntimeError, ValueError, KeyError) as exc:  # weights or optimizer of another shape (e.g. LoRA)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"--resume: {ckpt} does not fit this run's model ({first}); resume with the settings it "
+                              f"was made with (see {out_dir / 'config.json'}, e.g. --lora-r), or start a new "
+                              "--output-dir.") from None
         if ranks.is_main:
             print(f"resumed from {ckpt} at step {state.step}", file=sys.stderr)
-            truncate_metrics(out_dir / "metrics.jsonl", state.step)
+            _warn_if_settings_changed(out_dir / "config.json", cfg)
+            for name in ("metrics.jsonl", "diagnostics.jsonl"):  # the steps the resumed run replays
+                truncate_metrics(out_dir / name, state.step)
+    elif cfg.resume and ranks.is_main and (found := earlier_run(out_dir)):
+        # Nothing to continue from (no checkpoint was written before the run stopped): appending would
+        # repeat its steps in metrics.jsonl, so it starts over in a clean directory.
+        print(f"no checkpoint in {out_dir / 'checkpoints'} to resume from: starting over (the earlier run's "
+              f"{', '.join(found)} are replaced; --save-every N checkpoints along the way)", file=sys.stderr)
+        clear_run(out_dir)
     source = source if source is not None else cfg.group_source()
     # What groups and figures call the environment; a learner fed by a source plays no environment.
     plays = source is None or cfg.eval_episodes > 0
@@ -407,6 +421,25 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
             print(f"eval at start: success rate {run.eval_start['success_rate']:.1%} over {cfg.eval_episodes} "
                   f"held-out episodes", file=sys.stderr)
     return run
+
+
+# Settings a resumed run may change without changing what its earlier steps were.
+_RESUMABLE_CHANGES = frozenset({"steps", "resume", "progress", "save_every", "num_threads", "report_to",
+                                "sample_every", "sample_groups", "eval_episodes", "overwrite_output_dir"})
+
+
+def _warn_if_settings_changed(saved: Path, cfg: LearnerConfig) -> None:
+    """Say which settings differ from those the resumed run was started with (its config.json)."""
+    try:
+        before = json.loads(saved.read_text())
+    except (OSError, ValueError):
+        return
+    now = json.loads(json.dumps(asdict(cfg), default=str))
+    changed = [f"{k} {before[k]!r} -> {v!r}" for k, v in now.items()
+               if k in before and k not in _RESUMABLE_CHANGES and before[k] != v]
+    if changed:
+        print(f"warning: resuming with settings that differ from the run's: {'; '.join(changed)} (config.json "
+              "will record the new ones)", file=sys.stderr)
 
 
 def _check_size_defaults(cfg: LearnerConfig, model: torch.nn.Module, is_main: bool) -> None:
