@@ -170,3 +170,24 @@ def test_precision_options_are_validated():
     p = resolve_precision("float32", False, True, "cpu")
     assert p.autocast is torch.float16 and p.scaler is not None
     assert isinstance(Precision(None, None).describe(weights=torch.float32), str)
+
+
+def test_fp16_steps_when_the_first_step_trained_on_nothing():
+    """Every group of a first step can have equal rewards (nothing trained, zero gradients): the float16
+    scaler has then scaled no loss, and unscaling or stepping must not fail on it."""
+    from treerl.learners.precision import resolve_precision
+
+    precision = resolve_precision("float32", False, True, "cpu")
+    layer = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for p in layer.parameters():
+        p.grad = torch.zeros_like(p)
+    precision.unscale(optimizer)
+    precision.step(optimizer)  # no loss was scaled yet
+    with precision.forward():
+        loss = 1e-3 * layer(torch.ones(1, 4)).float().sum()  # scaled by 2**16, its gradients stay finite
+    precision.backward(loss)
+    precision.unscale(optimizer)  # the scaler now unscales as usual
+    before = layer.weight.detach().clone()
+    precision.step(optimizer)
+    assert not torch.equal(layer.weight, before)

@@ -73,14 +73,18 @@ class Precision:
         """``loss.backward()``, scaled under float16 so that small gradients do not flush to zero."""
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
+    def _scaled(self) -> bool:
+        """Whether the scaler has scaled a loss yet (a first step that trained on nothing has not)."""
+        return self.scaler is not None and getattr(self.scaler, "_scale", None) is not None
+
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring scaled gradients back to their true size (before clipping them)."""
-        if self.scaler is not None:
+        if self._scaled():
             self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()``; under float16, skipped when a gradient overflowed (the scale then shrinks)."""
-        if self.scaler is None:
+        if not self._scaled():  # no scaler, or nothing scaled yet: the gradients are their true size
             optimizer.step()
             return
         self.scaler.step(optimizer)
