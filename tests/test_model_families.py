@@ -406,6 +406,53 @@ def test_engine_plays_a_family_faithfully(base_bpe, name, turns, executed, varia
         assert episode.messages[2]["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": 17, "b": 23}}
 
 
+# -- Mistral's call ids, and a template that refuses what came back ----------------------------
+
+
+def play_engine(base_bpe, name: str, turns: list[tuple[str, str]], *, template: str | None = None):
+    """One episode of ``turns`` (text, stop token) through the engine with the family's real template."""
+    tok = make_tokenizer(base_bpe, FAMILIES[name])
+    tok.chat_template = template or real_template(name)
+    policy = _EnginePolicy(tok, [(text, stop, None) for text, stop in turns], canonical=True)
+    engine = RolloutEngine(policy, tok, params=SamplingParams(max_new_tokens=512), max_concurrency=1)
+    (episode,) = asyncio.run(engine.run_group(_Multiply(tools=[multiply]), "multiply", 0, 1)).episodes
+    return episode
+
+
+MISTRAL_CALL = '[TOOL_CALLS] [{"name": "multiply", "arguments": {"a": 17, "b": 23}'
+
+
+@pytest.mark.parametrize("call, num_calls", [
+    (MISTRAL_CALL + "}]", 1),  # what Mistral-7B-v0.3 writes: no id
+    (MISTRAL_CALL + ', "id": "call_1"}]', 1),  # an id the template refuses
+    ('[TOOL_CALLS] [{"name": "multiply", "argu', 0),  # cut off: its error message is a tool result too
+], ids=["no_id", "bad_id", "cut_off"])
+def test_mistral_calls_get_the_ids_its_template_needs(base_bpe, call, num_calls):
+    turns = [(call, "</s>"), (" The answer is 391.", "</s>")]
+    episode = play_engine(base_bpe, "mistral", turns)
+    assert episode.termination == "final_answer" and episode.reward == 1.0
+    results = [m for m in episode.messages if m["role"] == "tool"]
+    calls = [c for m in episode.messages for c in m.get("tool_calls", [])]
+    assert len(results) == 1 and re.fullmatch(r"[A-Za-z0-9]{9}", results[0]["tool_call_id"])
+    # The call and its result carry the same id, and a rerun gives the same one.
+    assert [c["id"] for c in calls] == [results[0]["tool_call_id"]] * num_calls
+    assert play_engine(base_bpe, "mistral", turns).messages == episode.messages
+
+
+def test_a_template_that_refuses_the_results_ends_the_episode_as_data(base_bpe, caplog):
+    # A template without a tool role that raises on one: the episode ends there, the run goes on.
+    template = ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool role here') }}"
+                "{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    turns = [(HERMES_CALL.format(a=17, b=23), "<|im_end|>")]
+    with caplog.at_level("WARNING", logger="treerl.rollout.engine"):
+        episode = play_engine(base_bpe, "qwen2_5", turns, template=template)
+    assert episode.termination == "render_error" and episode.reward == 0.0
+    assert "no tool role here" in episode.metrics["render_error"]
+    assert "no tool role here" in caplog.text
+    assert [c["name"] for c in episode.tool_calls] == ["multiply"]  # what happened before is kept
+
+
 # -- where a turn stops: each family's own stop ids ---------------------------------------------
 
 # The eos tokens of each model's generation_config.json (what a sampler stops on before treerl

@@ -79,17 +79,23 @@ True
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
 from jinja2 import TemplateError
 
-__all__ = ["ChatRenderer", "Bridge", "BranchReason", "TextStream", "assistant_message", "structured_message",
+__all__ = ["ChatRenderer", "Bridge", "BranchReason", "RenderError", "TextStream", "assistant_message", "structured_message",
            "DEFAULT_TURN_END_ALIASES"]
 
 DEFAULT_TURN_END_ALIASES: dict[str, str] = {"<|eom_id|>": "<|eot_id|>"}
 """Sampled end-of-message token -> the template's end-of-turn token it stands for (when both exist)."""
+
+
+class RenderError(TemplateError):
+    """The chat template refuses every form of the conversation after a turn (its
+    ``raise_exception``, or values it cannot render): the episode cannot go on. The engine
+    ends the episode there (termination ``render_error``), as data."""
 
 
 class BranchReason(str, Enum):
@@ -325,7 +331,7 @@ class ChatRenderer:
 
         Returns a :class:`Bridge`; see the module docstring for when it branches.
         Raises ``ValueError`` when ``completion_text`` still ends with the stop token, and
-        the template's error when no form of the turn renders.
+        :class:`RenderError` (from the template's error) when no form of the turn renders.
         """
         completion_ids = list(completion_ids)
         last = completion_ids[-1] if completion_ids else None
@@ -382,7 +388,11 @@ class ChatRenderer:
         longest."""
         forms = [assistant_message(completion_text)]
         if self.parser is not None:
-            structured = structured_message(self.parser.parse(completion_text))
+            parsed = self.parser.parse(completion_text)
+            call_id = getattr(self.parser, "call_id", None)
+            if call_id is not None:  # the ids the environment gave the results (Mistral's template needs them)
+                parsed.calls = [replace(c, id=call_id(completion_text, k, c.id)) for k, c in enumerate(parsed.calls)]
+            structured = structured_message(parsed)
             if structured != forms[0]:
                 forms.append(structured)
         rendered: list[tuple[dict[str, Any], str]] = []
@@ -397,7 +407,8 @@ class ChatRenderer:
                 return message, full_text
             rendered.append((message, full_text))
         if not rendered:
-            raise failures[0]
+            raise RenderError(f"the chat template cannot render the conversation after this turn: "
+                              f"{type(failures[0]).__name__}: {failures[0]}") from failures[0]
         # A branch either way: continue from the form closest to what the model saw; on a tie
         # (the difference is in an earlier turn), from the parsed calls, the form templates
         # are written for (Mistral's counts a raw call turn as a reply and then refuses the

@@ -379,15 +379,21 @@ class ToolEnv(Env):
         records: list[dict[str, Any]] = []
         obs: list[Message] = []
 
-        for err in parsed.errors:  # calls the model attempted but wrote badly
+        # The id pairing each result with its call, where the template needs one (Mistral's refuses a
+        # result without it): the parser's, which the chat renderer gives the call in the same way.
+        call_id = getattr(self.parser, "call_id", lambda text, index, written=None: written)
+        for k, err in enumerate(parsed.errors):  # calls the model attempted but wrote badly
             records.append({"name": err.tool_name, "arguments": None, "error": err.kind.value, "message": err.message})
-            obs.append({"role": "tool", "content": err.message})
+            message = {"role": "tool", "content": err.message}
+            if (cid := call_id(action, len(parsed.calls) + k)) is not None:
+                message["tool_call_id"] = cid
+            obs.append(message)
         malformed = sum(e.kind is ToolErrorKind.MALFORMED for e in parsed.errors)
         penalty = self.malformed_penalty * malformed
         if self.malformed_ends_episode and malformed:
             return self._end_on_malformed(records, 0.0 - penalty)  # not -0.0 when there is no penalty
         results: list[ToolResult] = await asyncio.gather(*(run_tool_call(c, self._tool_map) for c in parsed.calls))
-        for res in results:
+        for k, res in enumerate(results):
             records.append({
                 "name": res.call.name,
                 "arguments": copy.deepcopy(res.call.arguments),
@@ -395,8 +401,8 @@ class ToolEnv(Env):
                 "message": None if res.ok else res.content,
             })
             message = {"role": "tool", "name": res.call.name, "content": res.content}
-            if res.call.id is not None:  # the model gave the call an id (Mistral): templates pair them up
-                message["tool_call_id"] = res.call.id
+            if (cid := call_id(action, k, res.call.id)) is not None:  # the model's id, or the template's (Mistral)
+                message["tool_call_id"] = cid
             obs.append(message)
 
         reward, terminated, termination = 0.0, False, None

@@ -24,6 +24,7 @@ from treerl.envs.parser_base import (
     ToolCallParser,
     call_from_object,
     decode_json,
+    derived_call_id,
     dump_json,
     name_of,
     short_snippet,
@@ -255,6 +256,10 @@ class MistralParser(ToolCallParser):
     Also reads the newer ``[TOOL_CALLS]name[ARGS]{...}`` form (with an optional
     ``[CALL_ID]id`` between name and arguments), one marker per call.
 
+    Mistral's templates refuse a call or a tool result without an id of 9 alphanumerics, and
+    Mistral-7B-v0.3 writes its calls without one: :meth:`call_id` keeps an id the model wrote
+    in that form and derives one from the reply otherwise (:func:`derived_call_id`).
+
     >>> MistralParser().parse('[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]neg[ARGS]{"x": 2}').calls
     [ToolCall(name='add', arguments={'a': 1}, id=None), ToolCall(name='neg', arguments={'x': 2}, id=None)]
     """
@@ -263,6 +268,18 @@ class MistralParser(ToolCallParser):
     call_format = '[TOOL_CALLS][{"name": "<tool name>", "arguments": {<arguments as a JSON object>}}]'
     marker = "[TOOL_CALLS]"
     _named = re.compile(r"\s*([A-Za-z_][\w.\-]*)\s*(?:\[CALL_ID\]\s*([\w\-]*)\s*)?\[ARGS\]\s*")
+    _template_id = re.compile(r"[A-Za-z0-9]{9}")
+
+    def call_id(self, text: str, index: int, written: str | None = None) -> str:
+        """The id the model wrote when it is 9 alphanumerics, else one derived from ``text`` and ``index``.
+
+        >>> parser = MistralParser()
+        >>> parser.call_id("...", 0, "abcDEF123"), parser.call_id("...", 0, "call_1") == parser.call_id("...", 0)
+        ('abcDEF123', True)
+        """
+        if written is not None and self._template_id.fullmatch(written):
+            return written
+        return derived_call_id(text, index)
 
     def _parse(self, text: str, tool_schemas: Mapping[str, dict] | None) -> ParseResult:
         content: list[str] = []

@@ -30,6 +30,7 @@ message instead of catching exceptions.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from abc import ABC, abstractmethod
@@ -50,6 +51,7 @@ __all__ = [
     "DecodeFailure",
     "skip_space",
     "call_from_object",
+    "derived_call_id",
     "name_of",
     "dump_json",
 ]
@@ -146,6 +148,15 @@ class ToolCallParser(ABC):
     @abstractmethod
     def render(self, calls: Sequence[ToolCall]) -> str:
         """The text a model of this family emits to make ``calls``."""
+
+    def call_id(self, text: str, index: int, written: str | None = None) -> str | None:
+        """The id that pairs the ``index``-th call of the reply ``text`` with its tool result.
+
+        ``written`` is the id the model wrote (None when it wrote none). Formats whose
+        templates need an id on every call and result (Mistral's) override this to give one
+        the template accepts; the default keeps what the model wrote.
+        """
+        return written
 
     def _error(self, reason: str, tool_name: str | None = None) -> ToolCallError:
         message = f"Could not parse the tool call: {reason}. Write each call as:\n{self.call_format}"
@@ -312,6 +323,27 @@ def call_from_object(obj: Any, argument_keys: tuple[str, ...]) -> ToolCall | str
         return f'"{key}" must be a JSON object, got {type(arguments).__name__}'
     call_id = obj.get("id")
     return ToolCall(name=name.strip(), arguments=arguments, id=call_id if isinstance(call_id, str) else None)
+
+
+_ALPHANUMERIC = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+
+
+def derived_call_id(text: str, index: int, length: int = 9) -> str:
+    """An alphanumeric id for the ``index``-th call of the reply ``text``, a function of both
+    (where vLLM draws a random one): a rerun gives the same ids, and the environment and the
+    chat renderer, which read the same reply, give the same id to a call and its result.
+
+    >>> derived_call_id("[TOOL_CALLS] [...]", 0) == derived_call_id("[TOOL_CALLS] [...]", 0)
+    True
+    >>> len(derived_call_id("x", 1)), derived_call_id("x", 1).isalnum(), derived_call_id("x", 0) != derived_call_id("x", 1)
+    (9, True, True)
+    """
+    number = int.from_bytes(hashlib.sha256(f"{index}:{text}".encode()).digest(), "big")
+    digits = []
+    for _ in range(length):
+        number, digit = divmod(number, len(_ALPHANUMERIC))
+        digits.append(_ALPHANUMERIC[digit])
+    return "".join(digits)
 
 
 def dump_json(value: Any) -> str:
