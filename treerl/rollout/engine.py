@@ -11,7 +11,8 @@ Episodes run as asyncio tasks under one concurrency bound: while some wait on to
 the policy batches the others' generation requests. Limits per episode: turns (the
 environment's), tokens (``max_episode_tokens``) and wall clock (``max_episode_seconds``);
 the reason an episode ended is recorded. An environment that raises is recorded as an
-``env_error`` termination, never a crashed run. When an episode ends, the environment's
+``env_error`` termination, never a crashed run; so is a chat template that cannot render
+what came back (``render_error``). When an episode ends, the environment's
 ``feedback()`` (what went wrong, in words) is recorded as the episode's ``metrics["feedback"]``.
 
 The steps of one turn (sample, observe, bridge or branch, finish) live in
@@ -31,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from treerl.agents.chat import ChatRenderer
+from treerl.agents.chat import ChatRenderer, RenderError
 from treerl.agents.policy import Policy, SamplingParams
 from treerl.rollout.episode import (
     EpisodeState,
@@ -225,7 +226,12 @@ class RolloutEngine:
                 termination = info.get("termination") or ("max_turns" if truncated else "terminated")
                 return self._finish(state, group, turn.leaf, termination)
 
-            bridge = observe(state, renderer, turn, obs)
+            try:
+                bridge = observe(state, renderer, turn, obs)
+            except RenderError as exc:  # the template refuses what came back: the episode ends here, as data
+                logger.warning("environment %s, episode %s: %s", group.env_id, state.name, exc)
+                state.metrics["render_error"] = str(exc)
+                return self._finish(state, group, turn.leaf, "render_error")
             # End here, at the sampled leaf, when the next turn could not start: no dangling bridge.
             if next_context_len(state, turn, bridge) >= self.max_episode_tokens:
                 return self._finish(state, group, turn.leaf, "max_tokens")
