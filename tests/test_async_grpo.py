@@ -294,3 +294,29 @@ def test_weights_that_land_mid_episode_serve_its_next_turns_and_each_span_keeps_
         versions = [s.policy_version for s in episode.path() if s.kind == "sampled"]
         assert versions == sorted(versions) and versions[0] == 0, "the episode went on with the new weights"
     assert any(len(set(s.policy_version for s in e.path() if s.kind == "sampled")) == 2 for e in group.episodes)
+
+
+def test_a_generator_waits_for_the_trainers_first_weights_whatever_the_staleness_bound(tmp_path):
+    """With max_staleness 2 a ticket for step 0 is within the bound of any version, but the generator's own
+    model carries none (-1): it starts once version 0 arrived, and its spans say 0, not -1."""
+    import asyncio
+
+    from treerl.learners.async_buffer import Ticket
+    from treerl.learners.async_generator import GeneratorCore, GeneratorSpec
+    from treerl.rollout.trajectory import Group
+
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), **SMALL, max_staleness=2)
+    core = GeneratorCore(GeneratorSpec(cfg=cfg, max_staleness=2), generator_id=0)
+    weights = {k: v.clone() for k, v in core.policy.model.state_dict().items()}
+
+    async def play():
+        episode = asyncio.create_task(core.play(Ticket(task=0, target=0)))
+        await asyncio.sleep(0.3)
+        waited = not episode.done() and not core.drain_starts()
+        await core.load_weights(0, weights)
+        return waited, await episode
+
+    waited, (oldest, newest, payload) = asyncio.run(play())
+    core.close()
+    assert waited and (oldest, newest) == (0, 0)
+    assert {s.policy_version for s in Group.from_json(payload).segments if s.kind == "sampled"} == {0}

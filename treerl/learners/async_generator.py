@@ -172,7 +172,9 @@ class GeneratorCore:
         """
         self._ensure_loop_state()
         async with self._changed:
-            await self._changed.wait_for(lambda: self.version >= ticket.target - self.spec.max_staleness)
+            # The trainer's weights first (version 0 at the start): the model loaded here carries no
+            # version, and with max_staleness >= 1 an early ticket's bound alone would let -1 through.
+            await self._changed.wait_for(lambda: self.version >= max(0, ticket.target - self.spec.max_staleness))
             started_version = self.version
         self._starts.append((ticket.task, started_version))
         if on_start is not None:
