@@ -66,12 +66,13 @@ BACKENDS = ("process", "ray")
 
 ASYNC_CHECKS: tuple[Check, ...] = (
     Check("trainer_starved", "async/starved_streak", 2.5, True,
-          "The trainer waited for groups most of every step for 3 steps: add generators (--num-generators), raise "
-          "--max-staleness so generators may run further ahead, or give the generators more CPU threads."),
+          "The trainer waited for groups most of every step for 3 steps or more (the value: how many in a "
+          "row): add generators (--num-generators), raise --max-staleness so generators may run further ahead, "
+          "or give the generators more CPU threads."),
     Check("staleness_at_bound", "async/at_bound_streak", 2.5, True,
-          "For 3 steps most trained spans were max_staleness versions old while generators sat idle at the bound: "
-          "the generators outpace the trainer; use fewer generators, or raise --max-staleness if the objective "
-          "tolerates older data."),
+          "For 3 steps or more (the value: how many in a row) most trained spans were max_staleness versions "
+          "old while generators sat idle at the bound: the generators outpace the trainer; use fewer "
+          "generators, or raise --max-staleness if the objective tolerates older data."),
     Check("groups_dropped", "async/dropped_groups_step", 0.0, True,
           "Groups arrived too stale and were dropped (their work is lost): raise --max-staleness or lower "
           "--buffer-size so fewer groups wait."),
