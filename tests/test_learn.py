@@ -157,6 +157,7 @@ def test_a_second_run_into_the_same_output_dir_is_refused_unless_it_resumes_or_o
              "--eval-episodes", "0", "--progress", "false", "--num-threads", "1", "--save-every", "1"]
     assert main(["learn", "--steps", "2", *small]) == 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1", "step-2"]
+    assert json.loads((out / "config.json").read_text())["learner"] == "grpo"  # treerl compare shows it
     capsys.readouterr()
     # Without --resume the new run would append its steps to the first's and leave its checkpoints behind.
     assert main(["learn", "--steps", "1", *small]) == 2

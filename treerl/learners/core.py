@@ -411,7 +411,9 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     if ranks.is_main:
         # The other ranks write nothing and wait for rank 0 at the first step's collectives.
         print(f"precision: {precision.describe(checkpoint=loaded, weights=checkpoint_dtype(model))}", file=sys.stderr)
-        (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        learner = next((name for name, spec in LEARNERS.items() if type(cfg) is spec.config), None)
+        # Which learner too (treerl compare lists it among the differences of runs).
+        (out_dir / "config.json").write_text(json.dumps({"learner": learner, **asdict(cfg)}, indent=2))
         run.log = MetricsLog(out_dir, report_to=cfg.report_to, config=asdict(cfg), total_steps=cfg.steps,
                              start_step=state.step, progress=cfg.progress)
         run.diagnostics = Diagnostics(out_dir / "diagnostics.jsonl")
