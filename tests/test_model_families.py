@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -499,6 +501,31 @@ def test_gpt_oss_plays_call_and_answer_with_its_own_stop_ids(base_bpe):
     (episode,) = group.episodes
     assert [(c["name"], c.get("arguments")) for c in episode.tool_calls] == [("multiply", {"a": 17, "b": 23})]
     assert episode.reward == 1.0 and episode.termination == "final_answer"
+
+
+def test_learning_gpt_oss_packs_padded_with_a_note(base_bpe, tmp_path, capsys):
+    # Tree attention does not implement gpt-oss's attention sinks: the learner packs padded
+    # (exact for a model's own attention) and says so at the start, instead of crashing at
+    # the first training forward.
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from treerl.learners.grpo import GRPOConfig, train
+
+    tok = make_tokenizer(base_bpe, FAMILIES["gpt_oss"])
+    tok.chat_template = real_template("gpt_oss")
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=16,
+        eos_token_id=tok.convert_tokens_to_ids("<|return|>"), pad_token_id=tok.convert_tokens_to_ids("<|return|>")))
+    cfg = GRPOConfig(output_dir=str(tmp_path), steps=1, tasks_per_step=1, group_size=2, max_new_tokens=6,
+                     eval_episodes=0, progress=False, num_threads=1)
+    train(cfg, model=model, tokenizer=tok, env_factory=lambda: _Multiply(tools=[multiply]))
+    assert "packing padded (--pack-mode padded)" in capsys.readouterr().err
+    assert json.loads((tmp_path / "config.json").read_text())["pack_mode"] == "padded"
+    assert all(math.isfinite(v) for v in json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0]).values()
+               if isinstance(v, float))
 
 
 # -- choosing the template: --chat-template -----------------------------------------------------

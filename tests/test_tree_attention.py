@@ -592,6 +592,19 @@ def test_refuses_soft_capping():
         enable_tree_attention(Gemma2ForCausalLM(config))
 
 
+def test_refuses_attention_sinks_at_once():
+    # gpt-oss passes its sinks to the attention function as `s_aux`: refused when enabled, not
+    # at the first packed forward (after a learner's start-of-run evaluation).
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=8,
+    )
+    with pytest.raises(TreeAttentionError, match="attention sinks.*--pack-mode padded"):
+        enable_tree_attention(GptOssForCausalLM(config))
+
+
 def test_refuses_non_transformers_modules():
     with pytest.raises(TreeAttentionError, match="not a transformers PreTrainedModel"):
         enable_tree_attention(torch.nn.Linear(2, 2))

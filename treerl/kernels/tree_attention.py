@@ -476,6 +476,14 @@ def check_model_supported(model: torch.nn.Module) -> None:
             "past (e.g. the linear-attention layers of Qwen3-Next / Qwen3.5); their state would flow across "
             "branches of a packed tree. Train such models on unpacked sequences."
         )
+    # gpt-oss's attention sinks (a learned logit per head that joins every softmax) reach the
+    # attention function as `s_aux`; a parameter named `sinks` is how a model holds them.
+    if any(param_name.rsplit(".", 1)[-1] == "sinks" for param_name, _ in model.named_parameters()):
+        raise TreeAttentionError(
+            f"{name} uses attention sinks (its layers' `sinks` parameters, as gpt-oss's), which the tree-attention "
+            "backends do not implement; pack its sequences padded (PackingConfig(mode='padded'), "
+            "--pack-mode padded)."
+        )
     if getattr(config, "attn_logit_softcapping", None) is not None:
         raise TreeAttentionError(
             f"{name} uses attention logit soft-capping (config.attn_logit_softcapping="
