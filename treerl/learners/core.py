@@ -50,7 +50,12 @@ import torch
 from treerl.agents.policy import Policy
 from treerl.envs.registry import factory_env_id
 from treerl.errors import ConfigError
-from treerl.kernels.tree_attention import TreeAttentionChoice, enable_tree_attention
+from treerl.kernels.tree_attention import (
+    TreeAttentionChoice,
+    TreeAttentionError,
+    check_model_supported,
+    enable_tree_attention,
+)
 from treerl.learners.checkpoints import (
     TrainerState,
     checkpoint_path,
@@ -340,6 +345,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
         policy_model = copy.deepcopy(model).to(precision.sampler_dtype(checkpoint_dtype(model))).eval()
         policy = TransformersPolicy(policy_model, tokenizer, device=device,
                                     continuous_batching=cfg.continuous_batching)
+    _fall_back_to_padded_packing(cfg, model, ranks.is_main)
     ref_model = _reference_model(model, cfg) if reference else None
     if cfg.lora_r > 0:
         model = _apply_lora(model, cfg)
@@ -457,6 +463,22 @@ def _check_size_defaults(cfg: LearnerConfig, model: torch.nn.Module, is_main: bo
     for message in warnings if is_main else ():
         logger.warning(message)
         print(f"warning: {message}", file=sys.stderr)
+
+
+def _fall_back_to_padded_packing(cfg: LearnerConfig, model: torch.nn.Module, is_main: bool) -> None:
+    """``cfg.pack_mode = "padded"``, with a note, when tree attention cannot serve ``model`` (gpt-oss's
+    attention sinks, linear-attention layers): a padded row is one root-to-leaf chain, which the model's
+    own causal attention computes exactly. Said now, not at the first training forward."""
+    if cfg.pack_mode == "padded":
+        return
+    try:
+        check_model_supported(model)
+    except TreeAttentionError as exc:
+        cfg.pack_mode = "padded"  # config.json records the mode that runs
+        if is_main:
+            message = f"packing padded (--pack-mode padded): tree attention cannot serve this model. {exc}"
+            logger.warning(message)
+            print(f"note: {message}", file=sys.stderr)
 
 
 def _warn_if_template_ignores_tools(tokenizer: Any, env_factory: Callable[[], Any]) -> None:
