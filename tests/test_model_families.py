@@ -33,7 +33,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast
 
 from treerl.agents.chat import ChatRenderer
-from treerl.agents.chat_templates import load_template, resolve_chat_template, template_family
+from treerl.agents.chat_templates import load_template, resolve_chat_template, template_family, template_gaps
 from treerl.agents.policy import Generation, SamplingParams
 from treerl.agents.transformers_policy import end_of_turn_ids
 from treerl.envs.core import Task, ToolEnv
@@ -43,7 +43,7 @@ from treerl.rollout.engine import RolloutEngine
 from treerl.rollout import evaluate as evaluate_module
 from treerl.rollout.evaluate import evaluate_with
 from treerl.rollout.options import EpisodeOptions
-from treerl.rollout.record import RolloutConfig, run_header
+from treerl.rollout.record import RolloutConfig, record, run_header
 from treerl.rollout.summary import RolloutStats
 from treerl.rollout.episode import EpisodeState, apply_bridge, finish_episode, observe, sample_turn
 from treerl.rollout.trajectory import Group
@@ -526,6 +526,36 @@ def test_learning_gpt_oss_packs_padded_with_a_note(base_bpe, tmp_path, capsys):
     assert json.loads((tmp_path / "config.json").read_text())["pack_mode"] == "padded"
     assert all(math.isfinite(v) for v in json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0]).values()
                if isinstance(v, float))
+
+
+# -- what a template keeps from the model: warned before a run plays -----------------------------
+
+TEMPLATE_GAPS = {  # which of the warnings each family's own template gets (none for the others)
+    "phi3_5": ["ignores `tools`", "drops `tool` messages"],  # renders system, user, assistant only
+    "gemma3": ["ignores `tools`", "cannot render a tool result"],  # its roles must alternate user/model
+    "deepseek_r1": ["ignores `tools`"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_template_gaps_name_what_the_model_would_never_see(base_bpe, name):
+    tok = make_tokenizer(base_bpe, FAMILIES[name])
+    tok.chat_template = real_template(name)
+    gaps = template_gaps(tok, [MULTIPLY])
+    expected = TEMPLATE_GAPS.get(name, [])
+    assert len(gaps) == len(expected) and all(e in g for e, g in zip(expected, gaps)), gaps
+    assert template_gaps(tok, []) == []  # no tools, no tool results
+
+
+def test_rollout_warns_when_the_template_drops_tool_results(base_bpe, tmp_path, capsys):
+    tok = make_tokenizer(base_bpe, FAMILIES["phi3_5"])
+    tok.chat_template = real_template("phi3_5")
+    policy = _EnginePolicy(tok, [("The answer is 4.", "<|end|>", None)] * 16, canonical=True)
+    record(RolloutConfig(out=str(tmp_path / "r.jsonl"), env="treerl/Calculator-v0", num_tasks=1, group_size=1,
+                         progress=False), policy, tok)
+    err = capsys.readouterr().err
+    assert "warning: the chat template ignores `tools`" in err
+    assert "warning: the chat template drops `tool` messages" in err and "--chat-template" in err
 
 
 # -- choosing the template: --chat-template -----------------------------------------------------

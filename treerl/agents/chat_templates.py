@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 __all__ = ["TRAINING_TEMPLATES", "KNOWN_TEMPLATES", "load_template", "mark_chat_template", "resolve_chat_template",
-           "template_family"]
+           "template_family", "template_gaps", "warn_about_template"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,3 +111,71 @@ def resolve_chat_template(spec: str | None, tokenizer: Any) -> str | None:
                              "'training' or a shipped name.")
         return path.read_text(encoding="utf-8")
     return load_template(spec)
+
+
+# -- what a template leaves out ------------------------------------------------------------
+
+_PROBE = "treerl-probe-result-8d1f"  # a tool result no template writes by itself
+_PROBE_ID = "probe1234"  # 9 alphanumerics: Mistral's templates refuse other ids
+
+
+def template_gaps(tokenizer: Any, tool_schemas: list[dict[str, Any]], chat_template: str | None = None) -> list[str]:
+    """What the chat template (``chat_template``, else the tokenizer's own) keeps from the model
+    in a tool-use episode, in words; empty when it renders both the tool schemas and the tool
+    results. Checked by rendering a tiny conversation: the prompt with and without ``tools``, and
+    a tool call with its result (as a structured call and as plain text; the first form the
+    template renders decides).
+    """
+    if not tool_schemas:
+        return []
+
+    def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        return tokenizer.apply_chat_template(messages, tools=tools, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=True)
+
+    gaps = []
+    user = {"role": "user", "content": "hi"}
+    if render([user], None) == render([user], tool_schemas):
+        gaps.append(f"the chat template ignores `tools`: the schemas of the environment's {len(tool_schemas)} tool(s) "
+                    "never reach the prompt, so the model cannot know them; pass --chat-template with a template "
+                    "that renders tools (e.g. the model family's tool-use template).")
+    name = tool_schemas[0].get("function", tool_schemas[0]).get("name", "tool")
+    result = {"role": "tool", "name": name, "tool_call_id": _PROBE_ID, "content": _PROBE}
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": _PROBE_ID, "type": "function", "function": {"name": name, "arguments": {}}}]}
+    errors = []
+    for turn in (call, {"role": "assistant", "content": "I call a tool."}):
+        try:
+            text = render([user, turn, result], tool_schemas)
+        except Exception as exc:  # noqa: BLE001 - a template refusing this form: try the next
+            errors.append(f"{type(exc).__name__}: {exc}")
+            continue
+        if _PROBE not in text:
+            gaps.append("the chat template drops `tool` messages: the results of the model's tool calls never reach "
+                        "its next turn; pass --chat-template with a template that renders tool results (role "
+                        "`tool`).")
+        return gaps
+    gaps.append(f"the chat template cannot render a tool result ({errors[0]}): episodes will end at their first "
+                "tool call (termination render_error); pass --chat-template with a template that renders tool "
+                "results (role `tool`).")
+    return gaps
+
+
+def warn_about_template(tokenizer: Any, env_factory: Callable[[], Any], chat_template: str | None = None) -> list[str]:
+    """Warn (log and stderr) about what the chat template keeps from the model in ``env_factory``'s
+    episodes (:func:`template_gaps`); returns the warnings. What ``treerl rollout`` and ``treerl learn``
+    check before they play."""
+    try:
+        env = env_factory()
+    except Exception as exc:  # noqa: BLE001 - advisory only: the run reports a broken environment where it plays
+        logger.debug("template check skipped: the environment did not build (%s)", exc)
+        return []
+    try:
+        tools = getattr(env, "tool_schemas", None) or []
+    finally:
+        env.close()
+    messages = template_gaps(tokenizer, tools, chat_template)
+    for message in messages:
+        logger.warning(message)
+        print(f"warning: {message}", file=sys.stderr)
+    return messages

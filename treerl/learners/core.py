@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from treerl.agents.chat_templates import warn_about_template
 from treerl.agents.policy import Policy
 from treerl.envs.registry import factory_env_id
 from treerl.errors import ConfigError
@@ -84,7 +85,6 @@ from treerl.learners.precision import (
 from treerl.learners.rewards import RewardFunc, check_reward_weights, load_reward_funcs
 from treerl.learners.samples import add_trainer_logprobs, annotate_sample, keeps_sample, sample_path, write_groups
 from treerl.learners.weight_sync import WeightSync
-from treerl.models import template_ignores_tools
 from treerl.rollout.engine import RolloutEngine
 from treerl.rollout.sources import GroupSource
 from treerl.rollout.summary import RolloutStats
@@ -402,7 +402,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     plays = source is None or cfg.eval_episodes > 0
     env_id = factory_env_id(given_factory) if given_factory is not None and plays else cfg.env
     if ranks.is_main and source is None:  # groups from a source were rendered elsewhere
-        _warn_if_template_ignores_tools(tokenizer, env_factory)
+        warn_about_template(tokenizer, env_factory, engine.chat_template)
     sync = WeightSync(model, policy, version=state.policy_version)
     if hasattr(source, "set_weights"):  # e.g. `treerl serve`: its later requests sample the new weights
         sync.targets.append(source)
@@ -479,24 +479,6 @@ def _fall_back_to_padded_packing(cfg: LearnerConfig, model: torch.nn.Module, is_
             message = f"packing padded (--pack-mode padded): tree attention cannot serve this model. {exc}"
             logger.warning(message)
             print(f"note: {message}", file=sys.stderr)
-
-
-def _warn_if_template_ignores_tools(tokenizer: Any, env_factory: Callable[[], Any]) -> None:
-    try:
-        env = env_factory()
-    except Exception as exc:  # noqa: BLE001 - advisory only: the run reports a broken environment where it plays
-        logger.debug("template check skipped: the environment did not build (%s)", exc)
-        return
-    try:
-        tools = getattr(env, "tool_schemas", None) or []
-    finally:
-        env.close()
-    if template_ignores_tools(tokenizer, tools):
-        message = (f"the chat template ignores `tools`: the schemas of the environment's {len(tools)} tool(s) never "
-                   "reach the prompt, so the model cannot know them; pass --chat-template with a template that "
-                   "renders tools (e.g. the model family's tool-use template).")
-        logger.warning(message)
-        print(f"warning: {message}", file=sys.stderr)
 
 
 def _apply_lora(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Module:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from treerl.agents.chat_templates import resolve_chat_template
+from treerl.agents.chat_templates import resolve_chat_template, warn_about_template
 from treerl.agents.policy import Policy
 from treerl.config import field_help
 from treerl.errors import ConfigError
@@ -58,6 +58,7 @@ def record(cfg: RolloutConfig, policy: Policy, tokenizer: Any) -> dict[str, Any]
     """Play ``cfg.num_tasks`` tasks x ``cfg.group_size`` generations into ``cfg.out``; returns the summary."""
     engine = cfg.engine(policy, tokenizer, seed=cfg.seed, branch_at_turn=cfg.branch_at_turn,
                         branch_factor=cfg.branch_factor)
+    warn_about_template(tokenizer, cfg.env_factory(), engine.chat_template)
     writer = _open_output(cfg, tokenizer)
     try:
         done = writer.finished_keys()
