@@ -7,6 +7,8 @@ reach the model loader fail before any weights are read.
 
 from __future__ import annotations
 
+import importlib.util
+
 import json
 import shutil
 from pathlib import Path
@@ -132,7 +134,16 @@ def _run(argv: list[str], paths: dict[str, str], capsys) -> tuple[int, str]:
     return code, captured.err
 
 
-@pytest.mark.parametrize("case", CASES + CUDA_CASES, ids=[c[0] for c in CASES + CUDA_CASES])
+# Where vLLM is not installed (CI, any CPU machine), asking for it is a setting that cannot work.
+NO_VLLM_CASES = [] if importlib.util.find_spec("vllm") else [
+    ("vllm-not-installed", [*LEARN, "--use-vllm", "true", "--eval-episodes", "0"], None, "pip install 'treerl[vllm]'"),
+    ("async-vllm-generators-not-installed", [*LEARN, "--learner", "async_grpo", "--generator-policy", "vllm"], None,
+     "pip install 'treerl[vllm]'"),
+]
+ALL_CASES = CASES + CUDA_CASES + NO_VLLM_CASES
+
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=[c[0] for c in ALL_CASES])
 def test_bad_command_line_gives_one_line(case, paths, capsys, tmp_path):
     _, argv, yaml_text, expected = case
     if yaml_text is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["ToolErrorKind", "TreerlError", "ConfigError", "EnvError", "ToolCallError", "ToolTimeout"]
+__all__ = ["ToolErrorKind", "TreerlError", "ConfigError", "MissingExtraError", "EnvError", "ToolCallError", "ToolTimeout"]
 
 
 class ToolErrorKind(str, Enum):
@@ -41,6 +41,14 @@ class ConfigError(TreerlError, ValueError):
     """A setting, path or file the user gave cannot work; the message names the fix.
 
     The ``treerl`` command prints it without a traceback and exits with status 2.
+    """
+
+
+class MissingExtraError(ConfigError, ImportError):
+    """An optional dependency a setting needs is not installed; the message names the extra.
+
+    Still an ``ImportError`` for code that catches one; the ``treerl`` command prints it in one
+    line and exits with status 2, as for any setting that cannot work.
     """
 
 

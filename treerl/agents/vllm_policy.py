@@ -24,6 +24,7 @@ from typing import Any
 from torch import Tensor
 
 from treerl.agents.policy import AsyncBatcher, Generation, GenerationRequest, SamplingParams
+from treerl.errors import MissingExtraError
 
 __all__ = ["VLLMPolicy", "import_vllm", "to_vllm_sampling_kwargs", "to_generation"]
 
@@ -33,7 +34,7 @@ def import_vllm():
     try:
         import vllm
     except ImportError as error:
-        raise ImportError(
+        raise MissingExtraError(
             "VLLMPolicy needs vLLM, which is an optional dependency: pip install 'treerl[vllm]' "
             "(or use TransformersPolicy, which needs nothing extra)."
         ) from error

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from treerl.envs.tools import Tool
-from treerl.errors import ToolCallError, ToolErrorKind
+from treerl.errors import MissingExtraError, ToolCallError, ToolErrorKind
 
 __all__ = ["McpToolset"]
 
@@ -52,7 +52,7 @@ class McpToolset:
             from mcp import ClientSession, StdioServerParameters
             from mcp.client.stdio import stdio_client
         except ImportError as exc:
-            raise ImportError(f"MCP tools need the mcp package ({exc.name} is missing): "
+            raise MissingExtraError(f"MCP tools need the mcp package ({exc.name} is missing): "
                               "pip install 'treerl[mcp]'") from None
         self._params = StdioServerParameters(command=command, args=list(args), env=dict(env) if env else None)
         self._client, self._session_class = stdio_client, ClientSession

@@ -303,6 +303,10 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
     """
     if env_factory is not None:
         _require_picklable(env_factory, "env_factory")
+    if cfg.generator_policy == "vllm" or cfg.use_vllm:
+        from treerl.agents.vllm_policy import import_vllm
+
+        import_vllm()  # here, not in each generator process (which would fail, be restarted and fail again)
     threads = _split_threads(cfg)
     # The evaluations at the start and the end run while the generators load their model or after
     # they stopped: they get every core (or the user's --num-threads), training gets the trainer's share.

@@ -42,6 +42,7 @@ from typing import Any
 
 from treerl.agents.chat import ChatRenderer
 from treerl.agents.policy import Policy
+from treerl.errors import MissingExtraError
 from treerl.serve.config import ServeConfig
 from treerl.serve import streaming
 from treerl.serve.openai_format import (RequestError, call_markers, completion_body, completion_head, error_body,
@@ -57,7 +58,7 @@ def require_serve_extra() -> None:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
-        raise ImportError(f"treerl serve needs FastAPI and uvicorn ({exc.name} is missing): "
+        raise MissingExtraError(f"treerl serve needs FastAPI and uvicorn ({exc.name} is missing): "
                           "pip install 'treerl[serve]'") from None
 
 
