@@ -97,3 +97,15 @@ def test_per_task_table_has_one_row_per_task():
                                 "ended"]
     assert lines[2].split() == ["seed-0", "-", "0", "1.000", "100%", "2.0", "3", "ok=1", "final_answer=1"]
     assert lines[3].split() == ["seed-1", "row-7", "1", "0.000", "0%", "2.0", "3", "malformed=1", "final_answer=1"]
+
+
+def test_eval_warns_when_the_chat_template_ignores_tools(tmp_path, capsys):
+    from treerl.models import load_default_model
+
+    model, tok = load_default_model()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"  # no tools, no tool turns
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    assert main(["eval", "--model", str(tmp_path / "m"), "--num-episodes", "1", "--max-new-tokens", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: the chat template ignores `tools`" in err  # as rollout and learn say before they play

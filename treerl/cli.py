@@ -144,11 +144,13 @@ def cmd_envs(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from treerl.agents.chat_templates import resolve_chat_template, warn_about_template
     from treerl.agents.transformers_policy import TransformersPolicy
     from treerl.rollout.evaluate import EvalConfig, evaluate_with
 
     cfg = config_for_command(EvalConfig, args)
     model, tokenizer = cfg.load_model()
+    warn_about_template(tokenizer, cfg.env_factory(), resolve_chat_template(cfg.chat_template, tokenizer))
     policy = TransformersPolicy(model, tokenizer, device=cfg.device, continuous_batching=cfg.continuous_batching)
     try:
         report = evaluate_with(cfg, policy, tokenizer, num_episodes=cfg.num_episodes, seed=cfg.seed,
