@@ -113,9 +113,13 @@ def env_id_of(env: Any) -> str:
     return getattr(env_spec, "id", None) or f"{type(unwrapped).__module__}.{type(unwrapped).__qualname__}"
 
 
-def factory_env_id(env_factory: Callable[[], Any]) -> str:
-    """:func:`env_id_of` the environment ``env_factory`` builds (one is built and closed)."""
-    env = env_factory()
+def factory_env_id(env_factory: Callable[[], Any]) -> str | None:
+    """:func:`env_id_of` the environment ``env_factory`` builds (one is built and closed), or ``None`` when
+    it does not build: where it is played, the failure is reported as the run reports environment errors."""
+    try:
+        env = env_factory()
+    except Exception:  # noqa: BLE001 - a label only; the run meets the same error where it plays
+        return None
     try:
         return env_id_of(env)
     finally:

@@ -116,7 +116,7 @@ class GeneratorCore:
         self.engine = cfg.engine(self.policy, tokenizer, seed=cfg.seed, branch_at_turn=cfg.branch_at_turn,
                                  branch_factor=cfg.branch_factor, **spec.sampling)
         self.env_factory = cfg.train_env_factory(spec.env_factory)
-        self.env_id = cfg.env if spec.env_factory is None else factory_env_id(spec.env_factory)
+        self.env_id = (factory_env_id(spec.env_factory) if spec.env_factory is not None else None) or cfg.env
         self.version = -1
         self._changed: asyncio.Condition | None = None
         self._load_lock: asyncio.Lock | None = None

@@ -400,7 +400,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     source = source if source is not None else cfg.group_source()
     # What groups and figures call the environment; a learner fed by a source plays no environment.
     plays = source is None or cfg.eval_episodes > 0
-    env_id = factory_env_id(given_factory) if given_factory is not None and plays else cfg.env
+    env_id = (factory_env_id(given_factory) if given_factory is not None and plays else None) or cfg.env
     if ranks.is_main and source is None:  # groups from a source were rendered elsewhere
         warn_about_template(tokenizer, env_factory, engine.chat_template)
     sync = WeightSync(model, policy, version=state.policy_version)
