@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 from treerl.errors import ConfigError
 
 __all__ = ["DEFAULT_MODEL_PATH", "SHIPPED_MODELS", "default_model_path", "load_default_model", "load_model",
-           "check_device", "resolve_hub_id", "set_chat_template", "template_ignores_tools", "model_directory",
+           "check_device", "resolve_hub_id", "set_chat_template", "model_directory",
            "shipped_model_path"]
 
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent / "tiny"
@@ -160,17 +160,6 @@ def set_chat_template(tokenizer: Any, chat_template: str | os.PathLike | None = 
                 raise ConfigError(f"chat_template_kwargs: {name!r} is not a template variable name.")
         header = "".join(f"{{%- set {k} = {_jinja_literal(v)} %}}" for k, v in template_kwargs.items())
         tokenizer.chat_template = header + tokenizer.chat_template
-
-
-def template_ignores_tools(tokenizer: Any, tool_schemas: list[dict[str, Any]]) -> bool:
-    """Whether the chat template renders the same prompt with and without ``tools``: then the
-    model never sees the tool schemas."""
-    if not tool_schemas:
-        return False
-    messages = [{"role": "user", "content": "hi"}]
-    plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    with_tools = tokenizer.apply_chat_template(messages, tools=tool_schemas, tokenize=False, add_generation_prompt=True)
-    return plain == with_tools
 
 
 def load_default_model(device: Any = "cpu") -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
