@@ -66,10 +66,10 @@ def config_for_command(cls: type, args: argparse.Namespace, *, extra_keys: Seque
         env_spec(cfg.env)
     except KeyError as exc:
         raise ConfigError(exc.args[0]) from None
-    for flag, kwargs in (("--env-kwargs", cfg.env_kwargs),
-                         ("--eval-env-kwargs", {**cfg.env_kwargs, **getattr(cfg, "eval_env_kwargs", {})})):
-        if kwargs:
-            _check_env_builds(cfg.env, kwargs, flag)
+    if cfg.env_kwargs:
+        _check_env_builds(cfg.env, cfg.env_kwargs, "--env-kwargs")
+    if getattr(cfg, "eval_env_kwargs", None):  # the held-out environment: the same with these on top
+        _check_env_builds(cfg.env, {**cfg.env_kwargs, **cfg.eval_env_kwargs}, "--eval-env-kwargs")
     return cfg
 
 
