@@ -176,3 +176,48 @@ def test_yaml_quirks_are_read_as_meant(tmp_path):
     assert cfg.learning_rate == 1e-4 and isinstance(cfg.learning_rate, float)
     assert cfg.skip_zero_advantage is False and cfg.resume is True
     assert cfg.group_size == 4 and isinstance(cfg.group_size, int) and cfg.top_k is None
+
+
+def test_ctrl_c_in_learn_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    """Ctrl-C ends with exit status 130 and one line naming the checkpoint to resume from, not a traceback."""
+    from treerl.learners import LEARNERS
+    from treerl.learners.checkpoints import checkpoint_path
+
+    out = tmp_path / "run"
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    import dataclasses
+
+    monkeypatch.setitem(LEARNERS, "grpo", dataclasses.replace(LEARNERS["grpo"], train=interrupted))
+    assert main(["learn", "--output-dir", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "no checkpoint yet" in err and "--save-every" in err, err
+    checkpoint_path(out, 4).mkdir(parents=True)
+    assert main(["learn", "--output-dir", str(out)]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("treerl: interrupted") and "--resume true" in err and "step-4" in err, err
+
+
+def test_async_generators_leave_ctrl_c_to_the_trainer(monkeypatch):
+    """Ctrl-C reaches every process of the group: a generator ignores it (the trainer stops it), rather
+    than dying with a traceback and being restarted by the supervisor."""
+    import signal
+
+    from treerl.learners import async_generator
+
+    class Stop(Exception):
+        pass
+
+    def core(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(async_generator, "GeneratorCore", core)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(Stop):
+            async_generator.generator_main(None, 0, None)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)

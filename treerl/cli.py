@@ -31,6 +31,7 @@ import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from treerl.config import add_dataclass_arguments, config_from_args
 from treerl.errors import ConfigError
@@ -181,6 +182,11 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     policy = TransformersPolicy(model, tokenizer, device=cfg.device, continuous_batching=cfg.continuous_batching)
     try:
         summary = record(cfg, policy, tokenizer)
+    except KeyboardInterrupt:
+        if cfg.out:
+            raise KeyboardInterrupt(f"the tasks finished so far are in {cfg.out}; the same command goes on with the "
+                                    "others") from None
+        raise
     finally:
         policy.close()
     if summary["groups"] == 0 and summary["skipped_finished_tasks"] == cfg.num_tasks:
@@ -197,7 +203,10 @@ def cmd_learn(args: argparse.Namespace) -> int:
 
     spec = LEARNERS[args.learner]
     cfg = config_for_command(spec.config, args, extra_keys=("learner",))
-    result = spec.train(cfg)
+    try:
+        result = spec.train(cfg)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(_how_to_resume(Path(cfg.output_dir))) from None
     if not is_main_process():  # under accelerate launch, rank 0 reports
         return 0
     if result.eval_start and result.eval_end:
@@ -208,6 +217,15 @@ def cmd_learn(args: argparse.Namespace) -> int:
         print("held-out evaluation skipped (--eval-episodes 0)")
     print(f"model saved to {result.model_dir}; metrics in {result.output_dir / 'metrics.jsonl'}")
     return 0
+
+
+def _how_to_resume(output_dir: Path) -> str:
+    from treerl.learners.checkpoints import latest_checkpoint
+
+    if (ckpt := latest_checkpoint(output_dir)) is not None:
+        return f"`--resume true` continues {output_dir} from its last checkpoint, {ckpt.name}"
+    return (f"{output_dir} has no checkpoint yet: `--resume true` starts over there (`--save-every N` checkpoints "
+            "every N steps)")
 
 
 def cmd_view(args: argparse.Namespace) -> int:
@@ -369,6 +387,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:  # a setting that cannot work: say which and how to fix it, no traceback
         print(f"treerl: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C: how to go on, not the traceback of wherever it landed
+        print(f"treerl: interrupted{f'; {exc}' if str(exc) else ''}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -239,6 +240,9 @@ def generator_main(spec: GeneratorSpec, generator_id: int, conn: Any, weight_gro
     ``weight_group`` (a :class:`~treerl.learners.weight_broadcast.GroupAddress`) is where weights
     come by broadcast; None when they come as files.
     """
+    # Ctrl-C reaches the whole process group; the trainer owns the run and stops its generators
+    # (and a generator dying of it would be restarted, with a traceback each).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING)
     group = None
     if weight_group is not None:
