@@ -277,6 +277,24 @@ def test_qwen3_coder_values_that_do_not_convert_stay_text_for_validation_to_repo
     ]
 
 
+def test_text_formats_keep_strings_of_optional_str_parameters():
+    # Optional[str] is ["string", "null"] and Literal["a", "1"] | None an anyOf: "2024", "true" and "1" are
+    # strings there, not the number, boolean or integer JSON would read (which validation then refused).
+    schemas = {"f": {"type": "object", "properties": {
+        "site": {"type": ["string", "null"]},
+        "mode": {"anyOf": [{"type": "string", "enum": ["a", "1"]}, {"type": "null"}]},
+        "n": {"type": ["integer", "string"]},
+        "x": {"type": ["number", "null"]},
+    }}}
+    written = {"site": "2024", "mode": "1", "n": "3", "x": "2"}
+    expected = ToolCall("f", {"site": "2024", "mode": "1", "n": 3, "x": 2})
+    assert only_calls(Qwen3CoderParser().parse(qwen3_text("f", written), schemas)) == [expected]
+    glm = "<tool_call>f\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in written.items())
+    assert only_calls(get_parser("glm4_moe").parse(glm + "</tool_call>", schemas)) == [expected]
+    nulls = {"site": "null", "mode": "null"}
+    assert only_calls(Qwen3CoderParser().parse(qwen3_text("f", nulls), schemas)) == [ToolCall("f", {"site": None, "mode": None})]
+
+
 def test_qwen3_coder_accepts_openai_style_schemas_and_missing_wrappers():
     openai = {"weather": {"type": "function", "function": {"name": "weather", "parameters": WEATHER_SCHEMA}}}
     text = "Checking.\n<function=weather>\n<parameter=days>\n3\n<parameter=city>\n7\n"  # no closing tags at all

@@ -54,6 +54,7 @@ __all__ = [
     "derived_call_id",
     "name_of",
     "dump_json",
+    "keeps_text",
 ]
 
 
@@ -355,3 +356,33 @@ def name_of(obj: Any) -> str | None:
     """The ``"name"`` of a decoded call object, for the error of a call that failed otherwise."""
     name = obj.get("name") if isinstance(obj, dict) else None
     return name if isinstance(name, str) else None
+
+
+_JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (type(None), "null"),
+               (list, "array"), (dict, "object"))
+
+
+def keeps_text(schema: Mapping[str, Any] | None, decoded: Any) -> bool:
+    """Whether a text argument whose JSON reading is ``decoded`` should stay text for ``schema``.
+
+    For formats whose values are untyped text (qwen3_coder, glm4_moe): a property whose type
+    is a union with ``string`` (``Optional[str]``: ``["string", "null"]``, or ``anyOf``
+    members) keeps ``"2024"`` or ``"true"`` as written, since the string is the only
+    reading its types admit; where the union also admits the JSON value, that value wins.
+
+    >>> keeps_text({"type": ["string", "null"]}, 2024), keeps_text({"type": ["string", "null"]}, None)
+    (True, False)
+    >>> keeps_text({"anyOf": [{"type": "integer"}, {"type": "string"}]}, 3), keeps_text({}, 3)
+    (False, False)
+    """
+    if not isinstance(schema, Mapping):
+        return False
+    named: set[str] = set()
+    members = [schema, *(m for key in ("anyOf", "oneOf") for m in schema.get(key) or () if isinstance(m, Mapping))]
+    for member in members:
+        kind = member.get("type")
+        named.update([kind] if isinstance(kind, str) else kind if isinstance(kind, list) else [])
+    if "string" not in named:
+        return False
+    kind = next(name for cls, name in _JSON_TYPES if isinstance(decoded, cls))
+    return kind not in named and not (kind == "integer" and "number" in named)

@@ -20,6 +20,7 @@ from treerl.envs.parser_base import (
     call_from_object,
     decode_json,
     dump_json,
+    keeps_text,
     name_of,
     short_snippet,
 )
@@ -44,8 +45,10 @@ class Qwen3CoderParser(ToolCallParser):
     With ``tool_schemas`` (tool name -> parameters schema) a value is converted to the type
     its property declares: ``integer``, ``number``, ``boolean`` and ``null`` from their
     spellings (Python's ``True``/``None`` too), ``object`` and ``array`` from JSON,
-    ``string`` kept as written. A value that does not convert is kept as text, so that
-    schema validation reports it against the right parameter. Without a schema a value is
+    ``string`` kept as written; for a union with ``string`` (``Optional[str]``), JSON only
+    when the union admits its type (``2024`` stays ``"2024"``). A value that does not
+    convert is kept as text, so that schema validation reports it against the right
+    parameter. Without a schema a value is
     read as JSON when it is JSON, else kept as text (so ``"3"`` becomes ``3``).
     A missing ``<tool_call>`` wrapper or missing closing tags are tolerated.
 
@@ -201,6 +204,6 @@ def _convert_text(value: str, prop: Mapping | None) -> Any:
         decoded = _loads(text)
         wanted = dict if kind == "object" else list
         return decoded if isinstance(decoded, wanted) else value
-    # Unions, `Any` and untyped properties: JSON when it is JSON.
+    # Unions, `Any` and untyped properties: JSON when it is JSON and a type of the union admits it.
     decoded = _loads(text)
-    return value if decoded is _NOT_JSON else decoded
+    return value if decoded is _NOT_JSON or keeps_text(prop, decoded) else decoded

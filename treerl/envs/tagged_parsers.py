@@ -37,6 +37,7 @@ from treerl.envs.parser_base import (
     ToolCallParser,
     decode_json,
     dump_json,
+    keeps_text,
     short_snippet,
     skip_space,
 )
@@ -107,7 +108,7 @@ class GlmParser(_BlockParser):
                                    f"{short_snippet(body[pos:])}", name)
             key = body[pos + len("<arg_key>"):key_end].strip()
             raw = body[value_start + len("<arg_value>"):value_end]
-            arguments[key] = _typed(raw, (properties.get(key) or {}).get("type"))
+            arguments[key] = _typed(raw, properties.get(key))
             pos = value_end + len("</arg_value>")
             head = body.find("<arg_key>", pos)
             if head < 0 and body[pos:].strip():
@@ -126,14 +127,14 @@ class GlmParser(_BlockParser):
         )
 
 
-def _typed(raw: str, schema_type: Any) -> Any:
-    """An argument's text as its value: text for strings, else JSON when it reads as JSON."""
-    if schema_type == "string":
+def _typed(raw: str, schema: Any) -> Any:
+    """An argument's text as its value: text for strings, else JSON when it reads as JSON and the schema admits it."""
+    if isinstance(schema, Mapping) and schema.get("type") == "string":
         return raw
     decoded = decode_json(raw, skip_space(raw, 0))
     if isinstance(decoded, str) or skip_space(raw, decoded[1]) != len(raw):
         return raw  # not JSON: the tool's validation says what was expected
-    return decoded[0]
+    return raw if keeps_text(schema, decoded[0]) else decoded[0]
 
 
 class DeepSeekParser(_BlockParser):
