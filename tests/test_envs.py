@@ -176,6 +176,26 @@ def test_several_tool_calls_in_one_turn_run_concurrently():
     assert [m["content"] for m in obs] == ["waited 0.3"] * 4
 
 
+def test_results_of_a_turn_follow_the_order_its_calls_were_written_in_malformed_ones_included():
+    # Templates without call ids (Qwen's <tool_response> blocks) pair results with calls by position.
+    @tool
+    def echo(text: str) -> str:
+        """Echo.
+
+        Args:
+            text: What to say.
+        """
+        return text
+
+    env = _EchoEnv(tools=[echo])
+    env.reset(seed=0)
+    good = '<tool_call>\n{{"name": "echo", "arguments": {{"text": "{}"}}}}\n</tool_call>'
+    bad = '<tool_call>\n{"name": "echo", "arguments": {"text": \n</tool_call>'
+    obs, _, _, _, info = env.step("\n".join([good.format("first"), bad, good.format("third")]))
+    assert [m["content"][:19] for m in obs] == ["first", "Could not parse the", "third"]
+    assert [r["error"] for r in info["tool_calls"]] == [None, "malformed", None]
+
+
 def test_async_steps_interleave_across_environments():
     @tool
     async def io(x: int) -> int:

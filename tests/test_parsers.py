@@ -310,6 +310,32 @@ def test_qwen3_coder_malformed():
     assert "<function=tool_name>" in result.errors[0].message
 
 
+# -- order ------------------------------------------------------------------------------
+
+UNREADABLE = {
+    "deepseek": '<｜tool▁call▁begin｜>function<｜tool▁sep｜>x\n```json\n{"a": }\n```<｜tool▁call▁end｜>',
+    "glm4_moe": "<tool_call>\n</tool_call>",
+    "harmony": '<|start|>assistant to=functions.x<|channel|>commentary json<|message|>{"a": }<|call|><|start|>assistant',
+    "hermes": '<tool_call>\n{"name": "x", "arguments": {\n</tool_call>',
+    "llama3_json": '{"name": "x", "parameters": {"a": }}',
+    "mistral": '[TOOL_CALLS]x[ARGS]{"a": }',
+    "pythonic": "[x(1)]",
+    "qwen3_coder": "<tool_call>\nx(a=1)\n</tool_call>",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_calls_and_unreadable_calls_come_in_the_order_written(name):
+    parser = get_parser(name)
+    first, last = parser.render([ToolCall("f", {"a": 1})]), parser.render([ToolCall("g", {"b": 2})])
+    if name == "deepseek":  # one list of calls around all three
+        first, last = first.replace("<｜tool▁calls▁end｜>", ""), last.replace("<｜tool▁calls▁begin｜>", "")
+    separator = "" if name in ("deepseek", "harmony") else "\n"
+    result = parser.parse(separator.join([first, UNREADABLE[name], last]))
+    assert [getattr(x, "name", "error") for x in result.in_order()] == ["f", "error", "g"]
+    assert [c.name for c in result.calls] == ["f", "g"] and len(result.errors) == 1
+
+
 # -- get_parser --------------------------------------------------------------------------
 
 

@@ -379,29 +379,36 @@ class ToolEnv(Env):
         records: list[dict[str, Any]] = []
         obs: list[Message] = []
 
-        # The id pairing each result with its call, where the template needs one (Mistral's refuses a
-        # result without it): the parser's, which the chat renderer gives the call in the same way.
-        call_id = getattr(self.parser, "call_id", lambda text, index, written=None: written)
-        for k, err in enumerate(parsed.errors):  # calls the model attempted but wrote badly
-            records.append({"name": err.tool_name, "arguments": None, "error": err.kind.value, "message": err.message})
-            message = {"role": "tool", "content": err.message}
-            if (cid := call_id(action, len(parsed.calls) + k)) is not None:
-                message["tool_call_id"] = cid
-            obs.append(message)
         malformed = sum(e.kind is ToolErrorKind.MALFORMED for e in parsed.errors)
         penalty = self.malformed_penalty * malformed
         if self.malformed_ends_episode and malformed:
+            records = [_error_record(err) for err in parsed.errors]
             return self._end_on_malformed(records, 0.0 - penalty)  # not -0.0 when there is no penalty
-        results: list[ToolResult] = await asyncio.gather(*(run_tool_call(c, self._tool_map) for c in parsed.calls))
-        for k, res in enumerate(results):
-            records.append({
-                "name": res.call.name,
-                "arguments": copy.deepcopy(res.call.arguments),
-                "error": res.error.value if res.error else None,
-                "message": None if res.ok else res.content,
-            })
-            message = {"role": "tool", "name": res.call.name, "content": res.content}
-            if (cid := call_id(action, k, res.call.id)) is not None:  # the model's id, or the template's (Mistral)
+        results = iter(await asyncio.gather(*(run_tool_call(c, self._tool_map) for c in parsed.calls)))
+        # The id pairing each result with its call, where the template needs one (Mistral's refuses a
+        # result without it): the parser's, which the chat renderer gives the call in the same way (the
+        # k-th readable call's index is k; calls the model wrote badly come after them).
+        call_id = getattr(self.parser, "call_id", lambda text, index, written=None: written)
+        num_calls = num_errors = 0
+        # Results in the order the calls were written: templates without call ids pair them by position.
+        for item in parsed.in_order():
+            if isinstance(item, ToolCall):
+                res: ToolResult = next(results)
+                records.append({
+                    "name": res.call.name,
+                    "arguments": copy.deepcopy(res.call.arguments),
+                    "error": res.error.value if res.error else None,
+                    "message": None if res.ok else res.content,
+                })
+                message = {"role": "tool", "name": res.call.name, "content": res.content}
+                cid = call_id(action, num_calls, res.call.id)  # the model's id, or the template's (Mistral)
+                num_calls += 1
+            else:  # a call the model attempted but wrote badly
+                records.append(_error_record(item))
+                message = {"role": "tool", "content": item.message}
+                cid = call_id(action, len(parsed.calls) + num_errors)
+                num_errors += 1
+            if cid is not None:
                 message["tool_call_id"] = cid
             obs.append(message)
 
@@ -518,6 +525,11 @@ class ToolEnv(Env):
             m["episode/final_answer"] = 1
         if truncated:
             m["episode/max_turns"] = 1
+
+
+def _error_record(error: ToolCallError) -> dict[str, Any]:
+    """The ``info["tool_calls"]`` record of a call that failed before it could run."""
+    return {"name": error.tool_name, "arguments": None, "error": error.kind.value, "message": error.message}
 
 
 _MAX_FEEDBACK_ERRORS = 3

@@ -61,8 +61,7 @@ class HarmonyParser(ToolCallParser):
     def _parse(self, text: str, tool_schemas: Mapping[str, dict] | None) -> ParseResult:
         content: list[str] = []
         reasoning: list[str] = []
-        calls: list[ToolCall] = []
-        errors: list[ToolCallError] = []
+        found: list[ToolCall | ToolCallError] = []  # the calls and the unreadable ones, as written
         finder = Finder(text)
         pos = 0
         while pos < len(text):
@@ -81,19 +80,19 @@ class HarmonyParser(ToolCallParser):
             recipient = _RECIPIENT.search(header) if len(header) <= _MAX_HEADER else None
             channel = _CHANNEL_NAME.search(header) if len(header) <= _MAX_HEADER else None
             if len(header) > _MAX_HEADER or (recipient is not None and recipient.group(1).startswith("functions.")):
-                if self._full(calls, errors):
+                if self._full(found):
                     break
                 if len(header) > _MAX_HEADER:
-                    errors.append(self._error(f"a message header is longer than {_MAX_HEADER} characters"))
+                    found.append(self._error(f"a message header is longer than {_MAX_HEADER} characters"))
                     continue
                 name = recipient.group(1)[len("functions."):]
                 call = self._call(name, body)
-                (calls if isinstance(call, ToolCall) else errors).append(call)
+                found.append(call)
             elif channel is not None and channel.group(1) == "analysis":
                 reasoning.append(body.strip())
             else:
                 content.append(body)
-        result = ParseResult(content="\n".join(c.strip() for c in content if c.strip()), calls=calls, errors=errors)
+        result = ParseResult.of("\n".join(c.strip() for c in content if c.strip()), found)
         if reasoning:
             result.reasoning = "\n".join(reasoning)
         return result

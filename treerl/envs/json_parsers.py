@@ -53,34 +53,33 @@ class HermesParser(ToolCallParser):
 
     def _parse(self, text: str, tool_schemas: Mapping[str, dict] | None) -> ParseResult:
         content: list[str] = []
-        calls: list[ToolCall] = []
-        errors: list[ToolCallError] = []
+        found: list[ToolCall | ToolCallError] = []  # the calls and the unreadable ones, as written
         finder = Finder(text)
         pos = 0
         while True:
             start = text.find(self.open_tag, pos)
-            if start >= 0 and self._full(calls, errors):
+            if start >= 0 and self._full(found):
                 content.append(text[pos:])  # unread: the cap's error says why
                 break
             if start < 0:
                 tail = text[pos:]
                 if self.close_tag in tail:
-                    errors.append(self._error(f"found {self.close_tag} without a {self.open_tag} before it"))
+                    found.append(self._error(f"found {self.close_tag} without a {self.open_tag} before it"))
                     tail = tail.replace(self.close_tag, "")
                 content.append(tail)
                 break
             before = text[pos:start]
             if self.close_tag in before:
-                errors.append(self._error(f"found {self.close_tag} without a {self.open_tag} before it"))
+                found.append(self._error(f"found {self.close_tag} without a {self.open_tag} before it"))
                 before = before.replace(self.close_tag, "")
             content.append(before)
             pos, call, error, leftover = self._read_block(text, start + len(self.open_tag), finder)
             if call is not None:
-                calls.append(call)
+                found.append(call)
             if error is not None:
-                errors.append(error)
+                found.append(error)
             content.append(leftover)
-        return ParseResult(content="".join(content).strip(), calls=calls, errors=errors)
+        return ParseResult.of("".join(content).strip(), found)
 
     def _read_block(self, text: str, body: int, finder: Finder) -> tuple[int, ToolCall | None, ToolCallError | None, str]:
         """Read one block whose body starts at ``body``: ``(end, call, error, leftover content)``."""
@@ -145,32 +144,30 @@ class Llama3JsonParser(ToolCallParser):
         tagged = text.find(self.python_tag)
         if tagged >= 0:
             # After the tag the model is in tool mode: everything there must be calls.
-            calls, errors = self._read_tagged(text[tagged + len(self.python_tag) :].replace(self.python_tag, ""))
-            return ParseResult(content=text[:tagged].strip(), calls=calls, errors=errors)
+            found = self._read_tagged(text[tagged + len(self.python_tag) :].replace(self.python_tag, ""))
+            return ParseResult.of(text[:tagged].strip(), found)
         return self._read_untagged(text)
 
-    def _read_tagged(self, region: str) -> tuple[list[ToolCall], list[ToolCallError]]:
-        calls: list[ToolCall] = []
-        errors: list[ToolCallError] = []
+    def _read_tagged(self, region: str) -> list[ToolCall | ToolCallError]:
+        found: list[ToolCall | ToolCallError] = []  # the calls and the unreadable ones, as written
         pos = _skip_separators(region, 0)
-        while pos < len(region) and not self._full(calls, errors):
+        while pos < len(region) and not self._full(found):
             decoded = decode_json(region, pos) if region.startswith("{", pos) else "expected a JSON object"
             if isinstance(decoded, str):
-                errors.append(self._error(f"{decoded} in {short_snippet(region[pos : pos + 100])}"))
+                found.append(self._error(f"{decoded} in {short_snippet(region[pos : pos + 100])}"))
                 break
             obj, end = decoded
             call = call_from_object(obj, ("parameters", "arguments"))
             if isinstance(call, str):
-                errors.append(self._error(call, name_of(obj)))
+                found.append(self._error(call, name_of(obj)))
             else:
-                calls.append(call)
+                found.append(call)
             pos = _skip_separators(region, end)
-        return calls, errors
+        return found
 
     def _read_untagged(self, text: str) -> ParseResult:
         content: list[str] = []
-        calls: list[ToolCall] = []
-        errors: list[ToolCallError] = []
+        found: list[ToolCall | ToolCallError] = []  # the calls and the unreadable ones, as written
         finder = Finder(text)
         content_pos = search_pos = 0
         after_call = False
@@ -178,41 +175,38 @@ class Llama3JsonParser(ToolCallParser):
         while (brace := self._candidate(text, search_pos, after_call)) is not None:
             attempts += 1
             if attempts > self.max_attempts:
-                errors.append(self._error(f"the reply has more than {self.max_attempts} JSON objects at line starts, "
-                                          f"and at most {self.max_attempts} are tried as calls (max_attempts)"))
+                found.append(self._error(f"the reply has more than {self.max_attempts} JSON objects at line starts, "
+                                         f"and at most {self.max_attempts} are tried as calls (max_attempts)"))
                 break
-            if self._full(calls, errors):
+            if self._full(found):
                 break
             decoded, long = self._decode(text, brace, finder)
             if isinstance(decoded, str):
                 long_failures += long
                 if long_failures > self.max_calls:
-                    errors.append(self._error(f"more than {self.max_calls} JSON objects spanning several lines "
-                                              "could not be read; reading stopped there"))
+                    found.append(self._error(f"more than {self.max_calls} JSON objects spanning several lines "
+                                             "could not be read; reading stopped there"))
                     break
                 if not self._looks_like_call.match(text, brace):
                     search_pos, after_call = brace + 1, False  # prose that happens to start with a brace
                     continue
                 end = finder.find("\n", brace)
-                found: ToolCall | ToolCallError = self._error(f"{decoded} in {short_snippet(text[brace : brace + 100])}")
+                item: ToolCall | ToolCallError = self._error(f"{decoded} in {short_snippet(text[brace : brace + 100])}")
             else:
                 obj, end = decoded
                 call = call_from_object(obj, ("parameters", "arguments"))
                 if isinstance(call, str) and not (isinstance(obj, dict) and "name" in obj):
                     search_pos, after_call = end, False  # JSON without a "name" is an answer, not a call
                     continue
-                found = self._error(call, name_of(obj)) if isinstance(call, str) else call
+                item = self._error(call, name_of(obj)) if isinstance(call, str) else call
             between = text[content_pos:brace]
             # The `;` or newlines between two calls are separators, not content.
             content.append("" if after_call and not between.strip(" \t\r\n;") else between)
-            if isinstance(found, ToolCallError):
-                errors.append(found)
-            else:
-                calls.append(found)
+            found.append(item)
             content_pos = search_pos = end
             after_call = True
         content.append(text[content_pos:])
-        return ParseResult(content="".join(content).strip(), calls=calls, errors=errors)
+        return ParseResult.of("".join(content).strip(), found)
 
     def _candidate(self, text: str, pos: int, after_call: bool) -> int | None:
         """Where the next call may start: after a call's ``;`` on the same line, else at a line start."""
@@ -283,52 +277,51 @@ class MistralParser(ToolCallParser):
 
     def _parse(self, text: str, tool_schemas: Mapping[str, dict] | None) -> ParseResult:
         content: list[str] = []
-        calls: list[ToolCall] = []
-        errors: list[ToolCallError] = []
+        found: list[ToolCall | ToolCallError] = []  # the calls and the unreadable ones, as written
         pos = 0
-        while (start := text.find(self.marker, pos)) >= 0 and not self._full(calls, errors):
+        while (start := text.find(self.marker, pos)) >= 0 and not self._full(found):
             content.append(text[pos:start])
-            pos = self._read(text, start + len(self.marker), calls, errors)
+            pos = self._read(text, start + len(self.marker), found)
         content.append(text[pos:])
-        return ParseResult(content="".join(content).strip(), calls=calls, errors=errors)
+        return ParseResult.of("".join(content).strip(), found)
 
-    def _read(self, text: str, pos: int, calls: list[ToolCall], errors: list[ToolCallError]) -> int:
+    def _read(self, text: str, pos: int, found: list[ToolCall | ToolCallError]) -> int:
         start = skip_space(text, pos)
         named = self._named.match(text, pos)
         if named is not None:
             decoded = decode_json(text, named.end())
             if isinstance(decoded, str):
-                return self._skip(text, start, decoded, errors, tool_name=named.group(1))
+                return self._skip(text, start, decoded, found, tool_name=named.group(1))
             arguments, end = decoded
             call = call_from_object({"name": named.group(1), "arguments": arguments}, ("arguments",))
             if isinstance(call, str):
-                errors.append(self._error(call, named.group(1)))
+                found.append(self._error(call, named.group(1)))
             else:
-                calls.append(ToolCall(call.name, call.arguments, named.group(2) or None))
+                found.append(ToolCall(call.name, call.arguments, named.group(2) or None))
             return end
         if not text.startswith(("[", "{"), start):
-            return self._skip(text, start, "expected a JSON list of calls", errors)
+            return self._skip(text, start, "expected a JSON list of calls", found)
         decoded = decode_json(text, start)
         if isinstance(decoded, str):
-            return self._skip(text, start, decoded, errors)
+            return self._skip(text, start, decoded, found)
         value, end = decoded
         for i, obj in enumerate(value if isinstance(value, list) else [value]):
-            if i and self._full(calls, errors):
+            if i and self._full(found):
                 break
             call = call_from_object(obj, ("arguments", "parameters"))
             if isinstance(call, str):
-                errors.append(self._error(call, name_of(obj)))
+                found.append(self._error(call, name_of(obj)))
             else:
-                calls.append(call)
+                found.append(call)
         return end
 
     def _skip(
-        self, text: str, start: int, reason: str, errors: list[ToolCallError], tool_name: str | None = None
+        self, text: str, start: int, reason: str, found: list[ToolCall | ToolCallError], tool_name: str | None = None
     ) -> int:
         """Record an unreadable call and skip to the next marker (or the end)."""
         stop = text.find(self.marker, start)
         stop = len(text) if stop < 0 else stop
-        errors.append(self._error(f"{reason} in {short_snippet(text[start:stop])}", tool_name))
+        found.append(self._error(f"{reason} in {short_snippet(text[start:stop])}", tool_name))
         return stop
 
     def render(self, calls: Sequence[ToolCall]) -> str:

@@ -82,6 +82,35 @@ class ParseResult:
     """One ``MALFORMED`` error per call that could not be read; messages are written for the model."""
     reasoning: str | None = None
     """The reasoning split off before calls were read (None when the parser reads no reasoning)."""
+    written: list[ToolCall | ToolCallError] | None = field(default=None, repr=False, compare=False)
+    """``calls`` and ``errors`` together in the order the reply wrote them (None: not known)."""
+
+    @classmethod
+    def of(cls, content: str, found: Sequence[ToolCall | ToolCallError]) -> ParseResult:
+        """The result whose calls and errors are ``found``, in the order the reply wrote them."""
+        calls = [x for x in found if isinstance(x, ToolCall)]
+        errors = [x for x in found if not isinstance(x, ToolCall)]
+        return cls(content=content, calls=calls, errors=errors, written=list(found))
+
+    def in_order(self) -> list[ToolCall | ToolCallError]:
+        """The calls and errors in the order the reply wrote them, so that results pair with calls by
+        position (templates without call ids do); errors first where that order is not known (a
+        result built without :meth:`of`, or whose lists were changed since).
+
+        >>> r = ParseResult.of("", [ToolCall("f", {}), ToolCallError(ToolErrorKind.MALFORMED, "bad")])
+        >>> [type(x).__name__ for x in r.in_order()]
+        ['ToolCall', 'ToolCallError']
+        """
+        if self.written is not None:
+            calls = [x for x in self.written if isinstance(x, ToolCall)]
+            errors = [x for x in self.written if not isinstance(x, ToolCall)]
+            if _same(calls, self.calls) and _same(errors, self.errors):
+                return list(self.written)
+        return [*self.errors, *self.calls]
+
+
+def _same(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 class ToolCallParser(ABC):
@@ -178,14 +207,14 @@ class ToolCallParser(ABC):
             return self._error(f"the arguments of {name} must be a JSON object, got {type(value).__name__}", name)
         return ToolCall(name=name, arguments=value)
 
-    def _full(self, calls: list[ToolCall], errors: list[ToolCallError]) -> bool:
-        """Whether another call would pass ``max_calls``; if so, the error that says so is added."""
-        if len(calls) + len(errors) < self.max_calls:
+    def _full(self, found: list[ToolCall | ToolCallError]) -> bool:
+        """Whether another call would pass ``max_calls``; if so, the error that says so is added to ``found``."""
+        if len(found) < self.max_calls:
             return False
         cap = self._error(f"the reply holds more than {self.max_calls} tool calls, and at most {self.max_calls} "
                           "are read from one reply (the parser's max_calls)")
-        if not any(e.message == cap.message for e in errors):  # said once, however often it is asked
-            errors.append(cap)
+        if not any(isinstance(e, ToolCallError) and e.message == cap.message for e in found):  # said once
+            found.append(cap)
         return True
 
     def __repr__(self) -> str:

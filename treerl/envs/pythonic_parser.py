@@ -74,12 +74,11 @@ class PythonicParser(ToolCallParser):
             # The markers stand on their own line for the purpose of finding the list.
             text = text.replace(marker, "\n")
         content: list[str] = []
-        calls: list[ToolCall] = []
-        errors: list[ToolCallError] = []
+        found: list[ToolCall | ToolCallError] = []  # the calls and the unreadable ones, as written
         budget = [self.max_values]
         pos = 0
         match = self._start.search(text)
-        while match is not None and not self._full(calls, errors):
+        while match is not None and not self._full(found):
             start = match.start(1)
             content.append(text[pos:start])
             # A list ends before the next line that starts one: every character is scanned once.
@@ -87,19 +86,19 @@ class PythonicParser(ToolCallParser):
             stop = len(text) if following is None else following.start(1)
             end = self._closing_bracket(text, start, stop, budget)
             if isinstance(end, str):
-                errors.append(self._error(end))
+                found.append(self._error(end))
                 pos = start
                 break
             if end is None:
                 line_end = text.find("\n", start, stop)
                 pos = stop if line_end < 0 else line_end
-                errors.append(self._error(f"unbalanced brackets or quotes in {short_snippet(text[start:pos])}"))
+                found.append(self._error(f"unbalanced brackets or quotes in {short_snippet(text[start:pos])}"))
             else:
-                self._read_list(text[start:end], calls, errors)
+                self._read_list(text[start:end], found)
                 pos = end
             match = following
         content.append(text[pos:])
-        return ParseResult(content="".join(content).strip(), calls=calls, errors=errors)
+        return ParseResult.of("".join(content).strip(), found)
 
     def _closing_bracket(self, text: str, start: int, stop: int, budget: list[int]) -> int | str | None:
         """The index just past the bracket that closes ``text[start] == "["``, looking before ``stop``.
@@ -137,23 +136,20 @@ class PythonicParser(ToolCallParser):
                     return pos
         return None
 
-    def _read_list(self, source: str, calls: list[ToolCall], errors: list[ToolCallError]) -> None:
+    def _read_list(self, source: str, found: list[ToolCall | ToolCallError]) -> None:
         try:
             tree = parse_python(source, filename=_SOURCE_NAME, mode="eval")
         except _READ_ERRORS as exc:
-            errors.append(self._error(f"invalid Python ({_reason(exc)}) in {short_snippet(source)}"))
+            found.append(self._error(f"invalid Python ({_reason(exc)}) in {short_snippet(source)}"))
             return
         if not isinstance(tree.body, ast.List):
-            errors.append(self._error(f"expected a list of calls, got {short_snippet(source)}"))
+            found.append(self._error(f"expected a list of calls, got {short_snippet(source)}"))
             return
         for node in tree.body.elts:
-            if self._full(calls, errors):
+            if self._full(found):
                 return
             call = self._read_call(node, source)
-            if isinstance(call, ToolCallError):
-                errors.append(call)
-            else:
-                calls.append(call)
+            found.append(call)
 
     def _read_call(self, node: ast.expr, source: str) -> ToolCall | ToolCallError:
         if not isinstance(node, ast.Call):

@@ -69,11 +69,10 @@ class Qwen3CoderParser(ToolCallParser):
 
     def _parse(self, text: str, tool_schemas: Mapping[str, dict] | None) -> ParseResult:
         content: list[str] = []
-        calls: list[ToolCall] = []
-        errors: list[ToolCallError] = []
+        found: list[ToolCall | ToolCallError] = []  # the calls and the unreadable ones, as written
         finder = Finder(text)
         pos = 0
-        while (match := self._block.search(text, pos)) is not None and not self._full(calls, errors):
+        while (match := self._block.search(text, pos)) is not None and not self._full(found):
             content.append(text[pos : match.start()])
             if match.group() == "<tool_call>":
                 end = finder.first_of(match.end(), "</tool_call>", "<tool_call>")
@@ -85,17 +84,14 @@ class Qwen3CoderParser(ToolCallParser):
                 body = text[match.start() : end]
                 pos = end + len("</function>") if text.startswith("</function>", end) else end
             call = self._read_block(body, tool_schemas)
-            if isinstance(call, ToolCallError):
-                errors.append(call)
-            else:
-                calls.append(call)
+            found.append(call)
         content.append(text[pos:])
         stray = "".join(content)
         for tag in ("</tool_call>", "</function>"):
             if tag in stray:
-                errors.append(self._error(f"found {tag} without an opening tag before it"))
+                found.append(self._error(f"found {tag} without an opening tag before it"))
                 stray = stray.replace(tag, "")
-        return ParseResult(content=stray.strip(), calls=calls, errors=errors)
+        return ParseResult.of(stray.strip(), found)
 
     def _read_block(self, body: str, tool_schemas: Mapping[str, dict] | None) -> ToolCall | ToolCallError:
         function = self._function.search(body)

@@ -56,14 +56,13 @@ class _BlockParser(ToolCallParser):
 
     def _parse(self, text: str, tool_schemas: Mapping[str, dict] | None) -> ParseResult:
         content: list[str] = []
-        calls: list[ToolCall] = []
-        errors: list[ToolCallError] = []
+        found: list[ToolCall | ToolCallError] = []  # the calls and the unreadable ones, as written
         finder = Finder(text)
         pos = 0
         while True:
             start = finder.find(self.open_tag, pos)
             content.append(text[pos:start])
-            if start == len(text) or self._full(calls, errors):
+            if start == len(text) or self._full(found):
                 if start < len(text):
                     content.append(text[start:])  # unread: the cap's error says why
                 break
@@ -72,12 +71,12 @@ class _BlockParser(ToolCallParser):
             nested = finder.find(self.open_tag, body_start)
             end = min(end, nested)  # a block without its close tag ends where the next begins
             call = self._call(text[body_start:end], tool_schemas or {})
-            (calls if isinstance(call, ToolCall) else errors).append(call)
+            found.append(call)
             pos = end + len(self.close_tag) if text.startswith(self.close_tag, end) else end
         joined = "".join(content)
         for marker in self.outer:
             joined = joined.replace(marker, "")
-        return ParseResult(content=joined.strip(), calls=calls, errors=errors)
+        return ParseResult.of(joined.strip(), found)
 
     def _call(self, body: str, schemas: Mapping[str, dict]) -> ToolCall | ToolCallError:
         raise NotImplementedError
