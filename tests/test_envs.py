@@ -52,6 +52,19 @@ def test_validate_gold_answers_earn_full_reward(env_id):
     assert report.ok, report.failures
 
 
+@pytest.mark.parametrize("env_id", ALL_IDS)
+def test_sync_vector_env_steps_mixed_replies(env_id):
+    # Gymnasium's vector envs stack each info key across envs into one array typed by the first
+    # env's value: a key that is an int in one env and None in the next cannot be stacked.
+    envs = gymnasium.make_vec(env_id, num_envs=2, vectorization_mode="sync")
+    try:
+        envs.reset(seed=0)
+        _, rewards, terminated, truncated, _ = envs.step(["\\boxed{3}", "no number here"])
+        assert rewards.shape == terminated.shape == truncated.shape == (2,)
+    finally:
+        envs.close()
+
+
 def test_spaces_contain_and_sample():
     space = ChatMessages(seed=0)
     for _ in range(20):

@@ -85,10 +85,11 @@ class GuessNumberEnv(Env):
         info = {
             "turn": self.turn,
             "outcome": outcome,
-            "guess": guess,
             "termination": "correct" if terminated else ("max_turns" if truncated else None),
             "metrics": {"turns": self.turn, "episode/solved": int(terminated)},
         }
+        if guess is not None:  # absent rather than None: Gymnasium's vector envs stack it as an int array
+            info["guess"] = guess
         return obs, float(reward), terminated, truncated, info
 
     def feedback(self) -> str | None:
