@@ -15,7 +15,7 @@ import pytest
 
 import treerl
 from treerl.envs import ChatMessages, Completion, EnvError, Task, ToolEnv, check_env, tool
-from treerl.errors import ToolErrorKind
+from treerl.errors import ConfigError, ToolErrorKind
 from treerl.envs.registry import EnvSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -297,6 +297,34 @@ def test_registry_errors_and_custom_registration():
     assert gymnasium.make("tests/Echo-v0").unwrapped.max_turns == 2
     with pytest.raises(ValueError, match="already registered"):
         treerl.register("tests/Echo-v0", _EchoEnv)
+
+
+def test_ids_registered_with_gymnasium_and_module_prefixed_ids_are_made(tmp_path, monkeypatch):
+    # A Gymnasium user registers with gymnasium.register and names the module to import in the id.
+    (tmp_path / "user_echo_envs.py").write_text(
+        "import gymnasium\n"
+        "from treerl.envs import Task, ToolEnv\n"
+        "class EchoEnv(ToolEnv):\n"
+        "    def sample_task(self, rng):\n"
+        "        return Task(prompt='say ok', answer='ok')\n"
+        "gymnasium.register('user/Echo-v0', entry_point=EchoEnv, kwargs={'max_turns': 2})\n"
+        "gymnasium.register('user/EchoLimited-v0', entry_point='user_echo_envs:EchoEnv', max_episode_steps=3)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        env = treerl.make("user_echo_envs:user/Echo-v0", system_prompt="hi")
+        assert type(env).__name__ == "EchoEnv" and env.max_turns == 2
+        assert env.spec.id == "user/Echo-v0" and env.spec.kwargs == {"max_turns": 2, "system_prompt": "hi"}
+        assert treerl.make("user/Echo-v0").max_turns == 2
+        with pytest.raises(ConfigError, match="max_episode_steps=3.*max_turns"):
+            treerl.make("user/EchoLimited-v0")  # treerl plays it bare: the TimeLimit would be lost
+    finally:
+        for env_id in ("user/Echo-v0", "user/EchoLimited-v0"):
+            gymnasium.registry.pop(env_id, None)
+    with pytest.raises(ConfigError, match="CartPole-v1 is a Gymnasium environment .* not a treerl one"):
+        treerl.make("CartPole-v1")
+    with pytest.raises(ConfigError, match="importing 'no_such_user_module' failed"):
+        treerl.make("no_such_user_module:user/Echo-v0")
 
 
 def test_example_custom_env_is_listed_by_treerl_envs():

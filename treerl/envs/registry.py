@@ -3,6 +3,8 @@
 Every id registered here is also registered with Gymnasium, so after ``import treerl``
 ``gymnasium.make("treerl/Calculator-v0")`` works too (Gymnasium wraps the environment in
 its usual checkers; ``treerl.make`` returns the bare environment with ``astep``/``fork``).
+The other way, as in ``gymnasium.make``, an id registered with ``gymnasium.register`` is
+found too, and ``"module:Name-v0"`` imports ``module`` (which registers it) first.
 
 >>> import treerl
 >>> env = treerl.make("treerl/Calculator-v0")
@@ -20,6 +22,9 @@ from types import MappingProxyType
 from typing import Any
 
 import gymnasium
+
+from treerl.envs.core import Env
+from treerl.errors import ConfigError
 
 __all__ = ["EnvSpec", "register", "make", "registry", "spec", "env_id_of", "factory_env_id"]
 
@@ -79,7 +84,21 @@ def register(
 
 
 def spec(id: str) -> EnvSpec:
-    """The registration of ``id``; the error lists close matches."""
+    """The registration of ``id``; the error lists close matches.
+
+    ``id`` may name a module to import first, ``"mypackage.envs:Shop-v0"``, and may be
+    registered with ``gymnasium.register`` instead of :func:`register`, as ``gymnasium.make``
+    allows.
+    """
+    if ":" in id and id not in _REGISTRY:
+        module_name, _, id = id.partition(":")
+        try:
+            importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ConfigError(f"{module_name}:{id}: importing {module_name!r} failed ({exc}). Is the module "
+                              "that registers the environment installed or on PYTHONPATH?") from None
+    if id not in _REGISTRY and id in gymnasium.registry:
+        return _from_gymnasium(gymnasium.registry[id])
     try:
         return _REGISTRY[id]
     except KeyError:
@@ -93,6 +112,26 @@ def spec(id: str) -> EnvSpec:
         ) from None
 
 
+def _from_gymnasium(gym_spec: gymnasium.envs.registration.EnvSpec) -> EnvSpec:
+    """The registration of an id that only ``gymnasium.register`` knows, if treerl can play it as registered."""
+    spec_ = EnvSpec(id=gym_spec.id, entry_point=gym_spec.entry_point, kwargs=dict(gym_spec.kwargs))
+    target = spec_.load()
+    if isinstance(target, type) and not issubclass(target, Env):
+        raise ConfigError(
+            f"{gym_spec.id} is a Gymnasium environment ({target.__name__}) but not a treerl one: treerl plays "
+            "environments whose observations are chat messages and actions completion text, subclasses of "
+            "treerl.envs.Env or ToolEnv."
+        )
+    if gym_spec.max_episode_steps is not None:
+        raise ConfigError(
+            f"{gym_spec.id} is registered with gymnasium.register(max_episode_steps={gym_spec.max_episode_steps}), "
+            "but treerl plays the bare environment, without Gymnasium's TimeLimit wrapper: limit the turns in the "
+            "environment itself (ToolEnv's max_turns) and register it without max_episode_steps, or with "
+            "treerl.register(id, entry_point, max_turns=...)."
+        )
+    return spec_
+
+
 def make(id: str, **kwargs: Any):
     """Build the registered environment ``id`` (bare, without Gymnasium's wrappers).
 
@@ -101,8 +140,8 @@ def make(id: str, **kwargs: Any):
     """
     spec_ = spec(id)
     env = spec_.make(**kwargs)
-    if isinstance(env, gymnasium.Env) and env.spec is None and id in gymnasium.registry:
-        env.spec = dataclasses.replace(gymnasium.spec(id), kwargs={**spec_.kwargs, **kwargs})
+    if isinstance(env, gymnasium.Env) and env.spec is None and spec_.id in gymnasium.registry:
+        env.spec = dataclasses.replace(gymnasium.spec(spec_.id), kwargs={**spec_.kwargs, **kwargs})
     return env
 
 
