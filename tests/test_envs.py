@@ -327,6 +327,12 @@ def test_ids_registered_with_gymnasium_and_module_prefixed_ids_are_made(tmp_path
         treerl.make("no_such_user_module:user/Echo-v0")
 
 
+def test_check_env_passes_an_env_without_gold_answers_with_a_warning():
+    # gold_actions() is optional: check_env says what it could not check instead of raising NotImplementedError.
+    with pytest.warns(UserWarning, match="_EchoEnv has no gold answers.*gold_actions"):
+        check_env(_EchoEnv(), gymnasium_checks=False)
+
+
 def test_example_custom_env_is_listed_by_treerl_envs():
     out = subprocess.run(
         [sys.executable, "-m", "treerl.cli", "envs", "--json", "--import", EXAMPLE],

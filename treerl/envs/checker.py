@@ -2,7 +2,7 @@
 
 Gymnasium's ``check_env`` covers the API shapes, spaces and seeding. treerl adds what
 multi-turn tool environments need: seeded tasks are reproducible, ``fork()`` is independent,
-``validate()`` proves gold answers earn the full reward, tool schemas are valid JSON Schema,
+``validate()`` proves gold answers earn the full reward (where the environment has them), tool schemas are valid JSON Schema,
 ``astep`` agrees with ``step``, and malformed model output never raises (nor does
 ``feedback()`` on what it led to).
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from typing import Any
 
 import gymnasium
@@ -18,7 +19,7 @@ import jsonschema
 from gymnasium.utils.env_checker import check_env as gymnasium_check_env
 from gymnasium.utils.env_checker import data_equivalence
 
-from treerl.envs.core import Env, run_sync
+from treerl.envs.core import Env, ToolEnv, run_sync
 from treerl.errors import EnvError, ToolErrorKind
 
 __all__ = ["EnvCheckError", "check_env", "ADVERSARIAL_ACTIONS"]
@@ -49,7 +50,8 @@ def check_env(env: Env, *, seed: int = 0, num_validate: int = 4, gymnasium_check
     Args:
         env: A bare treerl environment (``treerl.make(...)`` or ``gymnasium.make(...).unwrapped``).
         seed: Seed for the determinism checks.
-        num_validate: Tasks on which ``validate()`` must earn the full reward.
+        num_validate: Tasks on which ``validate()`` must earn the full reward; an environment without
+            gold answers (neither ``gold_actions`` nor ``validate`` overridden) is skipped with a warning.
         gymnasium_checks: Also run ``gymnasium.utils.env_checker.check_env``.
     """
     env = env.unwrapped
@@ -62,12 +64,24 @@ def check_env(env: Env, *, seed: int = 0, num_validate: int = 4, gymnasium_check
     _check_fork(env, seed)
     _check_async_agrees(env, seed)
     _check_adversarial(env, seed)
+    if not _has_gold_answers(env):  # optional: an environment may not know its answers
+        warnings.warn(f"{type(env).__name__} has no gold answers, so check_env could not check that a correct answer "
+                      "earns the full reward: override gold_actions(task) (ToolEnv) or validate().", stacklevel=2)
+        return
     report = env.validate(num_tasks=num_validate, seed=seed)
     if not report.ok:
         raise EnvCheckError(
             f"{type(env).__name__}.validate(): {report.num_passed}/{report.num_tasks} gold answers earned the full "
             f"reward: {report.failures[:3]}. Fix score() or gold_actions() so that a correct answer is rewarded."
         )
+
+
+def _has_gold_answers(env: Env) -> bool:
+    """Whether ``env`` overrides ``validate()``, or the ``gold_actions()`` that ``ToolEnv.validate`` plays."""
+    cls = type(env)
+    if cls.validate is not Env.validate and cls.validate is not ToolEnv.validate:
+        return True
+    return isinstance(env, ToolEnv) and cls.gold_actions is not ToolEnv.gold_actions
 
 
 def _check_tool_schemas(env: Env) -> None:
