@@ -228,9 +228,11 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     assert steps == sorted(set(steps)) == [1, 2, 3, 4, 5, 6]  # lines past the checkpoint were replayed, not doubled
 
 
-def test_kl_to_a_reference_model_when_beta_is_set(tmp_path):
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_kl_to_a_reference_model_when_beta_is_set(tmp_path, lora_r):
     model, tok = _load()
-    train(GRPOConfig(output_dir=str(tmp_path), beta=0.1, learning_rate=5e-3, **{**SMALL, "steps": 2}),
+    train(GRPOConfig(output_dir=str(tmp_path), beta=0.1, learning_rate=5e-3 if lora_r == 0 else 5e-2, lora_r=lora_r,
+                     **{**SMALL, "steps": 2}),
           model=model, tokenizer=tok)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["loss/kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference

@@ -306,3 +306,31 @@ def test_flat_and_padded_equal_unpacked(mode, name):
 def test_one_row_per_group_is_the_same_as_many_micro_batches():
     # Everything in one micro-batch gives the same gradients as the split window above.
     check_equal("qwen3", "grpo", PackingConfig(max_tokens_per_row=128, rows_per_batch=8))
+
+
+def test_reference_under_lora_is_the_base_with_its_adapters_off_not_a_copy():
+    """With LoRA the KL reference (and SDPO's initial teacher) is the trained model with its adapters
+    switched off, as TRL's under PEFT: the starting weights' log-probs, without a second model."""
+    from peft import LoraConfig, get_peft_model
+
+    from treerl.learners.core import AdaptersOff
+
+    base = tiny_model("qwen3")
+    start = copy.deepcopy(base)
+    enable_tree_attention(start)
+    lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    enable_tree_attention(lora.get_base_model())
+    torch.manual_seed(1)
+    for name, p in lora.named_parameters():
+        if "lora_B" in name:  # trained adapters: the model has moved away from the start
+            p.data.normal_(0, 0.5)
+    lora.train()
+    reference = AdaptersOff(lora)
+    assert list(reference.parameters()) == []  # no weights of its own
+    [batch] = pack_groups(build_groups()[:1], torch.zeros(len(episodes_of(build_groups()[:1]))), PackingConfig())
+    expected = packed_logprobs(start, batch, temperature=TEMPERATURE).logp
+    got = packed_logprobs(reference, batch, temperature=TEMPERATURE).logp
+    trained = packed_logprobs(lora, batch, temperature=TEMPERATURE).logp
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert not torch.allclose(trained, expected, atol=1e-2)
+    assert not got.requires_grad and lora.training  # no graph, and the trained model is back in train mode

@@ -346,10 +346,12 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
         policy = TransformersPolicy(policy_model, tokenizer, device=device,
                                     continuous_batching=cfg.continuous_batching)
     _fall_back_to_padded_packing(cfg, model, ranks.is_main)
-    ref_model = _reference_model(model, cfg) if reference else None
+    ref_model = _reference_model(model, cfg) if reference and cfg.lora_r == 0 else None
     if cfg.lora_r > 0:
         model = _apply_lora(model, cfg)
         ranks.broadcast_parameters(model)
+        if reference:  # the frozen base is the starting model: no copy of it
+            ref_model = AdaptersOff(model)
     attention = None
     if cfg.pack_mode != "padded":
         attention = enable_tree_attention(model.get_base_model() if cfg.lora_r > 0 else model, impl=cfg.attention_impl)
@@ -495,6 +497,41 @@ def _reference_model(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Mod
     if cfg.pack_mode != "padded":
         enable_tree_attention(ref, impl=cfg.attention_impl)
     return ref
+
+
+class AdaptersOff(torch.nn.Module):
+    """A LoRA model's starting weights without a copy of them: the same model with its adapters
+    switched off, in eval mode and without gradients, for every forward through :meth:`get_decoder`
+    (TRL's reference under PEFT). The LM head is LoRA's untouched output layer.
+
+    The learners run a model only through ``get_decoder()`` and ``get_output_embeddings()``
+    (:func:`treerl.learners.forward.packed_hidden_states`), which is all this offers.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "lora_model", model)  # not a submodule: it owns no parameters
+
+    @property
+    def config(self) -> Any:
+        return self.lora_model.config
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lora_model.get_output_embeddings()
+
+    def get_decoder(self) -> Callable[..., Any]:
+        model, decoder = self.lora_model, self.lora_model.get_decoder()
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            was_training = model.training
+            model.eval()
+            try:
+                with torch.no_grad(), model.disable_adapter():
+                    return decoder(*args, **kwargs)
+            finally:
+                model.train(was_training)
+
+        return forward
 
 
 # -- finish --------------------------------------------------------------------------------------
