@@ -536,6 +536,18 @@ def test_top_logprobs_are_the_sampling_distributions_head(server, tiny):
     assert len(segment.top_logprobs) == len(segment.token_ids) == len(stopped.choices[0].logprobs.content)
 
 
+def test_the_group_records_the_temperatures_its_turns_were_sampled_at(server):
+    """What a learner recomputes the log-probs at (greedy turns are the same at any temperature)."""
+    url, recorder, _ = server
+    client = make_client(url)
+    for episode, temperature in (("warm-0", 0.7), ("warm-1", 0.0)):
+        client.chat.completions.create(model="treerl", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       temperature=temperature, extra_headers={"X-Episode-Id": episode})
+        client.post(f"/episodes/{episode}/reward", body={"reward": 0.0}, cast_to=object)
+    assert group_of(recorder, "warm-0").info["temperatures"] == [0.7]
+    assert "temperatures" not in group_of(recorder, "warm-1").info
+
+
 def test_a_prompt_longer_than_the_models_positions_is_refused(server, tiny):
     """--max-episode-tokens is 2048 by default; the shipped model has 1024 positions: the limit is 1024."""
     url, recorder, _ = server

@@ -64,6 +64,36 @@ def test_learn_from_a_trajectory_file(tmp_path):
     assert abs(lines[0]["is/ratio_mean"] - 1.0) < 1e-3  # sampled by these very weights: ratio 1
 
 
+def test_groups_sampled_at_another_temperature_are_refused(tmp_path):
+    """The trainer recomputes log-probs at its --temperature: groups drawn at another one would be
+    weighted and trained against a distribution that did not draw them."""
+    from treerl.errors import ConfigError
+    from treerl.learners.core import check_sampling_temperature
+    from treerl.rollout.trajectory import Group
+
+    model, tok = _load()
+    path = tmp_path / "r.jsonl"
+    params = SamplingParams(temperature=0.6, max_new_tokens=24)
+    engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=params, seed=3)
+    groups, _ = asyncio.run(engine.run(lambda: treerl.make("treerl/Calculator-v0"), "treerl/Calculator-v0",
+                                       range(1), 2))
+    with GroupWriter(path) as writer:
+        writer.write(groups[0])
+    one_step = {**SMALL, "steps": 1, "tasks_per_step": 1}
+    with pytest.raises(ConfigError, match="sampled at temperature 0.6.*--temperature 0.6"):
+        train(GRPOConfig(output_dir=str(tmp_path / "default"), from_rollouts=str(path), **one_step),
+              model=model, tokenizer=tok, env_factory=no_environment)
+    train(GRPOConfig(output_dir=str(tmp_path / "same"), from_rollouts=str(path), temperature=0.6, **one_step),
+          model=model, tokenizer=tok, env_factory=no_environment)
+    assert abs(_metrics(tmp_path / "same")[0]["is/ratio_mean"] - 1.0) < 1e-3
+    # treerl serve records its turns' temperatures; greedy turns (top_k=1) are the same at any.
+    served = Group(task_key="served", env_id="treerl-serve", info={"temperatures": [1.0, 0.7]})
+    with pytest.raises(ConfigError, match="sampled at temperature 0.7"):
+        check_sampling_temperature([served], 1.0)
+    greedy = Group(task_key="greedy", env_id="x", info={"sampling": {"temperature": 0.5, "top_k": 1}})
+    check_sampling_temperature([greedy, Group(task_key="old", env_id="x")], 1.0)
+
+
 def test_from_rollouts_and_from_server_are_checked():
     with pytest.raises(ValueError, match="from one source"):
         GRPOConfig(output_dir="x", from_rollouts="a.jsonl", from_server="http://127.0.0.1:1")

@@ -36,6 +36,7 @@ import asyncio
 import copy
 import json
 import logging
+import math
 import random
 import sys
 import time
@@ -199,7 +200,9 @@ class Run:
         first = self.state.next_task
         tasks = self.ranks.shard(range(first, first + self.cfg.tasks_per_step))
         if self.source is not None:
-            return self.source.take(tasks)
+            groups, stats = self.source.take(tasks)
+            check_sampling_temperature(groups, self.cfg.temperature)
+            return groups, stats
         return asyncio.run(self.engine.run(self.env_factory, self.env_id or self.cfg.env, tasks, self.cfg.group_size))
 
     def publish_weights(self, metrics: dict[str, float]) -> None:
@@ -267,6 +270,31 @@ class Run:
 
 
 # -- build ---------------------------------------------------------------------------------------
+
+
+def check_sampling_temperature(groups: Sequence[Group], temperature: float) -> None:
+    """Refuse groups whose tokens were sampled at another temperature than the trainer's.
+
+    The trainer recomputes every sampled token's log-prob at ``temperature``: the importance
+    weights compare it with the sampler's, and the loss trains it. Groups recorded elsewhere
+    (a trajectory file, ``treerl serve``) say what they were sampled at: the engine's in
+    ``info["sampling"]``, the server's in ``info["temperatures"]``. Greedy turns (top_k=1)
+    are left out: a one-token candidate set has log-prob 0 at any temperature.
+    """
+    for group in groups:
+        sampling = group.info.get("sampling")
+        if isinstance(sampling, dict) and sampling.get("top_k") != 1:
+            recorded = [sampling.get("temperature")]
+        else:
+            recorded = list(group.info.get("temperatures") or [])
+        other = sorted({t for t in recorded if isinstance(t, (int, float)) and not math.isclose(t, temperature)})
+        if other:
+            raise ConfigError(
+                f"group {group.task_key!r} was sampled at temperature {', '.join(map(str, other))}, but the trainer "
+                f"recomputes log-probs at temperature={temperature}: the importance weights and the loss would "
+                f"use another distribution than the one that drew the tokens. Pass --temperature {other[0]} "
+                "(or have the agents leave temperature unset, so that `treerl serve` uses its own)."
+            )
 
 
 def set_seed(seed: int) -> None:

@@ -223,6 +223,10 @@ class Recorder:
                             seed=None if request.seed is None else request_seed(request.seed, i), forced=forced)
                 for i, (c, p) in enumerate(zip(children, limited))))
             choices = [self._reply(c, t, request) for c, t in zip(children, turns)]
+            if params.top_k != 1:  # what a learner recomputes the log-probs at (greedy turns are the same at any)
+                temperatures = episode.task.group.info.setdefault("temperatures", [])
+                if params.temperature not in temperatures:
+                    temperatures.append(params.temperature)
             for child in children:  # a later request without an id finds its episode by these messages
                 self.by_view[_digest(child.view)] = child.id
             return choices
