@@ -198,6 +198,37 @@ def test_streamed_equals_unstreamed_with_the_same_seed(server, tiny, tools):
                (b.token_ids, b.logprobs, b.policy_version, b.finish_reason)
 
 
+def test_each_chunk_carries_the_logprobs_of_its_tokens(server):
+    """As OpenAI's: a chunk's logprobs are those of the tokens its content came from, sent with it,
+    not all at the end; cut at a stop string, they are the unstreamed reply's, joined."""
+    url, _ = server
+    client = client_of(url)
+    unrecorded = {"X-Treerl-Record": "false"}
+    ask = dict(model="treerl", messages=CHAT, max_tokens=40, seed=5, logprobs=True, top_logprobs=2,
+               extra_headers=unrecorded, extra_body={"top_k": 8})
+    warm(client, CHAT)
+    plain = client.chat.completions.create(**ask)
+    text = plain.choices[0].message.content
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    for stops in ([], [stop]):
+        want = client.chat.completions.create(**ask, stop=stops).choices[0]
+        chunks = [c.choices[0] for c in client.chat.completions.create(**ask, stop=stops, stream=True) if c.choices]
+        content, tokens = "", []
+        with_text = [c for c in chunks if c.delta.content]
+        assert len(with_text) >= 5
+        for c in with_text:
+            entries = c.logprobs.content
+            assert entries, "a chunk with content carries its tokens' logprobs"
+            content += c.delta.content
+            tokens += [t.token for t in entries]
+            assert "".join(tokens).startswith(content)  # the tokens sent so far made the content sent so far
+            assert len("".join(tokens[:-1])) < len(content)  # and no token beyond the one that completes it
+        joined = [t for c in chunks if c.logprobs for t in c.logprobs.content]
+        assert [(t.token, t.logprob, [x.logprob for x in t.top_logprobs]) for t in joined] == \
+               [(t.token, t.logprob, [x.logprob for x in t.top_logprobs]) for t in want.logprobs.content]
+        assert content == want.message.content and chunks[-1].finish_reason == want.finish_reason
+
+
 def test_a_refused_streamed_request_gets_its_4xx_unstreamed(server):
     url, _ = server
     with pytest.raises(openai.BadRequestError) as info:

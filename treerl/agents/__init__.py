@@ -8,6 +8,7 @@ from treerl.agents.policy import (
     Policy,
     SamplingOptions,
     SamplingParams,
+    StreamedToken,
 )
 from treerl.agents.sampling import ProcessedLogits, SampledTokens, candidate_lists, process_logits, sample, sample_processed
 from treerl.agents.transformers_policy import TransformersPolicy, end_of_turn_ids
@@ -15,7 +16,7 @@ from treerl.agents.vllm_policy import VLLMPolicy
 from treerl.agents.vllm_server_policy import VLLMServerPolicy
 
 __all__ = [
-    "SamplingParams", "SamplingOptions", "GenerationRequest", "Generation", "Policy", "AsyncBatcher",
+    "SamplingParams", "SamplingOptions", "GenerationRequest", "Generation", "StreamedToken", "Policy", "AsyncBatcher",
     "TransformersPolicy", "VLLMPolicy", "VLLMServerPolicy", "end_of_turn_ids",
     "ProcessedLogits", "SampledTokens", "process_logits", "sample_processed", "candidate_lists", "sample",
     "ChatRenderer", "Bridge", "assistant_message",

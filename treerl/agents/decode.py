@@ -15,8 +15,9 @@ waiting for the whole batch, and each result is handed back as soon as its row s
 weight update waits for the rows in flight to finish (new rows are held back meanwhile), so
 every generation is sampled by one weights version.
 
-A request with an ``on_token`` callback (streaming) is handed each token as its row samples it,
-in the decode thread; the others pay one ``is None`` test per token.
+A request with an ``on_token`` callback (streaming) is handed each token as its row samples it
+(with its log-prob and head, as the generation records them), in the decode thread; the others
+pay one ``is None`` test per token.
 
 Cache layout per layer: keys (B, Hkv, capacity, D) in a buffer; columns ``[start_b, cur)``
 of row ``b`` hold its context, columns before ``start_b`` are left padding. When every row's
@@ -41,7 +42,7 @@ import torch
 from torch import Tensor
 
 from treerl.agents.cascade import CascadeState
-from treerl.agents.policy import Generation, GenerationRequest, SamplingParams
+from treerl.agents.policy import Generation, GenerationRequest, SamplingParams, StreamedToken
 
 __all__ = ["DecodeBatch", "ContinuousDecoder", "Unit", "Row"]
 
@@ -238,7 +239,7 @@ class DecodeBatch:
             row.token_ids.append(token)
             row.logprobs.append(logprob_list[b])
             if row.request.on_token is not None:  # a streamed request: its token, as soon as it exists
-                row.request.on_token(token)
+                row.request.on_token(_streamed(token, logprob_list[b], candidates[b] if candidates else None, heads[b]))
             if candidates is not None and candidates[b] is not None:
                 if row.candidates is None:
                     row.candidates = []
@@ -413,6 +414,15 @@ class ContinuousDecoder:
         rows = [[Row(i, requests[i], self.policy._stop_ids(requests[i]), version, deliver=admit[i][1])
                  for i in unit.rows] for unit in units]
         self._batch.admit(units, rows)
+
+
+def _streamed(token: int, logprob: float, candidates: list[int] | None,
+              head: tuple[list[int] | None, list[float]] | None) -> StreamedToken:
+    """The :class:`StreamedToken` of a row's new token: what its :class:`Generation` records there."""
+    if head is None:
+        return StreamedToken(token, logprob)
+    head_ids, head_logprobs = head
+    return StreamedToken(token, logprob, candidates if head_ids is None else head_ids, head_logprobs)
 
 
 def _common_len(a: list[int], b: list[int]) -> int:

@@ -28,8 +28,8 @@ from torch import Tensor
 
 from treerl.config import field_help
 
-__all__ = ["SamplingParams", "SamplingOptions", "GenerationRequest", "Generation", "FinishReason", "Policy",
-           "AsyncBatcher"]
+__all__ = ["SamplingParams", "SamplingOptions", "GenerationRequest", "Generation", "StreamedToken", "FinishReason",
+           "Policy", "AsyncBatcher"]
 
 FinishReason = Literal["stop", "length"]
 
@@ -132,6 +132,21 @@ class SamplingOptions:
         return SamplingParams(**{**values, **overrides})
 
 
+@dataclass(frozen=True)
+class StreamedToken:
+    """One sampled token as a streamed request's ``on_token`` gets it: the values its
+    :class:`Generation` records at the same position."""
+
+    token_id: int
+    logprob: float
+    """The sampler's log-prob (:attr:`Generation.logprobs`)."""
+    top_ids: list[int] | None = None
+    """With ``top_logprobs``: the head's ids (:attr:`Generation.top_ids`, or the candidates when
+    top-k bounds the support); else None."""
+    top_logprobs: list[float] | None = None
+    """With ``top_logprobs``: the head's log-probs (:attr:`Generation.top_logprobs`); else None."""
+
+
 @dataclass
 class GenerationRequest:
     """One continuation to sample.
@@ -150,11 +165,11 @@ class GenerationRequest:
     """Requests of one group share a prompt (a GRPO group); backends prefill it once."""
     session: str | None = None
     """A multi-turn episode: continue from its cache when ``prompt_ids`` extends what it saw."""
-    on_token: Callable[[int], None] | None = field(default=None, compare=False, repr=False)
-    """Called with each token id as soon as it is sampled (streaming), from the backend's decode
-    thread: it must return at once and never raise (hand the id to an event loop, e.g. with
-    ``loop.call_soon_threadsafe``). Backends that cannot report tokens early ignore it; the
-    :class:`Generation` is the same either way."""
+    on_token: Callable[[StreamedToken], None] | None = field(default=None, compare=False, repr=False)
+    """Called with each token (a :class:`StreamedToken`) as soon as it is sampled (streaming), from
+    the backend's decode thread: it must return at once and never raise (hand it to an event loop,
+    e.g. with ``loop.call_soon_threadsafe``). Backends that cannot report tokens early ignore it;
+    the :class:`Generation` is the same either way."""
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) == 0:

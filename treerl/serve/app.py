@@ -38,10 +38,11 @@ import math
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from treerl.agents.chat import ChatRenderer
-from treerl.agents.policy import Policy
+from treerl.agents.policy import Policy, StreamedToken
 from treerl.errors import MissingExtraError
 from treerl.serve.config import ServeConfig
 from treerl.serve import streaming
@@ -91,9 +92,9 @@ def _header_or(request: Any, header: str, metadata: dict[str, Any], key: str, fa
     return None if value is None else str(value)
 
 
-def token_logprobs(generation: Any, tokenizer: Any, num_top: int) -> list[dict[str, Any]]:
-    """OpenAI's ``logprobs.content`` of a generation: per sampled token its log-prob and, with ``num_top``,
-    the most likely tokens of the distribution it was drawn from (its candidates when top-k bounds it)."""
+def logprob_entries(tokenizer: Any, num_top: int) -> Callable[[StreamedToken], dict[str, Any]]:
+    """A token's entry of OpenAI's ``logprobs.content``: its log-prob and, with ``num_top``, the most
+    likely tokens of the distribution it was drawn from (its candidates when top-k bounds it)."""
     pieces: dict[int, str] = {}
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
@@ -101,14 +102,23 @@ def token_logprobs(generation: Any, tokenizer: Any, num_top: int) -> list[dict[s
             pieces[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
         return {"token": pieces[token_id], "logprob": logprob, "bytes": list(pieces[token_id].encode())}
 
-    top_ids = generation.top_ids if generation.top_ids is not None else generation.candidates
-    content = []
-    for t, (token_id, lp) in enumerate(zip(generation.token_ids, generation.logprobs)):
+    def token_entry(token: StreamedToken) -> dict[str, Any]:
         top = []
-        if num_top and generation.top_logprobs is not None and top_ids is not None:
-            top = [entry(i, x) for i, x in zip(top_ids[t][:num_top], generation.top_logprobs[t][:num_top])]
-        content.append({**entry(token_id, lp), "top_logprobs": top})
-    return content
+        if num_top and token.top_ids is not None and token.top_logprobs is not None:
+            top = [entry(i, x) for i, x in zip(token.top_ids[:num_top], token.top_logprobs[:num_top])]
+        return {**entry(token.token_id, token.logprob), "top_logprobs": top}
+
+    return token_entry
+
+
+def token_logprobs(generation: Any, tokenizer: Any, num_top: int) -> list[dict[str, Any]]:
+    """OpenAI's ``logprobs.content`` of a generation (see :func:`logprob_entries`)."""
+    entry = logprob_entries(tokenizer, num_top)
+    top_ids = generation.top_ids if generation.top_ids is not None else generation.candidates
+    has_top = generation.top_logprobs is not None and top_ids is not None
+    return [entry(StreamedToken(token_id, lp, top_ids[t] if has_top else None,
+                                generation.top_logprobs[t] if has_top else None))
+            for t, (token_id, lp) in enumerate(zip(generation.token_ids, generation.logprobs))]
 
 
 def _choice_json(choice: Choice, index: int, tokenizer: Any, logprobs: bool, num_top: int) -> dict[str, Any]:
@@ -246,7 +256,8 @@ def create_app(recorder: Recorder, cfg: ServeConfig) -> Any:
         extras = [{"episode_id": i} for i in ids] if ids is not None else [{} for _ in start.forced]
         return StreamingResponse(
             streaming.events(queue, task, texts, head, extras, lambda choices: body_of(choices, head),
-                             chat_request.include_usage, recorder.metrics),
+                             chat_request.include_usage, recorder.metrics,
+                             logprob_entries(tokenizer, chat_request.top_logprobs) if chat_request.logprobs else None),
             media_type="text/event-stream", headers=headers)
 
     async def _one_reward(episode_id: str, item: Any) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from treerl.agents.chat import ChatRenderer
-from treerl.agents.policy import Generation, GenerationRequest, Policy, SamplingParams
+from treerl.agents.policy import Generation, GenerationRequest, Policy, SamplingParams, StreamedToken
 from treerl.envs.parsers import get_parser
 from treerl.rollout.engine import request_seed
 from treerl.rollout.episode import (
@@ -151,7 +151,7 @@ class _StopStrings:
 class _Streamed:
     """A policy view that reports each sampled token of its requests to ``on_token`` (a streamed choice)."""
 
-    def __init__(self, policy: Policy, on_token: Callable[[int], None]):
+    def __init__(self, policy: Policy, on_token: Callable[[StreamedToken], None]):
         self.policy, self.on_token = policy, on_token
 
     def end_session(self, session: str) -> None:
@@ -195,7 +195,7 @@ class Recorder:
         """Sample ``request.n`` replies for ``request`` in its episode; records them unless ``record`` is False.
 
         With a ``stream`` queue, a :class:`~treerl.serve.streaming.StreamStart` is put there once the
-        request is accepted, then ``(choice, token_id)`` for each token as it is sampled; the replies
+        request is accepted, then ``(choice, StreamedToken)`` for each token as it is sampled; the replies
         and the records are the same as without.
         """
         await self.running.wait()  # paused while weights change

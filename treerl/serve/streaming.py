@@ -2,7 +2,7 @@
 
 The recorder's :meth:`~treerl.serve.recorder.Recorder.complete` runs as its own task and
 reports into a queue: a :class:`StreamStart` once the request is accepted (its episodes
-found, nothing sampled yet), then ``(choice, token_id)`` for every token as the policy's
+found, nothing sampled yet), then ``(choice, StreamedToken)`` for every token as the policy's
 decode loop samples it (``GenerationRequest.on_token``, through a :class:`TokenRelay`), then :data:`END` when the task is
 done. :func:`events` turns that into OpenAI ``chat.completion.chunk`` events.
 
@@ -16,6 +16,12 @@ loses). At the end the rest of the content, the tool calls (OpenAI ``tool_calls`
 deltas), the finish reason with the log-probs (when asked for) and the usage come from the
 finished completion, the very objects a non-streamed request returns.
 
+With ``logprobs``, a chunk carries the log-probs of the tokens its content came from, as
+OpenAI's do: every token sampled up to the one whose text reaches the end of the content sent
+so far (:meth:`ChoiceText.num_sent_tokens`). The tokens of held-back text come with the
+finish reason. Joined, the chunks' ``logprobs.content`` are those of the same request
+unstreamed.
+
 A client that goes away mid-stream stops only its events: the completion task is not
 the response's, so the turn is sampled to its end and recorded whole, as if the client had
 read it (the episode stays open for the client's next request or reward, or times out);
@@ -25,6 +31,7 @@ read it (the episode stays open for the client's next request or reward, or time
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -32,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from treerl.agents.chat import ChatRenderer
+from treerl.agents.policy import StreamedToken
 from treerl.serve.openai_format import chunk
 
 __all__ = ["StreamStart", "END", "ChoiceText", "TokenRelay", "started", "events"]
@@ -63,14 +71,14 @@ class TokenRelay:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self._lock = threading.Lock()
-        self._pending: list[tuple[asyncio.Queue, tuple[int, int]]] = []
+        self._pending: list[tuple[asyncio.Queue, tuple[int, StreamedToken]]] = []
 
-    def sink(self, queue: asyncio.Queue, index: int) -> Callable[[int], None]:
+    def sink(self, queue: asyncio.Queue, index: int) -> Callable[[StreamedToken], None]:
         """An ``on_token`` callback for choice ``index`` of the stream ``queue``."""
 
-        def on_token(token_id: int) -> None:
+        def on_token(token: StreamedToken) -> None:
             with self._lock:
-                self._pending.append((queue, (index, token_id)))
+                self._pending.append((queue, (index, token)))
                 if len(self._pending) > 1:  # a wake-up is on its way already
                     return
             try:
@@ -124,16 +132,36 @@ class ChoiceText:
         """The stable text of the reply so far (the forced opening included)."""
         self.sent = ""
         """The content sent so far."""
+        self._opening = len(self.text)
+        self._ends: list[int] = []
+        """Per sampled token pushed: the length of ``text`` after it."""
 
     def push(self, token_id: int) -> str:
         """The content ``token_id`` lets go out now ("" when none)."""
         self.text += self._stream.push(token_id)
+        self._ends.append(len(self.text))
         end = self._sendable()
         if end <= len(self.sent):
             return ""
         delta = self.text[len(self.sent):end]
         self.sent += delta
         return delta
+
+    def num_sent_tokens(self) -> int:
+        """How many sampled tokens the content sent so far came from: up to the first whose text
+        reaches its end (a token whose text is only partly sent counts; one that added no text
+        yet, such as the first half of a UTF-8 character, waits for the text it makes).
+
+        >>> from types import SimpleNamespace
+        >>> tok = SimpleNamespace(decode=lambda ids, **kw: "".join(map(chr, ids)), added_tokens_decoder={},
+        ...                       all_special_ids=[], chat_template="{{ x }}")
+        >>> text = ChoiceText(ChatRenderer(tok), [], stops=["!!"], markers=None)
+        >>> [text.push(ord(c)) for c in "ab!"], text.num_sent_tokens()
+        (['a', 'b', ''], 2)
+        """
+        if len(self.sent) <= self._opening:
+            return 0
+        return min(bisect.bisect_left(self._ends, len(self.sent)) + 1, len(self._ends))
 
     def rest(self, content: str | None) -> str:
         """The rest of the finished reply's ``content`` after what was sent."""
@@ -179,13 +207,17 @@ def sse(data: Any) -> str:
 
 async def events(queue: asyncio.Queue, task: asyncio.Task, texts: list[ChoiceText], head: dict[str, Any],
                  extras: list[dict[str, Any]], finish: Callable[[Any], dict[str, Any]], include_usage: bool,
-                 metrics: Any) -> AsyncIterator[str]:
+                 metrics: Any, logprob: Callable[[StreamedToken], dict[str, Any]] | None = None
+                 ) -> AsyncIterator[str]:
     """The server-sent events of a streamed completion.
 
     ``finish(task.result())`` is the completion body an unstreamed request would get; its
     choices give the rest of each content, the tool calls and the finish reason, its usage the
     last chunk's. ``extras[i]`` are fields every chunk of choice ``i`` carries (its episode id).
+    ``logprob(token)`` is a token's entry of ``logprobs.content`` (None: log-probs were not asked for).
     """
+    waiting: list[list[dict[str, Any]]] = [[] for _ in texts]  # per choice: entries of tokens not sent yet
+    sent: list[list[dict[str, Any]]] = [[] for _ in texts]
     done = False
     try:
         for i, extra in enumerate(extras):
@@ -197,11 +229,20 @@ async def events(queue: asyncio.Queue, task: asyncio.Task, texts: list[ChoiceTex
             deltas: dict[int, str] = {}
             for item in items:
                 if item is not END:
-                    index, token_id = item
-                    deltas[index] = deltas.get(index, "") + texts[index].push(token_id)
+                    index, token = item
+                    deltas[index] = deltas.get(index, "") + texts[index].push(token.token_id)
+                    if logprob is not None:
+                        waiting[index].append(logprob(token))
             for index, delta in sorted(deltas.items()):
-                if delta:
-                    yield sse(chunk(head, index, {"content": delta}, extra=extras[index]))
+                if not delta:
+                    continue
+                extra = extras[index]
+                if logprob is not None:
+                    n = texts[index].num_sent_tokens() - len(sent[index])
+                    entries, waiting[index] = waiting[index][:n], waiting[index][n:]
+                    sent[index] += entries
+                    extra = {**extra, "logprobs": {"content": entries}}
+                yield sse(chunk(head, index, {"content": delta}, extra=extra))
             if items[-1] is END:
                 break
         failure = "cancelled (the server is stopping)" if task.cancelled() else task.exception()
@@ -220,8 +261,13 @@ async def events(queue: asyncio.Queue, task: asyncio.Task, texts: list[ChoiceTex
                 yield sse(chunk(head, index, {"content": rest}, extra=extra))
             for j, call in enumerate(message.get("tool_calls") or []):
                 yield sse(chunk(head, index, {"tool_calls": [{"index": j, **call}]}, extra=extra))
-            # The decode loop hands over token ids only: with logprobs, the choice's come with its last chunk.
-            logprobs = {"logprobs": c["logprobs"]} if c["logprobs"] is not None else {}
+            logprobs = {}
+            if c["logprobs"] is not None:  # the tokens not sent yet come with the finish reason
+                content = c["logprobs"]["content"]
+                if content[:len(sent[index])] != sent[index]:  # the rules above prevent it; a bug if seen
+                    raise RuntimeError(f"streamed the log-probs of {len(sent[index])} tokens that do not begin "
+                                       "the reply's")
+                logprobs = {"logprobs": {"content": content[len(sent[index]):]}}
             yield sse(chunk(head, index, {}, c["finish_reason"], extra={**extra, **logprobs}))
         if include_usage:
             yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": body["usage"]})
