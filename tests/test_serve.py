@@ -117,7 +117,7 @@ def test_served_episodes_read_like_the_engines(server, tiny):
     url, recorder, out = server
     _, tok = tiny
     client = make_client(url)
-    result = run_episode(client, seed=7, max_tokens=48, post_reward=False)
+    result = run_episode(client, seed=7, max_tokens=48, post_reward=False, sampling_seed=7)
     assert any(r.choices[0].message.tool_calls for r in result.responses), "the tiny model calls the calculator first"
     with pytest.raises(openai.BadRequestError) as info:
         client.post(f"/episodes/{result.episode_id}/reward", body={"reward": 0.0, "feedback": 3}, cast_to=object)
