@@ -37,7 +37,9 @@ Results and the exact command go to the "## Learning on tool use: treerl vs TRL 
 section of BENCHMARKS.md. ``--results-dir`` keeps each run's figures as JSON so an interrupted
 benchmark resumes where it stopped; treerl's files are named by ``--treerl-env-kwargs``, so a rerun
 with other treerl options in the same directory trains only treerl's side and reuses TRL's runs and
-the untrained evaluation (the report names what it reused).
+the untrained evaluation (the report names what it reused). Each file keeps the options its figures
+depend on (steps, sizes, turns, learning rate, threads); a file written with other options is refused,
+not reported as this run's.
 """
 
 from __future__ import annotations
@@ -183,16 +185,36 @@ def check_same_prompt(trainer, tokenizer, env, messages: list[dict]) -> None:
 # -- the comparison -------------------------------------------------------------------------------
 
 
-def cached(path: Path, fn, *fn_args, reused: list[str] | None = None) -> dict:
+EVAL_SETTINGS = ("eval_episodes", "max_turns", "max_new_tokens")
+TRAIN_SETTINGS = {
+    "treerl": ("steps", "tasks", "group_size", "learning_rate", "max_turns", "max_new_tokens", "threads"),
+    "trl": ("steps", "tasks", "group_size", "learning_rate", "max_turns", "max_completion_length", "threads"),
+}
+"""The options each stored result depends on (treerl's environment options are in its file names)."""
+
+
+def settings(args, names) -> dict:
+    return {name: getattr(args, name) for name in names}
+
+
+def cached(path: Path, fn, *fn_args, settings: dict, reused: list[str] | None = None) -> dict:
     """``fn(*fn_args)`` with the 1-minute load average before and after it, or what an earlier run of the
-    benchmark stored at ``path`` (its name then goes to ``reused``)."""
+    benchmark stored at ``path`` with the same ``settings`` (its name then goes to ``reused``). A stored run with
+    other settings is refused: its figures would be reported as this run's."""
     if path.exists():
+        stored = json.loads(path.read_text())
+        if stored.get("settings") != settings:
+            theirs = stored.get("settings") or {}
+            differ = ", ".join(f"{k} {theirs.get(k, 'not recorded')} there, {v} here" for k, v in settings.items()
+                               if theirs.get(k) != v)
+            raise SystemExit(f"{path} holds a run with other settings ({differ}): pass another --results-dir, or "
+                             "delete that file to run it again.")
         print(f"reusing {path}", flush=True)
         if reused is not None:
             reused.append(path.stem)
-        return json.loads(path.read_text())
+        return stored
     load = os.getloadavg()[0]
-    result = {**fn(*fn_args), "load_before": load, "load_after": os.getloadavg()[0]}
+    result = {**fn(*fn_args), "load_before": load, "load_after": os.getloadavg()[0], "settings": settings}
     path.write_text(json.dumps(result, indent=1))
     return result
 
@@ -207,18 +229,20 @@ def side_name(side: str, args) -> str:
 
 def run_all(args, results: Path, work: Path) -> dict:
     reused: list[str] = []
-    out = {"untrained": cached(results / "untrained.json", held_out, None, args, reused=reused), "seeds": {},
-           "reused": reused}
+    evaluation = settings(args, EVAL_SETTINGS)
+    out = {"untrained": cached(results / "untrained.json", held_out, None, args, settings=evaluation, reused=reused),
+           "seeds": {}, "reused": reused}
     print(f"untrained: {out['untrained']}", flush=True)
     for seed in args.seeds:
         per_side = {}
         for side in args.sides:
             train_fn = run_treerl if side == "treerl" else run_trl
             name = side_name(side, args)
+            training = settings(args, TRAIN_SETTINGS[side])
             trained = cached(results / f"{name}-seed{seed}-train.json", train_fn, args, seed,
-                             work / f"{name}-{seed}", reused=reused)
+                             work / f"{name}-{seed}", settings=training, reused=reused)
             scored = cached(results / f"{name}-seed{seed}-eval.json", held_out, trained["model_dir"], args,
-                            reused=reused)
+                            settings={**training, **evaluation}, reused=reused)
             per_side[side] = {**trained, "eval": scored}
             print(f"seed {seed} {side}: trained in {trained['train_s']:.0f} s, held-out {scored}", flush=True)
         out["seeds"][seed] = per_side
