@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import resource
+import shlex
 import sys
 from pathlib import Path
 
@@ -21,6 +22,16 @@ def write_section(section: str, body: str, path: Path = BENCHMARKS_MD) -> None:
     else:
         text = text.rstrip() + "\n\n" + block
     path.write_text(text)
+
+
+def command_line(script: str, argv: list[str] | None = None) -> str:
+    """The command that measured a section, as it was typed (``--no-write`` aside): ``python benchmarks/SCRIPT ARGS``.
+
+    >>> command_line("bench_x.py", ["--runs", "2", "--no-write", "--note", "a b"])
+    "python benchmarks/bench_x.py --runs 2 --note 'a b'"
+    """
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--no-write"]
+    return " ".join(["python", f"benchmarks/{script}", *map(shlex.quote, args)])
 
 
 def _proc_status_kib(field: str) -> int:

@@ -149,10 +149,11 @@ def main() -> None:
         command = args.command or " and ".join(f"the runs logged in {p.name}" for p in args.report_from)
     else:
         rows, learning, loads = measure(args)
-        command = (f"`python benchmarks/bench_async.py --repeats {args.repeats} --throughput-steps "
-                   f"{args.throughput_steps} --learning-steps {args.learning_steps}"
-                   + (f" --learning-latencies {' '.join(map(str, args.learning_latencies))}"
-                      if args.learning_latencies else "") + "`")
+        command = (f"`python benchmarks/bench_async.py --latencies {' '.join(f'{x:g}' for x in args.latencies)} "
+                   f"--repeats {args.repeats} --throughput-steps {args.throughput_steps} --learning-steps "
+                   f"{args.learning_steps}"
+                   + (f" --learning-latencies {' '.join(f'{x:g}' for x in args.learning_latencies)}"
+                      if args.learning_latencies else "") + (f" --seed {args.seed}" if args.seed else "") + "`")
     body = render(rows, learning, loads, command, args.note, args.seed)
     print(body)
     if not args.no_write:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_section  # noqa: E402
+from _common import command_line, write_section  # noqa: E402
 
 SECTION = "## Learning curve: treerl learn on Calculator"
 
@@ -54,7 +54,7 @@ def main() -> None:
         runs = [run_seed(s, Path(tmp)) for s in args.seeds]
 
     lines = [
-        f"Command: `python benchmarks/bench_learning_curve.py` (run {datetime.date.today()}, torch {torch.__version__}, "
+        f"Command: `{command_line('bench_learning_curve.py')}` (run {datetime.date.today()}, torch {torch.__version__}, "
         f"{platform.machine()}, 2 CPU cores shared with other jobs), which runs, per seed,",
         "`treerl learn --env treerl/Calculator-v0 --output-dir DIR --seed S` with every other option at its default",
         "(60 steps of 8 tasks x 8 generations, `dapo` loss, learning rate 2e-4, shipped tiny model).",

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tests"))
-from _common import write_section  # noqa: E402
+from _common import command_line, write_section  # noqa: E402
 from fuzz_corpus import MARKERS, REPEATED, iter_replies  # noqa: E402
 
 from treerl.envs.builtin.calculator import CalculatorEnv  # noqa: E402
@@ -151,7 +151,7 @@ def main() -> None:
     import torch
 
     lines = [
-        f"Command: `python benchmarks/bench_parsers.py` (run {datetime.date.today()}, Python "
+        f"Command: `{command_line('bench_parsers.py')}` (run {datetime.date.today()}, Python "
         f"{platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPU cores, {platform.machine()}; "
         f"{(time.monotonic() - started) / 60:.1f} min wall time; load average {load:.1f} at the start).",
         "",

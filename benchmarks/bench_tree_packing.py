@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import mib, reset_rss_peak, rss_peak, write_section  # noqa: E402
+from _common import command_line, mib, reset_rss_peak, rss_peak, write_section  # noqa: E402
 
 SECTION = "## Tree packing"
 MODES = ("tree", "flat", "padded")
@@ -367,11 +367,8 @@ def main() -> None:
         import torch
 
         cpu = platform.processor() or platform.machine()
-        command = "python benchmarks/bench_tree_packing.py"
-        if args.device != "cpu":
-            command += f" --device {args.device}"
         body = (
-            f"Command: `{command}` (run {datetime.date.today().isoformat()}, torch {torch.__version__}, "
+            f"Command: `{command_line('bench_tree_packing.py')}` (run {datetime.date.today().isoformat()}, torch {torch.__version__}, "
             f"{os.cpu_count()} CPU cores, {cpu}; {wall / 60:.1f} min wall time for the whole script).\n\n{table}\n"
         )
         write_section(SECTION, body)

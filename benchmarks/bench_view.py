@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 from _browser import browser_missing, chromium, open_view, timed  # noqa: E402
-from _common import write_section  # noqa: E402
+from _common import command_line, write_section  # noqa: E402
 
 from treerl.agents.transformers_policy import TransformersPolicy  # noqa: E402
 from treerl.models import load_default_model  # noqa: E402
@@ -123,7 +123,7 @@ def main() -> None:
     ratio = med(large, "ready") / med(small, "ready")
     worst = max(r["ready"] for r in large["runs"])
     body = "\n".join([
-        f"Command: `python benchmarks/bench_view.py` (run {datetime.date.today()}, {platform.machine()}, "
+        f"Command: `{command_line('bench_view.py')}` (run {datetime.date.today()}, {platform.machine()}, "
         f"2 CPU cores shared with other jobs: load average {load_before:.1f} before, {load_after:.1f} after), "
         "Debian's chromium headless through Playwright.",
         "",

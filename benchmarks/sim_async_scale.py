@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 
+from _common import command_line  # noqa: E402
+
 from treerl.learners.async_buffer import GroupBuffer, Ticket  # noqa: E402
 
 SECTION = "## AsyncGRPO at scale (simulation)"
@@ -176,7 +178,7 @@ def main() -> None:
             for k in (0, 1, 2, 4) if not (k == 0 and stragglers == "drop")]
     concurrent = args.generators * args.groups_per_generator * args.group_size
     lines = [
-        f"Command: `python benchmarks/sim_async_scale.py` (run {datetime.date.today()}). **A simulation**: no model "
+        f"Command: `{command_line('sim_async_scale.py')}` (run {datetime.date.today()}). **A simulation**: no model "
         "runs; the real `GroupBuffer` (tickets, targets, staleness admission, drops) is driven by simulated "
         f"generators and trainer. Assumed: {args.generators} generators x {args.groups_per_generator} groups x "
         f"{args.group_size} episodes = {concurrent:,} concurrent episodes; a group takes log-normal time (median "
