@@ -81,7 +81,8 @@ def main() -> None:
     sharing = TransformersPolicy(model, None, continuous_batching=False)
     unshared = TransformersPolicy(model, None, continuous_batching=False, min_shared_prefix=0)
     rows = []
-    for name, one_call in (("one call of 16 requests", True), ("16 calls of one request", False)):
+    one_call_name, one_by_one_name = f"one call of {args.questions} requests", f"{args.questions} calls of one request"
+    for name, one_call in ((one_call_name, True), (one_by_one_name, False)):
         timed(sharing, requests, one_call), timed(unshared, requests, one_call)  # warm-up
         on, off, ratios = [], [], []
         for _ in range(args.runs):
@@ -113,7 +114,7 @@ def main() -> None:
 |---|---:|---:|---:|---|
 {table}
 
-"One call of 16 requests" is a rollout step's prompts, or a burst of clients admitted together; "16 calls of one request" is a server's clients arriving one by one (the second cuts the first's kept prompt to the shared system prompt, later ones reuse it). The prompt tokens run fall 11x; the time less, as each question still runs its own forward over the 1,024 cached positions.
+"{one_call_name.capitalize()}" is a rollout step's prompts, or a burst of clients admitted together; "{one_by_one_name}" is a server's clients arriving one by one (the second cuts the first's kept prompt to the shared system prompt, later ones reuse it). The prompt tokens run fall {rows[0][6] / rows[0][5]:.1f}x; the time less, as each question still runs its own forward over the {args.system:,} cached positions.
 This machine is shared with other jobs: absolute times are noise, the ratios are the figures."""
     print(body)
     if not args.no_write:
