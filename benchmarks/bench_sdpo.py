@@ -75,7 +75,12 @@ def run_one(env: str, learner: str, seed: int, workdir: Path, extra: list[str], 
     out = workdir / f"{env.split('/')[-1]}-{learner}-{seed}"
     record = out / "bench.json"
     if record.exists():
-        return json.loads(record.read_text())
+        kept = json.loads(record.read_text())
+        if (kept.get("model"), kept.get("extra")) != (model, extra):
+            raise SystemExit(f"{record} was run with --model {kept.get('model')} and extra flags {kept.get('extra')}, "
+                             f"this run asks for --model {model} and {extra}: its figures would be reported as this "
+                             "run's. Use another --workdir, or remove that directory to rerun it.")
+        return kept
     start, load = time.monotonic(), _load()
     env_kwargs = ["--env-kwargs", json.dumps(ENV_KWARGS[env])] if env in ENV_KWARGS else []
     cmd = [sys.executable, "-m", "treerl.cli", "learn", *LEARNERS[learner], "--env", env, *env_kwargs, "--model", model,
