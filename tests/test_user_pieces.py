@@ -171,6 +171,25 @@ def test_trl_names_are_aliases_and_typos_get_a_suggestion(tmp_path, capsys):
     assert "(lerning_rate: did you mean learning_rate?)" in capsys.readouterr().err
 
 
+def test_options_that_are_not_here_say_what_to_use_instead(tmp_path, capsys):
+    """A TRL option with no field, or another learner's option, is refused with what to use, not with a
+    "did you mean" for a look-alike (--max-prompt-length is not --max-completion-length)."""
+    cases = [("--max-prompt-length", "128", "prompts are never cut here: --max-episode-tokens"),
+             ("--per-device-train-batch-size", "4", "TRL's batch sizes have no counterpart here: a step plays"),
+             ("--sync-ref-model", "true", "not supported: the reference model of --beta is the starting weights"),
+             ("--max-staleness", "2", "an option of treerl learn --learner async_grpo, not of --learner grpo")]
+    for flag, value, expected in cases:
+        with pytest.raises(SystemExit):
+            main(["learn", "--output-dir", "x", flag, value])
+        err = capsys.readouterr().err
+        assert f"{flag}: {expected}" in err and "did you mean" not in err, err
+    (tmp_path / "c.yaml").write_text("max_prompt_length: 128\nmax_staleness: 2\n")
+    assert main(["learn", "--output-dir", "x", "--config", str(tmp_path / "c.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "(max_prompt_length: prompts are never cut here" in err
+    assert "(max_staleness: an option of treerl learn --learner async_grpo" in err
+
+
 def test_learning_rate_default_and_warning_follow_the_model_size():
     from treerl.learners.precision import check_learning_rate
 

@@ -33,7 +33,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from treerl.config import add_dataclass_arguments, config_from_args
+from treerl.config import add_dataclass_arguments, config_from_args, unknown_option_hints
 from treerl.errors import ConfigError
 
 __all__ = ["main", "build_parser"]
@@ -58,11 +58,12 @@ def import_user_modules(specs: Sequence[str]) -> None:
                 raise ConfigError(f"--import {spec}: {exc}. Is the module installed or on PYTHONPATH?") from None
 
 
-def config_for_command(cls: type, args: argparse.Namespace, *, extra_keys: Sequence[str] = ()):
+def config_for_command(cls: type, args: argparse.Namespace, *, extra_keys: Sequence[str] = (),
+                       hints: dict[str, str] | None = None):
     """The command's config from flags and ``--config``; the environment must exist."""
     from treerl.envs.registry import spec as env_spec
 
-    cfg = config_from_args(cls, args, extra_keys=extra_keys)
+    cfg = config_from_args(cls, args, extra_keys=extra_keys, hints=hints)
     try:
         env_spec(cfg.env)
     except KeyError as exc:
@@ -97,6 +98,21 @@ def _preparse(argv: Sequence[str]) -> argparse.Namespace:
     pre.add_argument("--config", dest="config", default=None)
     known, _ = pre.parse_known_args(argv)
     return known
+
+
+def _other_learners_options(learner: str) -> dict[str, str]:
+    """The options of the other learners that ``learner`` lacks, each saying which learner has it
+    (``max_staleness`` is AsyncGRPO's, not GRPO's)."""
+    from treerl.learners import LEARNERS
+
+    own = {f.name for f in dataclasses.fields(LEARNERS[learner].config)}
+    owners: dict[str, list[str]] = {}
+    for name, spec in sorted(LEARNERS.items()):
+        for f in dataclasses.fields(spec.config):
+            if f.init and f.name not in own:
+                owners.setdefault(f.name, []).append(name)
+    return {field: f"an option of treerl learn {' or '.join(f'--learner {n}' for n in names)}, not of --learner "
+                   f"{learner}" for field, names in owners.items()}
 
 
 def _learner_name(pre: argparse.Namespace) -> str:
@@ -202,7 +218,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
     from treerl.learners.distributed import is_main_process
 
     spec = LEARNERS[args.learner]
-    cfg = config_for_command(spec.config, args, extra_keys=("learner",))
+    cfg = config_for_command(spec.config, args, extra_keys=("learner",), hints=_other_learners_options(args.learner))
     try:
         result = spec.train(cfg)
     except KeyboardInterrupt:
@@ -315,7 +331,10 @@ def _add_imports(p: argparse.ArgumentParser) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with "did you mean" for a misspelled flag."""
+    """argparse, with "did you mean" for a misspelled flag, and ``hints`` (flag -> what to use instead)
+    for flags that belong elsewhere."""
+
+    hints: dict[str, str] = {}
 
     def error(self, message: str):
         if message.startswith("unrecognized arguments:"):
@@ -333,6 +352,8 @@ class _Parser(argparse.ArgumentParser):
                     continue
                 if flag in owners:  # right flag, another command's
                     message += f"; {flag} is a flag of {', '.join(f'treerl {c}' for c in owners[flag])}"
+                elif flag in self.hints:  # another learner's flag, or another toolkit's
+                    message += f"; {flag}: {self.hints[flag]}"
                 elif close := difflib.get_close_matches(flag, list(owners), 1):
                     message += f"; {arg}: did you mean {close[0]}?"
         super().error(message)
@@ -365,6 +386,8 @@ def build_parser(learner: str = "grpo") -> argparse.ArgumentParser:
 
             p.add_argument("--learner", default=learner, choices=sorted(LEARNERS),
                            help="Which learner trains (its own flags are listed with --learner NAME --help).")
+            hints = unknown_option_hints(cls, _other_learners_options(learner))
+            parser.hints = {"--" + name.replace("_", "-"): hint for name, hint in hints.items()}
         p.set_defaults(func=func)
 
     for name, help_text, cls, func, paths_help in _path_commands():

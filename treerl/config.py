@@ -36,7 +36,8 @@ from typing import Any, Literal, TypeVar, Union
 
 from treerl.errors import ConfigError
 
-__all__ = ["field_help", "add_dataclass_arguments", "config_from_args", "load_config_file", "check_types"]
+__all__ = ["field_help", "add_dataclass_arguments", "config_from_args", "load_config_file", "check_types",
+           "unknown_option_hints"]
 
 T = TypeVar("T")
 
@@ -167,10 +168,18 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-def config_from_args(cls: type[T], args: argparse.Namespace, *, extra_keys: Sequence[str] = ()) -> T:
+def unknown_option_hints(cls: type, hints: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Names that are not options of ``cls`` but that a user may bring (``cls.UNSUPPORTED``, e.g. TRL's
+    ``per_device_train_batch_size``, plus ``hints``), each with what to do instead."""
+    return {**getattr(cls, "UNSUPPORTED", {}), **(hints or {})}
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace, *, extra_keys: Sequence[str] = (),
+                     hints: Mapping[str, str] | None = None) -> T:
     """Build ``cls`` from a config file (if ``--config``) overridden by explicit flags.
 
-    ``extra_keys`` are keys the file may hold for the command itself (``learner``), not for ``cls``.
+    ``extra_keys`` are keys the file may hold for the command itself (``learner``), not for ``cls``;
+    ``hints`` say what to use instead of names that are not options (see :func:`unknown_option_hints`).
     Invalid values raise :class:`~treerl.errors.ConfigError` with the dataclass's own validation message.
     """
     values: dict[str, Any] = {}
@@ -183,9 +192,11 @@ def config_from_args(cls: type[T], args: argparse.Namespace, *, extra_keys: Sequ
         if unknown:
             import difflib
 
-            hints = "".join(f" ({k}: did you mean {close[0]}?)" for k in unknown
-                            if (close := difflib.get_close_matches(k, names, 1)))
-            raise ConfigError(f"--config {config_path}: unknown option(s) {unknown}{hints}; valid ones: "
+            known_hints = unknown_option_hints(cls, hints)
+            said = "".join(f" ({k}: {known_hints[k]})" if k in known_hints else
+                           f" ({k}: did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, names, 1))
+                           else "" for k in unknown)
+            raise ConfigError(f"--config {config_path}: unknown option(s) {unknown}{said}; valid ones: "
                               f"{sorted(names)}.")
         values.update(from_file)
     values.update({k: v for k, v in vars(args).items() if k in names})

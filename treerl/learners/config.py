@@ -43,6 +43,35 @@ class LearnerConfig(EpisodeOptions):
         "num_generations": "group_size", "max_steps": "steps", "save_steps": "save_every", "loss_type": "loss",
         "model_name_or_path": "model", "epsilon": "epsilon_low", "use_bias_correction_kl": "kl_bias_correction",
     }
+    # TRL's options with no field here, and what to use instead: a flag or YAML key of one of
+    # these names is refused with this hint, not with a "did you mean" for a look-alike name.
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        **dict.fromkeys(("per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size",
+                         "steps_per_generation"),
+                        "TRL's batch sizes have no counterpart here: a step plays --tasks-per-step x --group-size "
+                        "episodes, packs them into rows of --max-tokens-per-row tokens and takes one optimizer step "
+                        "on all of them (--num-iterations N takes N)"),
+        "max_prompt_length": "prompts are never cut here: --max-episode-tokens limits the whole context (prompt, "
+                             "turns and tool results)",
+        "num_train_epochs": "the run's length is --steps (TRL's --max-steps); each step draws --tasks-per-step tasks",
+        "warmup_ratio": "use --warmup-steps",
+        "lr_scheduler_type": "the schedule is a linear warm-up (--warmup-steps), then constant (TRL's default "
+                             "decays linearly to 0)",
+        "logging_steps": "every step is logged (metrics.jsonl, and --report-to)",
+        "log_completions": "--sample-groups and --sample-every keep trajectories for `treerl view`",
+        "importance_sampling_level": "sequence-level ratios are --loss gspo; --is-level sets the level of the "
+                                     "sampler/trainer importance weights (TRL's vllm_importance_sampling_mode)",
+        **dict.fromkeys(("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                         "vllm_importance_sampling_cap"),
+                        "sampler/trainer importance weights are always on here: --is-mode truncate|mask|off, "
+                        "--is-level token|sequence, --is-ratio-high"),
+        "mask_truncated_completions": "not supported: episodes cut at --max-new-tokens or --max-episode-tokens are "
+                                      "trained on (reward functions get each episode's termination)",
+        "repetition_penalty": "not supported: sampling takes --temperature, --top-k, --top-p and --min-p",
+        "top_entropy_quantile": "not supported",
+        "sync_ref_model": "not supported: the reference model of --beta is the starting weights",
+        "delta": "not supported (the two-sided clip of --loss dppo is --dppo-delta-low/--dppo-delta-high)",
+    }
     # TRL's epsilon_high defaults to epsilon; treerl's stays 0.28 (DAPO's clip-higher): pass both to match TRL.
 
     output_dir: str | None = field_help(None, "Where metrics, checkpoints and the final model go (required).")
