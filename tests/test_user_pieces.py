@@ -153,9 +153,10 @@ def test_trl_names_are_aliases_and_typos_get_a_suggestion(tmp_path, capsys):
     from treerl.config import config_from_args
 
     args = build_parser().parse_args(["learn", "--output-dir", "x", "--num-generations", "3", "--max-steps", "5",
-                                      "--loss-type", "grpo", "--save-steps", "2"])
+                                      "--loss-type", "grpo", "--save-steps", "2", "--scale-rewards", "batch"])
     cfg = config_from_args(GRPOConfig, args)
     assert (cfg.group_size, cfg.steps, cfg.loss, cfg.save_every) == (3, 5, "grpo", 2)
+    assert cfg.advantage_scale == "batch"  # TRL's scale_rewards: the same group/batch/none
     (tmp_path / "c.yaml").write_text("num_generations: 4\nmodel_name_or_path: some/dir\n")
     cfg = config_from_args(GRPOConfig, build_parser().parse_args(["learn", "--output-dir", "x", "--config",
                                                                   str(tmp_path / "c.yaml")]))

@@ -42,6 +42,7 @@ class LearnerConfig(EpisodeOptions):
     ALIASES: ClassVar[dict[str, str]] = {  # TRL's names where the meaning is the same (flags and YAML keys)
         "num_generations": "group_size", "max_steps": "steps", "save_steps": "save_every", "loss_type": "loss",
         "model_name_or_path": "model", "epsilon": "epsilon_low", "use_bias_correction_kl": "kl_bias_correction",
+        "scale_rewards": "advantage_scale",
     }
     # TRL's options with no field here, and what to use instead: a flag or YAML key of one of
     # these names is refused with this hint, not with a "did you mean" for a look-alike name.
