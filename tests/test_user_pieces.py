@@ -106,10 +106,11 @@ def test_conversational_prompt_and_extra_columns_reach_the_rewards():
     import math
 
     from treerl.agents.transformers_policy import TransformersPolicy
+    from treerl.envs.builtin.math_verify import MathVerifyEnv
     from treerl.learners.rewards import score
     from treerl.rollout.options import EpisodeOptions
 
-    rows = [{"prompt": [{"role": "system", "content": "ignored"}, {"role": "user", "content": "1 + 1?"}],
+    rows = [{"prompt": [{"role": "system", "content": "Answer in tags."}, {"role": "user", "content": "1 + 1?"}],
              "answer": "2", "level": "hard"}, {"prompt": "2 + 2?", "answer": "4", "level": "easy"}]
     opts = EpisodeOptions(env="treerl/MathVerify-v0", env_kwargs={"dataset": rows}, max_new_tokens=4)
     model, tok = load_model(None)
@@ -133,7 +134,11 @@ def test_conversational_prompt_and_extra_columns_reach_the_rewards():
     assert all(math.isnan(r) for r, lv in zip(rewards[:, 1].tolist(), levels) if lv == "easy")
     assert metrics["reward_fn/hard_only_mean"] == 1.0
     roles = {tuple(m["role"] for m in p) for p in seen["prompts"]}
-    assert roles == {("system", "user")}  # the environment's system prompt, then the row's user message
+    assert roles == {("system", "user")}  # one system message, then the row's user message
+    systems = {g.info["row"]["level"]: p[0]["content"] for g, p in zip([g for g in groups for _ in g.episodes],
+                                                                       seen["prompts"])}
+    # A row's own system message is used as TRL uses it; a row without one gets the environment's.
+    assert systems == {"hard": "Answer in tags.", "easy": MathVerifyEnv.system_prompt}
 
 
 def test_reward_options_name_the_fix(tmp_path, monkeypatch, capsys):

@@ -48,7 +48,8 @@ class Task:
     """One problem an environment poses.
 
     Attributes:
-        prompt: The user's request, or the full opening messages (without the system prompt).
+        prompt: The user's request, or the full opening messages; when these start with a system
+            message, it replaces the environment's system prompt.
         answer: The gold answer the verifier compares against.
         info: Anything else the environment needs (hidden tests, a secret, metadata).
         id: A stable identifier (recorded with trajectories; resumable rollouts key on it).
@@ -356,7 +357,11 @@ class ToolEnv(Env):
         self.metrics = Counter()
         self.tool_records, self.final_answer, self.final_reward = [], None, 0.0
         messages: list[Message] = []
-        if self.system_prompt:
+        # A task that opens with its own system message keeps it instead of the environment's, as TRL
+        # uses a conversational prompt as it is (a dataset's format instructions are the user's to give).
+        own_system = isinstance(self.task.prompt, list) and bool(self.task.prompt) \
+            and self.task.prompt[0].get("role") == "system"
+        if self.system_prompt and not own_system:
             messages.append({"role": "system", "content": self.system_prompt})
         if isinstance(self.task.prompt, str):
             messages.append({"role": "user", "content": self.task.prompt})

@@ -52,7 +52,8 @@ class MathVerifyEnv(ToolEnv):
         data_path: A JSONL file with one problem per line.
         dataset: Rows (dicts or a ``datasets.Dataset``) instead of a file.
         prompt_key: The column holding the problem text (``prompt``, TRL's name, when there is no
-            ``question`` column); a list of messages (TRL's conversational format) is used as such.
+            ``question`` column); a list of messages (TRL's conversational format) is used as such, and
+            a system message at its start replaces the environment's system prompt.
             The row's other columns reach reward functions as keyword arguments.
         answer_key: The column holding the gold answer.
     """
@@ -88,7 +89,7 @@ class MathVerifyEnv(ToolEnv):
             if not all(isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt):
                 raise ValueError(f"Row {index}: {prompt_key!r} is a list but not of messages ({{'role', 'content'}} "
                                  "dicts); give a string or a list of messages.")
-            prompt = [dict(m) for m in prompt if m["role"] != "system"]  # the environment's system prompt leads
+            prompt = [dict(m) for m in prompt]  # a leading system message replaces the environment's
         else:
             prompt = str(prompt)
         extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
