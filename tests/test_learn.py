@@ -171,6 +171,17 @@ def test_a_second_run_into_the_same_output_dir_is_refused_unless_it_resumes_or_o
     assert (out / "notes.txt").read_text() == "mine"  # only what a learner writes is removed
 
 
+def test_save_total_limit_keeps_the_latest_checkpoints(tmp_path):
+    """TRL's save_total_limit: checkpoints older than the N latest are removed as new ones are written."""
+    from treerl.cli import main
+
+    out = tmp_path / "run"
+    assert main(["learn", "--steps", "3", "--save-steps", "1", "--save-total-limit", "2", "--output-dir", str(out),
+                 "--tasks-per-step", "1", "--group-size", "2", "--max-new-tokens", "8", "--eval-episodes", "0",
+                 "--progress", "false", "--num-threads", "1"]) == 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-3"]
+
+
 def test_resume_starts_over_without_a_checkpoint_and_names_what_does_not_fit(tmp_path, capsys):
     import shutil
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 __all__ = ["TrainerState", "save_checkpoint", "latest_checkpoint", "resume_checkpoint", "load_checkpoint",
-           "checkpoint_path", "earlier_run", "clear_run"]
+           "checkpoint_path", "earlier_run", "clear_run", "prune_checkpoints"]
 
 
 @dataclass
@@ -68,6 +68,25 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     ckpts = [p for p in (Path(output_dir) / "checkpoints").glob("step-*")
              if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
     return max(ckpts, key=lambda p: int(p.name.split("-", 1)[1])) if ckpts else None
+
+
+def prune_checkpoints(output_dir: Path, keep: int | None) -> None:
+    """Remove all but the ``keep`` checkpoints of the highest steps (None keeps all), as TRL's save_total_limit.
+
+    >>> import tempfile, pathlib
+    >>> out = pathlib.Path(tempfile.mkdtemp())
+    >>> for step in (2, 10, 4):
+    ...     checkpoint_path(out, step).mkdir(parents=True)
+    >>> prune_checkpoints(out, 2)
+    >>> sorted(p.name for p in (out / "checkpoints").iterdir())
+    ['step-10', 'step-4']
+    """
+    if keep is None:
+        return
+    ckpts = sorted((p for p in (Path(output_dir) / "checkpoints").glob("step-*")
+                    if p.is_dir() and p.name.split("-", 1)[1].isdigit()), key=lambda p: int(p.name.split("-", 1)[1]))
+    for path in ckpts[:max(len(ckpts) - keep, 0)]:
+        shutil.rmtree(path)
 
 
 RUN_FILES = ("metrics.jsonl", "diagnostics.jsonl", "eval_start.json", "summary.json", "reward_extras.jsonl",

@@ -157,6 +157,8 @@ class LearnerConfig(EpisodeOptions):
                                                           "reward function (default: all 1).")
     eval_temperature: float = field_help(1.0, "Sampling temperature of the evaluation.")
     save_every: int = field_help(0, "Checkpoint every N steps (0: only at the end).")
+    save_total_limit: int | None = field_help(None, "Keep only the N latest checkpoints, removing older ones as "
+                                                    "new ones are written (default: keep all).")
     resume: bool = field_help(False, "Continue from the latest checkpoint in output_dir.")
     overwrite_output_dir: bool = field_help(False, "Start over in an output_dir that holds an earlier run: its "
                                                    "metrics, checkpoints, samples and model are removed first "
@@ -247,6 +249,9 @@ class LearnerConfig(EpisodeOptions):
         if isinstance(self.malformed_penalty, bool) or not 0 <= self.malformed_penalty < float("inf"):
             raise ValueError(f"malformed_penalty={self.malformed_penalty!r} must be a finite number >= 0 (the reward "
                              "a malformed call costs; 0 costs nothing), e.g. --malformed-penalty 0.1.")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ValueError(f"save_total_limit={self.save_total_limit} must be >= 1 (the latest checkpoint is what "
+                             "--resume continues from); leave it unset to keep all.")
         if self.eval_episodes < 0 or self.save_every < 0:
             raise ValueError("eval_episodes and save_every must be >= 0 (0 skips evaluation / intermediate "
                              "checkpoints).")

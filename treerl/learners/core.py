@@ -64,6 +64,7 @@ from treerl.learners.checkpoints import (
     clear_run,
     earlier_run,
     load_checkpoint,
+    prune_checkpoints,
     resume_checkpoint,
     save_checkpoint,
 )
@@ -267,6 +268,7 @@ class Run:
     def save_checkpoint(self) -> None:
         save_checkpoint(checkpoint_path(self.out_dir, self.state.step), self.model, self.optimizer, self.scheduler,
                         self.state)
+        prune_checkpoints(self.out_dir, self.cfg.save_total_limit)
 
 
 # -- build ---------------------------------------------------------------------------------------
@@ -462,8 +464,8 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
 
 
 # Settings a resumed run may change without changing what its earlier steps were.
-_RESUMABLE_CHANGES = frozenset({"steps", "resume", "progress", "save_every", "num_threads", "report_to",
-                                "sample_every", "sample_groups", "eval_episodes", "overwrite_output_dir"})
+_RESUMABLE_CHANGES = frozenset({"steps", "resume", "progress", "save_every", "save_total_limit", "num_threads",
+                                "report_to", "sample_every", "sample_groups", "eval_episodes", "overwrite_output_dir"})
 
 
 def _warn_if_settings_changed(saved: Path, cfg: LearnerConfig) -> None:
