@@ -69,11 +69,14 @@ def test_reward_functions_with_trl_signature_are_weighted_in(tmp_path):
     def short_answers(prompts, completions, completion_ids, answer, log_metric, **kwargs):
         seen.update(n=len(completions), answer=answer[0], prompt_roles=[m["role"] for m in prompts[0]],
                     kinds={type(c).__name__ for c in completions}, ids=len(completion_ids[0]))
+        state = kwargs["trainer_state"]  # TRL's: a schedule reads the step
+        seen.setdefault("steps", []).append((state.global_step, state.max_steps))
         log_metric("calls", 1.0)
         return [10.0 / (10 + len(ids)) for ids in completion_ids]  # shorter is better, never 0
 
-    train(GRPOConfig(output_dir=str(tmp_path), **{**SMALL, "steps": 1}), model=model, tokenizer=tok,
+    train(GRPOConfig(output_dir=str(tmp_path), **{**SMALL, "steps": 2}), model=model, tokenizer=tok,
           reward_funcs=[short_answers], reward_weights=[1.0, 0.5])
+    assert seen["steps"] == [(0, 2), (1, 2)]
     assert seen["n"] == 8 and seen["prompt_roles"] == ["system", "user"] and seen["kinds"] == {"list"}
     assert seen["answer"] is not None and seen["ids"] > 0
     metrics = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])

@@ -54,7 +54,7 @@ from treerl.learners.importance import ImportanceConfig, importance_weights
 from treerl.learners.losses import POLICY_LOSSES, LossCoefficients, LossConfig, LossNormalizer, compute_loss
 from treerl.learners.packing import PackedBatch, pack_groups
 from treerl.learners.precision import Precision
-from treerl.learners.rewards import RewardFunc, score, write_extras
+from treerl.learners.rewards import RewardFunc, StepState, score, write_extras
 from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group
 
@@ -256,7 +256,7 @@ def update(run: Run, step: int, groups: Sequence[Group], stats: RolloutStats, me
     """
     cfg = run.cfg
     extras: dict[str, list[Any]] = {}
-    rewards = score(groups, run.reward_funcs, metrics, extras)
+    rewards = score(groups, run.reward_funcs, metrics, extras, StepState(global_step=step, max_steps=cfg.steps))
     if extras and run.ranks.is_main:  # reward functions' log_extra values, one line per step
         write_extras(run.out_dir / "reward_extras.jsonl", step + 1, extras)
     adv = advantages(groups, rewards, run.reward_weights, cfg, metrics, run.ranks)

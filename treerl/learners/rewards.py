@@ -8,7 +8,8 @@ with ``reward_weights`` (one per column). A reward function takes TRL's argument
 
 ``prompts`` are the opening messages, ``completions`` every message after them,
 ``completion_ids`` the sampled ids; the task's columns come as keyword arguments
-(``answer``, ``task_id``, ``termination``, ``env_reward``), with ``log_metric(name, value)``
+(``answer``, ``task_id``, ``termination``, ``env_reward``), ``trainer_state`` (its ``global_step``
+and ``max_steps``, as TRL's), with ``log_metric(name, value)``
 (logged as ``reward_fn/<name>``) and ``log_extra(name, values)`` callbacks (the values, one per
 completion, go to ``reward_extras.jsonl`` in the run's directory), and the columns of the task's
 dataset row that the environment keeps in ``Task.info`` (TRL passes extra dataset columns the same
@@ -28,6 +29,7 @@ import json
 import logging
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +38,24 @@ import torch
 from treerl.errors import ConfigError
 from treerl.rollout.trajectory import Group
 
-__all__ = ["RewardFunc", "check_reward_weights", "load_reward_funcs", "score", "write_extras"]
+__all__ = ["RewardFunc", "StepState", "check_reward_weights", "load_reward_funcs", "score", "write_extras"]
 
-_RESERVED = {"prompts", "completions", "completion_ids", "log_metric", "log_extra"}
+_RESERVED = {"prompts", "completions", "completion_ids", "log_metric", "log_extra", "trainer_state"}
 
 logger = logging.getLogger(__name__)
 
 RewardFunc = Callable[..., Sequence[float | None]]
 """TRL's signature: ``f(prompts, completions, completion_ids, **kwargs) -> list[float | None]``."""
+
+
+@dataclass(frozen=True)
+class StepState:
+    """The ``trainer_state`` reward functions get: the fields of TRL's that a schedule reads."""
+
+    global_step: int
+    """Optimizer steps taken before this one (0 while scoring the first step's episodes)."""
+    max_steps: int
+    """Steps the run takes in all."""
 
 
 def check_reward_weights(reward_funcs: Sequence[RewardFunc], weights: Sequence[float] | None) -> list[float]:
@@ -132,9 +144,10 @@ def write_extras(path: str | Path, step: int, extras: dict[str, list[Any]]) -> N
 
 
 def score(groups: Sequence[Group], reward_funcs: Sequence[RewardFunc], metrics: dict[str, float],
-          extras: dict[str, list[Any]] | None = None) -> torch.Tensor:
+          extras: dict[str, list[Any]] | None = None, trainer_state: StepState | None = None) -> torch.Tensor:
     """Rewards ``(E, 1 + len(reward_funcs))``: the environment's, then each reward function's
-    (NaN where a function returned ``None``). ``extras`` collects the ``log_extra`` values."""
+    (NaN where a function returned ``None``). ``extras`` collects the ``log_extra`` values;
+    ``trainer_state`` is passed on to the functions (as TRL's)."""
     episodes = [(g, e) for g in groups for e in g.episodes]
     columns = [[e.reward for _, e in episodes]]
     if reward_funcs:
@@ -149,6 +162,7 @@ def score(groups: Sequence[Group], reward_funcs: Sequence[RewardFunc], metrics: 
             "task_id": [g.info.get("task_id") for g, _ in episodes],
             "termination": [e.termination for _, e in episodes],
             "env_reward": list(columns[0]),
+            "trainer_state": trainer_state,
         }
         # The dataset row's own columns the environment kept (TRL passes extra columns as kwargs).
         row_keys = {k for g, _ in episodes for k in (g.info.get("row") or {})} - kwargs.keys() - _RESERVED

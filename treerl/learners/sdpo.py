@@ -79,7 +79,7 @@ from treerl.learners.grpo import (
 )
 from treerl.learners.losses import AGGREGATIONS, LossInputs, LossNormalizer
 from treerl.learners.packing import PackedBatch, pack_groups
-from treerl.learners.rewards import RewardFunc, score
+from treerl.learners.rewards import RewardFunc, StepState, score
 from treerl.learners.teacher import TEACHER_KINDS, ema_update, make_teacher, rebasable, teacher_terms
 from treerl.learners.teacher_context import TeacherContext, TeacherContextConfig, TeacherPrompter, context_metrics
 from treerl.learners.teacher_gate import TeacherGate, copy_gaps
@@ -362,7 +362,7 @@ def sdpo_step(run: Run, teacher: torch.nn.Module, prompter: TeacherPrompter, ste
     start = time.perf_counter()
     groups, stats = run.rollout()
     metrics["perf/rollout_s"] = time.perf_counter() - start
-    rewards = score(groups, run.reward_funcs, metrics)
+    rewards = score(groups, run.reward_funcs, metrics, trainer_state=StepState(global_step=step, max_steps=cfg.steps))
     adv = advantages(groups, rewards, run.reward_weights, cfg, metrics, run.ranks)
     # Before the update, as GRPO: the stored trainer log-probs are those the step's IS weights saw.
     # The advantage shown is GRPO's (what the (1 - w) part trains with; SDPO alone ignores it).
