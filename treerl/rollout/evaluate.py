@@ -86,14 +86,17 @@ class EvalReport:
 async def aevaluate(env_factory: Callable[[], Any], policy: Policy, tokenizer: Any, *, env_id: str = "",
                     num_episodes: int = 64, seed: int = 10_000, params: SamplingParams | None = None,
                     max_concurrency: int = 32, max_episode_tokens: int = 2048, max_episode_seconds: float = 300.0,
-                    success_threshold: float = 1.0, chat_template: str | None = None) -> EvalReport:
+                    success_threshold: float = 1.0, chat_template: str | None = None,
+                    lockstep: bool = False) -> EvalReport:
     """Play ``num_episodes`` tasks (seeds ``seed..seed+N-1``) once each, concurrently; see :func:`evaluate`.
 
-    ``chat_template`` (a template's text) overrides the tokenizer's, as in the engine.
+    ``chat_template`` (a template's text) overrides the tokenizer's, and ``lockstep`` generates in
+    waves of every episode (batches, and with them every float, repeat), as in the engine.
     """
     engine = RolloutEngine(policy, tokenizer, params=params or SamplingParams(max_new_tokens=96),
                            max_concurrency=max_concurrency, max_episode_tokens=max_episode_tokens,
-                           max_episode_seconds=max_episode_seconds, seed=seed, chat_template=chat_template)
+                           max_episode_seconds=max_episode_seconds, seed=seed, chat_template=chat_template,
+                           lockstep=lockstep)
     groups, stats = await engine.run(env_factory, env_id, range(num_episodes), group_size=1)
     return EvalReport(env=env_id, figures=stats.summary(success_threshold), groups=groups,
                       success_threshold=success_threshold)
@@ -116,7 +119,7 @@ def evaluate(env_id: str, policy: Policy, tokenizer: Any, *, env_kwargs: dict[st
 def evaluate_with(cfg: EpisodeOptions, policy: Policy, tokenizer: Any, *, num_episodes: int, seed: int,
                   success_threshold: float = 1.0, env_factory: Callable[[], Any] | None = None,
                   env_id: str = "", **sampling_overrides: Any) -> EvalReport:
-    """:func:`evaluate` with a command's :class:`EpisodeOptions` (environment, sampling, limits).
+    """:func:`evaluate` with a command's :class:`EpisodeOptions` (environment, sampling, limits, lockstep).
 
     ``env_factory`` replaces the one ``cfg`` describes (a learner given its own factory), and
     ``env_id`` then names it (default: ``cfg.env``).
@@ -126,4 +129,5 @@ def evaluate_with(cfg: EpisodeOptions, policy: Policy, tokenizer: Any, *, num_ep
         params=cfg.sampling(**sampling_overrides), max_concurrency=cfg.max_concurrency,
         max_episode_tokens=cfg.max_episode_tokens, max_episode_seconds=cfg.max_episode_seconds,
         success_threshold=success_threshold, chat_template=resolve_chat_template(cfg.chat_template, tokenizer),
+        lockstep=cfg.lockstep,
     ))
