@@ -316,3 +316,19 @@ def test_a_tool_env_datasets_extra_columns_reach_the_reward_functions():
     rewards = score(groups, [by_difficulty], {})
     assert seen["difficulty"] == ["easy", "hard"] and rewards[:, 1].tolist() == [0.0, 1.0]
     assert "source" in seen["rest"] and "id" not in seen["rest"]  # a row's own info["row"] is kept too
+
+
+def test_a_tool_env_datasets_info_column_reaches_the_reward_functions():
+    # TRL passes every column but the prompt to reward functions, and verifiers users keep their
+    # metadata in an `info` column; the environment still reads it as Task.info.
+    from treerl import ToolEnv
+
+    rows = [{"prompt": "Say hi.", "answer": "hi", "info": {"difficulty": "easy"}},
+            {"prompt": "Say bye.", "answer": "bye", "info": {"difficulty": "hard"}, "topic": "greetings"}]
+    env = ToolEnv(dataset=rows)
+    seen = []
+    for index in range(2):
+        _, info = env.reset(seed=0, options={"task_index": index})
+        assert env.task.info["difficulty"] == rows[index]["info"]["difficulty"]
+        seen.append(info["row"])
+    assert seen == [{"info": {"difficulty": "easy"}}, {"info": {"difficulty": "hard"}, "topic": "greetings"}]

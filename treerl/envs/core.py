@@ -188,7 +188,7 @@ class ToolEnv(Env):
         tools: Tools available to the model (default: the class attribute ``tool_list``).
         dataset: Tasks to draw from instead of ``sample_task`` (a sequence of :class:`Task`
             or of dicts with ``prompt``/``answer``/``info``/``id``, e.g. a ``datasets.Dataset``; a
-            dict's other columns are kept in ``info["row"]`` and reach reward functions).
+            dict's other columns, ``info`` included, are kept in ``info["row"]`` and reach reward functions).
         max_turns: Assistant turns before the episode is truncated.
         parser: Tool-call format name (see ``treerl.envs.parsers.PARSERS``) or parser object.
             ``None`` (the default) means "the policy's": the rollout engine and ``treerl eval``
@@ -552,8 +552,9 @@ def _as_task(item: Task | Mapping[str, Any], index: int | None) -> Task:
         if "prompt" not in item:
             raise EnvError(f"A dataset row needs a 'prompt' field; got keys {sorted(item)}.")
         info = dict(item.get("info") or {})
-        # The row's other columns reach reward functions as keyword arguments (TRL passes them so).
-        extra = {k: v for k, v in item.items() if k not in ("prompt", "answer", "info", "id")}
+        # The row's other columns reach reward functions as keyword arguments (TRL passes them so),
+        # its `info` column too (verifiers keeps a row's metadata there).
+        extra = {k: v for k, v in item.items() if k not in ("prompt", "answer", "id")}
         if extra:
             info["row"] = {**extra, **(info.get("row") or {})}
         task = Task(prompt=item["prompt"], answer=item.get("answer"), info=info, id=item.get("id"))
