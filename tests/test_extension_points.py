@@ -215,7 +215,7 @@ def test_eval_and_rollout_take_env_kwargs_and_import(tmp_path, capsys):
                  "--num-episodes", "2", "--max-new-tokens", "16", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["env"] == "treerl/MathVerify-v0" and report["episodes"] == 2
+    assert report["env"] == "treerl/MathVerify-v0" and report["episodes"] == 1  # the file's one row, once
     out = tmp_path / "r.jsonl"
     code = main(["rollout", "--env", "treerl/MathVerify-v0", "--env-kwargs", json.dumps({"data_path": str(data)}),
                  "--num-tasks", "1", "--group-size", "2", "--max-new-tokens", "16", "--out", str(out),

@@ -4,7 +4,10 @@ Evaluation plays through the rollout engine, the one episode loop: the same rend
 bridge tokens, tool-call parsing, per-episode token and wall-clock limits, and environment
 errors recorded as data, as in ``treerl rollout`` and ``treerl learn``. Each of the
 ``num_episodes`` tasks is played once (a group of one), task ``i`` with seed ``seed + i``,
-and the figures are :meth:`~treerl.rollout.summary.RolloutStats.summary`'s.
+and the figures are :meth:`~treerl.rollout.summary.RolloutStats.summary`'s. An environment
+that draws its tasks from a dataset plays rows ``0..N-1``, each at most once: asked for more
+episodes than it has rows, the evaluation plays every row once and says so, since rows played
+twice would weigh the success rate by accident.
 
 An episode *succeeds* when its final reward reaches ``success_threshold``.
 """
@@ -12,6 +15,8 @@ An episode *succeeds* when its final reward reaches ``success_threshold``.
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,12 +32,15 @@ from treerl.rollout.trajectory import Group
 
 __all__ = ["EvalConfig", "EvalReport", "evaluate", "aevaluate", "evaluate_with"]
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class EvalConfig(EpisodeOptions):
     """Options of ``treerl eval``."""
 
-    num_episodes: int = field_help(64, "How many episodes (one task each, seeds seed..seed+N-1).")
+    num_episodes: int = field_help(64, "How many episodes (one task each, seeds seed..seed+N-1; a dataset's "
+                                       "rows 0..N-1, each at most once).")
     seed: int = field_help(10_000, "First task seed; the default keeps evaluation tasks apart from small training "
                                    "seeds.")
     success_threshold: float = field_help(1.0, "Final reward at or above which an episode counts as solved.")
@@ -93,6 +101,7 @@ async def aevaluate(env_factory: Callable[[], Any], policy: Policy, tokenizer: A
     ``chat_template`` (a template's text) overrides the tokenizer's, and ``lockstep`` generates in
     waves of every episode (batches, and with them every float, repeat), as in the engine.
     """
+    num_episodes = _at_most_one_per_row(env_factory, num_episodes)
     engine = RolloutEngine(policy, tokenizer, params=params or SamplingParams(max_new_tokens=96),
                            max_concurrency=max_concurrency, max_episode_tokens=max_episode_tokens,
                            max_episode_seconds=max_episode_seconds, seed=seed, chat_template=chat_template,
@@ -100,6 +109,23 @@ async def aevaluate(env_factory: Callable[[], Any], policy: Policy, tokenizer: A
     groups, stats = await engine.run(env_factory, env_id, range(num_episodes), group_size=1)
     return EvalReport(env=env_id, figures=stats.summary(success_threshold), groups=groups,
                       success_threshold=success_threshold)
+
+
+def _at_most_one_per_row(env_factory: Callable[[], Any], num_episodes: int) -> int:
+    """``num_episodes``, or the number of rows of the environment's dataset when that is smaller (with a warning)."""
+    env = env_factory()
+    try:
+        dataset = getattr(env, "dataset", None)
+        num_rows = None if dataset is None else len(dataset)
+    finally:
+        env.close()
+    if num_rows is None or num_episodes <= num_rows:
+        return num_episodes
+    message = (f"num_episodes={num_episodes} but the dataset has {num_rows} rows: evaluating each row once "
+               f"({num_rows} episodes), as rows played twice would count twice")
+    logger.warning(message)
+    print(f"warning: {message}", file=sys.stderr)
+    return num_rows
 
 
 def evaluate(env_id: str, policy: Policy, tokenizer: Any, *, env_kwargs: dict[str, Any] | None = None,
