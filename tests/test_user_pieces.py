@@ -332,3 +332,27 @@ def test_a_tool_env_datasets_info_column_reaches_the_reward_functions():
         assert env.task.info["difficulty"] == rows[index]["info"]["difficulty"]
         seen.append(info["row"])
     assert seen == [{"info": {"difficulty": "easy"}}, {"info": {"difficulty": "hard"}, "topic": "greetings"}]
+
+
+def test_a_reward_function_of_another_shape_is_told_trls():
+    # verifiers' reward functions score one completion at a time and return a float; TRL's take the batch.
+    from treerl.learners.rewards import score
+    from treerl.rollout.trajectory import Group
+
+    group = Group(task_key="0", env_id="mine", info={"task_id": "0", "answer": "hi", "num_prompt_messages": 1})
+    root = group.add_segment("prompt", [1, 2])
+    group.add_episode(leaf=group.add_segment("sampled", [3], parent=root, logprobs=[-1.0], policy_version=0),
+                      reward=0.0)
+
+    def correct(completion, answer, **kwargs):  # one completion
+        return 1.0
+
+    def one_float(completions, **kwargs):
+        return 1.0
+
+    for func, says in ((correct, "cannot take TRL's arguments (missing a required argument: 'completion')"),
+                       (one_float, "returned a float, not a list of rewards")):
+        with pytest.raises((TypeError, ValueError)) as err:
+            score([group], [func], {})
+        assert f"reward function {func.__name__!r}" in str(err.value) and says in str(err.value), str(err.value)
+        assert "f(prompts, completions, completion_ids, **kwargs)" in str(err.value)

@@ -113,8 +113,32 @@ def load_reward_funcs(specs: Sequence[str]) -> list[RewardFunc]:
     return funcs
 
 
+_TRL_SHAPE = ("it is called once per batch as f(prompts, completions, completion_ids, **kwargs), each a list with "
+              "one entry per completion, and returns a list of rewards (None where one does not apply); a function "
+              "that scores one completion needs a loop around it")
+
+
+def _name(func: RewardFunc) -> str:
+    return getattr(func, "__name__", type(func).__name__)
+
+
+def _check_arguments(func: RewardFunc, kwargs: dict[str, Any]) -> None:
+    """A function that cannot take TRL's arguments is told so before it is called, in TRL's terms."""
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call itself says
+        return
+    try:
+        signature.bind(**kwargs)
+    except TypeError as exc:
+        raise TypeError(f"reward function {_name(func)!r} cannot take TRL's arguments ({exc}): {_TRL_SHAPE}; the "
+                        f"keyword arguments here are {sorted(kwargs)}.") from None
+
+
 def _call_all(calls: list[tuple[RewardFunc, dict[str, Any]]]) -> list[Any]:
     """Each reward function's result; coroutines (``async def`` functions) awaited concurrently."""
+    for func, kwargs in calls:
+        _check_arguments(func, kwargs)
     results = [func(**kwargs) for func, kwargs in calls]
     pending = [i for i, r in enumerate(results) if inspect.isawaitable(r)]
     if pending:
@@ -179,13 +203,22 @@ def score(groups: Sequence[Group], reward_funcs: Sequence[RewardFunc], metrics: 
         calls = [(func, dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
                              log_metric=log_metric, log_extra=log_extra, **kwargs)) for func in reward_funcs]
         for func, values in zip(reward_funcs, _call_all(calls)):
-            name = getattr(func, "__name__", type(func).__name__)
-            if values is None or len(values) != len(episodes):
-                raise ValueError(f"reward function {name!r} returned {0 if values is None else len(values)} "
-                                 f"rewards for {len(episodes)} completions; return one per completion (None where "
-                                 "it does not apply).")
+            name = _name(func)
+            if values is None or isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+                raise ValueError(f"reward function {name!r} returned {_a(values)}, not a list of rewards: {_TRL_SHAPE}.")
+            if len(values) != len(episodes):
+                raise ValueError(f"reward function {name!r} returned {len(values)} rewards for {len(episodes)} "
+                                 "completions; return one per completion (None where it does not apply).")
             values = [math.nan if v is None else float(v) for v in values]
             applicable = [v for v in values if not math.isnan(v)]
             metrics[f"reward_fn/{name}_mean"] = sum(applicable) / len(applicable) if applicable else math.nan
             columns.append(values)
     return torch.tensor(columns, dtype=torch.float32).T  # (E, R)
+
+
+def _a(value: Any) -> str:
+    """``None``, or ``a float``/``an int``: what a function returned, in words."""
+    if value is None:
+        return "None"
+    kind = type(value).__name__
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
