@@ -326,3 +326,15 @@ def test_unit_tests_need_tests():
 def test_unit_test_garbage_code_scores_zero():
     for text in GARBAGE[:10]:
         assert unit_test_reward(text, ["assert add(1, 2) == 3"]) == 0.0
+
+
+def test_verifiers_read_a_completion_given_as_chat_messages():
+    # What a reward function receives (TRL's conversational completions): the last assistant reply counts.
+    messages = [{"role": "assistant", "content": "<tool_call>...</tool_call>"},
+                {"role": "tool", "content": "4"},
+                {"role": "assistant", "content": r"So the total is \boxed{\frac{1}{2}}."}]
+    assert math_verify_reward(messages, "0.5") == 1.0
+    assert numeric_reward(messages, 0.5) == 1.0
+    assert exact_match_reward(messages[:1] + [{"role": "assistant", "content": r"\boxed{Paris}"}], "paris") == 1.0
+    assert math_verify_reward(messages[:2], "4") == 0.0  # the tool said 4; the model answered nothing
+    assert math_verify_reward([], "1") == 0.0 and math_verify_reward([{"role": "assistant"}], "1") == 0.0

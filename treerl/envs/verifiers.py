@@ -14,6 +14,10 @@ all score 0.0. They raise ``ValueError`` only for the caller's own mistakes (no 
   try to build ``9^{9^{9^{9}}}``). Plain numbers skip the worker: integer or decimal
   answers are compared in process, exactly.
 - :func:`exact_match_reward` and :func:`numeric_reward` are cheap string and number checks.
+
+A completion is the model's text, or the chat messages a reward function receives (TRL's
+conversational completions: tool calls, tool results, then the answer): then the last
+assistant message's text is the one checked.
 - :func:`unit_test_reward` runs candidate code and assert-style tests in the sandbox
   (:mod:`treerl.envs.unit_test_harness`); :func:`unit_test_results` says which tests
   failed and what they raised.
@@ -36,10 +40,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import treerl.envs.math_verify_worker as math_verify_worker
 import treerl.envs.unit_test_harness as unit_test_harness
@@ -103,6 +108,16 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
+def _completion_text(completion: Any) -> Any:
+    """The text to check: ``completion`` itself, or the content of the last assistant message of a list of
+    chat messages (``None`` when it has none); anything else is returned as is, for the caller to refuse."""
+    if isinstance(completion, list):
+        replies = [m for m in completion if isinstance(m, Mapping) and m.get("role") == "assistant"]
+        content = replies[-1].get("content") if replies else None
+        return content if isinstance(content, str) else None
+    return completion
+
+
 def _final_answer(text: str) -> str:
     boxed = extract_boxed(text)
     return boxed if boxed is not None else text
@@ -136,6 +151,7 @@ def exact_match_reward(completion: str, gold: str, *, normalize: bool = True) ->
     >>> exact_match_reward("  Paris. ", "Paris", normalize=False)
     0.0
     """
+    completion = _completion_text(completion)
     if not isinstance(completion, str) or not isinstance(gold, str):
         return 0.0
     answer, target = _final_answer(completion), _final_answer(gold)
@@ -199,6 +215,7 @@ def numeric_reward(completion: str, gold: float | str, *, rel_tol: float = 1e-6,
                 target = _last_number(gold)
         else:
             target = float(gold)
+        completion = _completion_text(completion)
         if not isinstance(completion, str) or target is None:
             return 0.0
         boxed = extract_boxed(completion)
@@ -394,7 +411,10 @@ def math_verify_reward(completion: str, gold: str, *, timeout_s: float = 5.0) ->
     1.0
     >>> math_verify_reward(r"\\boxed{42}", "42")
     1.0
+    >>> math_verify_reward([{"role": "assistant", "content": r"\\boxed{42}"}], "42")  # a reward function's completion
+    1.0
     """
+    completion = _completion_text(completion)
     if not isinstance(completion, str) or not isinstance(gold, str):
         return 0.0
     fast = _fast_math_verdict(completion, gold)
