@@ -207,6 +207,23 @@ def test_learning_rate_default_and_warning_follow_the_model_size():
     assert check_learning_rate(3e-6, 1_200_000_000, lora=False)[1] is None
 
 
+def test_trls_max_completion_length_where_it_changes_nothing_is_said(tmp_path, capsys):
+    """TRL's max_completion_length is its generation limit too; here it is only dr_grpo's normalizer."""
+    import torch
+
+    from treerl.learners.core import _check_size_defaults
+    from treerl.learners.grpo import GRPOConfig
+
+    model = torch.nn.Linear(4, 4)
+    _check_size_defaults(GRPOConfig(output_dir=str(tmp_path), max_completion_length=1024), model, True)
+    err = capsys.readouterr().err
+    assert "max_completion_length=1024" in err and "--max-new-tokens" in err and "changes nothing" in err, err
+    for cfg in (GRPOConfig(output_dir=str(tmp_path), max_completion_length=1024, loss="dr_grpo"),
+                GRPOConfig(output_dir=str(tmp_path))):
+        _check_size_defaults(cfg, model, True)
+        assert "max_completion_length" not in capsys.readouterr().err
+
+
 def test_isolated_tool_defined_in_an_imported_file(tmp_path):
     import asyncio
 

@@ -72,7 +72,7 @@ from treerl.learners.config import LearnerConfig
 from treerl.learners.diagnostics import Diagnostics
 from treerl.learners.distributed import Ranks
 from treerl.learners.evaluation import evaluate_at_start, evaluate_policy
-from treerl.learners.losses.base import same_definition
+from treerl.learners.losses.base import DEFAULT_AGGREGATIONS, same_definition
 from treerl.learners.metrics import MetricsLog, truncate_metrics
 from treerl.learners.packing import PackedBatch, packing_metrics
 from treerl.learners.plots import MatplotlibMissing, write_plots
@@ -492,6 +492,14 @@ def _check_size_defaults(cfg: LearnerConfig, model: torch.nn.Module, is_main: bo
         warnings.append(f"max_new_tokens={cfg.max_new_tokens} is the shipped tiny model's limit; a "
                         f"{num_params / 1e6:.0f}M-parameter model's answers (and its thinking) are usually longer, so "
                         "most turns would be cut off: pass e.g. --max-new-tokens 1024.")
+    if getattr(cfg, "max_completion_length", None) is not None and hasattr(cfg, "loss_config"):
+        loss = cfg.loss_config()
+        if (loss.aggregation or DEFAULT_AGGREGATIONS[loss.policy_loss]) != "constant":
+            # TRL's max_completion_length is also the generation limit; here only dr_grpo's normalizer.
+            warnings.append(f"max_completion_length={cfg.max_completion_length} is only dr_grpo's normalizer (the "
+                            f"'constant' aggregation), which --loss {loss.policy_loss} does not use: it changes "
+                            f"nothing. Generation is limited by --max-new-tokens (each turn, now {cfg.max_new_tokens}) "
+                            f"and --max-episode-tokens (the whole episode, now {cfg.max_episode_tokens}).")
     for message in warnings if is_main else ():
         logger.warning(message)
         print(f"warning: {message}", file=sys.stderr)
