@@ -48,6 +48,8 @@ CASES = [
     ("model-without-chat-template", [*LEARN, "--model", "{no_template}"], None, "has no chat template"),
     ("model-not-a-dir", [*LEARN, "--model", "{tmp}/nothing"], None, "is not a directory"),
     ("model-broken", [*LEARN, "--model", "{broken}"], None, "could not load a causal LM"),
+    ("model-is-a-lora-adapter", ["eval", "--model", "{adapter}"], None, "is a LoRA adapter, not a whole model: pass "
+     "the merged model (treerl learn saved it merged beside it: --model"),
     ("env-unknown", [*LEARN, "--env", "nope/Nothing-v0"], None, "nope/Nothing-v0"),
     ("learner-unknown", [*LEARN, "--learner", "bogus"], None, "no such learner"),
     ("loss-unknown", [*LEARN, "--loss", "bogus"], None, "bogus"),
@@ -120,9 +122,13 @@ def paths(tmp_path_factory) -> dict[str, str]:
         group.add_episode(leaf=group.add_segment("prompt", [1]), reward=0.0)
         writer.write(group)
     (tmp / "README.md").write_text("# notes\n\nnot trajectories\n")
+    run = tmp / "lora_run"  # what `treerl learn --lora-r` leaves: adapter/ and the merged model/
+    shutil.copytree(DEFAULT_MODEL_PATH, run / "model")
+    (run / "adapter").mkdir()
+    (run / "adapter" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
     return {"tmp": str(tmp), "out": str(tmp / "run"), "file": str(tmp / "a_file"), "no_template": str(no_template),
             "broken": str(broken), "corrupt": str(corrupt), "other_env": str(other), "old_other_env": str(old_other),
-            "readme": str(tmp / "README.md")}
+            "readme": str(tmp / "README.md"), "adapter": str(run / "adapter")}
 
 
 def _run(argv: list[str], paths: dict[str, str], capsys) -> tuple[int, str]:

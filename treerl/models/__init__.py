@@ -255,6 +255,12 @@ def load_model(path: str | None, device: Any = "cpu", *, chat_template: str | No
 
     check_device(device)
     hf_logging.disable_progress_bar()
+    if (Path(path) / "adapter_config.json").is_file() and not (Path(path) / "config.json").is_file():
+        merged = Path(path).parent / "model"
+        where = f" (treerl learn saved it merged beside it: --model {merged})" if (merged / "config.json").is_file() else ""
+        raise ConfigError(f"model {str(path)!r} is a LoRA adapter, not a whole model: pass the merged model{where}, or "
+                          "merge it first (peft: PeftModel.from_pretrained(base, DIR).merge_and_unload()"
+                          ".save_pretrained(OUT), and the base's tokenizer beside it).")
     if not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
         raise ConfigError(f"model {str(path)!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); save the "
                           "tokenizer next to the weights (tokenizer.save_pretrained(DIR)), e.g. the one of the model "
