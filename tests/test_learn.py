@@ -314,3 +314,15 @@ def test_skipping_zero_advantage_groups_gives_the_same_update():
     assert metrics["train/skipped_groups_frac"] == 1.0
     for k in full:
         assert torch.allclose(full[k], skipped[k], atol=1e-6, rtol=1e-5), k
+
+
+def test_callbacks_see_each_steps_logged_metrics(tmp_path):
+    """TRL users' per-step hooks (TrainerCallback.on_log): train(callbacks=[f]) calls f(step, metrics)."""
+    model, tok = _load()
+    seen = []
+    train(GRPOConfig(output_dir=str(tmp_path), **SMALL), model=model, tokenizer=tok,
+          callbacks=[lambda step, metrics: seen.append((step, metrics))])
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [step for step, _ in seen] == [1, 2]
+    for (_, metrics), line in zip(seen, logged):
+        assert metrics["reward/mean"] == line["reward/mean"] and metrics["policy/version"] == line["policy/version"]

@@ -50,7 +50,7 @@ from treerl.config import field_help
 from treerl.learners.async_buffer import GroupBuffer
 from treerl.learners.async_generator import GeneratorSpec
 from treerl.learners.async_pool import WEIGHT_TRANSPORTS, ProcessPool
-from treerl.learners.core import OptimizerSpec, Run, TrainResult, build, finish, register_learner
+from treerl.learners.core import OptimizerSpec, Run, StepCallback, TrainResult, build, finish, register_learner
 from treerl.learners.diagnostics import CHECKS, Check
 from treerl.learners.grpo import GRPOConfig, update
 from treerl.learners.importance import ImportanceConfig
@@ -289,7 +289,8 @@ def _async_metrics(groups: Sequence[Group], version: int, buffer: GroupBuffer, p
 def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
                 env_factory: Callable[[], Any] | None = None, reward_funcs: Sequence[RewardFunc] = (),
                 reward_weights: Sequence[float] | None = None, optimizer: OptimizerSpec | None = None,
-                on_step: Callable[[int, dict[str, float], Any], None] | None = None) -> TrainResult:
+                on_step: Callable[[int, dict[str, float], Any], None] | None = None,
+                callbacks: Sequence[StepCallback] = ()) -> TrainResult:
     """Train with AsyncGRPO on ``cfg.env``; the arguments are :func:`~treerl.learners.grpo.train`'s.
 
     ``model`` (a copy of it, made before training changes it) and ``env_factory`` travel to
@@ -322,7 +323,7 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
     try:
         _set_threads(whole)
         run = build(cfg, model=model, tokenizer=tokenizer, env_factory=env_factory, reward_funcs=reward_funcs,
-                    reward_weights=reward_weights, optimizer=optimizer, reference=cfg.beta > 0)
+                    reward_weights=reward_weights, optimizer=optimizer, reference=cfg.beta > 0, callbacks=callbacks)
         _set_threads(threads[0])
         with run:
             if pool is not None:

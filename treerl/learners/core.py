@@ -92,9 +92,13 @@ from treerl.rollout.sources import GroupSource
 from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group
 
-__all__ = ["Run", "TrainResult", "build", "finish", "OptimizerSpec", "LearnerSpec", "LEARNERS", "register_learner"]
+__all__ = ["Run", "TrainResult", "build", "finish", "OptimizerSpec", "StepCallback", "LearnerSpec", "LEARNERS", "register_learner"]
 
 logger = logging.getLogger(__name__)
+
+StepCallback = Callable[[int, dict[str, float]], Any]
+"""Called after each step on the main process with the step number (from 1) and a copy of the
+metrics it logged (TRL's ``TrainerCallback.on_log``, in one function)."""
 
 OptimizerSpec = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 """An optimizer over the trained parameters, or a function that makes one from them (the
@@ -178,6 +182,7 @@ class Run:
     """The held-out evaluation's environments (``eval_env_kwargs``; default: ``env_factory``)."""
     env_id: str = ""
     """What groups and figures call the environment: ``cfg.env``, or the id of what a given ``env_factory`` builds."""
+    callbacks: Sequence[StepCallback] = ()
     _step_started: float = 0.0
 
     def __enter__(self) -> Run:
@@ -261,6 +266,8 @@ class Run:
         if self.ranks.is_main:
             metrics.update(self.diagnostics.check(step + 1, metrics))
             self.log.log(step + 1, metrics)
+            for callback in self.callbacks:
+                callback(step + 1, dict(metrics))
             if self.cfg.save_every and (step + 1) % self.cfg.save_every == 0 and step + 1 < self.cfg.steps:
                 self.save_checkpoint()
         return metrics
@@ -308,7 +315,8 @@ def set_seed(seed: int) -> None:
 def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
           policy: Policy | None = None, env_factory: Callable[[], Any] | None = None,
           reward_funcs: Sequence[RewardFunc] = (), reward_weights: Sequence[float] | None = None,
-          optimizer: OptimizerSpec | None = None, reference: bool = False, source: GroupSource | None = None) -> Run:
+          optimizer: OptimizerSpec | None = None, reference: bool = False, source: GroupSource | None = None,
+          callbacks: Sequence[StepCallback] = ()) -> Run:
     """Everything a learner's loop needs, resumed and evaluated at the start (see the module docstring).
 
     ``model``/``tokenizer`` default to ``cfg.model`` (the shipped tiny model when unset);
@@ -317,7 +325,8 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     ``cfg.train_env_factory``); ``optimizer`` to AdamW with
     ``cfg.learning_rate`` and ``cfg.weight_decay``. ``reference=True`` keeps a frozen copy of
     the starting weights (a KL term's reference). ``source`` (default: ``cfg.group_source()``)
-    replaces the engine in :meth:`Run.rollout`.
+    replaces the engine in :meth:`Run.rollout`. ``callbacks`` are called after each step's metrics
+    are logged (:data:`StepCallback`).
     """
     from transformers import get_scheduler
 
@@ -445,7 +454,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
               optimizer=optimizer, scheduler=scheduler, engine=engine, env_factory=env_factory, sync=sync,
               state=state, reward_funcs=tuple(reward_funcs), reward_weights=weights, reference=ref_model,
               attention=attention, policy_model=policy_model, source=source, precision=precision,
-              eval_env_factory=eval_env_factory, env_id=env_id)
+              eval_env_factory=eval_env_factory, env_id=env_id, callbacks=tuple(callbacks))
     if ranks.is_main:
         # The other ranks write nothing and wait for rank 0 at the first step's collectives.
         print(f"precision: {precision.describe(checkpoint=loaded, weights=checkpoint_dtype(model))}", file=sys.stderr)

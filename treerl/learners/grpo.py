@@ -47,7 +47,7 @@ from treerl.config import field_help
 from treerl.learners.advantages import AdvantageConfig, compute_advantages
 from treerl.learners.centering import batch_centering
 from treerl.learners.config import LearnerConfig
-from treerl.learners.core import OptimizerSpec, Run, TrainResult, build, finish, register_learner
+from treerl.learners.core import OptimizerSpec, Run, StepCallback, TrainResult, build, finish, register_learner
 from treerl.learners.distributed import Ranks
 from treerl.learners.forward import PackedLogprobs, loss_inputs, packed_logprobs
 from treerl.learners.importance import ImportanceConfig, importance_weights
@@ -277,7 +277,7 @@ def update(run: Run, step: int, groups: Sequence[Group], stats: RolloutStats, me
 def train(cfg: GRPOConfig, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
           policy: Policy | None = None, env_factory: Callable[[], Any] | None = None,
           reward_funcs: Sequence[RewardFunc] = (), reward_weights: Sequence[float] | None = None,
-          optimizer: OptimizerSpec | None = None) -> TrainResult:
+          optimizer: OptimizerSpec | None = None, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
     """Train with GRPO on ``cfg.env``; see the module docstring for the loop.
 
     Every argument after ``cfg`` is optional: ``model`` and ``tokenizer`` (default: loaded
@@ -288,7 +288,8 @@ def train(cfg: GRPOConfig, *, model: torch.nn.Module | None = None, tokenizer: A
     ``treerl.make(cfg.env, **cfg.env_kwargs)``); ``reward_funcs`` with TRL's signature and
     ``reward_weights`` (one for the environment's reward, then one per function);
     ``optimizer``, a torch optimizer or a function of the trained parameters that makes one
-    (default: AdamW).
+    (default: AdamW); ``callbacks``, functions ``(step, metrics)`` called after each step's
+    metrics are logged, on the main process.
 
     Under ``accelerate launch --multi_gpu --num_processes R -m treerl.cli learn ...`` (or
     ``torchrun``), or in processes that initialized a ``torch.distributed`` group, the ``R``
@@ -297,7 +298,8 @@ def train(cfg: GRPOConfig, *, model: torch.nn.Module | None = None, tokenizer: A
     once the model is saved.
     """
     run = build(cfg, model=model, tokenizer=tokenizer, policy=policy, env_factory=env_factory,
-                reward_funcs=reward_funcs, reward_weights=reward_weights, optimizer=optimizer, reference=cfg.beta > 0)
+                reward_funcs=reward_funcs, reward_weights=reward_weights, optimizer=optimizer, reference=cfg.beta > 0,
+                callbacks=callbacks)
     with run:
         for step in run.steps():
             grpo_step(run, step)
