@@ -26,7 +26,7 @@ from treerl.learners.losses import (
     register_loss,
 )
 from treerl.learners.packing import PackedBatch, PackingConfig, PackingError, pack_groups, packing_metrics
-from treerl.learners.rewards import RewardFunc
+from treerl.rollout.rewards import RewardFunc
 from treerl.learners.sdpo import SDPOConfig, train as train_sdpo
 
 __all__ = [

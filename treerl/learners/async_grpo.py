@@ -54,7 +54,7 @@ from treerl.learners.core import OptimizerSpec, Run, StepCallback, TrainResult, 
 from treerl.learners.diagnostics import CHECKS, Check
 from treerl.learners.grpo import GRPOConfig, update
 from treerl.learners.importance import ImportanceConfig
-from treerl.learners.rewards import RewardFunc
+from treerl.rollout.rewards import RewardFunc
 from treerl.learners.weight_sync import policy_state_dict
 from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group, GroupWriter, read_groups

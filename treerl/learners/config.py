@@ -29,6 +29,7 @@ from treerl.kernels.tree_attention import BACKENDS
 from treerl.learners.packing import PackingConfig
 from treerl.learners.precision import DTYPES, resolve_precision
 from treerl.rollout.options import EpisodeOptions
+from treerl.rollout.rewards import RewardOptions
 
 __all__ = ["LearnerConfig", "REPORT_TO"]
 
@@ -36,7 +37,7 @@ REPORT_TO = ("none", "tensorboard", "wandb", "trackio")
 
 
 @dataclass
-class LearnerConfig(EpisodeOptions):
+class LearnerConfig(RewardOptions, EpisodeOptions):
     """Options every learner of ``treerl learn`` shares."""
 
     ALIASES: ClassVar[dict[str, str]] = {  # TRL's names where the meaning is the same (flags and YAML keys)
@@ -150,11 +151,6 @@ class LearnerConfig(EpisodeOptions):
         help='The held-out evaluation\'s environment keyword arguments, merged over env_kwargs, e.g. \'{"data_path": '
              '"test.jsonl"}\' (default: the training environment, whose rows the evaluation would then draw).',
         default_factory=dict)
-    reward_funcs: list[str] = field_help(
-        help="Reward functions with TRL's signature, as MODULE:FUNCTION or FILE.py:FUNCTION (comma-separated or "
-             "repeated), added to the environment's reward.", default_factory=list)
-    reward_weights: list[float] | None = field_help(None, "One weight for the environment's reward, then one per "
-                                                          "reward function (default: all 1).")
     eval_temperature: float = field_help(1.0, "Sampling temperature of the evaluation.")
     save_every: int = field_help(0, "Checkpoint every N steps (0: only at the end).")
     save_total_limit: int | None = field_help(None, "Keep only the N latest checkpoints, removing older ones as "
@@ -201,14 +197,7 @@ class LearnerConfig(EpisodeOptions):
         if not isinstance(self.eval_env_kwargs, dict):
             raise ValueError(f"eval_env_kwargs={self.eval_env_kwargs!r} must be a mapping, e.g. --eval-env-kwargs "
                              "'{\"data_path\": \"test.jsonl\"}'.")
-        if self.reward_weights is not None and self.reward_funcs:
-            from treerl.learners.rewards import load_reward_funcs
-
-            num = len(load_reward_funcs(self.reward_funcs))
-            if len(self.reward_weights) != 1 + num:
-                raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for {num} reward "
-                                 f"function(s); give {1 + num}: the environment's reward first, then one per "
-                                 "function (--reward-weights 1.0 0.5 ...).")
+        self.check_reward_options()
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ValueError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1], e.g. "
                              "0.3 leaves 70% of the GPU to training.")

@@ -23,7 +23,7 @@ the step's groups come from a :class:`~treerl.rollout.sources.GroupSource` inste
 engine, and a source that takes weights receives each published version. The parts it uses
 each live in their own module:
 :mod:`~treerl.learners.checkpoints`, :mod:`~treerl.learners.metrics`,
-:mod:`~treerl.learners.weight_sync`, :mod:`~treerl.learners.rewards`,
+:mod:`~treerl.learners.weight_sync`, :mod:`~treerl.rollout.rewards`,
 :mod:`~treerl.learners.evaluation`, :mod:`~treerl.learners.diagnostics`,
 :mod:`~treerl.learners.samples` (trajectory samples for ``treerl view``),
 :mod:`~treerl.learners.plots` and :mod:`~treerl.learners.distributed` (several processes
@@ -84,7 +84,7 @@ from treerl.learners.precision import (
     enable_gradient_checkpointing,
     resolve_precision,
 )
-from treerl.learners.rewards import RewardFunc, check_reward_weights, load_reward_funcs
+from treerl.rollout.rewards import RewardFunc, check_reward_weights, load_reward_funcs
 from treerl.learners.samples import add_trainer_logprobs, annotate_sample, keeps_sample, sample_path, write_groups
 from treerl.learners.weight_sync import WeightSync
 from treerl.rollout.engine import RolloutEngine

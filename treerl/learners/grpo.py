@@ -54,7 +54,7 @@ from treerl.learners.importance import ImportanceConfig, importance_weights
 from treerl.learners.losses import POLICY_LOSSES, LossCoefficients, LossConfig, LossNormalizer, compute_loss
 from treerl.learners.packing import PackedBatch, pack_groups
 from treerl.learners.precision import Precision
-from treerl.learners.rewards import RewardFunc, StepState, score, write_extras
+from treerl.rollout.rewards import RewardFunc, StepState, score, write_extras
 from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group
 

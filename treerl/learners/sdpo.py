@@ -79,7 +79,7 @@ from treerl.learners.grpo import (
 )
 from treerl.learners.losses import AGGREGATIONS, LossInputs, LossNormalizer
 from treerl.learners.packing import PackedBatch, pack_groups
-from treerl.learners.rewards import RewardFunc, StepState, score
+from treerl.rollout.rewards import RewardFunc, StepState, score
 from treerl.learners.teacher import TEACHER_KINDS, ema_update, make_teacher, rebasable, teacher_terms
 from treerl.learners.teacher_context import TeacherContext, TeacherContextConfig, TeacherPrompter, context_metrics
 from treerl.learners.teacher_gate import TeacherGate, copy_gaps
