@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import math
+
+import pytest
 from _scripted import ScriptedPolicy
 
+from treerl.cli import main
 from treerl.envs import ToolCall, get_parser
 from treerl.models import load_default_model
 from treerl.rollout.evaluate import EvalConfig, evaluate_with
+from treerl.rollout.trajectory import read_groups, read_header
 
 
 class _RecordingPolicy(ScriptedPolicy):
@@ -45,3 +51,77 @@ def test_eval_plays_each_dataset_row_at_most_once(capsys):
     assert report.num_episodes == 3 and report.success_rate == 1 / 3
     assert "the dataset has 3 rows" in capsys.readouterr().err
     assert evaluate_with(cfg, policy, tok, num_episodes=2, seed=0).num_episodes == 2  # fewer: the first rows
+
+
+def _math_rows(n: int) -> list[dict]:
+    return [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(n)]
+
+
+def test_eval_plays_each_task_as_a_group_and_reports_pass_at_k():
+    _, tok = load_default_model()
+    rows = _math_rows(3)
+    # Task 0: generation 0 of 4 right; task 1: all 4 wrong; task 2: all 4 right.
+    right = {"seed-0": {0}, "seed-1": set(), "seed-2": {0, 1, 2, 3}}
+    answers = {f"seed-{i}": r["answer"] for i, r in enumerate(rows)}
+    policy = ScriptedPolicy(tok, lambda task, g, turn: f"\\boxed{{{answers[task] if g in right[task] else 0}}}",
+                            end_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    cfg = EvalConfig(env="treerl/MathVerify-v0", env_kwargs={"dataset": rows})
+    report = evaluate_with(cfg, policy, tok, num_episodes=3, seed=0, rollouts_per_task=4)
+    # num_episodes counts tasks (verifiers' -n); each is one group of 4 sharing its prompt segment.
+    assert report.figures["groups"] == 3 and report.num_episodes == 12
+    assert all(len(g.episodes) == 4 and [s.kind for s in g.segments].count("prompt") == 1 for g in report.groups)
+    assert report.success_rate == 5 / 12  # over every episode
+    # Unbiased pass@k (1 - C(n-c, k) / C(n, k)) averaged over tasks: c = 1, 0, 4 of n = 4.
+    assert report.pass_at_k == {1: (0.25 + 0 + 1) / 3, 2: (0.5 + 0 + 1) / 3, 4: (1 + 0 + 1) / 3}
+    assert report.summary()["pass@4"] == 2 / 3 and "pass@1 41.7%" in report.table()
+    once = evaluate_with(cfg, policy, tok, num_episodes=3, seed=0)
+    assert once.num_episodes == 3 and once.pass_at_k == {} and "pass@" not in once.table()
+
+
+def test_eval_reports_reward_functions_as_learn_logs_them():
+    _, tok = load_default_model()
+
+    def brief(prompts, completions, completion_ids, **kwargs):
+        return [1.0 if len(ids) < 8 else 0.0 for ids in completion_ids]
+
+    def abstains(prompts, completions, completion_ids, **kwargs):
+        return [None] * len(completions)
+
+    rows = _math_rows(2)
+    answers = {"seed-0": "1", "seed-1": "2"}
+    policy = ScriptedPolicy(tok, lambda task, g, turn: f"\\boxed{{{answers[task]}}}" if g == 0 else "x " * 20,
+                            end_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    cfg = EvalConfig(env="treerl/MathVerify-v0", env_kwargs={"dataset": rows})
+    report = evaluate_with(cfg, policy, tok, num_episodes=2, seed=0, rollouts_per_task=2,
+                           reward_funcs=[brief, abstains], reward_weights=[1.0, 0.5, 2.0])
+    f = report.figures
+    # Episode rewards (env, brief): right-and-brief (1, 1) twice, wrong-and-long (0, 0) twice.
+    assert f["reward/env_mean"] == 0.5 and f["reward_fn/brief_mean"] == 0.5
+    assert math.isnan(f["reward_fn/abstains_mean"])  # None: not applicable, left out of the sum, as in learn
+    assert f["reward/mean"] == (1.5 + 1.5 + 0 + 0) / 4  # the weighted sum learn trains on
+    assert report.success_rate == 0.5  # the environment's reward decides success
+    assert "env reward mean / std" in report.table() and "reward_fn/brief_mean" in report.table()
+    with pytest.raises(ValueError, match="reward_weights"):
+        EvalConfig(reward_funcs=["math:floor"], reward_weights=[1.0])
+
+
+def test_eval_command_writes_trajectories_with_the_report(tmp_path, capsys):
+    (tmp_path / "my_rewards.py").write_text(
+        "def short(prompts, completions, completion_ids, **kwargs):\n"
+        "    return [1.0 if len(ids) < 20 else 0.0 for ids in completion_ids]\n")
+    out = tmp_path / "runs" / "eval.jsonl"
+    out.parent.mkdir()
+    out.write_text("an older file, replaced\n")
+    assert main(["eval", "--num-episodes", "2", "--num-generations", "2", "--max-new-tokens", "8",
+                 "--max-episode-tokens", "256", "--reward-funcs", f"{tmp_path / 'my_rewards.py'}:short",
+                 "--out", str(out), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["groups"] == 2 and printed["episodes"] == 4
+    assert {"pass@1", "pass@2", "reward/env_mean", "reward_fn/short_mean"} <= printed.keys()
+    groups = list(read_groups(out))  # what treerl view reads
+    assert [len(g.episodes) for g in groups] == [2, 2]
+    header = read_header(out)
+    assert header["report"] == printed and header["run"]["group_size"] == 2
+    # A path that cannot be written is refused before the model loads, not after the evaluation.
+    assert main(["eval", "--out", str(tmp_path)]) == 2
+    assert "--out" in capsys.readouterr().err

@@ -163,17 +163,25 @@ def cmd_envs(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from treerl.agents.chat_templates import resolve_chat_template, warn_about_template
     from treerl.agents.transformers_policy import TransformersPolicy
-    from treerl.rollout.evaluate import EvalConfig, evaluate_with
+    from treerl.rollout.evaluate import EvalConfig, evaluate_with, write_episodes
+    from treerl.rollout.rewards import load_reward_funcs
 
     cfg = config_for_command(EvalConfig, args)
+    reward_funcs = load_reward_funcs(cfg.reward_funcs)
+    cfg.check_out()
     model, tokenizer = cfg.load_model()
     warn_about_template(tokenizer, cfg.env_factory(), resolve_chat_template(cfg.chat_template, tokenizer))
     policy = TransformersPolicy(model, tokenizer, device=cfg.device, continuous_batching=cfg.continuous_batching)
     try:
         report = evaluate_with(cfg, policy, tokenizer, num_episodes=cfg.num_episodes, seed=cfg.seed,
-                               success_threshold=cfg.success_threshold)
+                               success_threshold=cfg.success_threshold, rollouts_per_task=cfg.rollouts_per_task,
+                               reward_funcs=reward_funcs, reward_weights=cfg.reward_weights)
     finally:
         policy.close()
+    if cfg.out:
+        write_episodes(cfg.out, report, cfg.run_header(tokenizer))
+        print(f"wrote {report.num_episodes} episodes to {cfg.out} (`treerl view {cfg.out}` shows them)",
+              file=sys.stderr)
     if cfg.json:
         summary = report.summary()
         if cfg.per_task:

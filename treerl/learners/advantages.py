@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from treerl.rollout.rewards import combine_rewards
+
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "ADVANTAGE_SCALES",
@@ -165,16 +167,6 @@ def rloo_advantages(rewards: Tensor, group: Tensor, *, scale: str = "none", eps:
     # r_i - (sum - r_i) / (n - 1) = n / (n - 1) * (r_i - mean); 0 for n = 1.
     centered = torch.where(n > 1, n / (n - 1.0).clamp(min=1.0) * (rewards - mean[ids]), torch.zeros_like(rewards))
     return _scale(centered, rewards, ids, std, scale, eps)
-
-
-def combine_rewards(rewards: Tensor, weights: Tensor) -> Tensor:
-    """Weighted sum of several rewards: (E, R) x (R,) -> (E,). A NaN reward (a reward function's
-    ``None``: "not applicable") is left out of its episode's sum, as TRL does.
-
-    >>> combine_rewards(torch.tensor([[1.0, float("nan")], [1.0, 2.0]]), torch.tensor([1.0, 0.5]))
-    tensor([1., 2.])
-    """
-    return torch.nansum(rewards * weights, dim=-1)
 
 
 Estimator = Callable[..., Tensor]

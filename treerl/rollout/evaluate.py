@@ -3,47 +3,74 @@
 Evaluation plays through the rollout engine, the one episode loop: the same rendering and
 bridge tokens, tool-call parsing, per-episode token and wall-clock limits, and environment
 errors recorded as data, as in ``treerl rollout`` and ``treerl learn``. Each of the
-``num_episodes`` tasks is played once (a group of one), task ``i`` with seed ``seed + i``,
+``num_episodes`` tasks (task ``i`` with seed ``seed + i``) is played ``rollouts_per_task``
+times, as one group sharing the prompt (verifiers' ``-n N -r R``, TRL's ``num_generations``),
 and the figures are :meth:`~treerl.rollout.summary.RolloutStats.summary`'s. An environment
-that draws its tasks from a dataset plays rows ``0..N-1``, each at most once: asked for more
-episodes than it has rows, the evaluation plays every row once and says so, since rows played
+that draws its tasks from a dataset plays rows ``0..N-1``, each as one task at most: asked for
+more tasks than it has rows, the evaluation plays every row once and says so, since rows played
 twice would weigh the success rate by accident.
 
-An episode *succeeds* when its final reward reaches ``success_threshold``.
+An episode *succeeds* when its final environment reward reaches ``success_threshold``; the
+success rate is over all episodes. With ``rollouts_per_task`` R > 1 the report adds
+``pass@k`` for k = 1, the powers of 2 below R, and R: the unbiased estimate (Chen et al.,
+2021) of the chance that at least one of k episodes of a task succeeds, ``1 - C(n-c, k) /
+C(n, k)`` for a task with c successes in n episodes, averaged over tasks. With reward
+functions (:class:`~treerl.rollout.rewards.RewardOptions`), ``reward/mean`` is their weighted
+sum with the environment's reward (what ``treerl learn`` trains on), beside ``reward/env_mean``
+and each function's ``reward_fn/<name>_mean``, the names of learn's metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
 
 from treerl.agents.chat_templates import resolve_chat_template
 from treerl.agents.policy import Policy, SamplingParams
 from treerl.config import field_help
 from treerl.envs.registry import make
+from treerl.errors import ConfigError
 from treerl.rollout.engine import RolloutEngine
 from treerl.rollout.options import EpisodeOptions
+from treerl.rollout.record import tokenizer_info
+from treerl.rollout.rewards import RewardFunc, RewardOptions, check_reward_weights, combine_rewards, score
 from treerl.rollout.summary import summary_table, task_rows, task_table
-from treerl.rollout.trajectory import Group
+from treerl.rollout.trajectory import Group, GroupWriter, make_header
 
-__all__ = ["EvalConfig", "EvalReport", "evaluate", "aevaluate", "evaluate_with"]
+__all__ = ["EvalConfig", "EvalReport", "evaluate", "aevaluate", "evaluate_with", "pass_at_k", "write_episodes"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class EvalConfig(EpisodeOptions):
+class EvalConfig(RewardOptions, EpisodeOptions):
     """Options of ``treerl eval``."""
 
-    num_episodes: int = field_help(64, "How many episodes (one task each, seeds seed..seed+N-1; a dataset's "
-                                       "rows 0..N-1, each at most once).")
+    ALIASES: ClassVar[dict[str, str]] = {"num_generations": "rollouts_per_task"}
+
+    num_episodes: int = field_help(64, "How many tasks (seeds seed..seed+N-1; a dataset's rows 0..N-1, each at "
+                                       "most once), each played rollouts_per_task times: N episodes at the "
+                                       "default of 1, N x R with --rollouts-per-task R (verifiers' -n).")
+    rollouts_per_task: int = field_help(1, "Episodes per task, played as one group sharing the prompt (verifiers' "
+                                           "-r); above 1 the report adds pass@k for k = 1, the powers of 2 below R, "
+                                           "and R.")
     seed: int = field_help(10_000, "First task seed; the default keeps evaluation tasks apart from small training "
                                    "seeds.")
-    success_threshold: float = field_help(1.0, "Final reward at or above which an episode counts as solved.")
+    success_threshold: float = field_help(1.0, "Final environment reward at or above which an episode counts as "
+                                               "solved (success rate and pass@k; the reward functions of "
+                                               "--reward-funcs do not count).")
+    out: str | None = field_help(None, "Also write the episodes' trajectory trees to this JSON Lines file, in "
+                                       "treerl rollout --out's format (treerl view and read_groups read it), the "
+                                       "report in its header line; an existing file is replaced.")
     json: bool = field_help(False, "Print the report as JSON.")
     per_task: bool = field_help(False, "Also report each task: answer, reward, success, turns, tokens, tool calls "
                                        "and how it ended (a table, or a `tasks` list with --json).")
@@ -52,6 +79,46 @@ class EvalConfig(EpisodeOptions):
         super().__post_init__()
         if self.num_episodes < 1:
             raise ValueError(f"num_episodes={self.num_episodes} must be >= 1: evaluate at least one episode.")
+        if self.rollouts_per_task < 1:
+            raise ValueError(f"rollouts_per_task={self.rollouts_per_task} must be >= 1: play each task at least "
+                             "once (--rollouts-per-task 1).")
+        self.check_reward_options()
+
+    def run_header(self, tokenizer: Any) -> dict[str, Any]:
+        """What produced the episodes of ``--out`` (its header's ``run``, as ``treerl rollout``'s)."""
+        template = resolve_chat_template(self.chat_template, tokenizer) or getattr(tokenizer, "chat_template", None)
+        return {
+            "command": "eval",
+            "env_id": self.env,
+            "env_kwargs": self.env_kwargs,
+            "model": None if self.model is None else os.path.realpath(self.model),
+            "tokenizer": tokenizer_info(tokenizer, template),
+            "sampling": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self.sampling()).items()},
+            "group_size": self.rollouts_per_task,
+            "num_episodes": self.num_episodes,
+            "seed": self.seed,
+            "success_threshold": self.success_threshold,
+            "reward_funcs": self.reward_funcs,
+            "reward_weights": self.reward_weights,
+            "max_episode_tokens": self.max_episode_tokens,
+        }
+
+    def check_out(self) -> None:
+        """``out`` can be written (checked before the model loads, not after the evaluation)."""
+        if not self.out:
+            return
+        path = Path(self.out)
+        try:
+            if path.is_dir():
+                raise IsADirectoryError(21, "a directory")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            probe = path.with_name(path.name + ".tmp")
+            with open(probe, "w"):
+                pass
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(f"--out {self.out}: cannot write there ({exc.strerror or exc}). Pass a writable file "
+                              "path, e.g. --out runs/eval.jsonl.") from None
 
 
 @dataclass
@@ -80,6 +147,11 @@ class EvalReport:
         """The figures with the environment id (what ``treerl eval --json`` prints)."""
         return {"env": self.env, **self.figures}
 
+    @property
+    def pass_at_k(self) -> dict[int, float]:
+        """``{k: pass@k}`` (empty when each task was played once)."""
+        return {int(key[5:]): v for key, v in self.figures.items() if key.startswith("pass@")}
+
     def table(self) -> str:
         return summary_table(self.figures, environment=self.env)
 
@@ -95,24 +167,96 @@ async def aevaluate(env_factory: Callable[[], Any], policy: Policy, tokenizer: A
                     num_episodes: int = 64, seed: int = 10_000, params: SamplingParams | None = None,
                     max_concurrency: int = 32, max_episode_tokens: int = 2048, max_episode_seconds: float = 300.0,
                     success_threshold: float = 1.0, chat_template: str | None = None,
-                    lockstep: bool = False) -> EvalReport:
-    """Play ``num_episodes`` tasks (seeds ``seed..seed+N-1``) once each, concurrently; see :func:`evaluate`.
+                    lockstep: bool = False, rollouts_per_task: int = 1, reward_funcs: Sequence[RewardFunc] = (),
+                    reward_weights: Sequence[float] | None = None) -> EvalReport:
+    """Play ``num_episodes`` tasks (seeds ``seed..seed+N-1``) ``rollouts_per_task`` times each, concurrently;
+    see :func:`evaluate`.
 
     ``chat_template`` (a template's text) overrides the tokenizer's, and ``lockstep`` generates in
     waves of every episode (batches, and with them every float, repeat), as in the engine.
+    ``reward_funcs`` (TRL's signature) are scored as in ``treerl learn``, weighted by
+    ``reward_weights`` (the environment's first; default all 1); they get no ``trainer_state``.
     """
-    num_episodes = _at_most_one_per_row(env_factory, num_episodes)
+    weights = check_reward_weights(reward_funcs, reward_weights)
+    num_episodes = _at_most_one_per_row(env_factory, num_episodes, rollouts_per_task)
     engine = RolloutEngine(policy, tokenizer, params=params or SamplingParams(max_new_tokens=96),
                            max_concurrency=max_concurrency, max_episode_tokens=max_episode_tokens,
                            max_episode_seconds=max_episode_seconds, seed=seed, chat_template=chat_template,
                            lockstep=lockstep)
-    groups, stats = await engine.run(env_factory, env_id, range(num_episodes), group_size=1)
-    return EvalReport(env=env_id, figures=stats.summary(success_threshold), groups=groups,
-                      success_threshold=success_threshold)
+    groups, stats = await engine.run(env_factory, env_id, range(num_episodes), group_size=rollouts_per_task)
+    figures = stats.summary(success_threshold)
+    if rollouts_per_task > 1:
+        figures.update({f"pass@{k}": v for k, v in pass_at_k(groups, success_threshold).items()})
+    if reward_funcs:
+        figures.update(_reward_figures(groups, reward_funcs, weights))
+    return EvalReport(env=env_id, figures=figures, groups=groups, success_threshold=success_threshold)
 
 
-def _at_most_one_per_row(env_factory: Callable[[], Any], num_episodes: int) -> int:
-    """``num_episodes``, or the number of rows of the environment's dataset when that is smaller (with a warning)."""
+def pass_at_k(groups: Sequence[Group], success_threshold: float = 1.0) -> dict[int, float]:
+    """``{k: pass@k}`` for k = 1, the powers of 2 below n, and n (n: the fewest episodes of a group), each
+    the unbiased estimate of Chen et al. (2021) averaged over groups: ``1 - C(n-c, k) / C(n, k)`` for a
+    group with ``c`` successes (final reward at or above ``success_threshold``) in ``n`` episodes.
+
+    >>> from treerl.rollout.trajectory import Episode
+    >>> def group(*finals):
+    ...     return Group(task_key="t", env_id="", episodes=[Episode(leaf=0, reward=r, rewards=[r])
+    ...                                                      for r in finals])
+    >>> pass_at_k([group(1, 0, 0, 0), group(0, 0, 0, 0)])
+    {1: 0.125, 2: 0.25, 4: 0.5}
+    """
+    if not groups:
+        return {}
+    n_min = min(len(g.episodes) for g in groups)
+    ks = sorted({1, n_min, *(2 ** i for i in range(1, n_min.bit_length()))})
+    out = {}
+    for k in ks:
+        estimates = []
+        for g in groups:
+            n = len(g.episodes)
+            c = sum((e.rewards[-1] if e.rewards else 0.0) >= success_threshold for e in g.episodes)
+            estimates.append(1.0 - math.comb(n - c, k) / math.comb(n, k))
+        out[k] = sum(estimates) / len(estimates)
+    return out
+
+
+def _reward_figures(groups: Sequence[Group], reward_funcs: Sequence[RewardFunc],
+                    weights: Sequence[float]) -> dict[str, float]:
+    """Learn's reward metrics over the episodes: ``reward/mean`` and ``reward/std`` of the weighted sum,
+    ``reward/env_mean`` and ``reward/env_std`` of the environment's reward, ``reward_fn/<name>_mean``
+    per function (and what the functions log with ``log_metric``)."""
+    metrics: dict[str, float] = {}
+    rewards = score(groups, reward_funcs, metrics)  # (E, 1 + F)
+    combined = combine_rewards(rewards, torch.tensor(weights, dtype=rewards.dtype))  # (E,)
+    env = rewards[:, 0]
+    return {
+        "reward/mean": combined.mean().item(),
+        "reward/std": combined.std(unbiased=False).item(),
+        "reward/env_mean": env.mean().item(),
+        "reward/env_std": env.std(unbiased=False).item(),
+        **metrics,
+    }
+
+
+def write_episodes(path: str | os.PathLike, report: EvalReport, run: dict[str, Any]) -> Path:
+    """Write ``report``'s groups as a trajectory file (``treerl rollout --out``'s format), replacing ``path``;
+    the header line holds ``run`` (what produced them) and the report (``read_header(path)["report"]``)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")  # written whole, then moved: a killed write leaves the old file
+    try:
+        tmp.unlink(missing_ok=True)
+        with GroupWriter(tmp, header={**make_header(run), "report": report.summary()}) as writer:
+            for group in report.groups:
+                writer.write(group)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ConfigError(f"--out {path}: cannot write there ({exc.strerror or exc}). Pass a writable file path, "
+                          "e.g. --out runs/eval.jsonl.") from None
+    return path
+
+
+def _at_most_one_per_row(env_factory: Callable[[], Any], num_episodes: int, rollouts_per_task: int = 1) -> int:
+    """``num_episodes`` (tasks), or the number of rows of the environment's dataset when that is smaller
+    (with a warning)."""
     env = env_factory()
     try:
         dataset = getattr(env, "dataset", None)
@@ -122,7 +266,7 @@ def _at_most_one_per_row(env_factory: Callable[[], Any], num_episodes: int) -> i
     if num_rows is None or num_episodes <= num_rows:
         return num_episodes
     message = (f"num_episodes={num_episodes} but the dataset has {num_rows} rows: evaluating each row once "
-               f"({num_rows} episodes), as rows played twice would count twice")
+               f"({num_rows * rollouts_per_task} episodes), as rows played twice would count twice")
     logger.warning(message)
     print(f"warning: {message}", file=sys.stderr)
     return num_rows
@@ -144,16 +288,20 @@ def evaluate(env_id: str, policy: Policy, tokenizer: Any, *, env_kwargs: dict[st
 
 def evaluate_with(cfg: EpisodeOptions, policy: Policy, tokenizer: Any, *, num_episodes: int, seed: int,
                   success_threshold: float = 1.0, env_factory: Callable[[], Any] | None = None,
-                  env_id: str = "", **sampling_overrides: Any) -> EvalReport:
+                  env_id: str = "", rollouts_per_task: int = 1, reward_funcs: Sequence[RewardFunc] = (),
+                  reward_weights: Sequence[float] | None = None, **sampling_overrides: Any) -> EvalReport:
     """:func:`evaluate` with a command's :class:`EpisodeOptions` (environment, sampling, limits, lockstep).
 
     ``env_factory`` replaces the one ``cfg`` describes (a learner given its own factory), and
-    ``env_id`` then names it (default: ``cfg.env``).
+    ``env_id`` then names it (default: ``cfg.env``). ``rollouts_per_task``, ``reward_funcs`` and
+    ``reward_weights`` are :func:`aevaluate`'s (``cfg``'s own are not read: a learner's held-out
+    evaluation plays each task once, on the environment's reward).
     """
     return asyncio.run(aevaluate(
         env_factory or cfg.env_factory(), policy, tokenizer, env_id=env_id or cfg.env, num_episodes=num_episodes, seed=seed,
         params=cfg.sampling(**sampling_overrides), max_concurrency=cfg.max_concurrency,
         max_episode_tokens=cfg.max_episode_tokens, max_episode_seconds=cfg.max_episode_seconds,
         success_threshold=success_threshold, chat_template=resolve_chat_template(cfg.chat_template, tokenizer),
-        lockstep=cfg.lockstep,
+        lockstep=cfg.lockstep, rollouts_per_task=rollouts_per_task, reward_funcs=reward_funcs,
+        reward_weights=reward_weights,
     ))

@@ -41,7 +41,8 @@ from treerl.config import field_help
 from treerl.errors import ConfigError
 from treerl.rollout.trajectory import Group
 
-__all__ = ["RewardFunc", "RewardOptions", "StepState", "check_reward_weights", "load_reward_funcs", "score", "write_extras"]
+__all__ = ["RewardFunc", "RewardOptions", "StepState", "check_reward_weights", "combine_rewards", "load_reward_funcs",
+           "score", "write_extras"]
 
 _RESERVED = {"prompts", "completions", "completion_ids", "log_metric", "log_extra", "trainer_state"}
 
@@ -239,6 +240,16 @@ def score(groups: Sequence[Group], reward_funcs: Sequence[RewardFunc], metrics: 
             metrics[f"reward_fn/{name}_mean"] = sum(applicable) / len(applicable) if applicable else math.nan
             columns.append(values)
     return torch.tensor(columns, dtype=torch.float32).T  # (E, R)
+
+
+def combine_rewards(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of several rewards: (E, R) x (R,) -> (E,). A NaN reward (a reward function's
+    ``None``: "not applicable") is left out of its episode's sum, as TRL does.
+
+    >>> combine_rewards(torch.tensor([[1.0, float("nan")], [1.0, 2.0]]), torch.tensor([1.0, 0.5]))
+    tensor([1., 2.])
+    """
+    return torch.nansum(rewards * weights, dim=-1)
 
 
 def _a(value: Any) -> str:

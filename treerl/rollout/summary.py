@@ -171,7 +171,16 @@ def summary_table(summary: dict[str, Any], **extra: str) -> str:
     rows += [
         ("groups / episodes", f"{summary['groups']} / {summary['episodes']}"),
         ("success rate", f"{summary['success_rate']:.1%}"),
-        ("reward mean / std", f"{summary['reward/mean']:.3f} / {summary['reward/std']:.3f}"),
+    ]
+    if pass_at := [(k, v) for k, v in summary.items() if k.startswith("pass@")]:  # eval, several per task
+        rows.append(("pass@k", ", ".join(f"{k} {v:.1%}" for k, v in pass_at)))
+    if "reward/env_mean" in summary:  # with reward functions: the weighted sum, the environment's, each function's
+        rows.append(("reward (weighted) mean / std", f"{summary['reward/mean']:.3f} / {summary['reward/std']:.3f}"))
+        rows.append(("env reward mean / std", f"{summary['reward/env_mean']:.3f} / {summary['reward/env_std']:.3f}"))
+        rows += [(k, f"{v:.3f}") for k, v in summary.items() if k.startswith("reward_fn/")]
+    else:
+        rows.append(("reward mean / std", f"{summary['reward/mean']:.3f} / {summary['reward/std']:.3f}"))
+    rows += [
         ("tool calls", ", ".join(f"{k}={v}" for k, v in sorted(summary["tool_calls"].items())) or "none"),
         ("terminations", ", ".join(f"{k}={v}" for k, v in sorted(summary["terminations"].items())) or "none"),
         ("tokens/s", f"{summary['perf/tokens_per_s']:.0f}"),
