@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from treerl.learners.distributed import Ranks
+from treerl.learners import sdpo
 from treerl.learners.grpo import GRPOConfig, train
 
 pytestmark = pytest.mark.slow  # starts two accelerate processes; the default suite stays under 10 minutes
@@ -42,10 +43,18 @@ def _state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
 
 
-def _rank_main(out: Path) -> None:
+# SDPO: three tasks (two on rank 0, one on rank 1) of which, with this seed, one group succeeds at step 1
+# and the others are taught by feedback alone, so the gate judges those by the whole step's copy probes.
+SDPO_CONFIG = dict(CONFIG, tasks_per_step=3, group_size=3, max_new_tokens=24)
+
+
+def _rank_main(out: Path, learner: str) -> None:
     """One rank of the accelerate run: train, then save this rank's weights."""
     model, tok = _load()
-    train(GRPOConfig(output_dir=str(out / "run"), **CONFIG), model=model, tokenizer=tok)
+    if learner == "sdpo":
+        sdpo.train(sdpo.SDPOConfig(output_dir=str(out / "run"), **SDPO_CONFIG), model=model, tokenizer=tok)
+    else:
+        train(GRPOConfig(output_dir=str(out / "run"), **CONFIG), model=model, tokenizer=tok)
     save_file(_state(model), str(out / f"rank{int(os.environ['RANK'])}.safetensors"))
 
 
@@ -81,6 +90,21 @@ def test_a_task_plays_the_same_whichever_rank_plays_it():
     assert sum(len(e.token_ids) for g in alone.values() for e in g.episodes) > 0
 
 
+def _launch_two(tmp_path: Path, learner: str) -> list[dict[str, torch.Tensor]]:
+    """Each rank's weights after a two-process accelerate run of ``_rank_main``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(_free_port()), __file__, str(tmp_path), learner]
+    r = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return [load_file(str(tmp_path / f"rank{i}.safetensors")) for i in range(2)]
+
+
+def _metrics(run: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_two_accelerate_processes_take_the_single_process_steps(tmp_path):
     torch.set_num_threads(1)
     model, tok = _load()
@@ -88,14 +112,7 @@ def test_two_accelerate_processes_take_the_single_process_steps(tmp_path):
     train(GRPOConfig(output_dir=str(tmp_path / "single"), **CONFIG), model=model, tokenizer=tok)
     single = _state(model)
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(_free_port()), __file__, str(tmp_path)]
-    r = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-
-    ranks = [load_file(str(tmp_path / f"rank{i}.safetensors")) for i in range(2)]
+    ranks = _launch_two(tmp_path, "grpo")
     for k in single:
         assert torch.equal(ranks[0][k], ranks[1][k]), f"the ranks disagree on {k}"
     # The update itself (not just the weights) matches. The sums run in another order (two
@@ -112,8 +129,7 @@ def test_two_accelerate_processes_take_the_single_process_steps(tmp_path):
     # Only rank 0 wrote; its metrics are those of the whole step.
     run = tmp_path / "run"
     assert (run / "model" / "model.safetensors").exists() and (run / "checkpoints" / "step-2").exists()
-    many = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    one = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
+    many, one = _metrics(run), _metrics(tmp_path / "single")
     assert [m["step"] for m in many] == [1, 2]
     # The gradient norm (before clipping) is the global gradient's: loss normalizers summed
     # over ranks, gradients summed over ranks.
@@ -123,6 +139,25 @@ def test_two_accelerate_processes_take_the_single_process_steps(tmp_path):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
 
 
+def test_two_accelerate_processes_take_the_single_process_sdpo_steps(tmp_path):
+    """SDPO's gate and its metrics see every rank's groups: the same teachers, the same update."""
+    torch.set_num_threads(1)
+    model, tok = _load()
+    before = _state(model)
+    sdpo.train(sdpo.SDPOConfig(output_dir=str(tmp_path / "single"), **SDPO_CONFIG), model=model, tokenizer=tok)
+    single = _state(model)
+
+    ranks = _launch_two(tmp_path, "sdpo")
+    update = torch.cat([(single[k] - before[k]).flatten() for k in single])
+    error = torch.cat([(ranks[0][k] - single[k]).flatten() for k in single])
+    assert error.norm() <= 1e-4 * update.norm(), (error.norm(), update.norm())
+    one, many = _metrics(tmp_path / "single"), _metrics(tmp_path / "run")
+    assert one[0]["sdpo/demonstration_frac"] > 0 and one[0]["sdpo/feedback_used_frac"] > 0  # what the test is about
+    for a, b in zip(one, many, strict=True):
+        for key in [k for k in a if k.startswith(("sdpo/", "loss/"))]:
+            assert b.get(key) == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
 def test_fewer_tasks_than_processes_is_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(Ranks, "from_env", classmethod(lambda cls, device: cls(rank=0, world_size=4)))
     with pytest.raises(ValueError, match="tasks_per_step=2 is fewer than the 4 processes"):
@@ -130,4 +165,4 @@ def test_fewer_tasks_than_processes_is_refused(monkeypatch, tmp_path):
 
 
 if __name__ == "__main__":  # a rank of the accelerate run above
-    _rank_main(Path(sys.argv[1]))
+    _rank_main(Path(sys.argv[1]), sys.argv[2])

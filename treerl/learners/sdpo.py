@@ -62,6 +62,7 @@ from treerl.config import field_help
 from treerl.learners.checkpoints import checkpoint_path, latest_checkpoint
 from treerl.learners.core import OptimizerSpec, Run, StepCallback, TrainResult, build, finish, register_learner
 from treerl.learners.diagnostics import Check
+from treerl.learners.distributed import Ranks
 from treerl.learners.divergences import (
     DISTILLATION_MODES,
     LMHead,
@@ -82,7 +83,7 @@ from treerl.learners.packing import PackedBatch, pack_groups
 from treerl.rollout.rewards import RewardFunc, StepState, score
 from treerl.learners.teacher import TEACHER_KINDS, ema_update, make_teacher, rebasable, teacher_terms
 from treerl.learners.teacher_context import TeacherContext, TeacherContextConfig, TeacherPrompter, context_metrics
-from treerl.learners.teacher_gate import TeacherGate, copy_gaps
+from treerl.learners.teacher_gate import TeacherGate, copy_gaps, pooled_gap
 from treerl.rollout.trajectory import Group
 
 __all__ = ["SDPOConfig", "Distillation", "SDPO_CHECKS", "gate_prompts", "teacher_prompts", "train"]
@@ -207,10 +208,12 @@ def weighted_rewards(rewards: torch.Tensor, weights: Sequence[float]) -> torch.T
 
 def teacher_prompts(groups: Sequence[Group], rewards: torch.Tensor, weights: Sequence[float],
                     prompter: TeacherPrompter, metrics: dict[str, float],
-                    contexts_out: list[list[TeacherContext]] | None = None) -> list[list[int] | None]:
+                    contexts_out: list[list[TeacherContext]] | None = None,
+                    ranks: Ranks = Ranks()) -> list[list[int] | None]:
     """(E,) per episode (groups in order) its teacher prompt ids, or None when it has no teacher.
 
-    ``contexts_out``, if given, receives each group's :class:`TeacherContext` list."""
+    ``contexts_out``, if given, receives each group's :class:`TeacherContext` list. The
+    ``sdpo/*`` fractions added to ``metrics`` count every rank's episodes and groups."""
     totals = weighted_rewards(rewards, weights).tolist()
     contexts, prompts, first = [], [], 0
     for group in groups:
@@ -221,7 +224,11 @@ def teacher_prompts(groups: Sequence[Group], rewards: torch.Tensor, weights: Seq
             prompts.append(context.prompt_ids)
         contexts.append(group_contexts)
         first += len(group.episodes)
-    metrics.update(context_metrics(contexts))
+    local = context_metrics(contexts)
+    # Each fraction is over episodes or over groups: weighted by those, the ranks' means are the step's.
+    by_group = {k: v for k, v in local.items() if k.endswith("_group_frac")}
+    metrics.update(ranks.mean_metrics({k: v for k, v in local.items() if k not in by_group}, weight=len(prompts)))
+    metrics.update(ranks.mean_metrics(by_group, weight=len(groups)))
     if contexts_out is not None:
         contexts_out.extend(contexts)
     return prompts
@@ -245,13 +252,16 @@ def gate_prompts(run: Run, teacher: torch.nn.Module, gate: TeacherGate, groups: 
         first += len(group.episodes)
     gaps = copy_gaps(teacher, run.model, groups, probes, run.cfg.packing_config(), temperature=run.cfg.temperature,
                      device=run.device) if any(p is not None for p in probes) else {}
-    keep = gate.decide(demonstrations, [p is not None for p in prompts], gaps)
-    with_teacher = sum(p is not None for p in prompts)
+    # Feedback-only episodes are judged by the step's pooled gap: every rank's probes, as on one process.
+    gap_tokens, tokens = run.ranks.sum(pooled_gap(gaps))
+    keep = gate.decide(demonstrations, [p is not None for p in prompts], gaps, pooled=(gap_tokens, tokens))
     gated = [p if k else None for p, k in zip(prompts, keep)]
-    metrics["sdpo/gated_frac"] = (with_teacher - sum(p is not None for p in gated)) / max(with_teacher, 1)
-    metrics["sdpo/copy_probes"] = float(len(gaps))
-    if gaps:
-        metrics["sdpo/copy_gap"] = sum(g * n for g, n in gaps.values()) / sum(n for _, n in gaps.values())
+    with_teacher, kept, probed = run.ranks.sum([sum(p is not None for p in prompts),
+                                                sum(p is not None for p in gated), len(gaps)])
+    metrics["sdpo/gated_frac"] = (with_teacher - kept) / max(with_teacher, 1)
+    metrics["sdpo/copy_probes"] = probed
+    if tokens > 0:
+        metrics["sdpo/copy_gap"] = gap_tokens / tokens
     metrics["perf/gate_s"] = time.perf_counter() - start
     return gated
 
@@ -368,7 +378,7 @@ def sdpo_step(run: Run, teacher: torch.nn.Module, prompter: TeacherPrompter, ste
     # The advantage shown is GRPO's (what the (1 - w) part trains with; SDPO alone ignores it).
     run.keep_sample(step, groups, adv)
     contexts: list[list[TeacherContext]] = []
-    prompts = teacher_prompts(groups, rewards, run.reward_weights, prompter, metrics, contexts)
+    prompts = teacher_prompts(groups, rewards, run.reward_weights, prompter, metrics, contexts, run.ranks)
     if gate is not None and cfg.distillation_weight > 0:
         prompts = gate_prompts(run, teacher, gate, groups, contexts, prompts, prompter, metrics)
     batches = pack_groups(groups, adv, cfg.packing_config())

@@ -38,7 +38,7 @@ from treerl.learners.packing import PackingConfig, pack_groups
 from treerl.learners.teacher import teacher_trees
 from treerl.rollout.trajectory import Group
 
-__all__ = ["TeacherGate", "copy_gaps", "episode_logp"]
+__all__ = ["TeacherGate", "copy_gaps", "episode_logp", "pooled_gap"]
 
 
 class TeacherGate:
@@ -49,17 +49,19 @@ class TeacherGate:
         self.last_pooled: float | None = None
 
     def decide(self, demonstrations: Sequence[int | None], has_prompt: Sequence[bool],
-               gaps: Mapping[int, tuple[float, int]]) -> list[bool]:
+               gaps: Mapping[int, tuple[float, int]], pooled: tuple[float, float] | None = None) -> list[bool]:
         """(E,) keep flags.
 
         Args:
             demonstrations: (E,) per episode, the global index of its demonstration, or None.
             has_prompt: (E,) whether the episode has a teacher prompt at all.
             gaps: global index of a probed demonstration -> (its copy gap, its tokens).
+            pooled: the step's (sum of gap x tokens, tokens) over all its probes, when ``gaps``
+                holds only some of them (one rank's of several); default: ``gaps``' own.
         """
-        tokens = sum(n for _, n in gaps.values())
+        gap_tokens, tokens = pooled if pooled is not None else pooled_gap(gaps)
         if tokens > 0:
-            self.last_pooled = sum(g * n for g, n in gaps.values()) / tokens
+            self.last_pooled = gap_tokens / tokens
         keep = []
         for demo, present in zip(demonstrations, has_prompt):
             if not present:
@@ -69,6 +71,11 @@ class TeacherGate:
             else:
                 keep.append(self.last_pooled is None or self.last_pooled >= self.margin)
         return keep
+
+
+def pooled_gap(gaps: Mapping[int, tuple[float, int]]) -> tuple[float, float]:
+    """(sum of gap x tokens, tokens) over the probes in ``gaps``: the pooled gap's numerator and denominator."""
+    return sum(g * n for g, n in gaps.values()), float(sum(n for _, n in gaps.values()))
 
 
 @torch.no_grad()
