@@ -158,6 +158,44 @@ def test_two_accelerate_processes_take_the_single_process_sdpo_steps(tmp_path):
             assert b.get(key) == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 
+REWARDS = """
+def mentions_answer(completions, answer, level, log_extra, **kwargs):
+    log_extra("level", level)
+    return [1.0 if a in c[-1]["content"] else 0.0 for c, a in zip(completions, answer)]
+
+def only_hard(completions, level, **kwargs):  # None: not applicable
+    return [len(c[-1]["content"]) / 100 if lv == "hard" else None for c, lv in zip(completions, level)]
+"""
+
+
+def test_reward_functions_log_every_ranks_episodes(tmp_path, monkeypatch):
+    """Rank 0 plays the easy rows only, where only_hard never applies: its mean and the log_extra
+    values are still those of the whole step."""
+    from treerl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i),
+             "level": "hard" if i % 2 else "easy"} for i in range(4)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["learn", "--env", "treerl/MathVerify-v0", "--env-kwargs", '{"data_path": "train.jsonl"}', "--steps", "1",
+            "--tasks-per-step", "4", "--group-size", "2", "--max-new-tokens", "8", "--eval-episodes", "0",
+            "--reward-funcs", "my_rewards.py:mentions_answer,my_rewards.py:only_hard", "--progress", "false",
+            "--num-threads", "1"]
+    assert main([*args, "--output-dir", "one"]) == 0
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(_free_port()), "-m", "treerl.cli", *args, "--output-dir", "two"]
+    r = subprocess.run(launch, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    one, two = _metrics(tmp_path / "one")[0], _metrics(tmp_path / "two")[0]
+    for key in ("reward_fn/mentions_answer_mean", "reward_fn/only_hard_mean"):
+        assert two[key] == pytest.approx(one[key], rel=1e-6), key
+    extras = [json.loads((tmp_path / run / "reward_extras.jsonl").read_text()) for run in ("one", "two")]
+    assert extras[0] == extras[1] == {"step": 1, "level": ["easy"] * 2 + ["hard"] * 2 + ["easy"] * 2 + ["hard"] * 2}
+
+
 def test_fewer_tasks_than_processes_is_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(Ranks, "from_env", classmethod(lambda cls, device: cls(rank=0, world_size=4)))
     with pytest.raises(ValueError, match="tasks_per_step=2 is fewer than the 4 processes"):

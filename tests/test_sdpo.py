@@ -365,6 +365,19 @@ def test_sdpo_keeps_trajectory_samples_for_treerl_view(tiny, tmp_path):
     assert all(lp <= 0.0 for s in sampled for lp in s.trainer_logprobs)
 
 
+def test_reward_functions_log_extra_values_under_sdpo(tiny, tmp_path):
+    model, tok = tiny
+
+    def says_boxed(completions, log_extra, **kwargs):
+        log_extra("boxed", ["boxed" in c[-1]["content"] for c in completions])
+        return [0.0 for _ in completions]
+
+    cfg = _cfg(tmp_path, steps=1, tasks_per_step=2, group_size=4, eval_episodes=0, progress=False, max_new_tokens=24)
+    train(cfg, model=copy.deepcopy(model), tokenizer=tok, policy=_script(tok), reward_funcs=[says_boxed])
+    [line] = [json.loads(line) for line in (tmp_path / "reward_extras.jsonl").read_text().splitlines()]
+    assert line["step"] == 1 and len(line["boxed"]) == 8
+
+
 def test_nothing_to_learn_from_changes_nothing_and_says_so(tiny, tmp_path):
     model, tok = tiny
     model = copy.deepcopy(model)

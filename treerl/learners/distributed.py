@@ -161,6 +161,32 @@ class Ranks:
         all_rewards = torch.cat([rew for rew, _ in parts])
         return all_rewards, torch.cat(all_groups), slice(first, first + rewards.shape[0])
 
+    def gather_episode_values(self, values: dict[str, list[Any]], group_sizes: Sequence[int]) -> dict[str, list[Any]]:
+        """Every rank's per-episode lists ``name -> (E,)`` as one step's, in task order.
+
+        ``group_sizes`` are this rank's groups' episode counts. Rank ``r``'s ``j``-th group is
+        the step's task ``r + j * R`` (:meth:`shard`), so the groups are interleaved back; a
+        name a rank did not log is ``None`` for its episodes, and a list that is not one value
+        per episode is appended whole, in rank order.
+        """
+        if not self.enabled:
+            return dict(values)
+        parts = self.gather((values, list(group_sizes)))
+        names = list(dict.fromkeys(name for part, _ in parts for name in part))
+        out: dict[str, list[Any]] = {name: [] for name in names}
+        for name in names:
+            per_episode = all(len(part.get(name, ())) in (0, sum(sizes)) for part, sizes in parts)
+            if not per_episode:
+                out[name] = [v for part, _ in parts for v in part.get(name, [])]
+                continue
+            starts = [[sum(sizes[:j]) for j in range(len(sizes) + 1)] for _, sizes in parts]
+            for j in range(max(len(sizes) for _, sizes in parts)):
+                for (part, sizes), start in zip(parts, starts):
+                    if j < len(sizes):
+                        got = part.get(name)
+                        out[name] += got[start[j]:start[j + 1]] if got is not None else [None] * sizes[j]
+        return out
+
     def sum_dicts(self, totals: dict[str, float]) -> dict[str, float]:
         """Key-wise sums of every rank's ``totals`` (keys missing on a rank count 0)."""
         if not self.enabled:

@@ -34,6 +34,7 @@ evaluates (:mod:`treerl.learners.distributed`)::
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ from treerl.learners.importance import ImportanceConfig, importance_weights
 from treerl.learners.losses import POLICY_LOSSES, LossCoefficients, LossConfig, LossNormalizer, compute_loss
 from treerl.learners.packing import PackedBatch, pack_groups
 from treerl.learners.precision import Precision
-from treerl.rollout.rewards import RewardFunc, StepState, score, write_extras
+from treerl.rollout.rewards import RewardFunc, StepState, reward_func_name, score, write_extras
 from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group
 
@@ -107,6 +108,26 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
 
 
 # -- the stages -----------------------------------------------------------------------------------
+
+
+def score_step(run: Run, step: int, groups: Sequence[Group], metrics: dict[str, float]) -> torch.Tensor:
+    """(E, R) the step's reward columns (:func:`~treerl.rollout.rewards.score`), with the reward
+    functions' means and their ``log_extra`` values (``reward_extras.jsonl``, one line per step)
+    over every rank's episodes."""
+    extras: dict[str, list[Any]] = {}
+    rewards = score(groups, run.reward_funcs, metrics, extras, StepState(global_step=step, max_steps=run.cfg.steps))
+    if run.ranks.enabled and run.reward_funcs:
+        extras = run.ranks.gather_episode_values(extras, [len(g.episodes) for g in groups])
+        # A function's mean is over the episodes it applies to, which a rank may lack (NaN there).
+        columns = rewards[:, 1:].double()  # (E, F)
+        applies = ~columns.isnan()
+        sums = run.ranks.sum([*columns.nan_to_num(0.0).sum(0).tolist(), *applies.sum(0).tolist()])
+        num_funcs = len(run.reward_funcs)
+        for func, total, count in zip(run.reward_funcs, sums[:num_funcs], sums[num_funcs:]):
+            metrics[f"reward_fn/{reward_func_name(func)}_mean"] = total / count if count else math.nan
+    if extras and run.ranks.is_main:
+        write_extras(run.out_dir / "reward_extras.jsonl", step + 1, extras)
+    return rewards
 
 
 def advantages(groups: Sequence[Group], rewards: torch.Tensor, weights: Sequence[float],
@@ -255,10 +276,7 @@ def update(run: Run, step: int, groups: Sequence[Group], stats: RolloutStats, me
     first task index its generators have not been handed yet (see :meth:`Run.end_step`).
     """
     cfg = run.cfg
-    extras: dict[str, list[Any]] = {}
-    rewards = score(groups, run.reward_funcs, metrics, extras, StepState(global_step=step, max_steps=cfg.steps))
-    if extras and run.ranks.is_main:  # reward functions' log_extra values, one line per step
-        write_extras(run.out_dir / "reward_extras.jsonl", step + 1, extras)
+    rewards = score_step(run, step, groups, metrics)
     adv = advantages(groups, rewards, run.reward_weights, cfg, metrics, run.ranks)
     run.keep_sample(step, groups, adv)
     batches = pack_groups(groups, adv, cfg.packing_config())

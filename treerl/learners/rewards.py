@@ -7,9 +7,10 @@ from treerl.rollout.rewards import (  # noqa: F401
     StepState,
     check_reward_weights,
     load_reward_funcs,
+    reward_func_name,
     score,
     write_extras,
 )
 
-__all__ = ["RewardFunc", "RewardOptions", "StepState", "check_reward_weights", "load_reward_funcs", "score",
-           "write_extras"]
+__all__ = ["RewardFunc", "RewardOptions", "StepState", "check_reward_weights", "load_reward_funcs", "reward_func_name",
+           "score", "write_extras"]

@@ -11,7 +11,7 @@ tokens** the student produced, and the student is trained towards it token by to
     run = build(cfg, ...)
     for step in run.steps():
         groups, stats = run.rollout()                       # the engine records each episode's feedback
-        rewards = score(groups, ...)                        # environment reward + reward functions
+        rewards = score_step(run, step, groups, metrics)    # environment reward + reward functions
         adv = advantages(groups, rewards, ...)              # GRPO's, for the blended part
         run.keep_sample(step, groups, adv)                  # every N steps, a few groups for `treerl view`
         prompts = teacher_prompts(groups, rewards, ...)     # per episode: demonstration / feedback -> tokens
@@ -75,12 +75,13 @@ from treerl.learners.grpo import (
     GRPOConfig,
     advantages,
     optimize,
+    score_step,
     skips_zero_advantage_groups,
     without_zero_advantage_groups,
 )
 from treerl.learners.losses import AGGREGATIONS, LossInputs, LossNormalizer
 from treerl.learners.packing import PackedBatch, pack_groups
-from treerl.rollout.rewards import RewardFunc, StepState, score
+from treerl.rollout.rewards import RewardFunc
 from treerl.learners.teacher import TEACHER_KINDS, ema_update, make_teacher, rebasable, teacher_terms
 from treerl.learners.teacher_context import TeacherContext, TeacherContextConfig, TeacherPrompter, context_metrics
 from treerl.learners.teacher_gate import TeacherGate, copy_gaps, pooled_gap
@@ -372,7 +373,7 @@ def sdpo_step(run: Run, teacher: torch.nn.Module, prompter: TeacherPrompter, ste
     start = time.perf_counter()
     groups, stats = run.rollout()
     metrics["perf/rollout_s"] = time.perf_counter() - start
-    rewards = score(groups, run.reward_funcs, metrics, trainer_state=StepState(global_step=step, max_steps=cfg.steps))
+    rewards = score_step(run, step, groups, metrics)
     adv = advantages(groups, rewards, run.reward_weights, cfg, metrics, run.ranks)
     # Before the update, as GRPO: the stored trainer log-probs are those the step's IS weights saw.
     # The advantage shown is GRPO's (what the (1 - w) part trains with; SDPO alone ignores it).

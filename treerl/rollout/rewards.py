@@ -42,7 +42,7 @@ from treerl.errors import ConfigError
 from treerl.rollout.trajectory import Group
 
 __all__ = ["RewardFunc", "RewardOptions", "StepState", "check_reward_weights", "combine_rewards", "load_reward_funcs",
-           "score", "write_extras"]
+           "reward_func_name", "score", "write_extras"]
 
 _RESERVED = {"prompts", "completions", "completion_ids", "log_metric", "log_extra", "trainer_state"}
 
@@ -144,7 +144,8 @@ _TRL_SHAPE = ("it is called once per batch as f(prompts, completions, completion
               "that scores one completion needs a loop around it")
 
 
-def _name(func: RewardFunc) -> str:
+def reward_func_name(func: RewardFunc) -> str:
+    """What metrics call a reward function (``reward_fn/NAME_mean``): its ``__name__``, else its class's."""
     return getattr(func, "__name__", type(func).__name__)
 
 
@@ -157,7 +158,7 @@ def _check_arguments(func: RewardFunc, kwargs: dict[str, Any]) -> None:
     try:
         signature.bind(**kwargs)
     except TypeError as exc:
-        raise TypeError(f"reward function {_name(func)!r} cannot take TRL's arguments ({exc}): {_TRL_SHAPE}; the "
+        raise TypeError(f"reward function {reward_func_name(func)!r} cannot take TRL's arguments ({exc}): {_TRL_SHAPE}; the "
                         f"keyword arguments here are {sorted(kwargs)}.") from None
 
 
@@ -229,7 +230,7 @@ def score(groups: Sequence[Group], reward_funcs: Sequence[RewardFunc], metrics: 
         calls = [(func, dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
                              log_metric=log_metric, log_extra=log_extra, **kwargs)) for func in reward_funcs]
         for func, values in zip(reward_funcs, _call_all(calls)):
-            name = _name(func)
+            name = reward_func_name(func)
             if values is None or isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
                 raise ValueError(f"reward function {name!r} returned {_a(values)}, not a list of rewards: {_TRL_SHAPE}.")
             if len(values) != len(episodes):
