@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -232,6 +233,54 @@ def test_async_steps_interleave_across_environments():
     start = time.monotonic()
     assert asyncio.run(main()) == [str(s) for s in range(8)]
     assert time.monotonic() - start < 1.5
+
+
+class _SleepyStepEnv(treerl.Env):
+    """A plain synchronous Gymnasium-style environment whose step blocks (a slow API, a stuck call)."""
+
+    def __init__(self, release=None, seconds=0.0):
+        super().__init__()
+        self.release, self.seconds = release, seconds
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return [{"role": "user", "content": "hi"}], {}
+
+    def step(self, action):
+        if self.release is not None:
+            self.release.wait()
+        time.sleep(self.seconds)
+        return [], 1.0, True, False, {}
+
+
+def test_sync_steps_of_a_large_group_do_not_queue_behind_each_other():
+    # asyncio's default executor has CPU count + 4 workers: 16 sync steps ran in waves there.
+    async def main():
+        return await asyncio.gather(*(_SleepyStepEnv(seconds=0.5).astep("x") for _ in range(16)))
+
+    start = time.monotonic()
+    assert len(asyncio.run(main())) == 16
+    assert time.monotonic() - start < 1.5
+
+
+def test_a_hung_sync_step_abandoned_by_its_timeout_does_not_hold_up_the_run():
+    # The engine gives up on a step after max_episode_seconds; asyncio.run must then return,
+    # not wait for the stuck thread (which the default executor's shutdown does).
+    release = threading.Event()
+    timer = threading.Timer(10.0, release.set)
+    timer.start()
+
+    async def main():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(_SleepyStepEnv(release).astep("x"), timeout=0.1)
+
+    start = time.monotonic()
+    try:
+        asyncio.run(main())
+        assert time.monotonic() - start < 5.0
+    finally:
+        release.set()
+        timer.cancel()
 
 
 def test_fork_is_independent():

@@ -139,10 +139,15 @@ class Env(gymnasium.Env[list[Message], str]):
         return run_sync(self.astep(action))
 
     async def astep(self, action: str):
-        """Async step. By default runs the synchronous ``step`` in a worker thread."""
+        """Async step. By default runs the synchronous ``step`` in a thread of its own.
+
+        Not asyncio's default executor: its few workers (CPU count + 4) would make the steps
+        of a large group queue behind each other, and a step that hangs past the engine's
+        ``max_episode_seconds`` would keep ``asyncio.run`` from returning until it ends.
+        """
         if type(self).step is Env.step:
             raise NotImplementedError(f"{type(self).__name__} must implement step() or astep().")
-        return await asyncio.to_thread(self.step, action)
+        return await run_in_thread(self.step, action, name="treerl-env-step")
 
     async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         """Async reset; resets are cheap, so this calls ``reset`` directly."""
