@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -129,6 +131,29 @@ def test_environment_failure_is_recorded_not_raised(tiny):
     (group,), stats = asyncio.run(engine.run(lambda: _BrokenEnv(max_turns=1), "tests/Broken-v0", range(1), 2))
     assert [e.termination for e in group.episodes] == ["env_error", "env_error"]
     assert "verifier bug" in group.episodes[0].metrics["env_error"]
+
+
+class _BadRewardEnv(treerl.Env):
+    """A hand-written Gymnasium-style environment whose reward breaks the contract on some tasks."""
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.reward = [None, float("inf"), float("nan"), np.float32(0.5)][seed]
+        return [{"role": "user", "content": "Say hi."}], {}
+
+    def step(self, action):
+        return [], self.reward, True, False, {}
+
+
+def test_a_reward_that_is_not_a_finite_number_is_an_env_error_not_a_crash(tiny):
+    model, tok = tiny
+    engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=SamplingParams(max_new_tokens=4), seed=0)
+    groups, stats = asyncio.run(engine.run(_BadRewardEnv, "tests/BadReward-v0", range(4), 1))
+    episodes = [g.episodes[0] for g in groups]
+    assert [e.termination for e in episodes] == ["env_error", "env_error", "env_error", "terminated"]
+    assert all("finite" in e.metrics["env_error"] for e in episodes[:3])
+    assert [e.reward for e in episodes] == [0.0, 0.0, 0.0, 0.5]  # numpy scalars are numbers
+    assert math.isfinite(stats.summary()["reward/mean"])
 
 
 def test_storage_roundtrip_and_flat_records(tiny, tmp_path):

@@ -25,9 +25,10 @@ import asyncio
 import contextlib
 import copy
 import logging
+import math
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -217,6 +218,11 @@ class RolloutEngine:
                                "".join(traceback.format_exception_only(exc)).strip())
                 state.metrics["env_error"] = f"{type(exc).__name__}: {exc}"
                 return self._finish(state, group, turn.leaf, "env_error")
+            problem = _step_result_problem(reward, info)
+            if problem is not None:  # a broken contract is the environment's error, recorded like a raise
+                logger.warning("environment %s: %s", group.env_id, problem)
+                state.metrics["env_error"] = problem
+                return self._finish(state, group, turn.leaf, "env_error")
             state.turn += 1
             state.rewards.append(float(reward))
             # Each call record names the sampled segment that made it (the viewer places it there).
@@ -306,6 +312,20 @@ class RolloutEngine:
         stats.wall_s = time.monotonic() - start
         groups.sort(key=lambda g: g.info["task_seed"])
         return groups, stats
+
+
+def _step_result_problem(reward: Any, info: Any) -> str | None:
+    """What is wrong with ``step()``'s reward and info, or None: the reward must be a finite number (a NaN
+    or inf would poison the group's mean and be written as null), the info a mapping (Gymnasium's contract)."""
+    try:
+        value = float(reward)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not math.isfinite(value):
+        return f"step() returned reward {reward!r}: rewards must be finite numbers (score a failure as, e.g., 0.0)."
+    if not isinstance(info, Mapping):
+        return f"step() returned info of type {type(info).__name__}: info must be a dict."
+    return None
 
 
 def _feedback(env: Any, env_id: str) -> str | None:
