@@ -156,6 +156,25 @@ def test_a_reward_that_is_not_a_finite_number_is_an_env_error_not_a_crash(tiny):
     assert math.isfinite(stats.summary()["reward/mean"])
 
 
+class _EndsWithBothFlagsEnv(_BadRewardEnv):
+    def step(self, action):
+        return [], 1.0, True, self.truncated, {}
+
+
+def test_a_step_both_terminated_and_truncated_is_recorded_as_terminated(tiny):
+    model, tok = tiny
+    engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=SamplingParams(max_new_tokens=4), seed=0)
+
+    def env(truncated):
+        e = _EndsWithBothFlagsEnv()
+        e.truncated = truncated
+        return e
+
+    for truncated in (False, True):
+        (group,), _ = asyncio.run(engine.run(lambda: env(truncated), "tests/Both-v0", range(3, 4), 1))
+        assert group.episodes[0].termination == "terminated"
+
+
 def test_storage_roundtrip_and_flat_records(tiny, tmp_path):
     model, tok = tiny
     engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=SamplingParams(max_new_tokens=24, top_k=20), seed=0)

@@ -229,7 +229,8 @@ class RolloutEngine:
             state.tool_calls.extend({**r, "segment": turn.leaf} for r in info.get("tool_calls", []))
             state.metrics.update(info.get("metrics", {}))
             if terminated or truncated:
-                termination = info.get("termination") or ("max_turns" if truncated else "terminated")
+                # Both set (a time limit on the very step that ended it): the episode did end (Gymnasium's reading).
+                termination = info.get("termination") or ("terminated" if terminated else "max_turns")
                 return self._finish(state, group, turn.leaf, termination)
 
             try:
