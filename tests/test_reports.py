@@ -12,7 +12,7 @@ from treerl.cli import main
 from treerl.learners.core import _write_plots
 from treerl.learners.plots import PLOTS, write_plots
 from treerl.rollout import Group
-from treerl.rollout.summary import task_rows, task_table
+from treerl.rollout.summary import RolloutStats, task_rows, task_table
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -109,3 +109,19 @@ def test_eval_warns_when_the_chat_template_ignores_tools(tmp_path, capsys):
     assert main(["eval", "--model", str(tmp_path / "m"), "--num-episodes", "1", "--max-new-tokens", "8"]) == 0
     err = capsys.readouterr().err
     assert "warning: the chat template ignores `tools`" in err  # as rollout and learn say before they play
+
+
+def test_tokens_per_s_counts_a_turn_sampled_before_a_fork_once():
+    # One generation sampled 4 tokens, then branched into 3 continuations of 2 tokens each:
+    # the policy generated 4 + 3 * 2 = 10 tokens, though each episode's path holds 6 sampled ones.
+    g = Group(task_key="seed-0", env_id="demo")
+    root = g.add_segment("prompt", [1, 2])
+    first = g.add_segment("sampled", [3, 4, 5, 6], parent=root, logprobs=[-0.1] * 4)
+    bridge = g.add_segment("env", [7], parent=first)
+    for b in range(3):
+        leaf = g.add_segment("sampled", [8, 9 + b], parent=bridge, logprobs=[-0.1] * 2)
+        g.add_episode(leaf=leaf, reward=1.0, rewards=[0.0, 1.0], termination="terminated")
+    stats = RolloutStats()
+    stats.add(g)
+    stats.wall_s = 2.0
+    assert stats.summary()["perf/tokens_per_s"] == 5.0

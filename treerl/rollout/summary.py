@@ -52,12 +52,13 @@ class RolloutStats:
     def add(self, group: Group) -> None:
         self.num_groups += 1
         self.packing_ratios.append(group.packing_ratio)
+        # Each segment once: a turn sampled before a fork was generated once, not once per continuation.
+        self.sampled_tokens += sum(len(s.token_ids) for s in group.segments if s.kind == "sampled")
         for e in group.episodes:
             self.num_episodes += 1
             self.rewards.append(e.reward)
             self.final_rewards.append(e.rewards[-1] if e.rewards else 0.0)
             self.terminations[str(e.termination)] += 1
-            self.sampled_tokens += e.num_sampled_tokens
             self.branches += len(e.extra_leaves)
             last = e.path()[-1]
             if last.kind == "sampled":
