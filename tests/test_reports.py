@@ -125,3 +125,12 @@ def test_tokens_per_s_counts_a_turn_sampled_before_a_fork_once():
     stats.add(g)
     stats.wall_s = 2.0
     assert stats.summary()["perf/tokens_per_s"] == 5.0
+
+
+def test_a_resumed_rollout_says_its_summary_leaves_out_the_tasks_already_in_the_file(tmp_path, capsys):
+    args = ["rollout", "--group-size", "1", "--max-new-tokens", "4", "--progress", "false", "--out", str(tmp_path / "r.jsonl")]
+    assert main([*args, "--num-tasks", "1"]) == 0
+    assert "resumed" not in capsys.readouterr().out
+    assert main([*args, "--num-tasks", "2"]) == 0
+    rows = capsys.readouterr().out
+    assert "1 task(s) already in" in rows and "groups / episodes  1 / 1" in rows

@@ -217,7 +217,10 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         print(f"all {cfg.num_tasks} tasks are already in {cfg.out}: nothing to play (a larger --num-tasks adds more; "
               "`treerl view` or read_groups reads them)")
         return 0
-    print(summary_table(summary))
+    skipped = summary["skipped_finished_tasks"]
+    # A resumed run plays only the missing tasks: say that the figures leave the others out.
+    print(summary_table(summary, **({"resumed": f"{skipped} task(s) already in {cfg.out}, not in these figures"}
+                                     if skipped else {})))
     return 0
 
 
