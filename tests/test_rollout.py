@@ -156,6 +156,22 @@ def test_a_reward_that_is_not_a_finite_number_is_an_env_error_not_a_crash(tiny):
     assert math.isfinite(stats.summary()["reward/mean"])
 
 
+class _TextObservationEnv(_BadRewardEnv):
+    """A text environment in the style of GEM or TextArena: its observation is a bare string."""
+
+    def step(self, action):
+        return "Wrong, try again.", 0.0, False, False, {}
+
+
+def test_an_observation_that_is_not_a_list_of_messages_is_an_env_error_not_a_render_error(tiny):
+    model, tok = tiny
+    engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=SamplingParams(max_new_tokens=4), seed=0)
+    (group,), _ = asyncio.run(engine.run(_TextObservationEnv, "tests/TextObs-v0", range(3, 4), 1))
+    (episode,) = group.episodes
+    assert episode.termination == "env_error"
+    assert "observation of type str" in episode.metrics["env_error"]
+
+
 class _EndsWithBothFlagsEnv(_BadRewardEnv):
     def step(self, action):
         return [], 1.0, True, self.truncated, {}

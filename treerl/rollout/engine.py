@@ -220,9 +220,7 @@ class RolloutEngine:
                 return self._finish(state, group, turn.leaf, "env_error")
             problem = _step_result_problem(reward, info)
             if problem is not None:  # a broken contract is the environment's error, recorded like a raise
-                logger.warning("environment %s: %s", group.env_id, problem)
-                state.metrics["env_error"] = problem
-                return self._finish(state, group, turn.leaf, "env_error")
+                return self._env_error(state, group, turn.leaf, problem)
             state.turn += 1
             state.rewards.append(float(reward))
             # Each call record names the sampled segment that made it (the viewer places it there).
@@ -233,6 +231,11 @@ class RolloutEngine:
                 termination = info.get("termination") or ("terminated" if terminated else "max_turns")
                 return self._finish(state, group, turn.leaf, termination)
 
+            if not isinstance(obs, (list, tuple)) or not all(isinstance(m, Mapping) for m in obs):
+                # Not the template's fault (a text env's bare string, say): the environment broke the contract.
+                return self._env_error(state, group, turn.leaf, f"step() returned an observation of type "
+                                       f"{type(obs).__name__}: it must be a list of chat messages, e.g. "
+                                       "[{'role': 'user', 'content': text}].")
             try:
                 bridge = observe(state, renderer, turn, obs)
             except RenderError as exc:  # the template refuses what came back: the episode ends here, as data
@@ -254,6 +257,11 @@ class RolloutEngine:
                 children = [state.fork(b) for b in range(self.branch_factor)]
                 state.env.close()
                 return children
+
+    def _env_error(self, state: EpisodeState, group: Group, leaf: int, problem: str) -> list[EpisodeState]:
+        logger.warning("environment %s: %s", group.env_id, problem)
+        state.metrics["env_error"] = problem
+        return self._finish(state, group, leaf, "env_error")
 
     def _finish(self, state: EpisodeState, group: Group, leaf: int, termination: str) -> list[EpisodeState]:
         feedback = _feedback(state.env, group.env_id)
