@@ -18,7 +18,7 @@ import torch
 
 import treerl
 from treerl.agents import ChatRenderer, SamplingParams, TransformersPolicy
-from treerl.envs import Task, ToolEnv
+from treerl.envs import EnvError, Task, ToolEnv
 from treerl.rollout.engine import RolloutEngine
 from treerl.rollout import Group, GroupWriter, read_groups, to_flat_records
 
@@ -170,6 +170,19 @@ def test_an_observation_that_is_not_a_list_of_messages_is_an_env_error_not_a_ren
     (episode,) = group.episodes
     assert episode.termination == "env_error"
     assert "observation of type str" in episode.metrics["env_error"]
+
+
+class _TextResetEnv(_BadRewardEnv):
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed, options=options)
+        return "Say hi.", {}
+
+
+def test_a_reset_observation_that_is_not_chat_messages_is_named_as_reset_s_fault(tiny):
+    model, tok = tiny
+    engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=SamplingParams(max_new_tokens=4), seed=0)
+    with pytest.raises(EnvError, match=r"tests/TextReset-v0: reset\(seed=3\) returned the observation 'Say hi.'"):
+        asyncio.run(engine.run(_TextResetEnv, "tests/TextReset-v0", range(3, 4), 1))
 
 
 class _EndsWithBothFlagsEnv(_BadRewardEnv):

@@ -35,6 +35,7 @@ import numpy as np
 
 from treerl.agents.chat import ChatRenderer, RenderError
 from treerl.agents.policy import Policy, SamplingParams
+from treerl.errors import EnvError
 from treerl.rollout.episode import (
     EpisodeState,
     apply_bridge,
@@ -140,6 +141,10 @@ class RolloutEngine:
             if hasattr(env, "use_parser_of"):
                 env.use_parser_of(self.tokenizer)  # tool calls in the format this model writes
             obs, info = await env.areset(seed=task_seed, options=options)
+            if not isinstance(obs, (list, tuple)) or not obs or not all(isinstance(m, Mapping) for m in obs):
+                # Else the chat template fails on it with a message about neither reset() nor the environment.
+                raise EnvError(f"{env_id}: reset(seed={task_seed}) returned the observation {str(obs)[:80]!r}: it must "
+                               "be the opening chat messages, e.g. [{'role': 'user', 'content': text}].")
             # With the parser, a template that needs structured tool calls (gpt-oss) gets them.
             renderer = ChatRenderer(self.tokenizer, tools=env.tool_schemas or None, chat_template=self.chat_template,
                                     parser=getattr(env, "parser", None))
