@@ -10,8 +10,9 @@ and continues ``branch_factor`` times from there, so siblings share that prefix 
 Episodes run as asyncio tasks under one concurrency bound: while some wait on tools,
 the policy batches the others' generation requests. Limits per episode: turns (the
 environment's), tokens (``max_episode_tokens``) and wall clock (``max_episode_seconds``);
-the reason an episode ended is recorded. An environment that raises is recorded as an
-``env_error`` termination, never a crashed run; so is a chat template that cannot render
+the reason an episode ended is recorded. An environment that raises in ``step`` (or returns
+a reward that is not a finite number, or an observation that is not chat messages) is
+recorded as an ``env_error`` termination, never a crashed run; so is a chat template that cannot render
 what came back (``render_error``). When an episode ends, the environment's
 ``feedback()`` (what went wrong, in words) is recorded as the episode's ``metrics["feedback"]``.
 
