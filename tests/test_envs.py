@@ -419,3 +419,25 @@ def test_parser_follows_the_policys_template_unless_given():
     fixed = treerl.make("treerl/Calculator-v0", parser="pythonic")
     fixed.use_parser_of(tok)
     assert fixed.parser.name == "pythonic"  # an explicit choice wins
+
+
+def test_fork_shares_what_cannot_be_deep_copied_and_copies_the_rest():
+    """An environment holding a client (here a lock, as an HTTP session does) still plays groups: each
+    generation gets its own state, the client is shared, and a warning names it."""
+    from treerl.envs.core import Env
+
+    class WithClient(Env):
+        def __init__(self):
+            super().__init__()
+            self.client = threading.Lock()
+            self.calls = []
+
+    env = WithClient()
+    env.calls.append("reset")
+    with pytest.warns(UserWarning, match=r"client \(lock\) cannot be deep-copied"):
+        child = env.fork()
+    child.calls.append("step")
+    assert child.client is env.client and env.calls == ["reset"] and child.calls == ["reset", "step"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per class
+        env.fork()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
+import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -154,8 +155,31 @@ class Env(gymnasium.Env[list[Message], str]):
         return self.reset(seed=seed, options=options)
 
     def fork(self) -> Env:
-        """An independent environment in the same state, random generator included."""
-        return copy.deepcopy(self)
+        """An independent environment in the same state, random generator included.
+
+        A deep copy. Members that cannot be deep-copied (a lock, a client with an open
+        connection, a socket) are shared by the copies instead, with a warning naming them,
+        rather than failing the group; override ``fork`` where sharing one is wrong.
+        """
+        try:
+            return copy.deepcopy(self)
+        except Exception:  # noqa: BLE001 - deepcopy fails with TypeError, PicklingError, copy.Error, ...
+            pass
+        clone = copy.copy(self)
+        memo: dict[int, Any] = {id(self): clone}
+        shared = []
+        for name, value in vars(self).items():
+            try:
+                clone.__dict__[name] = copy.deepcopy(value, memo)
+            except Exception:  # noqa: BLE001
+                clone.__dict__[name] = value
+                shared.append(f"{name} ({type(value).__name__})")
+        cls = type(self)
+        if cls not in _WARNED_SHARED:
+            _WARNED_SHARED.add(cls)
+            warnings.warn(f"{cls.__name__}.fork(): {', '.join(shared)} cannot be deep-copied, so the generations of a "
+                          "group share it; override fork() if each needs its own.", stacklevel=2)
+        return clone
 
     def validate(self, num_tasks: int = 8, seed: int = 0) -> ValidationReport:
         """Check that gold answers earn the full reward. Environments with gold answers override this."""
@@ -174,6 +198,10 @@ class Env(gymnasium.Env[list[Message], str]):
         if self.render_mode != "ansi":
             return None
         return "\n".join(f"[{m['role']}] {m['content']}" for m in self.messages)
+
+
+_WARNED_SHARED: set[type] = set()
+"""Environment classes whose fork() has warned about members it shares."""
 
 
 class ToolEnv(Env):
