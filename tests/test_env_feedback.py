@@ -84,6 +84,11 @@ class _Raising(_Judged):
         raise RuntimeError("feedback bug")
 
 
+class _RaisingClose(_Judged):
+    def close(self):
+        raise RuntimeError("close bug")
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return load_default_model()
@@ -109,6 +114,14 @@ def test_an_environment_whose_feedback_raises_is_logged_not_fatal(tiny, caplog):
     (group,), _ = asyncio.run(_engine(tok, ["yes"]).run(lambda: _Raising(max_turns=1), "tests/R-v0", range(1), 1))
     assert group.episodes[0].termination == "final_answer" and "feedback" not in group.episodes[0].metrics
     assert "feedback bug" in caplog.text
+
+
+def test_an_environment_whose_close_raises_is_logged_not_fatal(tiny, caplog):
+    """The episode is over when close() runs: a bug there is logged, and the group and the run go on."""
+    _, tok = tiny
+    groups, _ = asyncio.run(_engine(tok, ["yes"]).run(lambda: _RaisingClose(max_turns=1), "tests/C-v0", range(2), 2))
+    assert [e.termination for g in groups for e in g.episodes] == ["final_answer"] * 4
+    assert "raised in close(): RuntimeError: close bug" in caplog.text
 
 
 def test_the_calculator_records_tool_errors_through_the_engine(tiny):

@@ -261,7 +261,7 @@ class RolloutEngine:
             if self.branch_factor > 1 and not state.branched and state.turn == self.branch_at_turn:
                 state.branched = True
                 children = [state.fork(b) for b in range(self.branch_factor)]
-                state.env.close()
+                _close(state.env, group.env_id)
                 return children
 
     def _env_error(self, state: EpisodeState, group: Group, leaf: int, problem: str) -> list[EpisodeState]:
@@ -274,7 +274,7 @@ class RolloutEngine:
         if feedback:
             state.metrics["feedback"] = feedback  # what a teacher may read about this attempt (SDPO)
         finish_episode(state, group, leaf, termination)
-        state.env.close()
+        _close(state.env, group.env_id)
         return []
 
     # -- many groups -----------------------------------------------------------------------
@@ -310,7 +310,7 @@ class RolloutEngine:
                 try:
                     group = await self.run_group(env, env_id, self.seed + index, group_size, task_options(env, index))
                 finally:
-                    env.close()
+                    _close(env, env_id)
             if writer is not None:
                 writer.write(group)
             groups.append(group)
@@ -355,6 +355,15 @@ def _feedback(env: Any, env_id: str) -> str | None:
                        "".join(traceback.format_exception_only(exc)).strip())
         return None
     return text if isinstance(text, str) and text.strip() else None
+
+
+def _close(env: Any, env_id: str) -> None:
+    """``env.close()``; the episode is over, so an environment bug there is logged, not raised."""
+    try:
+        env.close()
+    except Exception as exc:
+        logger.warning("environment %s raised in close(): %s", env_id,
+                       "".join(traceback.format_exception_only(exc)).strip())
 
 
 def _params_dict(params: SamplingParams) -> dict[str, Any]:
