@@ -119,7 +119,7 @@ def test_an_environment_whose_feedback_raises_is_logged_not_fatal(tiny, caplog):
 def test_an_environment_whose_close_raises_is_logged_not_fatal(tiny, caplog):
     """The episode is over when close() runs: a bug there is logged, and the group and the run go on."""
     _, tok = tiny
-    groups, _ = asyncio.run(_engine(tok, ["yes"]).run(lambda: _RaisingClose(max_turns=1), "tests/C-v0", range(2), 2))
+    groups, _ = asyncio.run(_engine(tok, ["yes", "no"]).run(lambda: _RaisingClose(max_turns=1), "tests/C-v0", range(2), 2))
     assert [e.termination for g in groups for e in g.episodes] == ["final_answer"] * 4
     assert "raised in close(): RuntimeError: close bug" in caplog.text
 
