@@ -441,3 +441,13 @@ def test_fork_shares_what_cannot_be_deep_copied_and_copies_the_rest():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per class
         env.fork()
+
+
+@pytest.mark.parametrize("env_id", ["treerl/Calculator-v0", "treerl/GuessNumber-v0"])
+def test_gymnasiums_checker_passes_the_builtin_envs_without_warnings(env_id):
+    from gymnasium.utils.env_checker import check_env as gymnasium_check_env
+
+    env = gymnasium.make(env_id, render_mode="ansi")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gymnasium_check_env(env.unwrapped)

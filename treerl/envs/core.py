@@ -108,7 +108,7 @@ class Env(gymnasium.Env[list[Message], str]):
     independent copy in the same state (branching rollouts fork after turn k).
     """
 
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"]}
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "render_fps": 4}  # Gymnasium text envs declare 4
     description: ClassVar[str] = ""
     """One line shown by ``treerl envs``."""
 
