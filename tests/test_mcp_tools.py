@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from treerl.envs import Task, ToolCall, ToolEnv  # noqa: E402
 from treerl.envs.mcp_tools import McpToolset  # noqa: E402
 
 SERVER = Path(__file__).resolve().parent / "programs" / "mcp_two_tools.py"
+SILENT = Path(__file__).resolve().parent / "programs" / "mcp_silent_server.py"
 
 
 class McpEnv(ToolEnv):
@@ -57,3 +60,28 @@ def test_an_environment_runs_mcp_tools_and_turns_failures_into_observations(tool
     assert "'a'" in obs[0]["content"] and "nothing to shout" in obs[1]["content"]
     *_, info = env.step("5")
     assert info["termination"] == "final_answer"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead too
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def test_a_server_that_never_answers_is_stopped_at_the_startup_timeout(tmp_path):
+    pid_file = tmp_path / "pid"
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not start .* within startup_timeout=1 s"):
+        McpToolset(sys.executable, [str(SILENT), str(pid_file)], startup_timeout=1)
+    assert time.monotonic() - start < 15  # the timeout, the SDK's grace period and a kill; not 30 s more
+    assert not _alive(int(pid_file.read_text()))  # no orphaned server
+
+
+def test_a_server_that_exits_at_startup_is_named_in_the_error(tmp_path):
+    with pytest.raises(RuntimeError, match="mcp_silent_server.py .* did not start: .*Connection closed"):
+        McpToolset(sys.executable, [str(SILENT), str(tmp_path / "pid"), "exit"], startup_timeout=30)

@@ -57,13 +57,23 @@ class McpToolset:
         self._params = StdioServerParameters(command=command, args=list(args), env=dict(env) if env else None)
         self._client, self._session_class = stdio_client, ClientSession
         self._loop = asyncio.new_event_loop()
-        self._stop: asyncio.Event | None = None
+        self._scope: Any = None
+        self._closing = False
         self._session: Any = None
         ready: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name="treerl-mcp", daemon=True)
         self._thread.start()
+        server = " ".join([command, *map(str, args)])
         try:
             listed = ready.result(timeout=startup_timeout)
+        except concurrent.futures.TimeoutError:
+            self.close()
+            raise TimeoutError(f"MCP server `{server}` did not start and list its tools within "
+                               f"startup_timeout={startup_timeout:g} s; it was stopped.") from None
+        except Exception as exc:
+            self.close()
+            raise RuntimeError(f"MCP server `{server}` did not start: {_reason(exc)} (its own messages, if any, "
+                               "are on stderr above).") from exc
         except BaseException:
             self.close()
             raise
@@ -84,13 +94,21 @@ class McpToolset:
             self._loop.close()
 
     async def _serve(self, ready: concurrent.futures.Future) -> None:
-        self._stop = asyncio.Event()
-        async with self._client(self._params) as (read, write):
-            async with self._session_class(read, write) as session:
-                await session.initialize()
-                self._session = session
-                ready.set_result(await session.list_tools())
-                await self._stop.wait()
+        import anyio
+
+        # Cancelling this scope ends the connection from any state, a server that never
+        # answered included; the SDK then stops the server process (stdin closed, then killed).
+        with anyio.CancelScope() as self._scope:
+            if self._closing:
+                self._scope.cancel()
+            async with self._client(self._params) as (read, write):
+                async with self._session_class(read, write) as session:
+                    await session.initialize()
+                    self._session = session
+                    ready.set_result(await session.list_tools())
+                    await anyio.sleep_forever()
+        if not ready.done():
+            ready.set_exception(TimeoutError("stopped before it listed its tools"))
 
     def _caller(self, name: str):
         async def call(**arguments: Any) -> str:
@@ -107,9 +125,16 @@ class McpToolset:
     def close(self) -> None:
         """Stop the server and the connection's thread."""
         if self._thread.is_alive():
-            if self._stop is not None:
-                self._loop.call_soon_threadsafe(self._stop.set)
+            try:
+                self._loop.call_soon_threadsafe(self._cancel)
+            except RuntimeError:  # the loop already closed: the connection ended on its own
+                pass
             self._thread.join(timeout=30)
+
+    def _cancel(self) -> None:  # on the connection's loop
+        self._closing = True
+        if self._scope is not None:
+            self._scope.cancel()
 
     def __enter__(self) -> McpToolset:
         return self
@@ -128,6 +153,13 @@ def _result_text(result: Any) -> str:
         return "\n".join(texts)
     structured = _field(result, "structured_content", "structuredContent")
     return json.dumps(structured, ensure_ascii=False) if structured is not None else ""
+
+
+def _reason(exc: BaseException) -> str:
+    """The innermost message of ``exc``: the MCP SDK wraps a server's early exit in task-group errors."""
+    while len(getattr(exc, "exceptions", ())) == 1:  # an exception group of one
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _field(obj: Any, name: str, legacy: str) -> Any:
