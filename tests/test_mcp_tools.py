@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("mcp", reason="MCP tools need the mcp extra")
 
 from treerl.envs import Task, ToolCall, ToolEnv  # noqa: E402
-from treerl.envs.mcp_tools import McpToolset  # noqa: E402
+from treerl.envs.mcp_tools import McpToolset, _result_text  # noqa: E402
 
 SERVER = Path(__file__).resolve().parent / "programs" / "mcp_two_tools.py"
 SILENT = Path(__file__).resolve().parent / "programs" / "mcp_silent_server.py"
@@ -85,3 +85,20 @@ def test_a_server_that_never_answers_is_stopped_at_the_startup_timeout(tmp_path)
 def test_a_server_that_exits_at_startup_is_named_in_the_error(tmp_path):
     with pytest.raises(RuntimeError, match="mcp_silent_server.py .* did not start: .*Connection closed"):
         McpToolset(sys.executable, [str(SILENT), str(tmp_path / "pid"), "exit"], startup_timeout=30)
+
+
+def test_images_and_resources_in_a_result_are_named_not_dropped():
+    from mcp import types
+
+    png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
+    result = types.CallToolResult(content=[
+        types.ImageContent(type="image", data=png, mimeType="image/png"),
+        types.TextContent(type="text", text="a red dot"),
+        types.EmbeddedResource(type="resource", resource=types.TextResourceContents(uri="file:///a.txt", text="A")),
+        types.EmbeddedResource(type="resource", resource=types.BlobResourceContents(
+            uri="file:///a.bin", blob="AAAA", mimeType="application/octet-stream")),
+    ])
+    assert _result_text(result).splitlines() == [
+        "[image/png image, 70 bytes]", "a red dot", "A", "[resource file:///a.bin (application/octet-stream)]"]
+    # An image alone was the empty string: the model read nothing at all.
+    assert _result_text(types.CallToolResult(content=[result.content[0]])) == "[image/png image, 70 bytes]"

@@ -147,12 +147,34 @@ class McpToolset:
 
 
 def _result_text(result: Any) -> str:
-    """The text of a ``CallToolResult``: its text blocks, else its structured content as JSON."""
-    texts = [block.text for block in getattr(result, "content", None) or [] if getattr(block, "type", "") == "text"]
-    if texts:
-        return "\n".join(texts)
+    """The text of a ``CallToolResult``: its content blocks in order, else its structured content as JSON.
+
+    The model reads text only: an image, audio or binary resource is a line that says what
+    came back (``[image/png image, 70 bytes]``) rather than nothing.
+    """
+    blocks = getattr(result, "content", None) or []
+    if blocks:
+        return "\n".join(_block_text(block) for block in blocks)
     structured = _field(result, "structured_content", "structuredContent")
     return json.dumps(structured, ensure_ascii=False) if structured is not None else ""
+
+
+def _block_text(block: Any) -> str:
+    kind = getattr(block, "type", "")
+    if kind == "text":
+        return block.text
+    if kind in ("image", "audio"):
+        size = len((block.data or "").rstrip("=")) * 3 // 4  # base64 to bytes
+        return f"[{_field(block, 'mime_type', 'mimeType') or kind} {kind}, {size} bytes]"
+    if kind == "resource":
+        resource = block.resource
+        text = getattr(resource, "text", None)
+        if text is not None:
+            return text
+        return f"[resource {resource.uri} ({_field(resource, 'mime_type', 'mimeType') or 'binary'})]"
+    if kind == "resource_link":
+        return f"[resource link {block.uri}]"
+    return f"[{kind or type(block).__name__} content]"
 
 
 def _reason(exc: BaseException) -> str:
