@@ -2,6 +2,8 @@
 
 import asyncio
 import enum
+import functools
+import json
 import os
 import sys
 import threading
@@ -262,6 +264,54 @@ def test_bound_methods_are_tools_without_self():
     t = tool(counter.add)
     assert list(t.parameters["properties"]) == ["amount"]
     assert run(t.acall({"amount": 2})) == "2" and counter.total == 2
+
+
+def test_callable_objects_and_partials_are_tools():
+    class Search:
+        """Search the shop's catalogue."""
+
+        def __init__(self):
+            self.name, self.timeout = "catalogue search", 1000.0  # the object's own, not the tool's
+
+        def __call__(self, query: str, limit: int = 2) -> list[str]:
+            """Args:
+                query: What to look for.
+                limit: How many results.
+            """
+            return [query] * limit
+
+    class AsyncSearch:
+        async def __call__(self, query: str) -> str:
+            """Search asynchronously."""
+            return query.upper()
+
+    def lookup(key: str, api_key: str, retries: int = 1) -> str:
+        """Look a key up.
+
+        Args:
+            key: The key.
+            api_key: The service's secret.
+            retries: How often to retry.
+        """
+        return f"{key}:{api_key[:2]}:{retries}"
+
+    search = tool(Search(), name="search", timeout=5.0)
+    assert (search.name, search.timeout, search.description) == ("search", 5.0, "Search the shop's catalogue.")
+    assert search.parameters["properties"]["query"] == {"type": "string", "description": "What to look for."}
+    assert search.parameters["required"] == ["query"]
+    assert run(search.acall({"query": "pear"})) == '["pear", "pear"]'
+
+    shout = tool(AsyncSearch(), name="shout")
+    assert shout.is_async and run(shout.acall({"query": "hi"})) == "HI"
+    assert Tool.from_schema("shout", {"type": "object"}, AsyncSearch()).is_async  # not a coroutine as a result
+
+    # What a partial binds is the user's, not the model's: neither offered nor shown.
+    bound = tool(functools.partial(lookup, api_key="sk-secret", retries=3), name="lookup")
+    assert list(bound.parameters["properties"]) == ["key"] and "sk-secret" not in json.dumps(bound.schema)
+    assert bound.description == "Look a key up."
+    assert run(bound.acall({"key": "k"})) == "k:sk:3"
+    assert run(run_tool_call(ToolCall("lookup", {"key": "k", "api_key": "x"}), {"lookup": bound})).error == (
+        ToolErrorKind.INVALID_ARGUMENTS)
 
 
 @pytest.mark.parametrize(

@@ -87,7 +87,9 @@ class Tool:
     Build one with :func:`tool`. Calling the tool object calls the function unchanged;
     :meth:`acall` is the model's way in: validate, convert, run under the time limit,
     return text. Methods become tools once bound (``tool(counter.add)``): in a class body
-    ``self`` has no annotation and is refused.
+    ``self`` has no annotation and is refused. A callable object is described by its
+    ``__call__`` (and its class docstring), a ``functools.partial`` by its function less the
+    keywords it binds; both need ``name=``.
 
     Attributes:
         name: The name the model calls it by.
@@ -124,25 +126,31 @@ class Tool:
             )
         self.timeout = timeout
         self.isolate = isolate
-        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-        doc_description, arg_descriptions = parse_docstring(inspect.getdoc(fn))
+        self.is_async = _is_async(fn)
+        doc_description, arg_descriptions = _docs(fn)
         self.description = description if description is not None else doc_description
         self.parameters, self._converters = self._build_parameters(arg_descriptions)
         self._validator = jsonschema.Draft202012Validator(self.parameters)
         if isolate:
             self._payload = function_payload(fn, self.name)
-        functools.update_wrapper(self, fn)
+        # Name, docstring and __wrapped__, not the function's __dict__: a callable object's own
+        # attributes (its name, timeout, ...) would overwrite the tool's.
+        functools.update_wrapper(self, fn, updated=())
 
     def _build_parameters(self, arg_descriptions: Mapping[str, str]) -> tuple[dict, dict[str, Callable]]:
         try:
             signature = inspect.signature(self.fn)
-            hints = typing.get_type_hints(self.fn, include_extras=True)
+            hints = typing.get_type_hints(_annotated(self.fn), include_extras=True)
         except (NameError, TypeError, ValueError) as exc:
             raise TypeError(f"tool {self.name!r}: cannot read the type hints of its function ({exc})") from exc
         properties: dict[str, dict] = {}
         required: list[str] = []
         converters: dict[str, Callable] = {}
+        # What a functools.partial binds stays bound: not offered to the model (nor its value shown).
+        bound = _bound_keywords(self.fn)
         for param in signature.parameters.values():
+            if param.name in bound:
+                continue
             where = f"tool {self.name!r}, parameter {param.name!r}"
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD, param.POSITIONAL_ONLY):
                 raise TypeError(
@@ -205,7 +213,7 @@ class Tool:
         self = cls.__new__(cls)
         self.fn = fn if fn is not None else _not_callable(name)
         self.name, self.description, self.timeout, self.isolate = name, description, timeout, False
-        self.is_async = inspect.iscoroutinefunction(self.fn)
+        self.is_async = _is_async(self.fn)
         self.parameters, self._converters = parameters, {}
         self._validator = jsonschema.Draft202012Validator(parameters)
         return self
@@ -423,6 +431,44 @@ async def run_tool_call(call: ToolCall, tools: Mapping[str, Tool]) -> ToolResult
 
 
 # -- running -----------------------------------------------------------------------------
+
+
+def _annotated(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The function whose annotations and docstring describe ``fn``'s parameters.
+
+    ``fn`` itself, the function inside a ``functools.partial``, or a callable object's ``__call__``.
+    """
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if inspect.isroutine(fn) or inspect.isclass(fn) or not callable(fn):
+        return fn
+    return fn.__call__
+
+
+def _bound_keywords(fn: Callable[..., Any]) -> set[str]:
+    bound: set[str] = set()
+    while isinstance(fn, functools.partial):
+        bound.update(fn.keywords)
+        fn = fn.func
+    return bound
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(_annotated(fn))
+
+
+def _docs(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
+    """The description and parameter descriptions of ``fn``'s docstring.
+
+    A callable object's class docstring gives the description, else its ``__call__``'s; the
+    parameters may be documented in either.
+    """
+    described = _annotated(fn)
+    own_description, own_args = parse_docstring(inspect.getdoc(described))
+    if described is fn or isinstance(fn, functools.partial):
+        return own_description, own_args
+    class_description, class_args = parse_docstring(inspect.getdoc(type(fn)))
+    return class_description or own_description, {**class_args, **own_args}
 
 
 def _unchanged(value: Any) -> Any:
