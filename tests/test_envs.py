@@ -337,6 +337,27 @@ def test_code_sandbox_partial_credit_and_tool():
     assert terminated and reward == pytest.approx(2 / 3)  # the float test fails
 
 
+def test_plain_functions_are_tools_as_in_trl():
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first.
+            b: The second.
+        """
+        return a + b
+
+    class _AddEnv(_EchoEnv):
+        tool_list = (add,)
+
+    for env in (_EchoEnv(tools=[add]), _AddEnv()):
+        assert env.tool_schemas[0]["function"]["parameters"]["properties"]["a"] == {
+            "type": "integer", "description": "The first."}
+        env.reset(seed=0)
+        obs, *_, info = env.step('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
+        assert obs[0]["content"] == "5" and info["tool_calls"][0]["error"] is None
+
+
 def test_registry_errors_and_custom_registration():
     with pytest.raises(KeyError, match="Calculator-v0"):
         treerl.make("treerl/Calculater-v0")

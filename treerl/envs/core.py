@@ -218,7 +218,8 @@ class ToolEnv(Env):
     :meth:`answer_feedback` (what :meth:`feedback` says about a final answer).
 
     Args:
-        tools: Tools available to the model (default: the class attribute ``tool_list``).
+        tools: Tools available to the model (default: the class attribute ``tool_list``):
+            :class:`Tool` objects or typed functions, which become ``Tool(fn)``.
         dataset: Tasks to draw from instead of ``sample_task`` (a sequence of :class:`Task`
             or of dicts with ``prompt``/``answer``/``info``/``id``, e.g. a ``datasets.Dataset``; a
             dict's other columns, ``info`` included, are kept in ``info["row"]`` and reach reward functions).
@@ -286,7 +287,8 @@ class ToolEnv(Env):
             if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
                 raise ValueError(f"{key}={value!r} must be a finite number of seconds > 0, e.g. {key}=10.0.")
         self.parse_timeout_s, self.score_timeout_s = float(parse_timeout_s), float(score_timeout_s)
-        self._tools = list(self.tool_list if tools is None else tools)
+        # A plain function is made a tool here, as TRL's and verifiers' tools=[fn] take it.
+        self._tools = [t if isinstance(t, Tool) else Tool(t) for t in (self.tool_list if tools is None else tools)]
         names = [t.name for t in self._tools]
         if len(set(names)) != len(names):
             raise ValueError(f"Tool names must be unique, got {names}: rename one with @tool(name=...).")
