@@ -802,3 +802,80 @@ def test_run_tool_call_turns_model_faults_into_results():
     assert invalid.error is ToolErrorKind.INVALID_ARGUMENTS and "argument 'city'" in invalid.content
     assert timed_out.error is ToolErrorKind.TIMEOUT
     assert run(run_tool_call(ToolCall("x", {}), {})).content == "Unknown tool 'x'. Available tools: none."
+
+
+def test_langchain_tools_keep_their_schema_and_run():
+    pytest.importorskip("langchain_core")
+    from langchain_core.tools import BaseTool, StructuredTool
+    from langchain_core.tools import tool as lc_tool
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+
+    @lc_tool
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers."""
+        if a == 0:
+            raise ValueError("zero is not allowed")
+        return a * b
+
+    async def fetch(url: str) -> str:
+        return f"<html>{url}</html>"
+
+    class Shout(BaseTool):
+        name: str = "shout"
+        description: str = "Upper-case a text."
+
+        def _run(self, text: str) -> str:
+            return text.upper()
+
+    fetch_tool = StructuredTool.from_function(coroutine=fetch, name="fetch", description="Fetch a page.")
+    tools = {t.name: t for t in map(Tool.from_langchain, [multiply, fetch_tool, Shout()])}
+    for original in (multiply, fetch_tool, Shout()):
+        assert tools[original.name].schema == convert_to_openai_tool(original)
+    assert tools["fetch"].is_async and not tools["multiply"].is_async
+
+    def call(name, arguments):
+        return run(run_tool_call(ToolCall(name, arguments), tools))
+
+    assert call("multiply", {"a": 2, "b": 3}).content == "6"
+    assert call("fetch", {"url": "x"}).content == "<html>x</html>"
+    assert call("shout", {"text": "hi"}).content == "HI"
+    assert call("multiply", {"a": 0, "b": 3}).error == ToolErrorKind.TOOL_ERROR
+    assert call("multiply", {"a": "two", "b": 3}).error == ToolErrorKind.INVALID_ARGUMENTS
+    with pytest.raises(TypeError, match=r"Tool\.from_langchain"):
+        tool(multiply)
+
+
+@pytest.mark.filterwarnings("ignore:Function 'weather' has decorators")
+def test_smolagents_tools_keep_their_schema_and_run():
+    pytest.importorskip("smolagents")
+    from smolagents import Tool as SmolTool
+    from smolagents import tool as smol_tool
+    from smolagents.models import get_tool_json_schema
+
+    @smol_tool
+    def weather(city: str, celsius: bool = True) -> str:
+        """The weather in a city.
+
+        Args:
+            city: The city.
+            celsius: Whether to answer in Celsius.
+        """
+        return f"{city}: {20 if celsius else 68}"
+
+    class Reverse(SmolTool):
+        name = "reverse"
+        description = "Reverse a text."
+        inputs = {"text": {"type": "string", "description": "The text."}}
+        output_type = "string"
+
+        def forward(self, text: str) -> str:
+            return text[::-1]
+
+    tools = {t.name: t for t in map(Tool.from_smolagents, [weather, Reverse()])}
+    assert tools["weather"].schema == get_tool_json_schema(weather)
+    assert tools["weather"].parameters["required"] == ["city"]
+    assert run(tools["weather"].acall({"city": "Oslo", "celsius": False})) == "Oslo: 68"
+    assert run(tools["reverse"].acall({"text": "abc"})) == "cba"
+    assert run(run_tool_call(ToolCall("reverse", {}), tools)).error == ToolErrorKind.INVALID_ARGUMENTS
+    with pytest.raises(TypeError, match=r"Tool\.from_smolagents"):
+        tool(weather)

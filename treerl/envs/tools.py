@@ -111,6 +111,10 @@ class Tool:
         timeout: float | None = 10.0,
         isolate: bool = False,
     ):
+        adapter = _adapter_for(fn)
+        if adapter is not None:
+            raise TypeError(f"{type(fn).__name__} {getattr(fn, 'name', '')!r} is a tool of another library; "
+                            f"make it a treerl tool with Tool.{adapter}(...), which keeps its schema")
         if not callable(fn):
             raise TypeError(f"tool() needs a function, got {fn!r}")
         self.fn = fn
@@ -217,6 +221,42 @@ class Tool:
         self.parameters, self._converters = parameters, {}
         self._validator = jsonschema.Draft202012Validator(parameters)
         return self
+
+    @classmethod
+    def from_langchain(cls, lc_tool: Any, *, timeout: float | None = 10.0) -> Tool:
+        """A LangChain tool (``@tool`` function, ``StructuredTool``, ``BaseTool`` subclass) as a treerl tool.
+
+        The model sees the schema LangChain gives an OpenAI model (``convert_to_openai_tool``);
+        a call runs ``ainvoke`` for a tool with a coroutine, else ``invoke`` in a thread.
+        """
+        from langchain_core.utils.function_calling import convert_to_openai_tool
+
+        spec = convert_to_openai_tool(lc_tool)["function"]
+        if getattr(lc_tool, "coroutine", None) is not None:
+            async def call(**arguments: Any) -> Any:
+                return await lc_tool.ainvoke(arguments)
+        else:
+            def call(**arguments: Any) -> Any:
+                return lc_tool.invoke(arguments)
+        return cls.from_schema(spec["name"], spec.get("parameters"), call, description=spec.get("description", ""),
+                               timeout=timeout)
+
+    @classmethod
+    def from_smolagents(cls, sm_tool: Any, *, timeout: float | None = 10.0) -> Tool:
+        """A smolagents tool (``@tool`` function or ``Tool`` subclass) as a treerl tool.
+
+        The model sees the schema smolagents gives a tool-calling model (``get_tool_json_schema``:
+        its ``inputs``, a ``nullable`` input optional); a call runs the tool in a thread.
+        """
+        from smolagents.models import get_tool_json_schema
+
+        spec = get_tool_json_schema(sm_tool)["function"]
+
+        def call(**arguments: Any) -> Any:
+            return sm_tool(**arguments)
+
+        return cls.from_schema(spec["name"], spec.get("parameters"), call, description=spec.get("description", ""),
+                               timeout=timeout)
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -443,6 +483,16 @@ def _annotated(fn: Callable[..., Any]) -> Callable[..., Any]:
     if inspect.isroutine(fn) or inspect.isclass(fn) or not callable(fn):
         return fn
     return fn.__call__
+
+
+def _adapter_for(fn: Any) -> str | None:
+    """The ``Tool`` constructor for a LangChain or smolagents tool object, else ``None``."""
+    packages = {cls.__module__.split(".")[0] for cls in type(fn).__mro__}
+    if "langchain_core" in packages:
+        return "from_langchain"
+    if "smolagents" in packages and hasattr(fn, "inputs"):
+        return "from_smolagents"
+    return None
 
 
 def _bound_keywords(fn: Callable[..., Any]) -> set[str]:
