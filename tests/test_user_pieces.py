@@ -373,3 +373,34 @@ def test_a_reward_function_of_another_shape_is_told_trls():
             score([group], [func], {})
         assert f"reward function {func.__name__!r}" in str(err.value) and says in str(err.value), str(err.value)
         assert "f(prompts, completions, completion_ids, **kwargs)" in str(err.value)
+
+
+def test_the_process_group_waits_ddp_timeout_seconds(monkeypatch):
+    """NCCL's default (10 minutes) is shorter than rank 0's held-out evaluation of a large model, which the
+    other ranks wait through: the group treerl makes waits --ddp-timeout (TrainingArguments' 1800 s)."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from treerl.learners.distributed import Ranks
+
+    made = {}
+    real = dist.init_process_group
+
+    def init(**kwargs):
+        made.update(kwargs)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        real(backend=kwargs["backend"], timeout=kwargs["timeout"], init_method=f"tcp://127.0.0.1:{port}",
+             world_size=1, rank=0)
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "init_process_group", init)
+    try:
+        assert Ranks.from_env("cpu", timeout_s=3600) == Ranks()  # the group of one this test made
+        assert made["backend"] == "gloo" and made["timeout"] == datetime.timedelta(seconds=3600)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -167,6 +167,9 @@ class LearnerConfig(RewardOptions, EpisodeOptions):
                                                      "ratio colouring.")
     seed: int = field_help(0, "Seeds tasks, sampling and initialization.")
     num_threads: int | None = field_help(None, "torch CPU threads (default: torch's choice).")
+    ddp_timeout: int = field_help(1800, "Under several processes, seconds a collective may wait (TrainingArguments' "
+                                        "name and default): the other ranks wait while rank 0 alone evaluates, "
+                                        "saves and plots.")
     progress: bool = field_help(True, "Show a progress bar.")
     report_to: str = field_help("none", "Also log to: none, tensorboard, wandb or trackio (when installed).")
     from_rollouts: str | None = field_help(None, "Train on the groups of this trajectory file (treerl rollout/serve "
@@ -182,7 +185,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions):
             raise ValueError("output_dir is required: where metrics, checkpoints and the model go "
                              "(--output-dir runs/x).")
         super().__post_init__()
-        for name in ("steps", "tasks_per_step", "group_size", "branch_factor", "max_tokens_per_row"):
+        for name in ("steps", "tasks_per_step", "group_size", "branch_factor", "max_tokens_per_row", "ddp_timeout"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
         if self.branch_factor > 1 and (self.branch_at_turn is None or self.branch_at_turn < 1):

@@ -339,7 +339,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     if reward_weights is None and cfg.reward_weights is not None:
         reward_weights = cfg.reward_weights
     weights = check_reward_weights(reward_funcs, reward_weights)
-    ranks = Ranks.from_env(cfg.device)
+    ranks = Ranks.from_env(cfg.device, timeout_s=cfg.ddp_timeout)
     if cfg.tasks_per_step < ranks.world_size:
         raise ValueError(f"tasks_per_step={cfg.tasks_per_step} is fewer than the {ranks.world_size} processes, so "
                          f"some would have no task; use --tasks-per-step {ranks.world_size} or more, or fewer "

@@ -35,6 +35,7 @@ range(9, 16, 3)
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,12 +71,14 @@ class Ranks:
     """The process group's backend (``gloo``, ``nccl``); ``None`` on one process."""
 
     @classmethod
-    def from_env(cls, device: str) -> Ranks:
+    def from_env(cls, device: str, timeout_s: float = 1800.0) -> Ranks:
         """The ranks ``accelerate launch``/``torchrun`` set up (``WORLD_SIZE``, ``RANK``, ...).
 
-        Uses a process group that is already initialized (initialize it yourself to choose,
-        say, a longer timeout); else initializes one from the environment: NCCL for CUDA
-        devices, gloo otherwise. Without ``WORLD_SIZE > 1`` returns the single process.
+        Uses a process group that is already initialized; else initializes one from the
+        environment: NCCL for CUDA devices, gloo otherwise, whose collectives wait up to
+        ``timeout_s`` (NCCL's own default, 10 minutes, is shorter than a held-out evaluation
+        of a large model that the other ranks wait through). Without ``WORLD_SIZE > 1``
+        returns the single process.
         """
         initialized = dist.is_available() and dist.is_initialized()
         if not initialized and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -83,7 +86,8 @@ class Ranks:
         if not initialized:
             if device.startswith("cuda"):
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+            dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s))
         world_size = dist.get_world_size()
         if world_size == 1:
             return cls()
