@@ -105,6 +105,22 @@ def test_eval_reports_reward_functions_as_learn_logs_them():
         EvalConfig(reward_funcs=["math:floor"], reward_weights=[1.0])
 
 
+def test_eval_gives_reward_functions_a_trainer_state():
+    # A function written for learn with a step schedule reads trainer_state; eval passed None and it
+    # crashed with "'NoneType' object has no attribute 'global_step'".
+    _, tok = load_default_model()
+    seen = []
+
+    def scheduled(prompts, completions, completion_ids, trainer_state, **kwargs):
+        seen.append((trainer_state.global_step, trainer_state.max_steps))
+        return [1.0] * len(completions)
+
+    policy = ScriptedPolicy(tok, lambda task, g, turn: "\\boxed{1}", end_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    cfg = EvalConfig(env="treerl/MathVerify-v0", env_kwargs={"dataset": _math_rows(1)})
+    report = evaluate_with(cfg, policy, tok, num_episodes=1, seed=0, reward_funcs=[scheduled])
+    assert seen == [(0, 0)] and report.figures["reward_fn/scheduled_mean"] == 1.0  # TRL's state before training
+
+
 def test_eval_command_writes_trajectories_with_the_report(tmp_path, capsys):
     (tmp_path / "my_rewards.py").write_text(
         "def short(prompts, completions, completion_ids, **kwargs):\n"

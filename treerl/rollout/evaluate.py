@@ -42,7 +42,7 @@ from treerl.errors import ConfigError
 from treerl.rollout.engine import RolloutEngine
 from treerl.rollout.options import EpisodeOptions
 from treerl.rollout.record import tokenizer_info
-from treerl.rollout.rewards import RewardFunc, RewardOptions, check_reward_weights, combine_rewards, score
+from treerl.rollout.rewards import RewardFunc, RewardOptions, StepState, check_reward_weights, combine_rewards, score
 from treerl.rollout.summary import summary_table, task_rows, task_table
 from treerl.rollout.trajectory import Group, GroupWriter, make_header
 
@@ -175,7 +175,8 @@ async def aevaluate(env_factory: Callable[[], Any], policy: Policy, tokenizer: A
     ``chat_template`` (a template's text) overrides the tokenizer's, and ``lockstep`` generates in
     waves of every episode (batches, and with them every float, repeat), as in the engine.
     ``reward_funcs`` (TRL's signature) are scored as in ``treerl learn``, weighted by
-    ``reward_weights`` (the environment's first; default all 1); they get no ``trainer_state``.
+    ``reward_weights`` (the environment's first; default all 1); their ``trainer_state`` is TRL's before
+    training, ``global_step`` and ``max_steps`` 0 (no step is taken here).
     """
     weights = check_reward_weights(reward_funcs, reward_weights)
     num_episodes = _at_most_one_per_row(env_factory, num_episodes, rollouts_per_task)
@@ -225,7 +226,8 @@ def _reward_figures(groups: Sequence[Group], reward_funcs: Sequence[RewardFunc],
     ``reward/env_mean`` and ``reward/env_std`` of the environment's reward, ``reward_fn/<name>_mean``
     per function (and what the functions log with ``log_metric``)."""
     metrics: dict[str, float] = {}
-    rewards = score(groups, reward_funcs, metrics)  # (E, 1 + F)
+    # A function written for learn reads trainer_state.global_step; TRL's state before training is 0 and 0.
+    rewards = score(groups, reward_funcs, metrics, trainer_state=StepState(global_step=0, max_steps=0))  # (E, 1 + F)
     combined = combine_rewards(rewards, torch.tensor(weights, dtype=rewards.dtype))  # (E,)
     env = rewards[:, 0]
     return {
