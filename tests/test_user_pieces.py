@@ -404,3 +404,17 @@ def test_the_process_group_waits_ddp_timeout_seconds(monkeypatch):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_warning_is_printed_once(tmp_path):
+    """Printed as `warning: ...` and logged below warning level: with no logging set up, Python's
+    last-resort handler printed every such warning a second time."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom treerl.learners.core import _check_size_defaults\n"
+            "from treerl.learners.grpo import GRPOConfig\n"
+            f"_check_size_defaults(GRPOConfig(output_dir={str(tmp_path)!r}, max_completion_length=512), "
+            "torch.nn.Linear(2, 2), True)\n")
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
+    assert err.count("max_completion_length=512") == 1, err

@@ -176,6 +176,6 @@ def warn_about_template(tokenizer: Any, env_factory: Callable[[], Any], chat_tem
         env.close()
     messages = template_gaps(tokenizer, tools, chat_template)
     for message in messages:
-        logger.warning(message)
+        logger.info(message)  # printed below: at warning level Python's last-resort handler printed it twice
         print(f"warning: {message}", file=sys.stderr)
     return messages

@@ -510,7 +510,7 @@ def _check_size_defaults(cfg: LearnerConfig, model: torch.nn.Module, is_main: bo
                             f"nothing. Generation is limited by --max-new-tokens (each turn, now {cfg.max_new_tokens}) "
                             f"and --max-episode-tokens (the whole episode, now {cfg.max_episode_tokens}).")
     for message in warnings if is_main else ():
-        logger.warning(message)
+        logger.info(message)  # printed below: at warning level Python's last-resort handler printed it twice
         print(f"warning: {message}", file=sys.stderr)
 
 
@@ -526,7 +526,7 @@ def _fall_back_to_padded_packing(cfg: LearnerConfig, model: torch.nn.Module, is_
         cfg.pack_mode = "padded"  # config.json records the mode that runs
         if is_main:
             message = f"packing padded (--pack-mode padded): tree attention cannot serve this model. {exc}"
-            logger.warning(message)
+            logger.info(message)  # printed below: at warning level Python's last-resort handler printed it twice
             print(f"note: {message}", file=sys.stderr)
 
 

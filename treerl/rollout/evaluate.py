@@ -269,7 +269,7 @@ def _at_most_one_per_row(env_factory: Callable[[], Any], num_episodes: int, roll
         return num_episodes
     message = (f"num_episodes={num_episodes} but the dataset has {num_rows} rows: evaluating each row once "
                f"({num_rows * rollouts_per_task} episodes), as rows played twice would count twice")
-    logger.warning(message)
+    logger.info(message)  # printed below: at warning level Python's last-resort handler printed it twice
     print(f"warning: {message}", file=sys.stderr)
     return num_rows
 
