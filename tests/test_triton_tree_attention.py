@@ -316,13 +316,14 @@ def tiny_llama() -> LlamaForCausalLM:
     return model.float().eval()
 
 
-def packed_loss_and_grads(impl: str, batch: TreeBatch, input_ids: torch.Tensor):
+def packed_loss_and_grads(impl: str, batch: TreeBatch, input_ids: torch.Tensor, autocast: torch.dtype | None = None):
     model = tiny_llama().to(input_ids.device)
     choice = enable_tree_attention(model, impl=impl)
     assert choice.impl == impl
-    logits = model(
-        input_ids, position_ids=batch.position_ids(input_ids.device), use_cache=False, **{TREE_KWARG: batch}
-    ).logits  # (B, T, V)
+    with torch.autocast(input_ids.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        logits = model(
+            input_ids, position_ids=batch.position_ids(input_ids.device), use_cache=False, **{TREE_KWARG: batch}
+        ).logits.float()  # (B, T, V)
     real = batch.is_real(input_ids.device)
     loss = torch.nn.functional.cross_entropy(logits[real], input_ids[real].roll(1), reduction="sum")
     loss.backward()
@@ -341,6 +342,23 @@ def test_forced_triton_runs_a_model_like_segment(triton_in_table):
     torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, atol=1e-4, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@needs_kernel
+def test_triton_runs_a_model_under_bfloat16_autocast_like_segment(triton_in_table):
+    # The learners' default on a GPU: float32 weights, the decoder under bfloat16 autocast. There
+    # RoPE hands attention float32 queries and keys but a bfloat16 value; SDPA (segment) computes in
+    # the autocast dtype, and the Triton backend must too rather than refuse the mixed dtypes.
+    batch = make_batch("long_segment")
+    input_ids = torch.randint(0, VOCAB, (batch.batch_size, batch.length), generator=torch.Generator().manual_seed(0))
+    input_ids = input_ids.to(DEVICE)
+    bf16 = torch.bfloat16
+    want_logits, want_grads = packed_loss_and_grads("segment", TreeBatch(batch.layouts, batch.length), input_ids, bf16)
+    got_logits, got_grads = packed_loss_and_grads("triton", batch, input_ids, bf16)
+    # bfloat16 rounds differently in the two backends: compare as the bfloat16 parity tests do.
+    for name, got, want in [("logits", got_logits, want_logits)] + [(n, got_grads[n], g) for n, g in want_grads.items()]:
+        err, scale = (got - want).abs().max().item(), want.abs().max().item()
+        assert err <= 2**-5 * scale, f"{name}: max error {err:.4g} > 2**-5 * max|segment| = {2**-5 * scale:.4g}"
 
 
 # -- refusals -----------------------------------------------------------------------------------------

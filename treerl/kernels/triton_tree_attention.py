@@ -228,7 +228,14 @@ def triton_tree_attention(
     is for tests: pass an empty list and the kernels append three int32 tensors marking
     every block they loaded, forward ``(B*H, NQB, NKB)``, backward dk/dv ``(B*H, NKB, NQB)``
     and backward dq ``(B*H, NQB, NKB)`` (the backward ones fill when backward runs).
+
+    Under ``torch.autocast`` the kernels compute in the autocast dtype, as SDPA and FlexAttention
+    do there: a decoder under bfloat16 autocast with float32 weights hands attention float32
+    queries and keys (RoPE multiplies them by float32 tables) and a bfloat16 value.
     """
+    if torch.is_autocast_enabled(query.device.type):
+        dtype = torch.get_autocast_dtype(query.device.type)  # autocast leaves float64 alone, and so do we
+        query, key, value = (x if x.dtype == torch.float64 else x.to(dtype) for x in (query, key, value))
     _check(query, key, value, dropout)
     device = query.device
     block_d, block_dv = _block_dim(query.shape[-1]), _block_dim(value.shape[-1])
