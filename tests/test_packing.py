@@ -406,3 +406,12 @@ def test_old_logp_rides_with_the_batch_into_the_loss_inputs():
     assert loss_inputs(stale, out, old_logp=torch.zeros(4)).old_logp.tolist() == [0.0] * 4
     assert stale.to("meta").term_old_logp.device.type == "meta"
     assert stale.term_candidates is None and stale.term_target.tolist() == batch.loss_target.tolist()
+
+
+def test_a_window_that_packed_nothing_reports_no_ratios():
+    # A step whose groups were all skipped (zero advantages) trained no row: a packing ratio,
+    # fill or balance of 1.0 would be a figure nobody measured, and would drag a run's plots.
+    assert packing_metrics([]) == {"tree/rows": 0.0}
+    g = fork_group(3, [2, 2])
+    assert set(packing_metrics(pack_groups([g], [0.0, 0.0], PackingConfig(16)))) == {
+        "tree/packing_ratio", "tree/fill", "tree/rows", "tree/work_imbalance"}

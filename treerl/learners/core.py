@@ -254,6 +254,7 @@ class Run:
             "reward/success_rate": summary["success_rate"],
             "tools/invalid_rate": summary["tools/invalid_rate"],
             "episode/length_limit_frac": summary["episode/length_limit_frac"],
+            # The step's trees; the packed rows' own ratio replaces it below, unless nothing was trained.
             "tree/packing_ratio": summary["tree/packing_ratio"],
             "perf/tokens_per_s": summary["perf/tokens_per_s"],
             **{f"tool_calls/{kind}": float(n) for kind, n in summary["tool_calls"].items()},  # counts by outcome

@@ -221,14 +221,21 @@ def packing_metrics(batches: Sequence[PackedBatch]) -> dict[str, float]:
 
     ``tree/packing_ratio`` is unpacked tokens over packed tokens; ``tree/fill`` is real
     tokens over row slots (padding wastes the rest); ``tree/work_imbalance`` is the most
-    attention work of a row over the mean (1.0 is perfectly balanced).
+    attention work of a row over the mean (1.0 is perfectly balanced). A window that packed
+    nothing (every group skipped) has no ratios: only ``tree/rows`` 0, so that a step which
+    trained nothing does not log a packing ratio, fill and balance of 1.0 it never measured.
+
+    >>> packing_metrics([])
+    {'tree/rows': 0.0}
     """
     real = sum(b.num_tokens for b in batches)
     slots = sum(b.batch_size * b.length for b in batches)
     works = [w for b in batches for w in b.row_work]
+    if not real:
+        return {"tree/rows": float(len(works))}
     return {
-        "tree/packing_ratio": sum(b.num_path_tokens for b in batches) / real if real else 1.0,
-        "tree/fill": real / slots if slots else 1.0,
+        "tree/packing_ratio": sum(b.num_path_tokens for b in batches) / real,
+        "tree/fill": real / slots,
         "tree/rows": float(len(works)),
-        "tree/work_imbalance": max(works) / (sum(works) / len(works)) if works and sum(works) else 1.0,
+        "tree/work_imbalance": max(works) / (sum(works) / len(works)) if sum(works) else 1.0,
     }
