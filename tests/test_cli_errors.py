@@ -146,7 +146,13 @@ NO_VLLM_CASES = [] if importlib.util.find_spec("vllm") else [
     ("async-vllm-generators-not-installed", [*LEARN, "--learner", "async_grpo", "--generator-policy", "vllm"], None,
      "pip install 'treerl[vllm]'"),
 ]
-ALL_CASES = CASES + CUDA_CASES + NO_VLLM_CASES
+# A tracker that is not installed is said before the model loads (one line: no "precision: ..." of a loaded model).
+NO_TRACKER_CASES = [
+    (f"report-to-{name}-not-installed{'-async' if learner else ''}", [*LEARN, *learner, "--report-to", name], None, f"pip install {name}")
+    for name, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")) if not importlib.util.find_spec(module)
+    for learner in ([], ["--learner", "async_grpo"])
+]
+ALL_CASES = CASES + CUDA_CASES + NO_VLLM_CASES + NO_TRACKER_CASES
 
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=[c[0] for c in ALL_CASES])

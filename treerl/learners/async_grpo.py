@@ -54,6 +54,7 @@ from treerl.learners.core import OptimizerSpec, Run, StepCallback, TrainResult, 
 from treerl.learners.diagnostics import CHECKS, Check
 from treerl.learners.grpo import GRPOConfig, update
 from treerl.learners.importance import ImportanceConfig
+from treerl.learners.metrics import tracker_for
 from treerl.rollout.rewards import RewardFunc
 from treerl.learners.weight_sync import policy_state_dict
 from treerl.rollout.summary import RolloutStats
@@ -308,6 +309,7 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
         from treerl.agents.vllm_policy import import_vllm
 
         import_vllm()  # here, not in each generator process (which would fail, be restarted and fail again)
+    tracker_for(cfg.report_to)  # before the generators load their model, as build() does before the trainer's
     threads = _split_threads(cfg)
     # The evaluations at the start and the end run while the generators load their model or after
     # they stopped: they get every core (or the user's --num-threads), training gets the trainer's share.

@@ -73,7 +73,7 @@ from treerl.learners.diagnostics import Diagnostics
 from treerl.learners.distributed import Ranks
 from treerl.learners.evaluation import evaluate_at_start, evaluate_policy
 from treerl.learners.losses.base import DEFAULT_AGGREGATIONS, same_definition
-from treerl.learners.metrics import MetricsLog, truncate_metrics
+from treerl.learners.metrics import MetricsLog, tracker_for, truncate_metrics
 from treerl.learners.packing import PackedBatch, packing_metrics
 from treerl.learners.plots import MatplotlibMissing, write_plots
 from treerl.learners.precision import (
@@ -340,6 +340,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     if reward_weights is None and cfg.reward_weights is not None:
         reward_weights = cfg.reward_weights
     weights = check_reward_weights(reward_funcs, reward_weights)
+    tracker_for(cfg.report_to)  # a tracker that is not installed is said now, not after the model loads
     ranks = Ranks.from_env(cfg.device, timeout_s=cfg.ddp_timeout)
     if cfg.tasks_per_step < ranks.world_size:
         raise ValueError(f"tasks_per_step={cfg.tasks_per_step} is fewer than the {ranks.world_size} processes, so "

@@ -24,7 +24,29 @@ from typing import Any
 
 from treerl.errors import ConfigError
 
-__all__ = ["MetricsLog", "truncate_metrics"]
+__all__ = ["MetricsLog", "truncate_metrics", "tracker_for"]
+
+
+def tracker_for(report_to: str) -> Any:
+    """What ``report_to`` logs with: TensorBoard's ``SummaryWriter``, the ``wandb`` or ``trackio``
+    module, or None for ``none``. A missing package is a :class:`~treerl.errors.ConfigError` that
+    says what to install; learners call this before loading a model, so the mistake costs no load.
+
+    >>> tracker_for("none") is None
+    True
+    """
+    if report_to == "tensorboard":
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ConfigError(f"--report-to tensorboard needs `pip install tensorboard` ({exc}).") from None
+        return SummaryWriter
+    if report_to in ("wandb", "trackio"):
+        try:
+            return __import__(report_to)
+        except ImportError:
+            raise ConfigError(f"--report-to {report_to} needs `pip install {report_to}`.") from None
+    return None
 
 
 class MetricsLog:
@@ -33,19 +55,12 @@ class MetricsLog:
     def __init__(self, output_dir: Path, *, report_to: str, config: dict[str, Any], total_steps: int,
                  start_step: int = 0, progress: bool = True):
         self.tracker = None
+        backend = tracker_for(report_to)
         if report_to == "tensorboard":
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as exc:
-                raise ConfigError(f"--report-to tensorboard needs `pip install tensorboard` ({exc}).") from None
-            self.tracker = ("tensorboard", SummaryWriter(str(Path(output_dir) / "tensorboard")))
-        elif report_to in ("wandb", "trackio"):
-            try:
-                module = __import__(report_to)
-            except ImportError:
-                raise ConfigError(f"--report-to {report_to} needs `pip install {report_to}`.") from None
-            module.init(project="treerl", config=config)
-            self.tracker = (report_to, module)
+            self.tracker = ("tensorboard", backend(str(Path(output_dir) / "tensorboard")))
+        elif backend is not None:
+            backend.init(project="treerl", config=config)
+            self.tracker = (report_to, backend)
         self.file = open(Path(output_dir) / "metrics.jsonl", "a", encoding="utf-8")
         self.bar = None
         if progress:
