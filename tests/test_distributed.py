@@ -135,7 +135,7 @@ def test_two_accelerate_processes_take_the_single_process_steps(tmp_path):
     # over ranks, gradients summed over ranks.
     for a, b in zip(one, many, strict=True):
         for key in ("reward/mean", "reward/std", "reward/success_rate", "loss/policy", "grad/norm",
-                    "is/ratio_mean", "entropy/mean", "clip/region_frac", "tools/invalid_rate"):
+                    "is/ratio_mean", "is/ratio_max", "entropy/mean", "clip/region_frac", "tools/invalid_rate"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
 
 

@@ -326,3 +326,45 @@ def test_callbacks_see_each_steps_logged_metrics(tmp_path):
     assert [step for step, _ in seen] == [1, 2]
     for (_, metrics), line in zip(seen, logged):
         assert metrics["reward/mean"] == line["reward/mean"] and metrics["policy/version"] == line["policy/version"]
+
+
+def test_is_ratio_max_is_the_largest_ratio_of_the_step_not_a_mean_over_micro_batches():
+    """With several micro-batches (a row each by default), is/ratio_max is the step's largest
+    sampler/trainer ratio, as sampler_trainer_mismatch reads it: a spike in one row must not be
+    averaged with the others' maxima."""
+    import copy
+
+    from treerl.kernels.tree_attention import enable_tree_attention
+    from treerl.learners.grpo import optimize
+    from treerl.learners.packing import pack_groups
+    from treerl.rollout.trajectory import Group
+
+    torch.set_num_threads(1)
+    model, _ = _load()
+    enable_tree_attention(model, impl="segment")
+    cfg = GRPOConfig(output_dir="unused", max_tokens_per_row=16)
+
+    def group(key: str, sampler_logp: float) -> Group:
+        g = Group(task_key=key, env_id="test")
+        root = g.add_segment("prompt", [5, 6, 7, 8])
+        for i in range(2):
+            tokens = [20 + i, 30 + i, 40 + i]
+            g.add_episode(leaf=g.add_segment("sampled", tokens, parent=root, logprobs=[sampler_logp] * 3),
+                          reward=float(i))
+        return g
+
+    groups = [group("calm", -3.0), group("spike", -12.0), group("calm-2", -3.0)]
+    adv = torch.tensor([-1.0, 1.0] * 3)
+    batches = pack_groups(groups, adv, cfg.packing_config())
+    assert len(batches) == 3  # one row, one micro-batch, per group
+
+    def ratio_max(some) -> float:
+        metrics: dict = {}
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.0)
+        optimize(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), some, cfg, "cpu", metrics)
+        return metrics["is/ratio_max"]
+
+    alone = [ratio_max([b]) for b in batches]
+    assert alone[1] > 10 * max(alone[0], alone[2])
+    assert ratio_max(batches) == pytest.approx(max(alone))

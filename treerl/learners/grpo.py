@@ -210,6 +210,7 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     if normalizer is None:
         normalizer = ranks.normalizer(batches)
     totals: dict[str, float] = {}
+    maxima: dict[str, float] = {}  # metrics named *_max (is/ratio_max): the window's largest, not a mean
     model.train()
     for batch in batches:
         batch = batch.to(device)
@@ -237,6 +238,10 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
         precision.backward(loss)
         n = batch.num_terms
         for k, v in {**result.metrics, **iw.metrics, **(centering.metrics if centering else {})}.items():
+            if k.endswith("_max"):
+                if n:  # a micro-batch without terms has no ratios
+                    maxima[k] = max(maxima.get(k, -math.inf), float(v))
+                continue
             totals[k] = totals.get(k, 0.0) + float(v) * (1.0 if k.startswith("loss/") else n)
         totals["_terms"] = totals.get("_terms", 0.0) + n
         totals["entropy/mean"] = totals.get("entropy/mean", 0.0) + float(out.entropy.detach().sum())
@@ -245,6 +250,9 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     terms = max(totals.pop("_terms", 1.0), 1.0)
     for k, v in totals.items():
         metrics[k] = v if k.startswith("loss/") else v / terms
+    parts = ranks.gather(maxima)
+    for k in dict.fromkeys(k for part in parts for k in part):
+        metrics[k] = max(part[k] for part in parts if k in part)
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:  # nothing was trained on (all groups skipped): a zero gradient, as training would give
