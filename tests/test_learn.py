@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,6 +62,11 @@ def test_learner_end_to_end(tmp_path):
 
     load_model(fresh, str(tmp_path / "checkpoints" / "step-2" / "model.safetensors"))
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+    # The README's table of metrics names every key a step logged (KIND: a tool-call outcome, a diagnostic).
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    documented = set(re.findall(r"`([a-z_]+/[A-Za-z_]+)`", readme)) | {"lr"}
+    logged = {re.sub(r"^(tool_calls|diag)/.*", r"\1/KIND", k) for m in lines for k in m if k != "step"}
+    assert logged <= documented, sorted(logged - documented)
 
 
 def test_reward_functions_with_trl_signature_are_weighted_in(tmp_path):
