@@ -116,8 +116,22 @@ def test_the_page_is_one_file_with_its_data_inlined_and_escaped(tmp_path):
 
 
 def test_view_of_a_learn_dir_without_samples_names_the_flag(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')  # a learn run that kept no samples
     assert main(["view", str(tmp_path)]) == 2
     assert "--sample-groups" in capsys.readouterr().err
+
+
+def test_view_of_what_is_neither_a_run_nor_trajectories_says_so(tmp_path, capsys):
+    """Not a learn directory, or a run's other files (metrics.jsonl): said as such, with no advice to
+    keep samples or to --repair a file that never held trajectories."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    (tmp_path / "notes").mkdir()
+    for target, said in ((tmp_path / "notes", "not a `treerl learn` output directory"),
+                         (tmp_path / "run" / "metrics.jsonl", "its first line is neither a treerl header nor a group")):
+        assert main(["view", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "--sample-groups" not in err and "--repair" not in err, err
 
 
 def _write(tmp_path: Path, groups: list[Group]) -> Path:

@@ -50,7 +50,7 @@ import numpy as np
 
 from treerl.config import field_help
 from treerl.errors import ConfigError
-from treerl.rollout.trajectory import TRAJECTORIES_DIR, Group, read_groups, sample_files
+from treerl.rollout.trajectory import TRAJECTORIES_DIR, Group, read_groups, read_header, sample_files
 
 __all__ = ["ViewConfig", "SourcedGroup", "load_groups", "group_row", "group_payload", "token_pieces",
            "build_html", "write_view"]
@@ -95,6 +95,10 @@ def load_groups(paths: Sequence[str | os.PathLike]) -> list[SourcedGroup]:
     for p in map(Path, paths):
         if p.is_dir():
             samples = sample_files(p)
+            if not samples and not any((p / name).exists() for name in ("config.json", "metrics.jsonl")):
+                raise ConfigError(f"{p}: not a `treerl learn` output directory (no config.json, metrics.jsonl or "
+                                  f"{TRAJECTORIES_DIR}/); pass a learn --output-dir or a trajectory file (treerl "
+                                  "rollout, eval or serve --out FILE).")
             if not samples:
                 raise ConfigError(f"{p}: no trajectory samples in {p / TRAJECTORIES_DIR}; `treerl learn` keeps them "
                                   "with --sample-groups N (default 4) every --sample-every steps, or pass a "
@@ -102,14 +106,26 @@ def load_groups(paths: Sequence[str | os.PathLike]) -> list[SourcedGroup]:
             for step, path in samples:
                 out.extend(SourcedGroup(g, source=p.name, step=step) for g in read_groups(path))
         elif p.is_file():
+            before = len(out)
             try:
                 out.extend(SourcedGroup(g, source=p.name) for g in read_groups(p))
             except (ValueError, KeyError) as exc:
+                if len(out) == before and not _starts_with_header(p):  # no line of it is ours: another kind of file
+                    raise ConfigError(f"{p}: not a trajectory file (its first line is neither a treerl header nor a "
+                                      "group); pass a file written by treerl rollout, eval or serve --out, or a "
+                                      "learn output directory.") from None
                 raise ConfigError(f"{p}: not a trajectory file ({exc}).") from None
         else:
             raise ConfigError(f"{p}: no such file or directory; pass a trajectory file (treerl rollout --out) or a "
                               "learn output directory.")
     return out
+
+
+def _starts_with_header(path: Path) -> bool:
+    try:
+        return read_header(path) is not None
+    except (ValueError, OSError):  # a header line that is not JSON is still a trajectory file's
+        return True
 
 
 def default_tokenizer_dir(paths: Sequence[str | os.PathLike]) -> str | None:
