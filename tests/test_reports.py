@@ -50,6 +50,21 @@ def test_compare_prints_final_metrics_and_differing_config(tmp_path, capsys):
     assert list(data["config_differences"]) == ["learning_rate", "output_dir"]
 
 
+def test_compare_takes_its_runs_from_a_config_file_too(tmp_path, capsys):
+    """`paths` is an option of the config like any other: a --config file may name the runs."""
+    a = fake_run(tmp_path, "a", [0.1, 0.5], lr=2e-4, success=(0.2, 0.6))
+    b = fake_run(tmp_path, "b", [0.1, 0.2], lr=1e-4, success=(0.2, 0.3))
+    config = tmp_path / "compare.yaml"
+    config.write_text(f"paths: [{a}, {b}]\nlast: 1\n")
+    assert main(["compare", "--config", str(config)]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert rows["reward/mean"] == ["0.5", "0.2"]
+    assert main(["compare", str(a), "--config", str(config)]) == 0  # the command line's runs win
+    assert capsys.readouterr().out.splitlines()[0].split()[-1] == "a"
+    assert main(["compare"]) == 2
+    assert "paths: name at least one run directory" in capsys.readouterr().err
+
+
 def test_plot_draws_every_figure_and_overlays_runs(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     a = fake_run(tmp_path, "a", [0.1, 0.2, 0.3, 0.5], lr=2e-4, success=(0.2, 0.6))

@@ -403,7 +403,9 @@ def build_parser(learner: str = "grpo") -> argparse.ArgumentParser:
 
     for name, help_text, cls, func, paths_help in _path_commands():
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("paths", nargs="+", metavar="PATH", help=paths_help.capitalize() + ".")
+        # Optional here so that a --config file's `paths` can name them; the config says when none are given.
+        p.add_argument("paths", nargs="*", default=argparse.SUPPRESS, metavar="PATH",
+                       help=paths_help.capitalize() + " (or `paths` in --config).")
         add_dataclass_arguments(p, cls)
         if any(f.name == "out" for f in dataclasses.fields(cls)):
             p.add_argument("-o", dest="out", default=argparse.SUPPRESS, help="Same as --out.")
