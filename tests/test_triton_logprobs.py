@@ -1,6 +1,6 @@
 """Parity of the Triton log-prob kernel with the full-logits reference, forward and backward.
 
-On a machine without CUDA these run under Triton's interpreter (tests/conftest.py sets
+On a machine without CUDA these run under Triton's interpreter (the root conftest.py sets
 TRITON_INTERPRET=1 before anything is imported), at shapes small enough for it; on a GPU
 they run the compiled kernels. Tolerances:
 

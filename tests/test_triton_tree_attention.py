@@ -1,6 +1,6 @@
 """The Triton tree-attention kernels against the torch reference, their block lists, and dispatch.
 
-On a machine without CUDA the kernels run in Triton's interpreter (``tests/conftest.py``
+On a machine without CUDA the kernels run in Triton's interpreter (the root ``conftest.py``
 sets ``TRITON_INTERPRET=1`` before anything is imported), at small shapes; on a GPU the
 same tests run the compiled kernels. Tolerances, per dtype, against
 :func:`reference_tree_attention` in float32 on the same input values:
@@ -56,7 +56,7 @@ def _kernel_device() -> tuple[str | None, str]:
         return "cpu", ""
     return None, (
         f"{triton_unavailable(torch.device('cpu'))}, and TRITON_INTERPRET=1 was not set before the kernels "
-        "were defined (tests/conftest.py sets it on machines without CUDA)"
+        "were defined (the root conftest.py sets it on machines without CUDA)"
     )
 
 
