@@ -233,3 +233,18 @@ def test_async_generators_leave_ctrl_c_to_the_trainer(monkeypatch):
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_output_piped_into_a_reader_that_stops_early_ends_quietly():
+    """`treerl compare ... | head`: the closed pipe ends the command without a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    code = ("import sys, treerl.cli as cli\n"
+            "cli.cmd_envs = lambda args: print('x' * 10_000_000)\n"
+            "sys.exit(cli.main(['envs']))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(10)
+    proc.stdout.close()  # as `head` does once it has its lines
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err

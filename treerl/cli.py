@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -423,6 +424,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:  # a setting that cannot work: say which and how to fix it, no traceback
         print(f"treerl: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `treerl compare ... | head` closed the pipe: nothing more to print
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that flushing stdout at exit does not raise again
+        return 1
     except KeyboardInterrupt as exc:  # Ctrl-C: how to go on, not the traceback of wherever it landed
         print(f"treerl: interrupted{f'; {exc}' if str(exc) else ''}", file=sys.stderr)
         return 130
