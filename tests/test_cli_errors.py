@@ -37,6 +37,8 @@ CASES = [
     ("yaml-seed-abc", LEARN, "seed: abc\n", "seed='abc': expected a whole number"),
     ("yaml-group-size-2.5", LEARN, "group_size: 2.5\n", "group_size=2.5: expected a whole number"),
     ("yaml-resume-maybe", LEARN, "resume: maybe\n", "resume='maybe': expected true or false"),
+    ("yaml-alias-and-field", LEARN, "num_generations: 4\ngroup_size: 8\n",
+     "num_generations and group_size name the same option; keep one"),
     ("yaml-progress-maybe", LEARN, "progress: maybe\n", "progress='maybe': expected true or false"),
     ("yaml-pack-mode-no", LEARN, "pack_mode: no\n", "pack_mode=False: expected text"),
     ("yaml-learning-rate-nan", LEARN, "learning_rate: .nan\n", "learning_rate=nan"),

@@ -187,7 +187,11 @@ def config_from_args(cls: type[T], args: argparse.Namespace, *, extra_keys: Sequ
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     if config_path:
         aliases = _aliases(cls)
-        from_file = {aliases.get(k, k): v for k, v in load_config_file(config_path).items() if k not in extra_keys}
+        raw = {k: v for k, v in load_config_file(config_path).items() if k not in extra_keys}
+        both = sorted(f"{k} and {aliases[k]}" for k in raw if k in aliases and aliases[k] in raw)
+        if both:  # which would win is not for a dict's order to say
+            raise ConfigError(f"--config {config_path}: {'; '.join(both)} name the same option; keep one.")
+        from_file = {aliases.get(k, k): v for k, v in raw.items()}
         unknown = sorted(set(from_file) - names)
         if unknown:
             import difflib
