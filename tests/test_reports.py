@@ -41,7 +41,7 @@ def test_compare_prints_final_metrics_and_differing_config(tmp_path, capsys):
     assert main(["compare", str(a), str(b), "--last", "2"]) == 0
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line.strip()}
     assert rows["reward/mean"] == ["0.4", "0.2"]  # the mean of each run's last 2 steps
-    assert rows["eval/success_end"] == ["60.0%", "30.0%"] and rows["time/total_s"] == ["8.00", "s", "8.00", "s"]
+    assert rows["eval/success_end"] == ["60.0%", "30.0%"] and rows["time/steps_s"] == ["8.00", "s", "8.00", "s"]
     assert rows["learning_rate"] == ["0.0002", "0.0001"] and "steps" in rows
     assert main(["compare", str(a), str(b), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -62,7 +62,7 @@ def compare_runs(paths: Sequence[str | os.PathLike], last: int = 5) -> dict[str,
             "steps": max((m["step"] for m in run.metrics), default=0),
             "eval/success_start": start["success_rate"] if start else None,
             "eval/success_end": end["success_rate"] if end else None,
-            "time/total_s": sum(run.series("perf/step_s")[1]),
+            "time/steps_s": sum(run.series("perf/step_s")[1]),  # the steps alone: no model load or evaluation
             **{key: _final(run, key, last) for key in FINAL_METRICS},
         }
     keys = sorted({k for c in configs.values() for k in c})
@@ -89,7 +89,7 @@ def compare_table(paths: Sequence[str | os.PathLike], last: int = 5) -> str:
     """The side-by-side table ``treerl compare`` prints."""
     data = compare_runs(paths, last)
     names = list(data["runs"])
-    keys = ["steps", "eval/success_start", "eval/success_end", "time/total_s",
+    keys = ["steps", "eval/success_start", "eval/success_end", "time/steps_s",
             *[k for k in FINAL_METRICS if any(data["runs"][n][k] is not None for n in names)]]
     rows = [[k, *(_cell(k, data["runs"][n][k]) for n in names)] for k in keys]
     text = format_table([f"metric (last {last} steps)", *names], rows)
