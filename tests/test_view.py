@@ -16,6 +16,7 @@ from treerl.learners.advantages import AdvantageConfig, compute_advantages
 from treerl.learners.grpo import GRPOConfig, train
 from treerl.models import load_default_model
 from treerl.rollout import Group, GroupWriter, read_groups
+from treerl.rollout.record import RolloutConfig, recorded_model, run_header
 from treerl.rollout.trajectory import sample_files
 from treerl.rollout.view import (
     SourcedGroup,
@@ -143,6 +144,24 @@ def _write(tmp_path: Path, groups: list[Group]) -> Path:
 
 
 @pytest.mark.skipif(browser_missing() is not None, reason=str(browser_missing()))
+def test_view_of_a_rollout_file_decodes_with_the_model_its_header_names(tmp_path, monkeypatch):
+    # treerl rollout --model DIR writes DIR's token ids; the shipped tokenizer would show other text.
+    _, tok = load_default_model()
+    tok.add_tokens(["<|only_in_mine|>"])
+    tok.save_pretrained(tmp_path / "mine")
+    mine = len(tok) - 1
+    g = Group(task_key="seed-0", env_id="demo/Handmade-v0")
+    g.add_episode(leaf=g.add_segment("sampled", [mine], parent=g.add_segment("prompt", [1, 2]), logprobs=[-1.0]), reward=0.0)
+    monkeypatch.chdir(tmp_path)
+    cfg = RolloutConfig(model="mine", out="r.jsonl")
+    with GroupWriter(tmp_path / "r.jsonl", header=run_header(cfg, tok)) as writer:
+        writer.write(g)
+    out, _ = write_view(ViewConfig(paths=[str(tmp_path / "r.jsonl")]))
+    assert "\\u003c|only_in_mine|>" in out.read_text(encoding="utf-8")
+    # A Hub id or a shipped model's name is recorded as given, not as a path under the working directory.
+    assert recorded_model("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B" and recorded_model("tiny") == "tiny"
+
+
 def test_the_page_in_headless_chromium(run_dir, tmp_path):
     tok = load_tokenizer(None)
     extra = _write(tmp_path, [handmade_group(tok)])

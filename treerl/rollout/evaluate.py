@@ -41,7 +41,7 @@ from treerl.envs.registry import make
 from treerl.errors import ConfigError
 from treerl.rollout.engine import RolloutEngine
 from treerl.rollout.options import EpisodeOptions
-from treerl.rollout.record import tokenizer_info
+from treerl.rollout.record import recorded_model, tokenizer_info
 from treerl.rollout.rewards import RewardFunc, RewardOptions, StepState, check_reward_weights, combine_rewards, score
 from treerl.rollout.summary import summary_table, task_rows, task_table
 from treerl.rollout.trajectory import Group, GroupWriter, make_header
@@ -91,7 +91,7 @@ class EvalConfig(RewardOptions, EpisodeOptions):
             "command": "eval",
             "env_id": self.env,
             "env_kwargs": self.env_kwargs,
-            "model": None if self.model is None else os.path.realpath(self.model),
+            "model": recorded_model(self.model),
             "tokenizer": tokenizer_info(tokenizer, template),
             "sampling": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self.sampling()).items()},
             "group_size": self.rollouts_per_task,

@@ -25,7 +25,7 @@ from treerl.errors import ConfigError
 from treerl.rollout.options import EpisodeOptions
 from treerl.rollout.trajectory import GroupWriter, make_header, repair_trajectory_file
 
-__all__ = ["RolloutConfig", "record", "run_header", "tokenizer_info"]
+__all__ = ["RolloutConfig", "record", "recorded_model", "run_header", "tokenizer_info"]
 
 
 @dataclass
@@ -103,6 +103,12 @@ def tokenizer_info(tokenizer: Any, template: str | None = None) -> dict[str, Any
     }
 
 
+def recorded_model(model: str | None) -> str | None:
+    """``--model`` as a header records it: a local directory as its real path, a Hub id or a shipped
+    model's name as given (a path made of them would name a directory that does not exist)."""
+    return os.path.realpath(model) if model is not None and os.path.isdir(model) else model
+
+
 def run_header(cfg: RolloutConfig, tokenizer: Any) -> dict[str, Any]:
     """What makes this run's episodes comparable: a resumed file must have been written with the same."""
     # The template episodes are rendered with: --chat-template may replace the tokenizer's.
@@ -110,7 +116,7 @@ def run_header(cfg: RolloutConfig, tokenizer: Any) -> dict[str, Any]:
     return make_header({
         "env_id": cfg.env,
         "env_kwargs": cfg.env_kwargs,
-        "model": None if cfg.model is None else os.path.realpath(cfg.model),
+        "model": recorded_model(cfg.model),
         "tokenizer": tokenizer_info(tokenizer, template),
         "sampling": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg.sampling()).items()},
         "group_size": cfg.group_size,

@@ -18,7 +18,8 @@ each group's data (token ids and log-probs as base64 little-endian arrays) only 
 opened; the list and the branches render lazily.
 
 Token text comes from the tokenizer that produced the ids (``--model``; for a learn output
-directory its saved model, else the shipped tiny model): each used id's bytes are stored
+directory its saved model, for a trajectory file the model its header names, else the
+shipped tiny model): each used id's bytes are stored
 once, and the page decodes a segment's bytes as UTF-8 in stream mode, so a character split
 over several byte-level tokens is shown whole, at the token that completes it.
 
@@ -69,7 +70,8 @@ class ViewConfig:
     out: str | None = field_help(None, "The HTML file to write (default: view.html in the run directory, or the "
                                        "trajectory file's name with .html).")
     model: str | None = field_help(None, "Model directory whose tokenizer decodes the tokens (default: a run's "
-                                         "saved model, else the shipped tiny model).")
+                                         "saved model, or the model a trajectory file's header names, else the "
+                                         "shipped tiny model).")
     title: str | None = field_help(None, "Page title (default: the sources' names).")
 
     def __post_init__(self) -> None:
@@ -129,7 +131,8 @@ def _starts_with_header(path: Path) -> bool:
 
 
 def default_tokenizer_dir(paths: Sequence[str | os.PathLike]) -> str | None:
-    """The tokenizer a view of ``paths`` decodes with when none is named: a run's own model."""
+    """The tokenizer a view of ``paths`` decodes with when none is named: a run's own model, or the
+    model a trajectory file's header names (``None``: the shipped tiny model)."""
     for p in map(Path, paths):
         if (p / "model" / "tokenizer_config.json").is_file():
             return str(p / "model")
@@ -138,19 +141,27 @@ def default_tokenizer_dir(paths: Sequence[str | os.PathLike]) -> str | None:
             model = json.loads(config.read_text()).get("model")
             if model:
                 return model
+        if p.is_file():
+            # treerl rollout and treerl eval record --model in the header; its ids are that tokenizer's.
+            model = ((read_header(p) or {}).get("run") or {}).get("model")
+            if model:
+                return model
     return None
 
 
 def load_tokenizer(path: str | None) -> Any:
-    """A tokenizer from a local model directory, offline (``None``: the shipped tiny model's)."""
+    """A tokenizer from a local model directory, a shipped model's name or a cached Hub id, offline
+    (``None``: the shipped tiny model's)."""
     from transformers import AutoTokenizer
 
-    from treerl.models import default_model_path
+    from treerl.models import model_directory
 
-    target = Path(path) if path is not None else default_model_path()
-    if not target.is_dir():
-        raise ConfigError(f"--model {path}: not a directory; pass the model directory whose tokenizer wrote the "
-                          "trajectories, or omit --model for the shipped tiny model.")
+    try:
+        target = model_directory(path)
+    except ConfigError:
+        raise ConfigError(f"model {path!r} is not a directory here (nor a Hub id in the Hugging Face cache); pass "
+                          "the model directory whose tokenizer wrote the trajectories with --model, or --model tiny "
+                          "for the shipped tiny model.") from None
     try:
         return AutoTokenizer.from_pretrained(target, local_files_only=True)
     except (OSError, ValueError) as exc:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import time
 import uuid
 from collections import Counter
@@ -51,7 +50,7 @@ from treerl.rollout.episode import (
     sample_turn,
     turn_params,
 )
-from treerl.rollout.record import tokenizer_info
+from treerl.rollout.record import recorded_model, tokenizer_info
 from treerl.rollout.trajectory import Group, GroupWriter, make_header, read_groups
 from treerl.serve.config import ServeConfig
 from treerl.serve.openai_format import (ChatRequest, RequestError, call_opening, message_key, template_messages,
@@ -571,7 +570,7 @@ def serve_header(cfg: ServeConfig, tokenizer: Any) -> dict[str, Any]:
     """The trajectory file's header: what a restarted server must share to append to it (sampling is per request)."""
     return make_header({
         "env_id": ENV_ID,
-        "model": None if cfg.model is None else os.path.realpath(cfg.model),
+        "model": recorded_model(cfg.model),
         "tokenizer": tokenizer_info(tokenizer),
         "group_size": cfg.group_size,
         "max_episode_tokens": cfg.max_episode_tokens,
