@@ -375,3 +375,15 @@ def test_is_ratio_max_is_the_largest_ratio_of_the_step_not_a_mean_over_micro_bat
     alone = [ratio_max([b]) for b in batches]
     assert alone[1] > 10 * max(alone[0], alone[2])
     assert ratio_max(batches) == pytest.approx(max(alone))
+
+
+def test_lora_setup_prints_no_other_librarys_deprecation(tmp_path):
+    """peft reads an attribute transformers renamed; its FutureWarning on every LoRA run is not the user's to act on."""
+    import warnings
+
+    from treerl.learners.core import _apply_lora
+
+    model, _ = _load()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        _apply_lora(model, GRPOConfig(output_dir=str(tmp_path), lora_r=4))

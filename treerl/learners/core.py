@@ -40,6 +40,7 @@ import math
 import random
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -537,7 +538,9 @@ def _apply_lora(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Module:
 
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules="all-linear", task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
+    with warnings.catch_warnings():  # peft reads an attribute transformers renamed: not the user's to act on
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+        return get_peft_model(model, lora)
 
 
 def _reference_model(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Module:
