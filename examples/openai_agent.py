@@ -25,6 +25,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,7 +113,12 @@ def _policy_version(args: argparse.Namespace) -> int:
     return response.json()["policy_version"]
 
 
-def play(args: argparse.Namespace) -> None:
+def play(args: argparse.Namespace, learner_running: Callable[[], bool] = lambda: True) -> None:
+    """Play ``args.tasks`` tasks in waves; with ``--follow-learner``, wait for new weights after each wave.
+
+    The wait ends early, and so does the play, once ``learner_running()`` is false: a learner that
+    died publishes nothing, and waiting for it would hang.
+    """
     client = _client(args)
     seed = args.seed or 0
     version = _policy_version(args)
@@ -126,6 +132,9 @@ def play(args: argparse.Namespace) -> None:
                   f"(policy version {version})", file=sys.stderr, flush=True)
             if args.follow_learner:  # on-policy: the next wave samples the weights trained on this one
                 while (now := _policy_version(args)) == version:
+                    if not learner_running():
+                        print("the learner stopped before publishing new weights: play ends", file=sys.stderr)
+                        return
                     time.sleep(0.5)
                 version = now
 

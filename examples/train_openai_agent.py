@@ -89,7 +89,7 @@ def main() -> None:
         openai_agent.play(openai_agent.build_parser().parse_args(
             ["play", *agent, "--tasks", str(args.steps * args.tasks_per_step), "--group-size",
              str(args.group_size), "--wave", str(args.tasks_per_step), "--seed", str(args.seed),
-             "--follow-learner"]))
+             "--follow-learner"]), learner_running=lambda: learner.poll() is None)
         if learner.wait() != 0:
             raise RuntimeError(f"treerl learn exited with {learner.returncode}")
         after = openai_agent.evaluate(openai_agent.build_parser().parse_args(

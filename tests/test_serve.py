@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from treerl.serve.openai_format import call_opening, message_key, parse_request,
 from treerl.serve.recorder import Recorder  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from openai_agent import run_episode  # noqa: E402
+from openai_agent import build_parser, play, run_episode  # noqa: E402
 
 import treerl  # noqa: E402
 
@@ -104,6 +105,20 @@ def test_tool_loop_records_an_exact_tree_grouped_by_task(server, tiny):
         assert len(episode.sampler_logprobs) == len(episode.token_ids)
     # The group is in the trajectory file, in today's format.
     assert "calc-7" in [g.task_key for g in read_groups(out)]
+
+
+def test_the_agent_stops_waiting_for_a_learner_that_died(server, monkeypatch):
+    """examples/train_openai_agent.py hung forever, its server running, once `treerl learn` died mid-run."""
+    url, recorder, _ = server
+    monkeypatch.delenv("TREERL_SERVE_TOKEN", raising=False)
+    args = build_parser().parse_args(["play", "--base-url", url, "--tasks", "2", "--wave", "1", "--group-size", "2",
+                                      "--seed", "600", "--concurrency", "2", "--follow-learner"])
+    player = threading.Thread(target=play, args=(args,), kwargs={"learner_running": lambda: False}, daemon=True)
+    player.start()
+    player.join(timeout=120)
+    assert not player.is_alive(), "play still waits for weights no learner will publish"
+    played = {g.task_key for g in recorder.finished}
+    assert "calc-600" in played and "calc-601" not in played  # the first wave only
 
 
 def test_served_episodes_read_like_the_engines(server, tiny):
