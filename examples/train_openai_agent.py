@@ -1,5 +1,6 @@
 """Train the plain-``openai`` agent of ``openai_agent.py`` with treerl through ``treerl serve``; success before/after.
 
+    pip install -e ".[serve]" openai   # the server, and the client the agent uses
     python examples/train_openai_agent.py --out runs/agent --steps 20
 
 What it runs, each a separate process as it would be on a real setup (one machine here):
