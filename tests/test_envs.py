@@ -472,3 +472,36 @@ def test_gymnasiums_checker_passes_the_builtin_envs_without_warnings(env_id):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gymnasium_check_env(env.unwrapped)
+
+
+class _GuessText(gymnasium.Env):
+    """A text game as GEM and TextArena write them: str observations, str actions."""
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.secret = int(self.np_random.integers(1, 4))
+        return "Guess my number from 1 to 3; answer with the digit.", {"secret": self.secret}
+
+    def step(self, action):
+        right = action.strip() == str(self.secret)
+        return ("Correct!" if right else "No, try again."), float(right), right, False, {}
+
+
+def test_a_text_game_plays_as_a_chat_through_the_engine():
+    from _scripted import ScriptedPolicy
+
+    from treerl.envs import TextEnv
+    from treerl.models import load_default_model
+    from treerl.rollout.engine import RolloutEngine
+
+    _, tok = load_default_model()
+    with pytest.warns(UserWarning, match="no gold answers"):
+        check_env(TextEnv(_GuessText()))  # Gymnasium's checker and treerl's pass
+    policy = ScriptedPolicy(tok, lambda task, g, turn: str(turn + 1), end_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    factory = lambda: TextEnv(_GuessText, system_prompt="Play the game.")  # noqa: E731
+    (group,), _ = asyncio.run(RolloutEngine(policy, tok, seed=0).run(factory, "tests/Guess-v0", range(1), 2))
+    secret = factory().reset(seed=0)[1]["secret"]
+    for episode in group.episodes:  # guesses 1, 2, 3: right at the secret's turn
+        assert episode.reward == 1.0 and episode.termination == "terminated"
+        text = tok.decode(episode.token_ids)
+        assert text.count("No, try again.") == secret - 1 and "Play the game." in text and "Correct!" not in text

@@ -12,13 +12,14 @@ from treerl.envs.core import Env, Message, Task, ToolEnv, ValidationReport
 from treerl.envs.parsers import PARSERS, ParseResult, ToolCall, ToolCallParser, get_parser
 from treerl.envs.registry import EnvSpec, make, register, registry
 from treerl.envs.spaces import ChatMessages, Completion
+from treerl.envs.text import TextEnv
 from treerl.envs.tools import Tool, ToolResult, run_tool_call, tool
 from treerl.errors import EnvError, ToolCallError, ToolErrorKind, ToolTimeout, TreerlError
 
 from treerl.envs import builtin  # noqa: E402,F401  (registers the built-in environments)
 
 __all__ = [
-    "Env", "ToolEnv", "Task", "Message", "ValidationReport",
+    "Env", "ToolEnv", "TextEnv", "Task", "Message", "ValidationReport",
     "ChatMessages", "Completion",
     "Tool", "tool", "ToolResult", "run_tool_call",
     "ToolCall", "ParseResult", "ToolCallParser", "PARSERS", "get_parser",

@@ -1,0 +1,80 @@
+"""Text environments played as chats: a Gymnasium environment whose observations are plain
+strings (GEM's and TextArena's games, a user's own ``gymnasium.Env``) becomes a treerl
+environment whose observations are chat messages.
+
+The first observation is the user's opening message (after ``system_prompt``, if given); every
+later one is the next user message; the model's completion is the action. Rewards, ends and
+``info`` pass through unchanged, and so do seeds and ``reset`` options.
+
+>>> import gymnasium
+>>> class Echo(gymnasium.Env):
+...     def reset(self, *, seed=None, options=None):
+...         super().reset(seed=seed)
+...         return "Say hi.", {}
+...     def step(self, action):
+...         return "Well done." if action == "hi" else "Say hi.", float(action == "hi"), action == "hi", False, {}
+>>> env = TextEnv(Echo())
+>>> env.reset(seed=0)[0]
+[{'role': 'user', 'content': 'Say hi.'}]
+>>> env.step("hi")[:3]
+([{'role': 'user', 'content': 'Well done.'}], 1.0, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import gymnasium
+
+from treerl.envs.core import Env, Message
+from treerl.errors import EnvError
+
+__all__ = ["TextEnv"]
+
+
+class TextEnv(Env):
+    """A Gymnasium environment with string observations and string actions, as a chat.
+
+    Args:
+        env: The environment, or a function that builds it (``lambda: gem.make("game:GuessTheNumber-v0")``).
+        system_prompt: A system message before the first observation.
+        role: The role of the observations' messages (``user``; ``tool`` for a tool-like game
+            needs a template that renders tool messages without a call id).
+
+    Register it as any environment, e.g. ``treerl.register("gem/GuessTheNumber-v0",
+    lambda **kw: TextEnv(lambda: gem.make("game:GuessTheNumber-v0", **kw)))``; then
+    ``treerl learn --import my_envs.py --env gem/GuessTheNumber-v0``. ``fork()`` copies the
+    wrapped environment with the rest (members it cannot copy are shared: see
+    :meth:`treerl.envs.Env.fork`).
+    """
+
+    def __init__(self, env: gymnasium.Env | Callable[[], gymnasium.Env], *, system_prompt: str | None = None,
+                 role: str = "user", render_mode: str | None = None):
+        super().__init__(render_mode=render_mode)
+        self.env = env if isinstance(env, gymnasium.Env) or not callable(env) else env()
+        self.system_prompt, self.role = system_prompt, role
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        obs, info = self.env.reset(seed=seed, options=options)
+        opening = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        self.messages = [*opening, self._message(obs, "reset()")]
+        return [dict(m) for m in self.messages], dict(info)
+
+    def step(self, action: str):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        new = [self._message(obs, "step()")] if obs not in (None, "") else []
+        self.messages += [{"role": "assistant", "content": action}, *new]
+        return [dict(m) for m in new], reward, terminated, truncated, dict(info)
+
+    def close(self) -> None:
+        self.env.close()
+
+    def _message(self, obs: Any, where: str) -> Message:
+        if isinstance(obs, str):
+            return {"role": self.role, "content": obs}
+        if isinstance(obs, Mapping) and "role" in obs and "content" in obs:  # already a message
+            return dict(obs)
+        raise EnvError(f"{type(self.env.unwrapped).__name__}.{where} returned the observation {str(obs)[:80]!r}: "
+                       "TextEnv plays environments whose observations are text (a str).")
