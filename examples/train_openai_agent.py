@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -64,6 +65,8 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads of the server and the learner "
                                                                     "(1: no oversubscription of a small CPU)")
     args = parser.parse_args()
+    # `kill` or `timeout` stop us with SIGTERM, which by default skips the `finally` that stops the server.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(16)
