@@ -92,6 +92,9 @@ def test_several_rewards_sum_then_normalize():
     combined = [weights[0] * a + weights[1] * b for a, b in zip(REWARD, second)]
     assert out.adv.tolist() == pytest.approx(reference(combined, "grpo", "group"), rel=1e-12, abs=1e-12)
     assert out.metrics["reward/mean"].item() == pytest.approx(sum(combined) / len(combined))
+    # Over all episodes, as the rollout summary's reward/std (the population std, which learn logs
+    # without reward functions): the same key means the same thing with them.
+    assert out.metrics["reward/std"].item() == pytest.approx(statistics.pstdev(combined))
     assert out.metrics["reward/1/mean"].item() == pytest.approx(sum(second) / len(second))
     # Group 5's combined reward is no longer constant; only the singleton group is.
     assert out.metrics["reward/num_zero_std_groups"].item() == 1.0

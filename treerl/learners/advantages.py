@@ -241,7 +241,7 @@ def compute_advantages(
     num_zero = constant.sum().to(rewards.dtype)
     metrics: dict[str, Tensor] = {
         "reward/mean": combined.mean(),
-        "reward/std": combined.std() if num_episodes > 1 else combined.new_zeros(()),
+        "reward/std": combined.std(unbiased=False),  # population std, as the rollout summary's
         "reward/num_zero_std_groups": num_zero,
         "reward/zero_std_frac": num_zero / num_groups,
         "adv/mean": adv.mean(),
