@@ -102,3 +102,19 @@ def test_images_and_resources_in_a_result_are_named_not_dropped():
         "[image/png image, 70 bytes]", "a red dot", "A", "[resource file:///a.bin (application/octet-stream)]"]
     # An image alone was the empty string: the model read nothing at all.
     assert _result_text(types.CallToolResult(content=[result.content[0]])) == "[image/png image, 70 bytes]"
+
+
+def test_a_server_that_dies_mid_run_is_said_once_and_its_calls_are_tool_errors(caplog):
+    crashing = Path(__file__).resolve().parent / "programs" / "mcp_crashing_server.py"
+    with McpToolset(sys.executable, [str(crashing)], timeout=20) as tools:
+        env = McpEnv(tools=tools.tools)
+        env.reset(seed=0)
+        render = env.parser.render
+        errors = []
+        for call in (ToolCall("add", {"a": 1, "b": 2}), ToolCall("crash", {}), ToolCall("add", {"a": 1, "b": 2}),
+                     ToolCall("add", {"a": 2, "b": 2})):
+            *_, info = env.step(render([call]))
+            errors.append(info["tool_calls"][0]["error"])
+    assert errors == [None, "tool_error", "tool_error", "tool_error"]  # data for the model, never a crash
+    said = [r for r in caplog.records if "is gone" in r.getMessage()]
+    assert len(said) == 1 and "mcp_crashing_server.py" in said[0].getMessage()

@@ -25,12 +25,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from treerl.envs.tools import Tool
 from treerl.errors import MissingExtraError, ToolCallError, ToolErrorKind
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["McpToolset"]
 
@@ -63,7 +66,8 @@ class McpToolset:
         ready: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name="treerl-mcp", daemon=True)
         self._thread.start()
-        server = " ".join([command, *map(str, args)])
+        server = self._server = " ".join([command, *map(str, args)])
+        self._gone = False
         try:
             listed = ready.result(timeout=startup_timeout)
         except concurrent.futures.TimeoutError:
@@ -112,8 +116,12 @@ class McpToolset:
 
     def _caller(self, name: str):
         async def call(**arguments: Any) -> str:
-            future = asyncio.run_coroutine_threadsafe(self._session.call_tool(name, arguments), self._loop)
-            result = await asyncio.wrap_future(future)
+            try:
+                future = asyncio.run_coroutine_threadsafe(self._session.call_tool(name, arguments), self._loop)
+                result = await asyncio.wrap_future(future)
+            except Exception as exc:
+                self._say_if_gone(exc)
+                raise
             text = _result_text(result)
             if _field(result, "is_error", "isError"):
                 raise ToolCallError(ToolErrorKind.TOOL_ERROR, text, tool_name=name)
@@ -121,6 +129,15 @@ class McpToolset:
 
         call.__name__ = name
         return call
+
+    def _say_if_gone(self, exc: BaseException) -> None:
+        """Once, loudly: a server that exited fails every later call as the model's tool_error."""
+        gone = not self._thread.is_alive() or "Connection closed" in str(exc) or "closed" in type(exc).__name__.lower()
+        if gone and not self._closing and not self._gone:
+            self._gone = True
+            logger.warning("MCP server `%s` is gone (%s): every call to its tools fails as tool_error from now on, "
+                           "which the model is scored on; restart the run once the server is fixed.",
+                           self._server, _reason(exc))
 
     def close(self) -> None:
         """Stop the server and the connection's thread."""
