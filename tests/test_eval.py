@@ -141,3 +141,12 @@ def test_eval_command_writes_trajectories_with_the_report(tmp_path, capsys):
     # A path that cannot be written is refused before the model loads, not after the evaluation.
     assert main(["eval", "--out", str(tmp_path)]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_eval_shows_its_progress_unless_asked_not_to(capsys):
+    from treerl.cli import main
+
+    assert main(["eval", "--num-episodes", "2", "--max-new-tokens", "8"]) == 0
+    assert "eval: 100%" in capsys.readouterr().err  # a bar of finished tasks, as rollout and learn show
+    assert main(["eval", "--num-episodes", "2", "--max-new-tokens", "8", "--progress", "false"]) == 0
+    assert "eval:" not in capsys.readouterr().err

@@ -176,7 +176,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     try:
         report = evaluate_with(cfg, policy, tokenizer, num_episodes=cfg.num_episodes, seed=cfg.seed,
                                success_threshold=cfg.success_threshold, rollouts_per_task=cfg.rollouts_per_task,
-                               reward_funcs=reward_funcs, reward_weights=cfg.reward_weights)
+                               reward_funcs=reward_funcs, reward_weights=cfg.reward_weights, progress=cfg.progress)
     finally:
         policy.close()
     if cfg.out:

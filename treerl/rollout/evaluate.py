@@ -72,6 +72,7 @@ class EvalConfig(RewardOptions, EpisodeOptions):
                                        "treerl rollout --out's format (treerl view and read_groups read it), the "
                                        "report in its header line; an existing file is replaced.")
     json: bool = field_help(False, "Print the report as JSON.")
+    progress: bool = field_help(True, "Show a progress bar of finished tasks (on stderr).")
     per_task: bool = field_help(False, "Also report each task: answer, reward, success, turns, tokens, tool calls "
                                        "and how it ended (a table, or a `tasks` list with --json).")
 
@@ -168,7 +169,7 @@ async def aevaluate(env_factory: Callable[[], Any], policy: Policy, tokenizer: A
                     max_concurrency: int = 32, max_episode_tokens: int = 2048, max_episode_seconds: float = 300.0,
                     success_threshold: float = 1.0, chat_template: str | None = None,
                     lockstep: bool = False, rollouts_per_task: int = 1, reward_funcs: Sequence[RewardFunc] = (),
-                    reward_weights: Sequence[float] | None = None) -> EvalReport:
+                    reward_weights: Sequence[float] | None = None, progress: bool = False) -> EvalReport:
     """Play ``num_episodes`` tasks (seeds ``seed..seed+N-1``) ``rollouts_per_task`` times each, concurrently;
     see :func:`evaluate`.
 
@@ -176,7 +177,8 @@ async def aevaluate(env_factory: Callable[[], Any], policy: Policy, tokenizer: A
     waves of every episode (batches, and with them every float, repeat), as in the engine.
     ``reward_funcs`` (TRL's signature) are scored as in ``treerl learn``, weighted by
     ``reward_weights`` (the environment's first; default all 1); their ``trainer_state`` is TRL's before
-    training, ``global_step`` and ``max_steps`` 0 (no step is taken here).
+    training, ``global_step`` and ``max_steps`` 0 (no step is taken here). ``progress`` shows a bar of
+    finished tasks on stderr.
     """
     weights = check_reward_weights(reward_funcs, reward_weights)
     num_episodes = _at_most_one_per_row(env_factory, num_episodes, rollouts_per_task)
@@ -184,7 +186,17 @@ async def aevaluate(env_factory: Callable[[], Any], policy: Policy, tokenizer: A
                            max_concurrency=max_concurrency, max_episode_tokens=max_episode_tokens,
                            max_episode_seconds=max_episode_seconds, seed=seed, chat_template=chat_template,
                            lockstep=lockstep)
-    groups, stats = await engine.run(env_factory, env_id, range(num_episodes), group_size=rollouts_per_task)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=num_episodes, desc="eval", unit="task", file=sys.stderr, dynamic_ncols=True)
+    try:
+        groups, stats = await engine.run(env_factory, env_id, range(num_episodes), group_size=rollouts_per_task,
+                                         on_group=None if bar is None else lambda group: bar.update(1))
+    finally:
+        if bar is not None:
+            bar.close()
     figures = stats.summary(success_threshold)
     if rollouts_per_task > 1:
         figures.update({f"pass@{k}": v for k, v in pass_at_k(groups, success_threshold).items()})
@@ -291,7 +303,8 @@ def evaluate(env_id: str, policy: Policy, tokenizer: Any, *, env_kwargs: dict[st
 def evaluate_with(cfg: EpisodeOptions, policy: Policy, tokenizer: Any, *, num_episodes: int, seed: int,
                   success_threshold: float = 1.0, env_factory: Callable[[], Any] | None = None,
                   env_id: str = "", rollouts_per_task: int = 1, reward_funcs: Sequence[RewardFunc] = (),
-                  reward_weights: Sequence[float] | None = None, **sampling_overrides: Any) -> EvalReport:
+                  reward_weights: Sequence[float] | None = None, progress: bool = False,
+                  **sampling_overrides: Any) -> EvalReport:
     """:func:`evaluate` with a command's :class:`EpisodeOptions` (environment, sampling, limits, lockstep).
 
     ``env_factory`` replaces the one ``cfg`` describes (a learner given its own factory), and
@@ -305,5 +318,5 @@ def evaluate_with(cfg: EpisodeOptions, policy: Policy, tokenizer: Any, *, num_ep
         max_episode_tokens=cfg.max_episode_tokens, max_episode_seconds=cfg.max_episode_seconds,
         success_threshold=success_threshold, chat_template=resolve_chat_template(cfg.chat_template, tokenizer),
         lockstep=cfg.lockstep, rollouts_per_task=rollouts_per_task, reward_funcs=reward_funcs,
-        reward_weights=reward_weights,
+        reward_weights=reward_weights, progress=progress,
     ))
