@@ -105,6 +105,11 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(QWEN, ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"],
                     None, "<|im_end|>", "<think>\n{r}\n</think>\n\n" + HERMES_CALL,
                     "<think>\n{r}\n</think>\n\nThe answer is {n}.", "<|im_end|>", "<|im_end|>"),
+    # Qwen3 with enable_thinking=False: the generation prompt holds an empty <think></think>, which
+    # its template leaves out of the earlier turns it renders again.
+    "qwen3_no_thinking": Family(QWEN, ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
+                                       "</think>"], None, "<|im_end|>", HERMES_CALL, "The answer is {n}.",
+                                "<|im_end|>", "<|im_end|>", template_kwargs={"enable_thinking": False}),
     # Qwen3.5 opens <think> in the generation prompt: the model starts inside its reasoning.
     "qwen3_5": Family(QWEN, ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"],
                       None, "<|im_end|>", "{r}\n</think>\n\n" + CODER_CALL, "{r}\n</think>\n\nThe answer is {n}.",
@@ -171,9 +176,13 @@ def episode_script(family: Family) -> list[tuple[str, str, list[dict]]]:
     ]
 
 
+TEMPLATE_OF = {"qwen3_no_thinking": "qwen3"}
+"""Families that are another's template with other variables."""
+
+
 def real_template(name: str) -> str:
     """A family's template as the model ships it: the file without its header comment."""
-    text = (REAL / f"{name}.jinja").read_text(encoding="utf-8")
+    text = (REAL / f"{TEMPLATE_OF.get(name, name)}.jinja").read_text(encoding="utf-8")
     return text[text.index("-#}\n") + len("-#}\n"):]
 
 
@@ -327,6 +336,7 @@ def branch_table(base_bpe: str) -> dict[tuple[str, str], list[str | None]]:
 EXPECTED_BRANCHES = {
     "qwen2_5": ([], []),
     "qwen3": (["not_append_only"], []),
+    "qwen3_no_thinking": (["not_append_only"] * 3, []),  # every bridge: the empty <think></think> goes
     "qwen3_5": (["not_append_only"], []),
     "llama3_1": ([], []),
     "llama3_2": ([], []),
@@ -461,6 +471,7 @@ def test_a_template_that_refuses_the_results_ends_the_episode_as_data(base_bpe, 
 # adds the template's end-of-turn tokens); tokens a test tokenizer lacks are left out.
 GENERATION_EOS = {
     "qwen2_5": ["<|im_end|>", "<|endoftext|>"], "qwen3": ["<|im_end|>", "<|endoftext|>"],
+    "qwen3_no_thinking": ["<|im_end|>", "<|endoftext|>"],
     "qwen3_5": ["<|im_end|>", "<|endoftext|>"], "nemotron3_nano": ["<|im_end|>"],
     "llama3_1": ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"], "llama3_2": ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"],
     "mistral": ["</s>"], "gemma3": ["<eos>", "<end_of_turn>"], "phi3_5": ["<|endoftext|>", "<|end|>"],
