@@ -342,3 +342,18 @@ def test_default_cpu_tiles_are_cache_sized_and_exact():
     for got, want in zip(grads(token_logprobs, hidden, weight, bias, (1.0, 1.0, 1.0), **kwargs),
                          grads(reference_token_logprobs, hidden, weight, bias, (1.0, 1.0, 1.0), **kwargs)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_implementation_chosen_is_logged_once_at_info(caplog):
+    """As the tree-attention backend's: a run that fell back to the chunked path can be seen in its log."""
+    import logging
+
+    from treerl.kernels import logprobs as lp
+
+    lp._SAID.clear()
+    hidden, weight, targets = torch.randn(3, 8), torch.randn(11, 8), torch.tensor([1, 2, 3])
+    with caplog.at_level(logging.INFO, logger="treerl.kernels.logprobs"):
+        lp.token_logprobs(hidden, weight, targets)
+        lp.token_logprobs(hidden, weight, targets)
+    said = [r for r in caplog.records if r.levelno == logging.INFO and "impl=chunked" in r.getMessage()]
+    assert len(said) == 1

@@ -444,6 +444,10 @@ def select_impl(impl: str, hidden: Tensor) -> ImplChoice:
     return ImplChoice("triton", "CUDA tensors and the Triton kernel can run")
 
 
+_SAID: set[tuple[str, str]] = set()
+"""The implementation choices already logged at info level."""
+
+
 def token_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -486,7 +490,11 @@ def token_logprobs(
     choice = select_impl(impl, hidden)
     if chunk_vocab is None:
         chunk_vocab = default_chunk_vocab(choice.name, hidden.device)
-    logger.debug("token_logprobs: impl=%s (%s)", choice.name, choice.reason)
+    if (choice.name, choice.reason) not in _SAID:  # once per choice at info (as tree attention's), then debug
+        _SAID.add((choice.name, choice.reason))
+        logger.info("token_logprobs: impl=%s (%s)", choice.name, choice.reason)
+    else:
+        logger.debug("token_logprobs: impl=%s (%s)", choice.name, choice.reason)
     out = IMPLS[choice.name](
         hidden,
         weight,
