@@ -237,6 +237,31 @@ def test_async_generators_leave_ctrl_c_to_the_trainer(monkeypatch):
         signal.signal(signal.SIGINT, before)
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the signal disposition from /proc")
+def test_async_generators_ignore_ctrl_c_from_their_first_instruction(tmp_path):
+    """A spawned generator imports torch and treerl for seconds before generator_main runs: Ctrl-C in that
+    window killed it with a KeyboardInterrupt traceback from inside the import. It starts with SIGINT ignored."""
+    import signal
+
+    from treerl.learners.async_generator import GeneratorSpec
+    from treerl.learners.async_grpo import AsyncGRPOConfig
+    from treerl.learners.async_pool import ProcessPool
+
+    pool = ProcessPool(GeneratorSpec(cfg=AsyncGRPOConfig(output_dir=str(tmp_path)), max_staleness=0),
+                       num_generators=1, heartbeat_timeout=60.0)
+    before = signal.getsignal(signal.SIGINT)
+    pool.launch()
+    try:
+        (pid,) = pool.pids.values()
+        ignored = next(int(line.split()[1], 16) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                       if line.startswith("SigIgn:"))
+        assert ignored & (1 << (signal.SIGINT - 1)), "the generator must ignore SIGINT while it still imports"
+        assert signal.getsignal(signal.SIGINT) == before, "the trainer keeps its own Ctrl-C"
+    finally:
+        pool.kill(0)
+        pool.close()
+
+
 def test_output_piped_into_a_reader_that_stops_early_ends_quietly():
     """`treerl compare ... | head`: the closed pipe ends the command without a BrokenPipeError traceback."""
     import subprocess

@@ -21,6 +21,7 @@ Weights reach the generators by one of two transports (``weight_transport``):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -29,7 +30,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -55,6 +56,26 @@ def weights_dir() -> Path:
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
     return Path(tempfile.mkdtemp(prefix="treerl-weights-", dir=base))
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Ignore SIGINT while a generator process is spawned, so that it starts ignoring it.
+
+    The spawned interpreter imports torch and treerl for seconds before
+    :func:`~treerl.learners.async_generator.generator_main` ignores Ctrl-C itself; an ignored
+    disposition survives the exec, and Python then installs no KeyboardInterrupt handler.
+    Only the main thread may change it: a replacement started by the monitor thread keeps
+    the short window (and the trainer's own Ctrl-C is never off for longer than a spawn).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @dataclass
@@ -101,7 +122,8 @@ class ProcessPool(GeneratorPool):
                                    backend=backend_for(self.spec.cfg.device), timeout_s=self.startup_timeout)
         process = self._ctx.Process(target=generator_main, args=(self.spec, gen_id, child, address),
                                     name=f"treerl-generator-{gen_id}", daemon=True)
-        process.start()
+        with _sigint_ignored():
+            process.start()
         child.close()  # only the child holds its end now: its death reads as end-of-file here
         handle = _Process(process, parent)
         if address is not None:
