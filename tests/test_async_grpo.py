@@ -133,6 +133,8 @@ def test_config_errors_name_the_field_and_the_fix(tmp_path):
         AsyncGRPOConfig(output_dir=str(tmp_path), is_level="sequence")
     cfg = AsyncGRPOConfig(output_dir=str(tmp_path), is_level="sequence", objective="clipped")
     assert cfg.capacity == (2 + 1) * 8  # every step a generator may run ahead
+    with pytest.raises(ValueError, match=r"or unset for \(max_staleness \+ 1\) x tasks_per_step = 24"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), buffer_size=0)
     with pytest.raises(ValueError, match="objective='ppo'"):
         AsyncGRPOConfig(output_dir=str(tmp_path), objective="ppo")
     with pytest.raises(ValueError, match="cannot be pickled"):

@@ -140,7 +140,8 @@ class AsyncGRPOConfig(GRPOConfig):
             raise ValueError(f"max_staleness={self.max_staleness} must be >= 0 (0 trains only on groups sampled "
                              "with the trainer's current weights).")
         if self.buffer_size is not None and self.buffer_size < 1:
-            raise ValueError(f"buffer_size={self.buffer_size} must be >= 1 (or unset for 2 x tasks_per_step).")
+            raise ValueError(f"buffer_size={self.buffer_size} must be >= 1 (or unset for (max_staleness + 1) x "
+                             f"tasks_per_step = {(self.max_staleness + 1) * self.tasks_per_step}).")
         if self.num_generators < 1:
             raise ValueError(f"num_generators={self.num_generators} must be >= 1.")
         if self.generator_threads is not None and self.generator_threads < 1:
