@@ -489,6 +489,13 @@ def test_malformed_and_unsupported_requests_get_a_400_naming_the_field(server):
         ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),  # only with logprobs
         ({"logit_bias": {"100": -100}}, "logit_bias"),
+        # Served unconstrained, these would hand back text the client was promised is JSON.
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}},
+         "response_format"),
+        ({"response_format": "json"}, "response_format"),
+        ({"functions": [{"name": "calculator", "parameters": {"type": "object"}}]}, "functions"),  # unseen tools
+        ({"function_call": "auto"}, "function_call"),
         ({"messages": [{"role": "tool", "tool_call_id": "call_1", "content": "4"}]}, "messages[0]"),
         ({"messages": [*hi, {"role": "assistant", "content": "", "tool_calls": [call]},
                        {"role": "tool", "tool_call_id": "call_2", "content": "4"}]}, "messages[2].tool_call_id"),
@@ -509,6 +516,7 @@ def test_malformed_and_unsupported_requests_get_a_400_naming_the_field(server):
         # A tool result that answers the call before it is served.
         ok = http.post("/chat/completions", json={
             "model": "treerl", "max_tokens": 2, "stream": False, "logprobs": False, "logit_bias": {},
+            "response_format": {"type": "text"},
             "messages": [*hi, {"role": "assistant", "content": "", "tool_calls": [call]},
                          {"role": "tool", "tool_call_id": "call_1", "content": "4"}]},
             headers={"X-Treerl-Record": "false"})

@@ -43,6 +43,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields that change the sampling distribution in ways this server cannot apply: refused, not ignored.
 _UNSUPPORTED_NONZERO = ("frequency_penalty", "presence_penalty")
 _UNSUPPORTED_NONEMPTY = ("logit_bias",)
+# The deprecated function-calling fields: ignored, the model would not see the functions at all.
+_LEGACY_FUNCTIONS = ("functions", "function_call")
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
@@ -206,6 +208,19 @@ def _check_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     return out or None
 
 
+def _check_response_format(body: Mapping[str, Any]) -> None:
+    """Plain text only: JSON modes need constrained decoding, which would change the sampling distribution the
+    trajectory records, and served unconstrained they would hand the client text it cannot parse as promised."""
+    fmt = body.get("response_format")
+    if fmt is None or (isinstance(fmt, Mapping) and fmt.get("type") == "text"):
+        return
+    kind = fmt.get("type") if isinstance(fmt, Mapping) else fmt
+    raise RequestError("response_format", f"{kind!r} is not supported: only {{'type': 'text'}}; structured output "
+                                          "would need constrained decoding, which would change the sampling "
+                                          "distribution the trajectory records. Ask for JSON in the prompt, or "
+                                          "call a tool whose parameters are the schema.")
+
+
 def parse_request(body: Any) -> ChatRequest:
     """A :class:`ChatRequest` from a decoded JSON body; :class:`RequestError` names the first bad field."""
     if not isinstance(body, Mapping):
@@ -268,6 +283,11 @@ def parse_request(body: Any) -> ChatRequest:
         if body.get(name) not in (None, {}):
             raise RequestError(name, "is not supported: it would change the sampling distribution the trajectory "
                                      "records; leave it unset or empty.")
+    _check_response_format(body)
+    for name in _LEGACY_FUNCTIONS:
+        if body.get(name) is not None:
+            raise RequestError(name, "is the deprecated form of tools; send the functions as tools "
+                                     "([{'type': 'function', 'function': {...}}]) and tool_choice instead.")
     user = body.get("user")
     request.user = user if isinstance(user, str) and user else None
     metadata = body.get("metadata") or {}
