@@ -103,6 +103,26 @@ def test_from_rollouts_and_from_server_are_checked():
         GRPOConfig(output_dir="x", from_rollouts="missing.jsonl").group_source()
 
 
+def test_from_server_without_publishing_rights_is_refused_before_the_first_step(monkeypatch):
+    """A server that would refuse the learner's weights (no token on either side, or only on the learner's)
+    is said at the start, in the server's words: found at the first upload, after a step's work, the
+    refusal reset the connection mid-body and read as a server that could not be reached."""
+    pytest.importorskip("fastapi", reason="treerl serve needs the serve extra (fastapi, uvicorn)")
+    from _serve_helpers import running_server
+
+    from treerl.serve.client import ServerError
+
+    model, tok = _load()
+    with running_server(model, tok, max_new_tokens=8) as (url, _):
+        for token in (None, "tkn"):
+            if token:
+                monkeypatch.setenv("TREERL_SERVE_TOKEN", token)
+            else:
+                monkeypatch.delenv("TREERL_SERVE_TOKEN", raising=False)
+            with pytest.raises(ServerError, match="HTTP 403: .*control endpoints need a bearer token"):
+                GRPOConfig(output_dir="x", from_server=url.removesuffix("/v1")).group_source()
+
+
 def test_learn_from_server_publishes_versioned_weights(tmp_path, monkeypatch):
     pytest.importorskip("fastapi", reason="treerl serve needs the serve extra (fastapi, uvicorn)")
     openai = pytest.importorskip("openai", reason="the openai client is a test dependency")

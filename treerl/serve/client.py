@@ -30,7 +30,11 @@ __all__ = ["ServerSource", "ServerError"]
 class ServerError(ConfigError):
     """The server refused a request or could not be reached; the message says which and why (the
     ``treerl`` command prints it in one line and exits with status 2, as for a wrong setting: most often
-    the URL, the token or a server that was not started)."""
+    the URL, the token or a server that was not started). ``status`` is the HTTP status of a refusal."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class ServerSource:
@@ -60,14 +64,26 @@ class ServerSource:
                 return json.loads(response.read())
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")
-            raise ServerError(f"{method} {self.url}{path}: HTTP {exc.code}: {detail}") from None
+            raise ServerError(f"{method} {self.url}{path}: HTTP {exc.code}: {detail}", status=exc.code) from None
         except (urllib.error.URLError, OSError) as exc:
             raise ServerError(f"{method} {self.url}{path}: cannot reach the server ({exc}); is `treerl serve` "
                               "running there?") from None
 
     def check(self) -> None:
-        """Raise :class:`ServerError` now unless the server answers (before a run builds anything on it)."""
+        """Raise :class:`ServerError` now unless the server answers and would take this learner's weights
+        (before a run builds anything on it)."""
         self._request("GET", "/health", timeout=min(self.poll_s, 30.0))
+        # A GET of the weights endpoint changes nothing: a server that would take our uploads answers 405
+        # (it takes POSTs); one that would not (no token on either side) says why now. Found at the first
+        # upload instead, the server's early refusal reset the connection mid-body, which read as a server
+        # that could not be reached.
+        try:
+            self._request("GET", "/v1/control/weights", timeout=min(self.poll_s, 30.0))
+        except ServerError as exc:
+            if exc.status != 405:
+                raise ServerError(f"{exc} The learner publishes each new weights version there: start "
+                                  "`treerl serve` with TREERL_SERVE_TOKEN set, and set the same token for "
+                                  "`treerl learn`.", status=exc.status) from None
 
     def take(self, indices: Sequence[int]) -> tuple[list[Group], RolloutStats]:
         """The groups at ``indices``, waiting for the server to finish them (up to ``timeout_s``)."""
