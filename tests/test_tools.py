@@ -851,6 +851,7 @@ def test_smolagents_tools_keep_their_schema_and_run():
     from smolagents import Tool as SmolTool
     from smolagents import tool as smol_tool
     from smolagents.models import get_tool_json_schema
+    from smolagents.tools import validate_tool_arguments
 
     @smol_tool
     def weather(city: str, celsius: bool = True) -> str:
@@ -875,6 +876,13 @@ def test_smolagents_tools_keep_their_schema_and_run():
     assert tools["weather"].schema == get_tool_json_schema(weather)
     assert tools["weather"].parameters["required"] == ["city"]
     assert run(tools["weather"].acall({"city": "Oslo", "celsius": False})) == "Oslo: 68"
+    # smolagents marks an optional input "nullable" (OpenAPI's keyword, which JSON Schema ignores) and takes
+    # a null for it, as models often write one: a valid call, not invalid arguments.
+    assert get_tool_json_schema(weather)["function"]["parameters"]["properties"]["celsius"]["nullable"] is True
+    validate_tool_arguments(weather, {"city": "Oslo", "celsius": None})  # smolagents' own check passes it
+    assert tools["weather"].validate({"city": "Oslo", "celsius": None}) == {"city": "Oslo", "celsius": None}
+    with pytest.raises(ToolCallError, match="'celsius' must be boolean or null"):
+        tools["weather"].validate({"city": "Oslo", "celsius": "yes"})
     assert run(tools["reverse"].acall({"text": "abc"})) == "cba"
     assert run(run_tool_call(ToolCall("reverse", {}), tools)).error == ToolErrorKind.INVALID_ARGUMENTS
     with pytest.raises(TypeError, match=r"Tool\.from_smolagents"):

@@ -219,7 +219,7 @@ class Tool:
         self.name, self.description, self.timeout, self.isolate = name, description, timeout, False
         self.is_async = _is_async(self.fn)
         self.parameters, self._converters = parameters, {}
-        self._validator = jsonschema.Draft202012Validator(parameters)
+        self._validator = jsonschema.Draft202012Validator(_nullable_as_null_type(parameters))
         return self
 
     @classmethod
@@ -532,6 +532,28 @@ def _warn_at(fn: Callable[..., Any], message: str) -> None:
         warnings.warn(message, UserWarning, stacklevel=4)  # _warn_at, _build_parameters, Tool(), its caller
         return
     warnings.warn_explicit(message, UserWarning, code.co_filename, code.co_firstlineno)
+
+
+def _nullable_as_null_type(schema: Any) -> Any:
+    """``schema`` with OpenAPI's ``"nullable": true`` (how smolagents marks an optional input) read as a type that
+    also admits null, as the tool's own library reads it: JSON Schema validators ignore the keyword, so a call
+    passing null there, valid for the tool, was refused as invalid arguments.
+
+    >>> _nullable_as_null_type({"type": "object", "properties": {"n": {"type": "integer", "nullable": True}}})
+    {'type': 'object', 'properties': {'n': {'type': ['integer', 'null'], 'nullable': True}}}
+    """
+    if isinstance(schema, list):
+        return [_nullable_as_null_type(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: _nullable_as_null_type(v) for k, v in schema.items()}
+    if schema.get("nullable") is True:
+        if isinstance(out.get("type"), (str, list)):
+            types = [out["type"]] if isinstance(out["type"], str) else list(out["type"])
+            out["type"] = types if "null" in types else [*types, "null"]
+        if isinstance(out.get("enum"), list) and None not in out["enum"]:
+            out["enum"] = [*out["enum"], None]
+    return out
 
 
 def _not_callable(name: str) -> Callable[..., Any]:
