@@ -122,7 +122,11 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_generators_load_that_v
     first_resumed = lines[resumed]  # step resumed + 1
     assert first_resumed["async/span_version_min"] == resumed  # the checkpoint's version, nothing older
     assert first_resumed["async/staleness_0_frac"] == 1.0
-    assert json.loads((out / "summary.json").read_text())["policy_version"] == 8
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["policy_version"] == 8
+    # The totals are the resumed process's own, and say where they start.
+    assert summary["async"]["counted_from_step"] == resumed
+    assert sum(summary["async"]["group_staleness"].values()) == 2 * (8 - resumed)
 
 
 def test_generators_that_keep_dying_stop_the_run_with_a_clear_error(tmp_path):

@@ -190,7 +190,7 @@ def test_async_learner_end_to_end(tmp_path):
     assert all("async/trainer_idle_frac" in m for m in lines[1:])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["eval_end"]["episodes"] == 4 and summary["async"]["lost_groups"] == 0
-    assert sum(summary["async"]["group_staleness"].values()) == 4 * 2
+    assert sum(summary["async"]["group_staleness"].values()) == 4 * 2 and summary["async"]["counted_from_step"] == 0
     # The generators' decode loop records the sampler's head at every sampled token, and the trainer centers with it.
     sampled = [s for g in read_groups(tmp_path / "groups.jsonl") for s in g.segments if s.kind == "sampled"]
     assert sampled and all(s.top_logprobs is not None and len(s.top_logprobs) == len(s.token_ids) for s in sampled)

@@ -328,6 +328,7 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
         run = build(cfg, model=model, tokenizer=tokenizer, env_factory=env_factory, reward_funcs=reward_funcs,
                     reward_weights=reward_weights, optimizer=optimizer, reference=cfg.beta > 0, callbacks=callbacks)
         _set_threads(threads[0])
+        resumed_at = run.state.step
         with run:
             if pool is not None:
                 buffer = GroupBuffer(tasks_per_step=cfg.tasks_per_step, max_staleness=cfg.max_staleness,
@@ -346,7 +347,8 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
             if clock.writer is not None:
                 clock.writer.close()
             if buffer is not None:
-                totals = {"dropped_groups": buffer.dropped, "lost_groups": buffer.lost,
+                # Counted by this process: a resumed run's totals start at the step it resumed from.
+                totals = {"counted_from_step": resumed_at, "dropped_groups": buffer.dropped, "lost_groups": buffer.lost,
                           "ignored_groups": buffer.ignored, "generator_restarts": pool.restarts,
                           "heartbeat_timeouts": pool.heartbeat_timeouts,
                           "group_staleness": {str(k): v for k, v in sorted(buffer.staleness.items())}}
