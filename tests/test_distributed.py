@@ -197,7 +197,7 @@ def test_reward_functions_log_every_ranks_episodes(tmp_path, monkeypatch):
 
 
 def test_fewer_tasks_than_processes_is_refused(monkeypatch, tmp_path):
-    monkeypatch.setattr(Ranks, "from_env", classmethod(lambda cls, device: cls(rank=0, world_size=4)))
+    monkeypatch.setattr(Ranks, "from_env", classmethod(lambda cls, device, **kwargs: cls(rank=0, world_size=4)))
     with pytest.raises(ValueError, match="tasks_per_step=2 is fewer than the 4 processes"):
         train(GRPOConfig(output_dir=str(tmp_path), **{**CONFIG, "tasks_per_step": 2}))
 
