@@ -499,20 +499,20 @@ def _check_size_defaults(cfg: LearnerConfig, model: torch.nn.Module, is_main: bo
     config.json records it); warnings for a learning rate or a token limit that do not fit the model."""
     num_params = sum(p.numel() for name, p in model.named_parameters() if "lora_" not in name)
     cfg.learning_rate, warning = check_learning_rate(cfg.learning_rate, num_params, lora=cfg.lora_r > 0)
-    warnings = [warning] if warning else []
+    notes = [warning] if warning else []
     if num_params >= SMALL_MODEL_PARAMS and cfg.max_new_tokens < 256:
-        warnings.append(f"max_new_tokens={cfg.max_new_tokens} is the shipped tiny model's limit; a "
-                        f"{num_params / 1e6:.0f}M-parameter model's answers (and its thinking) are usually longer, so "
-                        "most turns would be cut off: pass e.g. --max-new-tokens 1024.")
+        notes.append(f"max_new_tokens={cfg.max_new_tokens} is the shipped tiny model's limit; a "
+                     f"{num_params / 1e6:.0f}M-parameter model's answers (and its thinking) are usually longer, so "
+                     "most turns would be cut off: pass e.g. --max-new-tokens 1024.")
     if getattr(cfg, "max_completion_length", None) is not None and hasattr(cfg, "loss_config"):
         loss = cfg.loss_config()
         if (loss.aggregation or DEFAULT_AGGREGATIONS[loss.policy_loss]) != "constant":
             # TRL's max_completion_length is also the generation limit; here only dr_grpo's normalizer.
-            warnings.append(f"max_completion_length={cfg.max_completion_length} is only dr_grpo's normalizer (the "
-                            f"'constant' aggregation), which --loss {loss.policy_loss} does not use: it changes "
-                            f"nothing. Generation is limited by --max-new-tokens (each turn, now {cfg.max_new_tokens}) "
-                            f"and --max-episode-tokens (the whole episode, now {cfg.max_episode_tokens}).")
-    for message in warnings if is_main else ():
+            notes.append(f"max_completion_length={cfg.max_completion_length} is only dr_grpo's normalizer (the "
+                         f"'constant' aggregation), which --loss {loss.policy_loss} does not use: it changes "
+                         f"nothing. Generation is limited by --max-new-tokens (each turn, now {cfg.max_new_tokens}) "
+                         f"and --max-episode-tokens (the whole episode, now {cfg.max_episode_tokens}).")
+    for message in notes if is_main else ():
         logger.info(message)  # printed below: at warning level Python's last-resort handler printed it twice
         print(f"warning: {message}", file=sys.stderr)
 
