@@ -32,11 +32,9 @@ imported only when the server starts.
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request) at definition.
 import asyncio
 import contextlib
-import functools
 import hmac
 import json
 import math
-import re
 import socket
 import sys
 import time
@@ -46,6 +44,7 @@ from typing import Any
 from treerl.agents.chat import ChatRenderer
 from treerl.agents.policy import Policy, StreamedToken
 from treerl.errors import MissingExtraError
+from treerl.rollout.view import token_pieces
 from treerl.serve.config import ServeConfig
 from treerl.serve import streaming
 from treerl.serve.openai_format import (RequestError, call_markers, completion_body, completion_head, error_body,
@@ -94,13 +93,10 @@ def _header_or(request: Any, header: str, metadata: dict[str, Any], key: str, fa
     return None if value is None else str(value)
 
 
-_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
 def token_bytes(tokenizer: Any, token_id: int, text: str) -> bytes:
     """The raw bytes of a token (OpenAI's ``bytes``), which ``text.encode()`` is not when the token
     holds part of a multi-byte character (its decoded text is then U+FFFD): those come from the
-    byte-level vocabulary (GPT-2's byte-to-unicode alphabet) or SentencePiece's ``<0xNN>`` tokens.
+    vocabulary, as the viewer reads them (:func:`treerl.rollout.view.token_pieces`).
 
     >>> from treerl.models import load_default_model
     >>> tok = load_default_model()[1]
@@ -110,24 +106,8 @@ def token_bytes(tokenizer: Any, token_id: int, text: str) -> bytes:
     """
     if "\ufffd" not in text:
         return text.encode()
-    piece = tokenizer.convert_ids_to_tokens(token_id)
-    if not isinstance(piece, str):
-        return text.encode()
-    if match := _BYTE_FALLBACK.fullmatch(piece):
-        return bytes([int(match.group(1), 16)])
-    decoder = _byte_level_alphabet()
-    if all(c in decoder for c in piece):
-        return bytes(decoder[c] for c in piece)
-    return text.encode()
-
-
-@functools.cache
-def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE's character for each byte, inverted: printable bytes stand for themselves,
-    the others for the characters from U+0100 on, in byte order (GPT-2's ``bytes_to_unicode``)."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    moved = [b for b in range(256) if b not in kept]
-    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+    piece = token_pieces(tokenizer, [token_id])[token_id]
+    return bytes(piece) if isinstance(piece, list) else piece.encode()
 
 
 def logprob_entries(tokenizer: Any, num_top: int) -> Callable[[StreamedToken], dict[str, Any]]:
