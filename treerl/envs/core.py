@@ -161,10 +161,12 @@ class Env(gymnasium.Env[list[Message], str]):
         connection, a socket) are shared by the copies instead, with a warning naming them,
         rather than failing the group; override ``fork`` where sharing one is wrong.
         """
-        try:
-            return copy.deepcopy(self)
-        except Exception:  # noqa: BLE001 - deepcopy fails with TypeError, PicklingError, copy.Error, ...
-            pass
+        cls = type(self)
+        if cls not in _SHARES_MEMBERS:  # else the whole copy failed before: not tried (and half done) again
+            try:
+                return copy.deepcopy(self)
+            except Exception:  # noqa: BLE001 - deepcopy fails with TypeError, PicklingError, copy.Error, ...
+                pass
         clone = copy.copy(self)
         memo: dict[int, Any] = {id(self): clone}
         shared = []
@@ -174,9 +176,8 @@ class Env(gymnasium.Env[list[Message], str]):
             except Exception:  # noqa: BLE001
                 clone.__dict__[name] = value
                 shared.append(f"{name} ({type(value).__name__})")
-        cls = type(self)
-        if cls not in _WARNED_SHARED:
-            _WARNED_SHARED.add(cls)
+        if shared and cls not in _SHARES_MEMBERS:
+            _SHARES_MEMBERS.add(cls)
             warnings.warn(f"{cls.__name__}.fork(): {', '.join(shared)} cannot be deep-copied, so the generations of a "
                           "group share it; override fork() if each needs its own.", stacklevel=2)
         return clone
@@ -200,8 +201,9 @@ class Env(gymnasium.Env[list[Message], str]):
         return "\n".join(f"[{m['role']}] {m['content']}" for m in self.messages)
 
 
-_WARNED_SHARED: set[type] = set()
-"""Environment classes whose fork() has warned about members it shares."""
+_SHARES_MEMBERS: set[type] = set()
+"""Environment classes with members fork() cannot deep-copy: it copies them member by member, and
+has warned once about the members it shares."""
 
 
 class ToolEnv(Env):
