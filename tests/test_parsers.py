@@ -352,6 +352,7 @@ class FakeTokenizer:
         ("{{ '[TOOL_CALLS]' + tool_calls | tojson }}", MistralParser),
         ("{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}", Llama3JsonParser),
         ("{{ '<|python_tag|>' }}", Llama3JsonParser),
+        ("{{ '<start_of_turn>' + role }}", PythonicParser),  # Gemma: its tool-use templates ask for pythonic calls
         ("{{ message['content'] }}", HermesParser),
     ],
 )

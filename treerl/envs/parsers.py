@@ -81,6 +81,9 @@ _TEMPLATE_MARKERS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("<function=",), "qwen3_coder"),
     (("<tool_call>",), "hermes"),
     (("[TOOL_CALLS]",), "mistral"),
+    # Gemma 3 has no call format of its own; its tool-use template (treerl's gemma3_tools, vLLM's
+    # pythonic example) asks for a Python list of calls.
+    (("<start_of_turn>",), "pythonic"),
     (("<|python_tag|>", "<|start_header_id|>", "<|end_header_id|>"), "llama3_json"),
 )
 
@@ -96,10 +99,10 @@ def get_parser(name: str | None = None, *, chat_template: str | None = None, tok
     """The tool-call parser for ``name``, or the one the chat template implies.
 
     An explicit ``name`` wins. Otherwise the template (``chat_template``, else
-    ``tokenizer.chat_template``) is searched for each family's markers; ``hermes`` when
-    none is found. ``reasoning`` (markers whose calls are not calls) defaults to
-    :data:`THINK` when the template renders ``</think>``, else None; harmony has its own
-    reasoning channel and takes no markers.
+    ``tokenizer.chat_template``) is searched for each family's markers (Gemma's
+    ``<start_of_turn>`` gives ``pythonic``); ``hermes`` when none is found. ``reasoning``
+    (markers whose calls are not calls) defaults to :data:`THINK` when the template renders
+    ``</think>``, else None; harmony has its own reasoning channel and takes no markers.
 
     >>> get_parser("mistral")
     MistralParser()

@@ -1,4 +1,5 @@
-"""The "pythonic" tool-call format of Llama 3.2 and 4: a Python list of calls, ``[f(a=1), g()]``.
+"""The "pythonic" tool-call format of Llama 3.2 and 4 (and of Gemma 3's tool-use templates): a Python list
+of calls, ``[f(a=1), g()]``.
 
 The list is read with :mod:`ast` and never evaluated: only keyword arguments with literal
 values make a call. Brackets are matched by a scanner that knows Python's strings and
@@ -48,7 +49,7 @@ _MAX_INT_BITS = int((getattr(sys, "get_int_max_str_digits", lambda: 4300)() or 4
 
 
 class PythonicParser(ToolCallParser):
-    """Llama 3.2/4 "pythonic" calls: a Python list of calls, ``[fn(a=1, b="x"), g()]``.
+    """Llama 3.2/4 (and Gemma 3) "pythonic" calls: a Python list of calls, ``[fn(a=1, b="x"), g()]``.
 
     Read with :mod:`ast`, never evaluated: arguments must be keyword arguments whose values
     are literals (strings, numbers, ``True``/``False``/``None``, lists, tuples, dicts with
