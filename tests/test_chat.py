@@ -21,6 +21,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast
 
 from treerl.agents.chat import Bridge, BranchReason, ChatRenderer, assistant_message
+from treerl.agents.chat_templates import SHIPPED_TEMPLATES, load_template
 
 TEMPLATES = Path(__file__).parent / "templates"
 TINY = Path(__file__).resolve().parents[1] / "treerl" / "models" / "tiny"
@@ -81,6 +82,11 @@ FAMILIES = {
         added=[],
         bos="<s>", eos="</s>",
     ),
+    # treerl's tool-use variants of the templates without a tool role (treerl/agents/templates).
+    "gemma3_tools": dict(special=["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], added=[],
+                         bos="<bos>", eos="<end_of_turn>"),
+    "phi3_5_tools": dict(special=["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"], added=[],
+                         bos=None, eos="<|end|>"),
 }
 
 
@@ -112,7 +118,7 @@ def make_tokenizer(base_bpe: str, family: str) -> PreTrainedTokenizerFast:
 
 def make_renderer(base_bpe: str, family: str, **kwargs) -> tuple[ChatRenderer, PreTrainedTokenizerFast]:
     tok = make_tokenizer(base_bpe, family)
-    template = (TEMPLATES / f"{family}.jinja").read_text()
+    template = load_template(family) if family in SHIPPED_TEMPLATES else (TEMPLATES / f"{family}.jinja").read_text()
     return ChatRenderer(tok, chat_template=template, **kwargs), tok
 
 
@@ -192,7 +198,15 @@ EPISODES = {
         ("The answer is 391.", []),
     ]),
 }
-APPEND_ONLY = ["hermes", "qwen3", "llama3", "mistral"]
+EPISODES["phi3_5_tools"] = EPISODES["hermes"]
+EPISODES["gemma3_tools"] = (QUESTION, [
+    ("[multiply(a=17, b=23)]", [tool_msg("391")]),
+    ("Let me check with another call.\n[multiply(a=17, b=23), multiply(a=23, b=17)]",
+     [tool_msg("391"), tool_msg('{"error": "rate limited"}')]),
+    ("The answer is 391.", [{"role": "user", "content": "Thanks! And what is two plus two?"}]),
+    ("Four.", [{"role": "user", "content": "Thanks!"}]),
+])
+APPEND_ONLY = ["hermes", "qwen3", "llama3", "mistral", "gemma3_tools", "phi3_5_tools"]
 
 
 # -- append-only templates: the path is the rendering ---------------------------------

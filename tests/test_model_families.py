@@ -24,7 +24,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,11 +33,12 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast
 
 from treerl.agents.chat import ChatRenderer
-from treerl.agents.chat_templates import load_template, resolve_chat_template, template_family, template_gaps
+from treerl.agents.chat_templates import (TOOL_TEMPLATES, load_template, resolve_chat_template, template_family,
+                                          template_gaps)
 from treerl.agents.policy import Generation, SamplingParams
 from treerl.agents.transformers_policy import end_of_turn_ids
 from treerl.envs.core import Task, ToolEnv
-from treerl.envs.parsers import get_parser
+from treerl.envs.parsers import HermesParser, PythonicParser, get_parser
 from treerl.envs.tools import tool
 from treerl.rollout.engine import RolloutEngine
 from treerl.rollout import evaluate as evaluate_module
@@ -47,6 +48,8 @@ from treerl.rollout.record import RolloutConfig, record, run_header
 from treerl.rollout.summary import RolloutStats
 from treerl.rollout.episode import EpisodeState, apply_bridge, finish_episode, observe, sample_turn
 from treerl.rollout.trajectory import Group
+
+from _scripted import ScriptedPolicy
 
 REAL = Path(__file__).parent / "templates" / "real"
 
@@ -273,8 +276,10 @@ class Played:
     """Per bridge: None, or the branch reason."""
 
 
-def play(base_bpe: str, name: str, variant: str, *, canonical: bool) -> Played:
-    family = FAMILIES[name]
+def play(base_bpe: str, name: str, variant: str, *, canonical: bool, family: Family | None = None) -> Played:
+    """One scripted episode of family ``name`` (its tokens, script and template; ``family`` replaces its
+    tokens and script) rendered with ``variant``."""
+    family = family or FAMILIES[name]
     tok = make_tokenizer(base_bpe, family)
     tok.chat_template = real_template(name)  # as the model ships it
     template = resolve_chat_template(variant, tok)
@@ -556,6 +561,10 @@ def test_template_gaps_name_what_the_model_would_never_see(base_bpe, name):
     expected = TEMPLATE_GAPS.get(name, [])
     assert len(gaps) == len(expected) and all(e in g for e, g in zip(expected, gaps)), gaps
     assert template_gaps(tok, []) == []  # no tools, no tool results
+    variant = f"{TEMPLATE_OF.get(name, name)}_tools"
+    if variant in TOOL_TEMPLATES:  # the fix the warnings name leaves nothing out
+        assert all(f"pass --chat-template {variant}" in g for g in gaps), gaps
+        assert template_gaps(tok, [MULTIPLY], load_template(variant)) == []
 
 
 def test_rollout_warns_when_the_template_drops_tool_results(base_bpe, tmp_path, capsys):
@@ -646,3 +655,111 @@ def test_gpt_oss_call_the_template_writes_differently_branches(base_bpe):
     # Without the parser the template cannot render the turn at all: it refuses raw channel markup.
     with pytest.raises(Exception, match="<\\|channel\\|> tags in the content field"):
         ChatRenderer(tok, tools=[MULTIPLY]).bridge(QUESTION, completion, text, result)
+
+
+# -- families without a tool role: their tool-use variants -----------------------------------------
+
+TOOLS_VARIANT_FAMILIES = {
+    # The episode as the model plays it with the variant: calls in the format the variant asks
+    # for, results as `tool` messages; the parser is the one picked from the variant.
+    "gemma3": replace(FAMILIES["gemma3"], tool_role="tool", parser=None),
+    "phi3_5": replace(FAMILIES["phi3_5"], call=HERMES_CALL, tool_role="tool"),
+}
+
+
+@pytest.mark.parametrize("canonical", [True, False], ids=["canonical", "byte_split"])
+@pytest.mark.parametrize("name", sorted(TOOLS_VARIANT_FAMILIES))
+def test_tools_variant_plays_tool_results_append_only(base_bpe, name, canonical):
+    played = play(base_bpe, name, "training", canonical=canonical, family=TOOLS_VARIANT_FAMILIES[name])
+    assert played.renderer.chat_template == load_template(f"{name}_tools")  # what `training` picks for them
+    assert played.branches == [None, None, None]  # every bridge extends the context
+    tok = played.renderer.tokenizer
+    contexts = [tok.decode(c, skip_special_tokens=False) for c in played.policy.contexts]
+    assert "Multiply two integers." in contexts[0]  # the schemas reach the prompt
+    assert "<tool_response>\n1\n</tool_response>" in contexts[1]  # each result reaches the next turn
+    assert "<tool_response>\n391\n</tool_response>" in contexts[2]
+    (episode,) = played.group.episodes
+    for leaf_context, segment in zip(played.policy.contexts, [i for i in played.group.path_indices(episode.leaf)
+                                                              if played.group.segments[i].kind == "sampled"]):
+        assert [t for s in played.group.path_indices(segment)[:-1]
+                for t in played.group.segments[s].token_ids] == leaf_context
+
+
+@pytest.mark.parametrize("name, parser", [("gemma3", PythonicParser), ("phi3_5", HermesParser)])
+def test_tools_variant_renders_structured_calls_as_its_parser_reads_them(base_bpe, name, parser):
+    tok = make_tokenizer(base_bpe, FAMILIES[name])
+    template = load_template(f"{name}_tools")
+    # The format the variant asks for is the one its family's parser is picked for.
+    assert type(get_parser(chat_template=template)) is parser is type(get_parser(chat_template=real_template(name)))
+    arguments = {"a": 17, "b": 23, "note": 'say "hi"\n', "flag": True, "none": None}
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "multiply", "arguments": arguments}}]}
+    text = tok.apply_chat_template([QUESTION[1], call], tools=[MULTIPLY], chat_template=template, tokenize=False)
+    turn = text.split("<start_of_turn>model\n" if name == "gemma3" else "<|assistant|>\n")[1]
+    assert [(c.name, c.arguments) for c in parser().parse(turn).calls] == [("multiply", arguments)]
+    # Without tools and tool messages, the variant is the model's own template.
+    plain = [*QUESTION, {"role": "assistant", "content": "Hi."}, FOLLOW_UP]
+    assert tok.apply_chat_template(plain, chat_template=template, tokenize=False, add_generation_prompt=True) == \
+        tok.apply_chat_template(plain, chat_template=real_template(name), tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("name, call, stop", [
+    ("gemma3", "[multiply(a=17, b=23)]", "<end_of_turn>"),
+    ("phi3_5", HERMES_CALL.format(a=17, b=23), "<|end|>"),
+])
+def test_training_template_plays_a_tool_env_for_families_without_a_tool_role(base_bpe, name, call, stop):
+    # The way the commands do it: --chat-template training becomes the tokenizer's own, and the
+    # environment reads calls with the parser that template implies.
+    tok = make_tokenizer(base_bpe, FAMILIES[name])
+    tok.chat_template = real_template(name)
+    opts = EpisodeOptions(chat_template="training")
+    opts.apply_chat_template(tok)
+    assert tok.chat_template == load_template(f"{name}_tools")
+    assert EpisodeOptions(chat_template=f"{name}_tools").chat_template == f"{name}_tools"  # a shipped name
+    policy = _EnginePolicy(tok, [(call, stop, None), ("The answer is 391.", stop, None)], canonical=True)
+    engine = opts.engine(policy, tok, seed=0, max_new_tokens=512)
+    group = asyncio.run(engine.run_group(_Multiply(tools=[multiply]), "multiply", 0, 1))
+    (episode,) = group.episodes
+    assert episode.termination == "final_answer" and episode.reward == 1.0
+    assert [(c["name"], c.get("arguments")) for c in episode.tool_calls] == [("multiply", {"a": 17, "b": 23})]
+    assert "template/branch_reason" not in episode.metrics
+    prompt, after_call = (tok.decode(c, skip_special_tokens=False) for c in policy.contexts)
+    assert "Multiply two integers." in prompt and "<tool_response>\n391\n</tool_response>" in after_call
+
+
+def test_learning_gemma3_tool_use_with_a_tiny_model(base_bpe, tmp_path):
+    # A tiny Gemma 3 learns from tool-use episodes played with its real template and
+    # --chat-template training: the call is run, its result reaches the next turn.
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from treerl.learners.grpo import GRPOConfig, train
+
+    tok = make_tokenizer(base_bpe, FAMILIES["gemma3"])
+    tok.chat_template = real_template("gemma3")
+    end = tok.convert_tokens_to_ids("<end_of_turn>")
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, sliding_window=16, max_position_embeddings=1024,
+        bos_token_id=tok.bos_token_id, eos_token_id=end, pad_token_id=tok.eos_token_id))
+    before = {k: v.clone() for k, v in model.named_parameters()}
+    answers = ["The answer is 391.", "The answer is 390."]  # one right, one wrong: the group has an advantage
+
+    class Recording(ScriptedPolicy):
+        contexts: list[str] = []
+
+        def generate(self, requests):
+            self.contexts += [tok.decode(r.prompt_ids, skip_special_tokens=False) for r in requests]
+            return super().generate(requests)
+
+    policy = Recording(tok, lambda task, gen, turn: "[multiply(a=17, b=23)]" if turn == 0 else answers[gen], end)
+    cfg = GRPOConfig(output_dir=str(tmp_path), steps=1, tasks_per_step=1, group_size=2, max_new_tokens=32,
+                     eval_episodes=0, progress=False, num_threads=1, chat_template="training")
+    train(cfg, model=model, tokenizer=tok, policy=policy, env_factory=lambda: _Multiply(tools=[multiply]))
+    metrics = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["reward/mean"] == 0.5
+    assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
+    assert any(not torch.equal(before[k], v) for k, v in model.named_parameters())
+    assert all("Multiply two integers." in c for c in policy.contexts)  # the schemas, in every turn's prompt
+    assert sum("<tool_response>\n391\n</tool_response>" in c for c in policy.contexts) == 2  # each second turn

@@ -1,4 +1,4 @@
-"""Chat template variants: the model's own, or a prefix-preserving training variant of its family.
+"""Chat template variants: the model's own, or treerl's variant of its family for training.
 
 Several families' templates rewrite the history as a conversation grows: Qwen3, Qwen3.5,
 GLM-4 MoE and Nemotron 3 drop the reasoning of turns before the last user query, DeepSeek-R1
@@ -15,14 +15,28 @@ after a new user turn); inference servers that use the model's own template will
 trained model a different history than the one it was trained on. Templates that are
 already append-only have no variant: ``training`` keeps them.
 
-The variants are this package's ``templates/<family>_training.jinja``, each derived from the
-model's own template (its header names the source and license; the idea follows TRL's
-``*_training`` templates). :func:`resolve_chat_template` picks one by flag:
+A **tool-use variant** serves a family whose template has no tool role (Gemma 3 and Phi-3.5
+ignore ``tools`` and refuse or drop ``tool`` messages, so in a tool-use episode the model
+never sees the schemas, and the first tool call ends the episode or its result is lost):
+it lists the schemas in the first turn with an instruction for a call format a treerl
+parser reads (the one :func:`~treerl.envs.parsers.get_parser` picks from that template),
+writes structured ``tool_calls`` in that format, and gives each result back as a user turn
+inside ``<tool_response>`` tags, append-only, as vLLM's tool-use templates passed with
+``--chat-template`` do. Without tools it renders what the model's own template renders
+(Gemma's writes an assistant turn untrimmed, as sampled). For these families ``training``
+picks it: their own templates are append-only already, and cannot play a tool-use episode.
+
+The variants are this package's ``templates/<family>_training.jinja`` and
+``templates/<family>_tools.jinja``, each derived from the model's own template (its header
+names the source, the license and the changes; the training idea follows TRL's ``*_training``
+templates). :func:`resolve_chat_template` picks one by flag:
 
 >>> resolve_chat_template("model", None) is None
 True
 >>> sorted(TRAINING_TEMPLATES)[:2]
 ['deepseek_r1_training', 'glm4_moe_training']
+>>> sorted(TOOL_TEMPLATES)
+['gemma3_tools', 'phi3_5_tools']
 """
 
 from __future__ import annotations
@@ -34,15 +48,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TRAINING_TEMPLATES", "KNOWN_TEMPLATES", "load_template", "mark_chat_template", "resolve_chat_template",
-           "template_family", "template_gaps", "warn_about_template"]
+__all__ = ["TRAINING_TEMPLATES", "TOOL_TEMPLATES", "SHIPPED_TEMPLATES", "KNOWN_TEMPLATES", "load_template",
+           "mark_chat_template", "resolve_chat_template", "template_family", "template_gaps", "training_variant",
+           "warn_about_template"]
 
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent / "templates"
 
-TRAINING_TEMPLATES: dict[str, str] = {p.stem: p.name for p in sorted(_DIR.glob("*_training.jinja"))}
-"""Shipped template names -> files (``treerl/agents/templates``)."""
+SHIPPED_TEMPLATES: dict[str, str] = {p.stem: p.name for p in sorted(_DIR.glob("*.jinja"))}
+"""Shipped template names -> files (``treerl/agents/templates``): what ``--chat-template NAME`` takes."""
+
+TRAINING_TEMPLATES: dict[str, str] = {k: v for k, v in SHIPPED_TEMPLATES.items() if k.endswith("_training")}
+"""The prefix-preserving training variants, by name."""
+
+TOOL_TEMPLATES: dict[str, str] = {k: v for k, v in SHIPPED_TEMPLATES.items() if k.endswith("_tools")}
+"""The tool-use variants of families whose template has no tool role, by name."""
 
 KNOWN_TEMPLATES: dict[str, str] = {
     # sha256 of the template as the model ships it -> its family (tests/templates/real holds each text).
@@ -71,10 +92,21 @@ def template_family(template: str | None) -> str | None:
 
 def load_template(name: str) -> str:
     """The text of a shipped template, e.g. ``load_template("qwen3_training")``."""
-    if name not in TRAINING_TEMPLATES:
-        raise ValueError(f"unknown chat template {name!r}: treerl ships {sorted(TRAINING_TEMPLATES)}; pass one of "
+    if name not in SHIPPED_TEMPLATES:
+        raise ValueError(f"unknown chat template {name!r}: treerl ships {sorted(SHIPPED_TEMPLATES)}; pass one of "
                          "them, 'model', 'training', or the path of a .jinja file.")
-    return (_DIR / TRAINING_TEMPLATES[name]).read_text(encoding="utf-8")
+    return (_DIR / SHIPPED_TEMPLATES[name]).read_text(encoding="utf-8")
+
+
+def training_variant(family: str | None) -> str | None:
+    """The name of the template ``--chat-template training`` picks for ``family``: its training
+    variant, else its tool-use variant, else None (the model's own is kept).
+
+    >>> training_variant("qwen3"), training_variant("gemma3"), training_variant("qwen2_5")
+    ('qwen3_training', 'gemma3_tools', None)
+    """
+    names = [f"{family}_training", f"{family}_tools"] if family is not None else []
+    return next((name for name in names if name in SHIPPED_TEMPLATES), None)
 
 
 _APPLIED = "treerl_chat_template"  # the spec a tokenizer's own template already carries
@@ -90,16 +122,16 @@ def mark_chat_template(tokenizer: Any, spec: str | None) -> None:
 def resolve_chat_template(spec: str | None, tokenizer: Any) -> str | None:
     """The template text for ``spec``, or None for the tokenizer's own.
 
-    ``spec``: ``None`` or ``"model"`` (the tokenizer's own), ``"training"`` (the training
-    variant of the tokenizer's family when there is one, else its own), a shipped name such
-    as ``"qwen3_training"``, or the path of a ``.jinja`` file.
+    ``spec``: ``None`` or ``"model"`` (the tokenizer's own), ``"training"`` (the variant of
+    the tokenizer's family when there is one, :func:`training_variant`, else its own), a shipped
+    name such as ``"qwen3_training"`` or ``"gemma3_tools"``, or the path of a ``.jinja`` file.
     """
     if spec is None or spec == "model" or getattr(tokenizer, _APPLIED, None) == spec:
         return None
     if spec == "training":
         family = template_family(getattr(tokenizer, "chat_template", None))
-        name = f"{family}_training"
-        if family is None or name not in TRAINING_TEMPLATES:
+        name = training_variant(family)
+        if name is None:
             logger.info("chat template: no training variant for %s; the model's own template is used",
                         family or "this (unrecognized) template")
             return None
@@ -124,10 +156,15 @@ def template_gaps(tokenizer: Any, tool_schemas: list[dict[str, Any]], chat_templ
     in a tool-use episode, in words; empty when it renders both the tool schemas and the tool
     results. Checked by rendering a tiny conversation: the prompt with and without ``tools``, and
     a tool call with its result (as a structured call and as plain text; the first form the
-    template renders decides).
+    template renders decides). When treerl ships a tool-use variant of the template's family, the
+    warnings name it as the fix.
     """
     if not tool_schemas:
         return []
+    family = template_family(chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None))
+    fix = (f"pass --chat-template {family}_tools (treerl's tool-use variant of this family's template, which renders "
+           "the schemas and the results; --chat-template training picks it too)."
+           if f"{family}_tools" in TOOL_TEMPLATES else None)
 
     def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         return tokenizer.apply_chat_template(messages, tools=tools, chat_template=chat_template, tokenize=False,
@@ -137,8 +174,8 @@ def template_gaps(tokenizer: Any, tool_schemas: list[dict[str, Any]], chat_templ
     user = {"role": "user", "content": "hi"}
     if render([user], None) == render([user], tool_schemas):
         gaps.append(f"the chat template ignores `tools`: the schemas of the environment's {len(tool_schemas)} tool(s) "
-                    "never reach the prompt, so the model cannot know them; pass --chat-template with a template "
-                    "that renders tools (e.g. the model family's tool-use template).")
+                    "never reach the prompt, so the model cannot know them; " + (fix or "pass --chat-template with a "
+                    "template that renders tools (e.g. the model family's tool-use template)."))
     name = tool_schemas[0].get("function", tool_schemas[0]).get("name", "tool")
     result = {"role": "tool", "name": name, "tool_call_id": _PROBE_ID, "content": _PROBE}
     call = {"role": "assistant", "content": "", "tool_calls": [
@@ -152,12 +189,12 @@ def template_gaps(tokenizer: Any, tool_schemas: list[dict[str, Any]], chat_templ
             continue
         if _PROBE not in text:
             gaps.append("the chat template drops `tool` messages: the results of the model's tool calls never reach "
-                        "its next turn; pass --chat-template with a template that renders tool results (role "
-                        "`tool`).")
+                        "its next turn; " + (fix or "pass --chat-template with a template that renders tool results "
+                        "(role `tool`)."))
         return gaps
     gaps.append(f"the chat template cannot render a tool result ({errors[0]}): episodes will end at their first "
-                "tool call (termination render_error); pass --chat-template with a template that renders tool "
-                "results (role `tool`).")
+                "tool call (termination render_error); " + (fix or "pass --chat-template with a template that "
+                "renders tool results (role `tool`)."))
     return gaps
 
 

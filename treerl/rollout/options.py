@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from treerl.agents.chat_templates import TRAINING_TEMPLATES, mark_chat_template, resolve_chat_template
+from treerl.agents.chat_templates import SHIPPED_TEMPLATES, mark_chat_template, resolve_chat_template
 from treerl.agents.policy import Policy, SamplingOptions
 from treerl.config import field_help
 from treerl.envs.registry import make
@@ -48,7 +48,9 @@ class ChatTemplateOptions:
     chat_template: str = field_help(
         "model", "The chat template episodes are rendered with: 'model' (the tokenizer's own), 'training' (treerl's "
                  "prefix-preserving variant of the model's family where its template rewrites history: more shared "
-                 "prefix, see the README's 'Model families'), a shipped name such as 'qwen3_training', or a .jinja file.")
+                 "prefix; its tool-use variant where the template has no tool role: Gemma 3, Phi-3.5; see the "
+                 "README's 'Model families'), a shipped name such as 'qwen3_training' or 'gemma3_tools', or a "
+                 ".jinja file.")
     chat_template_kwargs: dict[str, Any] = field_help(
         help='Template variables fixed for the run, e.g. \'{"enable_thinking": false}\' (a mapping in YAML).',
         default_factory=dict)
@@ -57,10 +59,10 @@ class ChatTemplateOptions:
         if not isinstance(self.chat_template_kwargs, dict):
             raise ValueError(f"chat_template_kwargs={self.chat_template_kwargs!r} must be a mapping, e.g. "
                              "--chat-template-kwargs '{\"enable_thinking\": false}'.")
-        if not isinstance(self.chat_template, str) or not (
-                self.chat_template in ("model", "training", *TRAINING_TEMPLATES) or self.chat_template.endswith(".jinja")):
+        if not isinstance(self.chat_template, str) or not (self.chat_template in ("model", "training", *SHIPPED_TEMPLATES)
+                                                            or self.chat_template.endswith(".jinja")):
             raise ValueError(f"chat_template={self.chat_template!r} is not a template choice: use 'model', 'training', "
-                             f"one of {sorted(TRAINING_TEMPLATES)} or the path of a .jinja file "
+                             f"one of {sorted(SHIPPED_TEMPLATES)} or the path of a .jinja file "
                              "(--chat-template training).")
 
     def apply_chat_template(self, tokenizer: Any) -> None:
