@@ -324,3 +324,22 @@ def test_lockstep_batches_and_floats_repeat_whatever_the_tool_latency(tiny):
     assert first[2] >= 2  # several waves: the episodes took turns
     assert first[0] == second[0]  # the same batches, in the same order
     assert first[1] == second[1]  # hence bit-identical log-probs
+
+
+def test_an_engine_template_sets_the_call_format_the_environment_reads(tiny):
+    # The tokenizer's own template implies hermes; the engine plays Gemma 3's tool-use
+    # template, which tells the model to write a Python list of calls.
+    from treerl.agents.chat_templates import load_template
+    from treerl.envs.parsers import PythonicParser
+
+    model, tok = tiny
+    envs = []
+
+    def factory():
+        envs.append(treerl.make("treerl/Calculator-v0"))
+        return envs[-1]
+
+    engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=SamplingParams(max_new_tokens=4), seed=0,
+                           chat_template=load_template("gemma3_tools"))
+    asyncio.run(engine.run(factory, "treerl/Calculator-v0", range(1), 1))
+    assert envs and all(isinstance(env.parser, PythonicParser) for env in envs)

@@ -140,7 +140,9 @@ class RolloutEngine:
         handed_over = 0  # episodes whose _play counts them out
         try:
             if hasattr(env, "use_parser_of"):
-                env.use_parser_of(self.tokenizer)  # tool calls in the format this model writes
+                # Tool calls in the format the template played tells the model to write.
+                env.use_parser_of(self.tokenizer if self.chat_template is None
+                                  else _WithTemplate(self.tokenizer, self.chat_template))
             obs, info = await env.areset(seed=task_seed, options=options)
             if not isinstance(obs, (list, tuple)) or not obs or not all(isinstance(m, Mapping) for m in obs):
                 # Else the chat template fails on it with a message about neither reset() nor the environment.
@@ -327,6 +329,18 @@ class RolloutEngine:
         stats.wall_s = time.monotonic() - start
         groups.sort(key=lambda g: g.info["task_seed"])
         return groups, stats
+
+
+class _WithTemplate:
+    """``tokenizer`` as seen through ``chat_template``: its template is the engine's, the rest
+    its own (what an environment's ``use_parser_of`` reads the call format from)."""
+
+    def __init__(self, tokenizer: Any, chat_template: str):
+        self._tokenizer = tokenizer
+        self.chat_template = chat_template
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
 
 
 def _step_result_problem(reward: Any, info: Any) -> str | None:
