@@ -16,12 +16,14 @@ from treerl.serve.recorder import Recorder
 
 
 @contextlib.contextmanager
-def running_server(model: Any, tokenizer: Any, **options: Any) -> Iterator[tuple[str, Recorder]]:
-    """Serve ``model`` on a free loopback port; yields ``(base_url, recorder)`` (base_url ends in /v1)."""
+def running_server(model: Any, tokenizer: Any, policy: Any = None, **options: Any) -> Iterator[tuple[str, Recorder]]:
+    """Serve ``model`` (or ``policy``, a policy of it) on a free loopback port; yields ``(base_url, recorder)``
+    (base_url ends in /v1)."""
     import uvicorn
 
     cfg = ServeConfig(port=0, **options)
-    policy = TransformersPolicy(model, tokenizer, max_batch_size=cfg.max_batch_size, batch_wait_s=cfg.batch_wait_s)
+    if policy is None:
+        policy = TransformersPolicy(model, tokenizer, max_batch_size=cfg.max_batch_size, batch_wait_s=cfg.batch_wait_s)
     recorder = open_recorder(policy, tokenizer, cfg)
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]

@@ -269,6 +269,147 @@ def test_tool_choice_for_a_format_without_a_known_opening_is_refused(tiny):
                                                      tools=TOOLS, tool_choice="required", max_tokens=4)
 
 
+class WritesText:
+    """A policy that writes ``text`` (then the end of turn) as a sampling policy would: token by token to
+    ``on_token``, ending at the request's stop ids or ``max_new_tokens``; each token's log-prob is its own."""
+
+    def __init__(self, tokenizer, text: str):
+        self.ids = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        self.version = 0
+
+    async def agenerate(self, request):
+        from treerl.agents.policy import Generation, StreamedToken
+
+        ids, logprobs = [], []
+        for k, token_id in enumerate(self.ids[:request.params.max_new_tokens]):
+            ids.append(token_id)
+            logprobs.append(-0.01 * (k + 1))
+            if request.on_token is not None:
+                request.on_token(StreamedToken(token_id, logprobs[-1]))
+            if token_id in request.params.stop_token_ids or token_id == self.ids[-1]:
+                break
+        stopped = ids[-1] in request.params.stop_token_ids or ids[-1] == self.ids[-1]
+        return Generation(token_ids=ids, logprobs=logprobs, candidates=None,
+                          finish_reason="stop" if stopped else "length", policy_version=self.version,
+                          num_prompt_tokens_processed=len(request.prompt_ids))
+
+    def end_session(self, session: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("reasoning", [False, True])
+def test_parallel_tool_calls_false_ends_the_sample_at_the_first_call(tiny, stream, reasoning):
+    """parallel_tool_calls false: the reply holds the first call only, and so does the recording: the
+    sample ends where that call closes (a stop at </tool_call>, or, after reasoning, a cut of the sample
+    there), so the model's turn is what the client got, and the next request closes it and goes on."""
+    model, tok = tiny
+    thought = "<think>Maybe " + CALL.format("0 + 0") + " twice.</think>\n\n" if reasoning else ""
+    text = thought + "Both.\n" + CALL.format("1 + 2") + "\n" + CALL.format("3 + 4")
+    policy = WritesText(tok, text)
+    with running_server(model, tok, policy=policy, max_new_tokens=200) as (url, recorder):
+        if reasoning:
+            recorder.parser = get_parser("hermes", reasoning=("<think>", "</think>"))
+        client = make_client(url)
+        ask = [{"role": "user", "content": "Add 1 + 2 and 3 + 4."}]
+
+        def create(messages, **options):
+            headers = {"X-Episode-Id": "single"}
+            if not stream:
+                return client.chat.completions.create(model="treerl", messages=messages, tools=TOOLS,
+                                                      extra_headers=headers, **options).choices[0]
+            chunks = list(client.chat.completions.create(model="treerl", messages=messages, tools=TOOLS, stream=True,
+                                                         logprobs=True, extra_headers=headers, **options))
+            deltas = [c.choices[0].delta for c in chunks]
+            calls = [call for d in deltas for call in d.tool_calls or []]
+            assert [c.index for c in calls] == list(range(len(calls)))
+            streamed_logprobs = [t.logprob for c in chunks if c.choices[0].logprobs
+                                 for t in c.choices[0].logprobs.content]
+            return "".join(d.content or "" for d in deltas), calls, chunks[-1].choices[0].finish_reason, \
+                streamed_logprobs
+
+        both = client.chat.completions.create(model="treerl", messages=ask, tools=TOOLS,
+                                              extra_headers={"X-Treerl-Record": "false"}).choices[0]
+        assert [json.loads(c.function.arguments)["expression"] for c in both.message.tool_calls] == ["1 + 2", "3 + 4"]
+        if stream:
+            content, calls, finish, logprobs = create(ask, parallel_tool_calls=False)
+            message = {"role": "assistant", "content": content or None,
+                       "tool_calls": [{"id": c.id, "type": "function",
+                                       "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                      for c in calls]}
+        else:
+            reply = create(ask, parallel_tool_calls=False)
+            finish, message = reply.finish_reason, reply.message.model_dump(exclude_none=True)
+        assert finish == "tool_calls"
+        assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"expression": "1 + 2"}]
+        assert message.get("content") == "Both."
+        follow = [*ask, message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "3"}]
+        branches = recorder.metrics["episodes/template_branches"] + recorder.metrics["episodes/history_rewrites"]
+        create(follow)
+        assert recorder.metrics["episodes/template_branches"] + recorder.metrics["episodes/history_rewrites"] == \
+            branches
+        client.post("/episodes/single/reward", body={"reward": 1.0}, cast_to=object)
+    [episode] = group_of(recorder, "single").episodes
+    first, env = episode.path()[1:3]
+    one_call = text[:text.index("</tool_call>", len(thought)) + len("</tool_call>")]
+    assert first.kind == "sampled" and first.token_ids == tok.encode(one_call, add_special_tokens=False)
+    assert first.logprobs == pytest.approx([-0.01 * (k + 1) for k in range(len(first.token_ids))])
+    assert first.finish_reason == "stop"
+    # The turn ends where the model stopped; the environment closes it (an unsampled end of turn).
+    assert tok.decode(env.token_ids, skip_special_tokens=False).startswith("<|im_end|>")
+    (context1, raw1), (context2, _) = seen_contexts(episode.group, episode, tok, TOOLS)
+    assert raw1 == one_call
+    checked = parse_request({"messages": [message]}).messages[0]
+    assert tok.decode(context2, skip_special_tokens=False) == \
+        expected_context(tok, follow, {message_key(checked): one_call})
+    if stream:  # the streamed log-probs are the recorded turn's, not the rest of the sample's
+        assert logprobs == pytest.approx(first.logprobs)
+
+
+def test_parallel_tool_calls_false_stops_the_model_at_the_end_of_its_call(server, tiny):
+    """With the real model: its one call ends the sample (the stop is at </tool_call>, so it never writes
+    its end of turn), its tokens the same as without the flag up to there."""
+    url, recorder, _ = server
+    _, tok = tiny
+    client = make_client(url)
+    messages, _ = treerl.make("treerl/Calculator-v0").reset(seed=1)
+    replies = {}
+    for parallel in (True, False):
+        headers = {"X-Episode-Id": f"parallel-{parallel}"}
+        replies[parallel] = client.chat.completions.create(model="treerl", messages=messages, tools=TOOLS,
+                                                           temperature=0, max_tokens=48, extra_headers=headers,
+                                                           parallel_tool_calls=parallel).choices[0]
+        client.post(f"/episodes/parallel-{parallel}/reward", body={"reward": 0.0}, cast_to=object)
+    assert replies[False].finish_reason == "tool_calls" and len(replies[False].message.tool_calls) == 1
+    [free], [single] = ([s for s in group_of(recorder, f"parallel-{p}").segments if s.kind == "sampled"]
+                        for p in (True, False))
+    end = tok.convert_tokens_to_ids("</tool_call>")
+    assert single.token_ids[-1] == end and free.token_ids[:len(single.token_ids)] == single.token_ids
+    assert free.token_ids[len(single.token_ids):] == [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_parallel_tool_calls_false_is_refused_where_it_cannot_be_enforced(tiny):
+    model, tok = tiny
+    with running_server(model, tok, max_new_tokens=4) as (url, recorder):
+        client = make_client(url)
+        hi = [{"role": "user", "content": "Hi."}]
+        with pytest.raises(openai.BadRequestError, match="parallel_tool_calls"):
+            client.chat.completions.create(model="treerl", messages=hi, tools=TOOLS, max_tokens=4,
+                                           extra_body={"parallel_tool_calls": "false"})
+        recorder.parser = get_parser("pythonic")  # calls in one Python list: no place to end after the first
+        with pytest.raises(openai.BadRequestError, match="parallel_tool_calls"):
+            client.chat.completions.create(model="treerl", messages=hi, tools=TOOLS, max_tokens=4,
+                                           parallel_tool_calls=False)
+        client.chat.completions.create(model="treerl", messages=hi, tools=TOOLS, max_tokens=4,
+                                       parallel_tool_calls=True)  # nothing to enforce
+
+
 def test_episode_and_task_ids_from_the_body(server):
     url, recorder, _ = server
     client = make_client(url)

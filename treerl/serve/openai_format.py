@@ -37,7 +37,7 @@ from treerl.envs.tools import Tool
 from treerl.errors import ToolCallError
 
 __all__ = ["RequestError", "ChatRequest", "parse_request", "message_key", "template_messages", "tool_reply", "call_opening",
-           "completion_body", "completion_head", "chunk", "call_markers", "error_body"]
+           "call_end", "first_call_end", "completion_body", "completion_head", "chunk", "call_markers", "error_body"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields that change the sampling distribution in ways this server cannot apply: refused, not ignored.
@@ -70,6 +70,8 @@ class ChatRequest:
     model: str = ""
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    """False: at most one tool call per reply (the sample ends where the first call closes)."""
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -249,6 +251,8 @@ def parse_request(body: Any) -> ChatRequest:
     elif choice == "required" and not request.tools:
         raise RequestError("tool_choice", "'required' needs tools: the request has none.")
     request.tool_choice = choice
+    parallel = body.get("parallel_tool_calls")
+    request.parallel_tool_calls = True if parallel is None else _flag(body, "parallel_tool_calls")
     request.temperature = _number(body, "temperature", 0.0, 2.0)
     request.top_p = _number(body, "top_p", 1e-9, 1.0)
     request.top_k = _number(body, "top_k", 1, 1 << 30, integer=True)
@@ -424,6 +428,70 @@ def call_opening(parser: Any, request: ChatRequest) -> str | None:
         return "<tool_call>\n<function=" if name is None else f"<tool_call>\n<function={name}>\n"
     raise RequestError("tool_choice", f"{choice!r} is enforced for hermes and Qwen3-Coder call formats; this "
                                       f"model's template calls tools in another ({kind}). Send tool_choice 'auto'.")
+
+
+# Where one call of these formats ends, with nothing of the call's markup left open after it.
+_CALL_ENDS: dict[str, str] = {
+    "HermesParser": "</tool_call>",
+    "Qwen3CoderParser": "</tool_call>",
+    "GlmParser": "</tool_call>",
+    "HarmonyParser": "<|call|>",  # an end of turn as well: a harmony reply holds one call at most anyway
+}
+
+
+def call_end(parser: Any, request: ChatRequest) -> str | None:
+    """The marker a reply ends at for ``parallel_tool_calls: false``: the format's end of one call.
+
+    None when the request allows parallel calls or its reply is not read for calls (no tools,
+    or ``tool_choice`` none). The server ends the sample where the first call closes (see
+    :func:`first_call_end`), so the model's recorded turn is exactly the one call the client gets.
+    Formats whose calls share one block (a JSON or Python list) have no such place: refused.
+
+    >>> from treerl.envs.parsers import get_parser
+    >>> request = ChatRequest(messages=[], tools=[{"type": "function", "function": {"name": "add"}}],
+    ...                       parallel_tool_calls=False)
+    >>> call_end(get_parser("hermes"), request)
+    '</tool_call>'
+    >>> call_end(get_parser("pythonic"), request)
+    Traceback (most recent call last):
+    ...
+    treerl.serve.openai_format.RequestError: parallel_tool_calls: false is enforced for the hermes, ...
+    """
+    if request.parallel_tool_calls or not request.tools or request.tool_choice == "none":
+        return None
+    kind = type(parser).__name__
+    if kind not in _CALL_ENDS:
+        raise RequestError("parallel_tool_calls", "false is enforced for the hermes, Qwen3-Coder, GLM-4 and harmony "
+                                                  f"call formats; this model's template calls tools in another "
+                                                  f"({kind}), whose calls share one block the sample cannot end "
+                                                  "inside. Leave parallel_tool_calls unset (true).")
+    return _CALL_ENDS[kind]
+
+
+def first_call_end(text: str, marker: str, reasoning: tuple[str, str] | None) -> int | None:
+    """Where ``text``'s first call ends (just after ``marker``), or None while no call has closed.
+
+    A call inside the reasoning is not a call (the parser skips it), so the search starts after
+    the reasoning, which is read as :func:`~treerl.envs.parser_base.split_reasoning` reads it.
+
+    >>> first_call_end('a<tool_call>{}</tool_call><tool_call>{}</tool_call>', "</tool_call>", None)
+    26
+    >>> think = ("<think>", "</think>")
+    >>> first_call_end("<think>x</tool_call></think><tool_call>{}</tool_call>", "</tool_call>", think)
+    53
+    >>> first_call_end("<think>x</tool_call>", "</tool_call>", think) is None
+    True
+    """
+    start = 0
+    if reasoning is not None:
+        opening, closing = reasoning
+        at = text.find(closing)
+        if at >= 0:
+            start = at + len(closing)
+        elif text.lstrip().startswith(opening):  # still thinking
+            return None
+    at = text.find(marker, start)
+    return None if at < 0 else at + len(marker)
 
 
 def tool_reply(text: str, parsed: ParseResult | None, tools: Sequence[Mapping[str, Any]] | None

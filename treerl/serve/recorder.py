@@ -53,8 +53,8 @@ from treerl.rollout.episode import (
 from treerl.rollout.record import recorded_model, tokenizer_info
 from treerl.rollout.trajectory import Group, GroupWriter, make_header, read_groups
 from treerl.serve.config import ServeConfig
-from treerl.serve.openai_format import (ChatRequest, RequestError, call_opening, message_key, template_messages,
-                                        tool_reply)
+from treerl.serve.openai_format import (ChatRequest, RequestError, call_end, call_opening, first_call_end, message_key,
+                                        template_messages, tool_reply)
 from treerl.serve.streaming import StreamStart, TokenRelay
 
 __all__ = ["Recorder", "Choice", "serve_header"]
@@ -115,27 +115,27 @@ def _digest(keys: Sequence[str]) -> str:
     return hashlib.sha1("\n".join(keys).encode()).hexdigest()
 
 
-class _StopStrings:
-    """A policy view that ends a generation at the first of ``stops`` (a string the client asked to stop at).
+class _Cut:
+    """A policy view that ends a generation where ``end_of(text)`` says: the end of the first ``stop``
+    string the client asked to stop at, or of the first tool call (``parallel_tool_calls: false``).
 
-    Tokens after the one that completes the stop string are dropped before they are recorded:
-    a prefix of a sample is itself an exact sample, so the recorded log-probs stay exact.
+    Tokens after the one whose text reaches that end are dropped before they are recorded:
+    a prefix of a sample is itself an exact sample, so the recorded log-probs stay exact, and the
+    turn ends there as if the model had stopped (the next request's bridge closes it).
     """
 
-    def __init__(self, policy: Policy, renderer: ChatRenderer, stops: Sequence[str]):
-        self.policy, self.renderer, self.stops = policy, renderer, list(stops)
+    def __init__(self, policy: Policy, renderer: ChatRenderer, end_of: Callable[[str], int | None]):
+        self.policy, self.renderer, self.end_of = policy, renderer, end_of
 
     def end_session(self, session: str) -> None:
         self.policy.end_session(session)
 
     async def agenerate(self, request: GenerationRequest) -> Generation:
         gen = await self.policy.agenerate(request)
-        text = self.renderer.completion_text(gen.token_ids)
-        ends = [text.find(s) + len(s) for s in self.stops if s in text]
-        if not ends:
+        end = self.end_of(self.renderer.completion_text(gen.token_ids))
+        if end is None:
             return gen
-        end = min(ends)
-        lo, hi = 1, len(gen.token_ids)  # the fewest tokens whose text reaches the stop string's end
+        lo, hi = 1, len(gen.token_ids)  # the fewest tokens whose text reaches the end
         while lo < hi:
             mid = (lo + hi) // 2
             if len(self.renderer.completion_text(gen.token_ids[:mid])) >= end:
@@ -231,7 +231,8 @@ class Recorder:
             return choices
 
     def _policy(self, request: ChatRequest, renderer: ChatRenderer, stream: asyncio.Queue | None, index: int) -> Any:
-        """The policy as choice ``index`` of ``request`` sees it: streamed, cut at stop strings."""
+        """The policy as choice ``index`` of ``request`` sees it: streamed, cut at stop strings and, with
+        ``parallel_tool_calls: false``, where the first tool call closes."""
         if stream is None:
             policy: Any = self.policy
         else:
@@ -239,7 +240,18 @@ class Recorder:
             if self._relay is None or self._relay.loop is not loop:
                 self._relay = TokenRelay(loop)
             policy = _Streamed(self.policy, self._relay.sink(stream, index))
-        return _StopStrings(policy, renderer, request.stop) if request.stop else policy
+        marker = call_end(self.parser, request)
+        if not request.stop and marker is None:
+            return policy
+        reasoning = self.parser.reasoning
+
+        def end_of(text: str) -> int | None:
+            ends = [text.find(s) + len(s) for s in request.stop if s in text]
+            if marker is not None and (end := first_call_end(text, marker, reasoning)) is not None:
+                ends.append(end)
+            return min(ends, default=None)
+
+        return _Cut(policy, renderer, end_of)
 
     def _find(self, request: ChatRequest, episode_id: str | None, task_id: str | None) -> _Episode:
         keys = [message_key(m) for m in request.messages]
@@ -376,8 +388,12 @@ class Recorder:
             temperature, top_k = 1.0, 1
         if top_k is None and (top_p < 1 or min_p > 0):
             top_k = 64  # the candidate set is recorded exactly, so nucleus sampling needs a bound
+        stops = list(request.stop)
+        marker = call_end(self.parser, request)  # parallel_tool_calls false: the sample ends at the first call's end
+        if marker is not None and self.parser.reasoning is None:  # (with reasoning, only after it: cut afterwards)
+            stops.append(marker)
         stop_ids = []
-        for s in request.stop:  # single-token stops end decoding early; the others are cut afterwards
+        for s in stops:  # single-token stops end decoding early; the others are cut afterwards
             ids = self.tokenizer.encode(s, add_special_tokens=False)
             if len(ids) == 1:
                 stop_ids.append(ids[0])
