@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -104,17 +105,49 @@ def test_images_and_resources_in_a_result_are_named_not_dropped():
     assert _result_text(types.CallToolResult(content=[result.content[0]])) == "[image/png image, 70 bytes]"
 
 
-def test_a_server_that_dies_mid_run_is_said_once_and_its_calls_are_tool_errors(caplog):
-    crashing = Path(__file__).resolve().parent / "programs" / "mcp_crashing_server.py"
-    with McpToolset(sys.executable, [str(crashing)], timeout=20) as tools:
-        env = McpEnv(tools=tools.tools)
+CRASHING = Path(__file__).resolve().parent / "programs" / "mcp_crashing_server.py"
+
+
+def _errors(env, calls):
+    """Each call in a step of its own episode; the error kinds of their records."""
+    errors = []
+    for call in calls:
         env.reset(seed=0)
-        render = env.parser.render
-        errors = []
-        for call in (ToolCall("add", {"a": 1, "b": 2}), ToolCall("crash", {}), ToolCall("add", {"a": 1, "b": 2}),
-                     ToolCall("add", {"a": 2, "b": 2})):
-            *_, info = env.step(render([call]))
-            errors.append(info["tool_calls"][0]["error"])
-    assert errors == [None, "tool_error", "tool_error", "tool_error"]  # data for the model, never a crash
-    said = [r for r in caplog.records if "is gone" in r.getMessage()]
-    assert len(said) == 1 and "mcp_crashing_server.py" in said[0].getMessage()
+        *_, info = env.step(env.parser.render([call]))
+        errors.append(info["tool_calls"][0]["error"])
+    return errors
+
+
+def test_a_server_that_dies_mid_run_is_restarted_on_the_next_call(caplog):
+    """The call that found the server gone is a tool_error (it may be what killed it: never sent again);
+    the next call starts a new server process and is answered, as is every call after it."""
+    add = ToolCall("add", {"a": 1, "b": 2})
+    with McpToolset(sys.executable, [str(CRASHING)], timeout=20, startup_timeout=30) as tools:
+        env = McpEnv(tools=tools.tools)
+        assert _errors(env, [add, ToolCall("crash", {}), add, add]) == [None, "tool_error", None, None]
+        env.reset(seed=0)
+        obs, *_ = env.step(env.parser.render([add]))
+        assert obs[0]["content"] == "3"
+        # Killed from outside, between calls: the same, a forked environment's calls included.
+        env.reset(seed=0)
+        pid = int(copy.deepcopy(env).step(env.parser.render([ToolCall("pid", {})]))[0][0]["content"])
+        os.kill(pid, signal.SIGKILL)
+        assert _errors(env, [add, add]) == ["tool_error", None]
+        assert not _alive(pid) and tools.num_restarts == 2
+    said = [r.getMessage() for r in caplog.records if "mcp_crashing_server.py" in r.getMessage()]
+    assert len([m for m in said if "is gone" in m]) == 2 and len([m for m in said if "restarted" in m]) == 2
+
+
+def test_a_server_that_cannot_stay_up_is_given_up_after_max_restarts(caplog):
+    crash, add = ToolCall("crash", {}), ToolCall("add", {"a": 1, "b": 2})
+    with McpToolset(sys.executable, [str(CRASHING)], timeout=20, max_restarts=1) as tools:
+        env = McpEnv(tools=tools.tools)
+        # crash; restart 1 and crash again; no restart 2: every later call fails without one.
+        assert _errors(env, [crash, crash, add, add]) == ["tool_error"] * 4
+        assert tools.num_restarts == 1
+        env.reset(seed=0)
+        *_, info = env.step(env.parser.render([add]))
+        assert "not restarted again" in info["tool_calls"][0]["message"]
+    assert len([r for r in caplog.records if "not restarted again" in r.getMessage()]) == 1
+    with pytest.raises(ValueError, match="max_restarts"):
+        McpToolset(sys.executable, [str(CRASHING)], max_restarts=-1)

@@ -1,4 +1,5 @@
-"""A local MCP server whose `crash` tool ends the server process (the MCP tools test runs it by path)."""
+"""A local MCP server whose `crash` tool ends the server process, and whose `pid` tool says which process
+it is (the MCP tools test runs it by path, and kills it)."""
 
 import os
 
@@ -20,6 +21,12 @@ def add(a: int, b: int) -> int:
 def crash() -> str:
     """End the server process at once."""
     os._exit(3)
+
+
+@server.tool()
+def pid() -> int:
+    """The server's process id."""
+    return os.getpid()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ model as a ``tool_error``.
 
 The connection lives on a thread of its own with its own event loop, so the tools can be
 awaited from any loop (the rollout engine's, a test's) and environments that hold them can
-be forked: the copies share the one connection.
+be forked: the copies share the one connection. A server that dies mid-run is started again on
+the next call (at most ``max_restarts`` times in a row without a call answered).
 
     toolset = McpToolset("python", ["my_mcp_server.py"])
     env = ToolEnv(tools=toolset.tools, ...)      # or a ToolEnv subclass taking them
@@ -41,43 +42,55 @@ __all__ = ["McpToolset"]
 class McpToolset:
     """The tools of one MCP server started as ``command args`` (stdio transport).
 
+    A server that dies mid-run (it crashed, or was killed) is started again on the next call:
+    the call that found it gone fails as a ``tool_error`` (it may be what killed it, so it is
+    not sent again), the next one restarts the server and goes to the new process. After
+    ``max_restarts`` restarts in a row with no call answered in between (a server that cannot
+    stay up), every call fails as a ``tool_error`` without another try. Each death, restart
+    and the giving up is logged as a warning.
+
     Args:
         command: The program that runs the server (e.g. ``sys.executable``).
         args: Its arguments (e.g. the server script's path).
         env: Its environment variables (default: the MCP SDK's safe default set).
         timeout: Seconds one call may take (the tools' timeout).
-        startup_timeout: Seconds to wait for the server to start and list its tools.
+        startup_timeout: Seconds to wait for the server to start and list its tools (at a
+            restart too: a call waits for the restart up to its own ``timeout``, the restart
+            goes on for the calls after it).
+        max_restarts: Restarts in a row, with no call answered in between, before the
+            toolset gives the server up (0: never restart).
     """
 
     def __init__(self, command: str, args: Sequence[str] = (), *, env: Mapping[str, str] | None = None,
-                 timeout: float | None = 30.0, startup_timeout: float = 60.0):
+                 timeout: float | None = 30.0, startup_timeout: float = 60.0, max_restarts: int = 3):
         try:
             from mcp import ClientSession, StdioServerParameters
             from mcp.client.stdio import stdio_client
         except ImportError as exc:
             raise MissingExtraError(f"MCP tools need the mcp package ({exc.name} is missing): "
                               "pip install 'treerl[mcp]'") from None
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"McpToolset(max_restarts={max_restarts!r}): use an int >= 0 (0: never restart).")
         self._params = StdioServerParameters(command=command, args=list(args), env=dict(env) if env else None)
         self._client, self._session_class = stdio_client, ClientSession
-        self._loop = asyncio.new_event_loop()
+        self._server = " ".join([command, *map(str, args)])
+        self.startup_timeout, self.max_restarts = startup_timeout, max_restarts
+        self.num_restarts = 0
+        """Restarts so far (all of them, for a run's report)."""
+        self._restarts_in_a_row = 0
+        # The connection's state, read and written on its loop only.
         self._scope: Any = None
+        self._connection: asyncio.Task | None = None
         self._closing = False
         self._session: Any = None
-        ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(ready,), name="treerl-mcp", daemon=True)
+        self._gone: BaseException | None = None
+        """Why the current session's server is gone (None while it serves)."""
+        self._restarting: asyncio.Task | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="treerl-mcp", daemon=True)
         self._thread.start()
-        server = self._server = " ".join([command, *map(str, args)])
-        self._gone = False
         try:
-            listed = ready.result(timeout=startup_timeout)
-        except concurrent.futures.TimeoutError:
-            self.close()
-            raise TimeoutError(f"MCP server `{server}` did not start and list its tools within "
-                               f"startup_timeout={startup_timeout:g} s; it was stopped.") from None
-        except Exception as exc:
-            self.close()
-            raise RuntimeError(f"MCP server `{server}` did not start: {_reason(exc)} (its own messages, if any, "
-                               "are on stderr above).") from exc
+            listed = asyncio.run_coroutine_threadsafe(self._open(), self._loop).result()
         except BaseException:
             self.close()
             raise
@@ -87,41 +100,113 @@ class McpToolset:
             for t in listed.tools
         ]
 
-    def _run(self, ready: concurrent.futures.Future) -> None:
+    def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
-            self._loop.run_until_complete(self._serve(ready))
-        except BaseException as exc:  # a server that never started: the constructor raises it
-            if not ready.done():
-                ready.set_exception(exc)
+            self._loop.run_forever()
         finally:
             self._loop.close()
 
-    async def _serve(self, ready: concurrent.futures.Future) -> None:
+    # -- on the connection's loop ---------------------------------------------------------------
+
+    async def _open(self) -> Any:
+        """Start the server and list its tools, within ``startup_timeout``; returns the listing."""
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        self._connection = loop.create_task(self._serve(ready))
+        try:
+            return await asyncio.wait_for(asyncio.shield(ready), self.startup_timeout)
+        except asyncio.TimeoutError:
+            ready.cancel()  # nobody reads how the stopped connection ended
+            await self._stop()
+            raise TimeoutError(f"MCP server `{self._server}` did not start and list its tools within "
+                               f"startup_timeout={self.startup_timeout:g} s; it was stopped.") from None
+        except Exception as exc:
+            await self._stop()
+            raise RuntimeError(f"MCP server `{self._server}` did not start: {_reason(exc)} (its own messages, if "
+                               "any, are on stderr above).") from exc
+
+    async def _serve(self, ready: asyncio.Future) -> None:
+        """One connection: the server process and its session, held open until cancelled."""
         import anyio
 
-        # Cancelling this scope ends the connection from any state, a server that never
-        # answered included; the SDK then stops the server process (stdin closed, then killed).
-        with anyio.CancelScope() as self._scope:
-            if self._closing:
-                self._scope.cancel()
-            async with self._client(self._params) as (read, write):
-                async with self._session_class(read, write) as session:
-                    await session.initialize()
-                    self._session = session
-                    ready.set_result(await session.list_tools())
-                    await anyio.sleep_forever()
+        try:
+            # Cancelling this scope ends the connection from any state, a server that never
+            # answered included; the SDK then stops the server process (stdin closed, then killed).
+            with anyio.CancelScope() as self._scope:
+                if self._closing:
+                    self._scope.cancel()
+                async with self._client(self._params) as (read, write):
+                    async with self._session_class(read, write) as session:
+                        await session.initialize()
+                        self._session, self._gone = session, None
+                        ready.set_result(await session.list_tools())
+                        await anyio.sleep_forever()
+        except Exception as exc:  # before the listing: _open raises it; after: the calls report the death
+            if not ready.done():
+                ready.set_exception(exc)
         if not ready.done():
             ready.set_exception(TimeoutError("stopped before it listed its tools"))
 
+    async def _stop(self) -> None:
+        """End the current connection (and its server process), waiting until it has."""
+        if self._scope is not None:
+            self._scope.cancel()
+        if self._connection is not None:
+            await asyncio.gather(self._connection, return_exceptions=True)
+
+    async def _call(self, name: str, arguments: dict[str, Any]) -> Any:
+        if self._gone is not None:
+            if self._restarts_in_a_row >= self.max_restarts:
+                raise ToolCallError(ToolErrorKind.TOOL_ERROR, f"The MCP server of tool {name!r} is gone "
+                                    f"({_reason(self._gone)}) and is not restarted again.", tool_name=name)
+            if self._restarting is None:  # one restart for all the calls waiting on it
+                self._restarting = asyncio.get_running_loop().create_task(self._restart())
+            await asyncio.shield(self._restarting)  # a call that times out leaves the restart running
+        session = self._session
+        try:
+            result = await session.call_tool(name, arguments)
+        except Exception as exc:
+            if session is self._session and self._gone is None and not self._closing and _is_gone(exc):
+                self._gone = exc
+                if self._restarts_in_a_row < self.max_restarts:
+                    logger.warning("MCP server `%s` is gone (%s): this call fails as tool_error; the next call "
+                                   "restarts it.", self._server, _reason(exc))
+                else:
+                    self._say_given_up()
+            raise
+        self._restarts_in_a_row = 0
+        return result
+
+    async def _restart(self) -> None:
+        """A new server process and session for the one that is gone (its calls wait for it)."""
+        try:
+            self._restarts_in_a_row += 1
+            self.num_restarts += 1
+            await self._stop()
+            try:
+                await self._open()
+            except Exception as exc:
+                logger.warning("MCP server `%s` did not restart: %s", self._server, exc)
+                if self._restarts_in_a_row >= self.max_restarts:
+                    self._say_given_up()
+                raise
+            logger.warning("MCP server `%s` restarted (restart %d in a row; max_restarts=%d).", self._server,
+                           self._restarts_in_a_row, self.max_restarts)
+        finally:
+            self._restarting = None
+
+    def _say_given_up(self) -> None:
+        logger.warning("MCP server `%s` is gone after %d restarts in a row with no call answered (max_restarts=%d): "
+                       "it is not restarted again; every call to its tools fails as tool_error from now on, which "
+                       "the model is scored on.", self._server, self._restarts_in_a_row, self.max_restarts)
+
+    # -- on any loop ------------------------------------------------------------------------------
+
     def _caller(self, name: str):
         async def call(**arguments: Any) -> str:
-            try:
-                future = asyncio.run_coroutine_threadsafe(self._session.call_tool(name, arguments), self._loop)
-                result = await asyncio.wrap_future(future)
-            except Exception as exc:
-                self._say_if_gone(exc)
-                raise
+            future = asyncio.run_coroutine_threadsafe(self._call(name, arguments), self._loop)
+            result = await asyncio.wrap_future(future)
             text = _result_text(result)
             if _field(result, "is_error", "isError"):
                 raise ToolCallError(ToolErrorKind.TOOL_ERROR, text, tool_name=name)
@@ -130,28 +215,19 @@ class McpToolset:
         call.__name__ = name
         return call
 
-    def _say_if_gone(self, exc: BaseException) -> None:
-        """Once, loudly: a server that exited fails every later call as the model's tool_error."""
-        gone = not self._thread.is_alive() or "Connection closed" in str(exc) or "closed" in type(exc).__name__.lower()
-        if gone and not self._closing and not self._gone:
-            self._gone = True
-            logger.warning("MCP server `%s` is gone (%s): every call to its tools fails as tool_error from now on, "
-                           "which the model is scored on; restart the run once the server is fixed.",
-                           self._server, _reason(exc))
-
     def close(self) -> None:
         """Stop the server and the connection's thread."""
         if self._thread.is_alive():
             try:
-                self._loop.call_soon_threadsafe(self._cancel)
-            except RuntimeError:  # the loop already closed: the connection ended on its own
+                asyncio.run_coroutine_threadsafe(self._shut_down(), self._loop).result(timeout=30)
+            except (RuntimeError, concurrent.futures.TimeoutError):  # the loop closed already, or a stuck SDK
                 pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
 
-    def _cancel(self) -> None:  # on the connection's loop
+    async def _shut_down(self) -> None:  # on the connection's loop
         self._closing = True
-        if self._scope is not None:
-            self._scope.cancel()
+        await self._stop()
 
     def __enter__(self) -> McpToolset:
         return self
@@ -161,6 +237,12 @@ class McpToolset:
 
     def __deepcopy__(self, memo: dict) -> McpToolset:
         return self  # forked environments share the connection
+
+
+def _is_gone(exc: BaseException) -> bool:
+    """Whether a failed call says the connection to the server ended (it exited, or was killed)."""
+    return "Connection closed" in str(exc) or "closed" in type(exc).__name__.lower() \
+        or "broken" in type(exc).__name__.lower()
 
 
 def _result_text(result: Any) -> str:
