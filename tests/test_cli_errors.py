@@ -53,6 +53,13 @@ CASES = [
     ("model-is-a-lora-adapter", ["eval", "--model", "{adapter}"], None, "is a LoRA adapter, not a whole model: pass "
      "the merged model (treerl learn saved it merged beside it: --model"),
     ("env-unknown", [*LEARN, "--env", "nope/Nothing-v0"], None, "nope/Nothing-v0"),
+    ("env-group-member-unknown", [*LEARN, "--env", "treerl/Calculator-v0,nope/Nothing-v0"], None, "nope/Nothing-v0"),
+    ("env-group-kwargs-not-by-name", [*ROLLOUT, "--env", "treerl/Calculator-v0,guess=treerl/GuessNumber-v0",
+                                      "--env-kwargs", '{{"high": 8}}'], None, "'high' names no environment of the group"),
+    ("env-group-member-kwargs-bad", [*ROLLOUT, "--env", "treerl/Calculator-v0,guess=treerl/GuessNumber-v0",
+                                     "--env-kwargs", '{{"guess": {{"high": 1}}}}'], None, "high=1 must be >= 2"),
+    ("yaml-env-group-weights-bad", ROLLOUT, "env: treerl/Calculator-v0,treerl/GuessNumber-v0\n"
+     "env_kwargs: {weights: [1]}\n", "has 1 numbers for 2 environments"),
     ("learner-unknown", [*LEARN, "--learner", "bogus"], None, "no such learner"),
     ("loss-unknown", [*LEARN, "--loss", "bogus"], None, "bogus"),
     ("steps-0", [*LEARN, "--steps", "0"], None, "steps=0 must be >= 1"),

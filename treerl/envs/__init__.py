@@ -9,6 +9,7 @@
 
 from treerl.envs.checker import EnvCheckError, check_env
 from treerl.envs.core import Env, Message, Task, ToolEnv, ValidationReport
+from treerl.envs.group import EnvGroup
 from treerl.envs.parsers import PARSERS, ParseResult, ToolCall, ToolCallParser, get_parser
 from treerl.envs.registry import EnvSpec, make, register, registry
 from treerl.envs.spaces import ChatMessages, Completion
@@ -19,7 +20,7 @@ from treerl.errors import EnvError, ToolCallError, ToolErrorKind, ToolTimeout, T
 from treerl.envs import builtin  # noqa: E402,F401  (registers the built-in environments)
 
 __all__ = [
-    "Env", "ToolEnv", "TextEnv", "Task", "Message", "ValidationReport",
+    "Env", "ToolEnv", "TextEnv", "EnvGroup", "Task", "Message", "ValidationReport",
     "ChatMessages", "Completion",
     "Tool", "tool", "ToolResult", "run_tool_call",
     "ToolCall", "ParseResult", "ToolCallParser", "PARSERS", "get_parser",

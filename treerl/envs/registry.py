@@ -4,7 +4,8 @@ Every id registered here is also registered with Gymnasium, so after ``import tr
 ``gymnasium.make("treerl/Calculator-v0")`` works too (Gymnasium wraps the environment in
 its usual checkers; ``treerl.make`` returns the bare environment with ``astep``/``fork``).
 The other way, as in ``gymnasium.make``, an id registered with ``gymnasium.register`` is
-found too, and ``"module:Name-v0"`` imports ``module`` (which registers it) first.
+found too, and ``"module:Name-v0"`` imports ``module`` (which registers it) first. Several ids,
+comma-separated, make one :class:`~treerl.envs.group.EnvGroup` (:func:`make_group`).
 
 >>> import treerl
 >>> env = treerl.make("treerl/Calculator-v0")
@@ -15,6 +16,7 @@ found too, and ``"module:Name-v0"`` imports ``module`` (which registers it) firs
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,9 +26,10 @@ from typing import Any
 import gymnasium
 
 from treerl.envs.core import Env
+from treerl.envs.group import EnvGroup, member_name
 from treerl.errors import ConfigError
 
-__all__ = ["EnvSpec", "register", "make", "registry", "spec", "env_id_of", "factory_env_id"]
+__all__ = ["EnvSpec", "register", "make", "make_group", "registry", "spec", "env_id_of", "factory_env_id"]
 
 
 @dataclass(frozen=True)
@@ -88,8 +91,13 @@ def spec(id: str) -> EnvSpec:
 
     ``id`` may name a module to import first, ``"mypackage.envs:Shop-v0"``, and may be
     registered with ``gymnasium.register`` instead of :func:`register`, as ``gymnasium.make``
-    allows.
+    allows. Several ids, comma-separated, are a group (:func:`make_group`); each must exist.
     """
+    if "," in id:
+        for _, member_id in group_members(id):
+            spec(member_id)
+        return EnvSpec(id=id, entry_point=functools.partial(make_group, id),
+                       description="A group: each task plays one of " + ", ".join(n for n, _ in group_members(id)))
     if ":" in id and id not in _REGISTRY:
         module_name, _, id = id.partition(":")
         try:
@@ -143,6 +151,61 @@ def make(id: str, **kwargs: Any):
     if isinstance(env, gymnasium.Env) and env.spec is None and spec_.id in gymnasium.registry:
         env.spec = dataclasses.replace(gymnasium.spec(spec_.id), kwargs={**spec_.kwargs, **kwargs})
     return env
+
+
+def group_members(ids: str) -> list[tuple[str, str]]:
+    """The (name, id) pairs of a comma-separated group id: ``name=id`` names one, else :func:`member_name`.
+
+    >>> group_members("treerl/Calculator-v0,guess=treerl/GuessNumber-v0")
+    [('Calculator-v0', 'treerl/Calculator-v0'), ('guess', 'treerl/GuessNumber-v0')]
+    """
+    pairs = []
+    for entry in ids.split(","):
+        name, _, env_id = entry.strip().rpartition("=")
+        env_id = env_id.strip()
+        if not env_id:
+            raise ConfigError(f"env={ids!r} has an empty entry: separate environment ids by single commas, e.g. "
+                              "treerl/Calculator-v0,treerl/GuessNumber-v0.")
+        pairs.append((name.strip() or member_name(env_id), env_id))
+    names = [n for n, _ in pairs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"env={ids!r} has two environments called {twice[0]!r}: name them, e.g. "
+                          f"a={pairs[0][1]},b={pairs[0][1]}.")
+    return pairs
+
+
+def make_group(ids: str, *, weights: Mapping[str, float] | list[float] | None = None, **member_kwargs: Any) -> EnvGroup:
+    """The :class:`~treerl.envs.group.EnvGroup` of comma-separated ``ids``, each built by :func:`make`.
+
+    Keyword arguments are keyed by member name, as ``--env-kwargs`` gives them: each member's
+    own (a mapping), and ``weights`` for the mix.
+
+    >>> env = make_group("calc=treerl/Calculator-v0,guess=treerl/GuessNumber-v0", weights={"calc": 3, "guess": 1},
+    ...                  guess={"high": 8})
+    >>> [env.route(k) for k in range(4)], env.envs["guess"].high
+    (['calc', 'calc', 'guess', 'calc'], 8)
+    """
+    pairs = group_members(ids)
+    names = [n for n, _ in pairs]
+    unknown = sorted(set(member_kwargs) - set(names))
+    if unknown:
+        raise ValueError(f"{', '.join(map(repr, unknown))} names no environment of the group {names}: key each "
+                         "environment's keyword arguments by its name, e.g. "
+                         f"{{\"{names[-1]}\": {{...}}, \"weights\": [...]}}.")
+    members = {}
+    try:
+        for name, env_id in pairs:
+            kwargs = member_kwargs.get(name) or {}
+            if not isinstance(kwargs, Mapping):
+                raise ValueError(f"{name}={kwargs!r}: an environment's keyword arguments are a mapping, e.g. "
+                                 f"{{\"{name}\": {{\"max_turns\": 4}}}}.")
+            members[name] = make(env_id, **kwargs)
+        return EnvGroup(members, weights=weights, member_kwargs=member_kwargs)
+    except BaseException:
+        for env in members.values():
+            env.close()
+        raise
 
 
 def env_id_of(env: Any) -> str:

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 from treerl.config import field_help
 from treerl.envs.core import ToolEnv
+from treerl.envs.group import EnvGroup
 from treerl.kernels.tree_attention import BACKENDS
 from treerl.learners.packing import PackingConfig
 from treerl.learners.precision import DTYPES, resolve_precision
@@ -291,10 +292,16 @@ class LearnerConfig(RewardOptions, EpisodeOptions):
 
 
 def _on_malformed(env_factory: Callable[[], Any], settings: dict[str, Any]) -> Any:
-    """``env_factory()`` with ``settings`` (how malformed calls are treated) when it is a ToolEnv (a module-level
-    function, so that the factory pickles for AsyncGRPO's generator processes)."""
+    """``env_factory()`` with ``settings`` (how malformed calls are treated) when it is a ToolEnv, or on an
+    EnvGroup's ToolEnv members (a module-level function, so that the factory pickles for AsyncGRPO's
+    generator processes)."""
     env = env_factory()
-    if isinstance(env, ToolEnv):
-        for key, value in settings.items():
-            setattr(env, key, value)
+    # An EnvGroup's members each, unless the member's own keyword arguments set it.
+    members = ([(m, env.member_kwargs[n]) for n, m in env.envs.items()] if isinstance(env, EnvGroup)
+               else [(env, {})])
+    for member, own in members:
+        if isinstance(member, ToolEnv):
+            for key, value in settings.items():
+                if key not in own:
+                    setattr(member, key, value)
     return env

@@ -56,7 +56,11 @@ logger = logging.getLogger(__name__)
 
 
 def task_options(env: Any, index: int) -> dict[str, Any] | None:
-    """Reset options that pick task ``index``: dataset-backed environments take it by index."""
+    """Reset options that pick task ``index``: the environment's own ``task_options(index)`` where it has
+    one (an :class:`~treerl.envs.group.EnvGroup` names the member), else a dataset-backed one's row by index."""
+    hook = getattr(env, "task_options", None)
+    if callable(hook):
+        return hook(index)
     dataset = getattr(env, "dataset", None)
     return {"task_index": index % len(dataset)} if dataset is not None else None
 
@@ -157,7 +161,9 @@ class RolloutEngine:
                           info={"task_seed": task_seed, "task_id": info.get("task_id"), "options": options,
                                 "answer": info.get("answer"), "num_prompt_messages": len(messages),
                                 "sampling": _params_dict(self.params),
-                                **({"row": info["row"]} if "row" in info else {})})
+                                **({"row": info["row"]} if "row" in info else {}),
+                                # an EnvGroup's member, which per-environment figures group by
+                                **({"env": info["env"]} if isinstance(info.get("env"), str) else {})})
             root = group.add_segment("prompt", prompt_ids)
             states = [
                 EpisodeState(env=env.fork(), messages=copy.deepcopy(messages), context_ids=list(prompt_ids),
