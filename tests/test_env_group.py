@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import re
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +99,55 @@ def test_training_defaults_reach_members_unless_their_kwargs_set_them(tmp_path):
     env = cfg.train_env_factory()()
     assert env.envs["calc"].malformed_ends_episode is True
     assert env.envs["code"].malformed_ends_episode is False
+
+
+def test_rollout_plays_both_environments_and_reports_each(tmp_path):
+    from treerl.agents import SamplingParams, TransformersPolicy
+    from treerl.models import load_default_model
+    from treerl.rollout import RolloutEngine
+
+    model, tok = load_default_model()
+    policy = TransformersPolicy(model, tok)
+    engine = RolloutEngine(policy, tok, params=SamplingParams(max_new_tokens=24), seed=0)
+    factory = lambda: make_group(MIX, guess={"max_turns": 2})  # noqa: E731
+    groups, stats = asyncio.run(engine.run(factory, MIX, range(4), 3))
+    assert [g.info["env"] for g in groups] == ["calc", "guess", "calc", "guess"]
+    for g in groups:
+        # Every generation of a group hangs off one prompt: the member's own task.
+        prompts = {e.path()[0].token_ids == g.segments[0].token_ids for e in g.episodes}
+        assert prompts == {True} and g.segments[0].kind == "prompt"
+        text = tok.decode(g.segments[0].token_ids)
+        assert ("Guess it." in text) == (g.info["env"] == "guess"), text
+        assert ("calculator" in text) == (g.info["env"] == "calc"), text
+    from treerl.rollout.view import group_row
+
+    assert [group_row(g)["env"] for g in groups] == ["calc", "guess", "calc", "guess"]  # the viewer's column
+    summary = stats.summary()
+    want = {name: sum(e.reward for g in groups if g.info["env"] == name for e in g.episodes) / 6
+            for name in ("calc", "guess")}
+    assert summary["reward_by_env"] == pytest.approx(want)
+
+
+def test_learn_logs_each_environments_reward(tmp_path):
+    from treerl.learners.grpo import GRPOConfig, train
+
+    train(GRPOConfig(output_dir=str(tmp_path), env=MIX, env_kwargs={"guess": {"max_turns": 2}}, steps=1,
+                     tasks_per_step=2, group_size=2, max_new_tokens=24, eval_episodes=0, progress=False,
+                     num_threads=1, sample_groups=2))
+    [metrics] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {"reward/calc", "reward/guess"} <= set(metrics)
+    from treerl.rollout import read_groups
+
+    kept = list(read_groups(tmp_path / "trajectories" / "step-000001.jsonl"))
+    assert sorted(g.info["env"] for g in kept) == ["calc", "guess"]
+    for g in kept:
+        calc_reward = [e.reward for e in g.episodes]
+        if g.info["env"] == "calc":
+            assert metrics["reward/calc"] == pytest.approx(sum(calc_reward) / len(calc_reward))
+    # The README's list of metrics names every key, the per-environment one as reward/ENV.
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    documented = set(re.findall(r"`([a-z_]+/[A-Za-z_]+)`", readme)) | {"lr"}
+    logged = {re.sub(r"^(tool_calls|diag)/.*", r"\1/KIND", re.sub(r"^reward/(calc|guess)$", "reward/ENV", k))
+              for k in metrics if k != "step"}
+    assert logged <= documented, sorted(logged - documented)
+    assert re.search(r"calc=treerl/Calculator-v0,guess=treerl/GuessNumber-v0", readme)

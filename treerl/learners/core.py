@@ -252,6 +252,7 @@ class Run:
             rewards = {"reward/env_mean": summary["reward/mean"], "reward/env_std": summary["reward/std"]}
         metrics.update({
             **rewards,
+            **{f"reward/{name}": mean for name, mean in summary["reward_by_env"].items()},  # an EnvGroup's members
             "reward/success_rate": summary["success_rate"],
             "tools/invalid_rate": summary["tools/invalid_rate"],
             "episode/length_limit_frac": summary["episode/length_limit_frac"],

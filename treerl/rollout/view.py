@@ -230,7 +230,8 @@ def group_row(group: Group, step: int | None = None, source: str = "", success_t
         "step": step,
         "source": source,
         "task": group.task_key,
-        "env": group.env_id,
+        # An EnvGroup's member (the run's env_id names them all): what a filter on the name should find.
+        "env": group.info["env"] if isinstance(group.info.get("env"), str) else group.env_id,
         "answer": _short(group.info.get("answer")),
         "episodes": len(group.episodes),
         "reward_mean": mean,
