@@ -124,9 +124,9 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_generators_load_that_v
     assert first_resumed["async/staleness_0_frac"] == 1.0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["policy_version"] == 8
-    # The totals are the resumed process's own, and say where they start.
-    assert summary["async"]["counted_from_step"] == resumed
-    assert sum(summary["async"]["group_staleness"].values()) == 2 * (8 - resumed)
+    # The totals continue the checkpoint's: the whole run's, as if it had never stopped.
+    assert summary["async"]["counted_from_step"] == 0
+    assert summary["async"]["group_staleness"] == {"0": 2 * 8}
 
 
 def test_generators_that_keep_dying_stop_the_run_with_a_clear_error(tmp_path):

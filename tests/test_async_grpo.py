@@ -221,6 +221,33 @@ def _check_view_samples(run_dir, steps):
     assert (run_dir / "view.html").stat().st_size > 0
 
 
+def test_a_resumed_run_continues_the_totals_of_its_checkpoint(tmp_path):
+    """summary.json's totals and the running async/* ones count the whole run after --resume, as if it had never
+    stopped; a checkpoint written without them still resumes, its totals labelled with the step they start at."""
+    model, tok = _load()
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), **{**SMALL, "steps": 2}, max_staleness=0, save_every=1)
+    train_async(cfg, model=model, tokenizer=tok)
+    state_path = tmp_path / "checkpoints" / "step-2" / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    assert sum(state["extra"]["async"]["group_staleness"].values()) == 2 * 2
+    # What the first part counted besides staleness (a run of this size loses nothing, so it is set by hand).
+    state["extra"]["async"].update(lost_groups=3, generator_restarts=1)
+    state_path.write_text(json.dumps(state))
+    train_async(AsyncGRPOConfig(**{**vars(cfg), "steps": 3, "resume": True}), model=_load()[0], tokenizer=tok)
+    totals = json.loads((tmp_path / "summary.json").read_text())["async"]
+    assert totals["counted_from_step"] == 0 and totals["group_staleness"] == {"0": 3 * 2}
+    assert totals["lost_groups"] == 3 and totals["generator_restarts"] == 1
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 3 and last["async/lost_groups"] == 3 and last["async/lost_groups_step"] == 0
+    # A checkpoint of before the totals were kept: the totals count from the step it resumed at.
+    state = json.loads((tmp_path / "checkpoints" / "step-3" / "trainer_state.json").read_text())
+    del state["extra"]
+    (tmp_path / "checkpoints" / "step-3" / "trainer_state.json").write_text(json.dumps(state))
+    train_async(AsyncGRPOConfig(**{**vars(cfg), "steps": 4, "resume": True}), model=_load()[0], tokenizer=tok)
+    totals = json.loads((tmp_path / "summary.json").read_text())["async"]
+    assert totals["counted_from_step"] == 3 and totals["group_staleness"] == {"0": 2} and totals["lost_groups"] == 0
+
+
 def test_a_generator_samples_with_vllm_where_installed(tmp_path, monkeypatch):
     """The vLLM engine in a generator (here the fake engine of test_vllm_policy: no GPU needed)."""
     import asyncio

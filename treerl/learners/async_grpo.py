@@ -179,11 +179,35 @@ class AsyncGRPOConfig(GRPOConfig):
 # -- the step -------------------------------------------------------------------------------------
 
 
-class _Clock:
-    """What the step metrics carry from one step to the next: the last take, generator figures, streaks."""
+TOTALS = ("dropped_groups", "lost_groups", "ignored_groups", "generator_restarts", "heartbeat_timeouts")
+"""The counts of summary.json's ``async`` totals, besides ``group_staleness`` and ``counted_from_step``."""
 
-    def __init__(self, writer: GroupWriter | None = None) -> None:
+
+def async_totals(buffer: GroupBuffer, pool: Any, earlier: dict[str, Any]) -> dict[str, Any]:
+    """The run's totals: ``earlier`` (what a resumed run's checkpoint counted) plus this process's counts.
+
+    >>> class Pool: restarts, heartbeat_timeouts = 1, 0
+    >>> buf = GroupBuffer(tasks_per_step=1, max_staleness=0, capacity=1, next_task=0, version=0)
+    >>> buf.staleness[0] += 2
+    >>> earlier = {"counted_from_step": 0, "lost_groups": 3, "group_staleness": {"0": 4, "1": 1}}
+    >>> totals = async_totals(buf, Pool(), earlier)
+    >>> totals["lost_groups"], totals["generator_restarts"], totals["group_staleness"]
+    (3, 1, {'0': 6, '1': 1})
+    """
+    now = {"dropped_groups": buffer.dropped, "lost_groups": buffer.lost, "ignored_groups": buffer.ignored,
+           "generator_restarts": pool.restarts, "heartbeat_timeouts": pool.heartbeat_timeouts}
+    staleness = Counter({int(k): v for k, v in earlier.get("group_staleness", {}).items()}) + buffer.staleness
+    return {"counted_from_step": earlier["counted_from_step"], **{k: earlier.get(k, 0) + now[k] for k in TOTALS},
+            "group_staleness": {str(k): v for k, v in sorted(staleness.items())}}
+
+
+class _Clock:
+    """What the step metrics carry from one step to the next: the last take, generator figures, streaks,
+    and the totals counted before this process (a resumed run's, from its checkpoint)."""
+
+    def __init__(self, writer: GroupWriter | None = None, earlier: dict[str, Any] | None = None) -> None:
         self.writer = writer
+        self.earlier = earlier if earlier is not None else {"counted_from_step": 0}
         self.last_take: float | None = None
         self.generator_stats: dict[int, dict[str, float]] = {}
         self.starved = 0
@@ -230,6 +254,8 @@ def async_step(run: Run, buffer: GroupBuffer | None, pool: Any, clock: _Clock, s
             "async/lost_groups_step": float(buffer.lost - clock.lost),
         })
         clock.dropped, clock.lost = buffer.dropped, buffer.lost
+        # The totals as of this step's take, which its checkpoint keeps for a resumed run to continue from.
+        run.state.extra["async"] = async_totals(buffer, pool, clock.earlier)
         if clock.last_take is not None:
             metrics["async/trainer_idle_frac"] = (now - start) / cycle if cycle > 0 else 0.0
         count_streaks(clock, metrics)
@@ -268,6 +294,7 @@ def _async_metrics(groups: Sequence[Group], version: int, buffer: GroupBuffer, p
     d_alive = sum(s["alive_s"] - clock.generator_stats.get(g, {}).get("alive_s", 0.0) for g, s in gen_stats.items())
     d_idle = sum(s["idle_s"] - clock.generator_stats.get(g, {}).get("idle_s", 0.0) for g, s in gen_stats.items())
     clock.generator_stats = gen_stats
+    totals = async_totals(buffer, pool, clock.earlier)
     out.update({
         "async/staleness_mean": sum(lag * c for lag, c in lags.items()) / spans,
         "async/staleness_max": float(max(lags, default=0)),
@@ -275,10 +302,10 @@ def _async_metrics(groups: Sequence[Group], version: int, buffer: GroupBuffer, p
         "async/span_version_min": float(version - max(lags, default=0)),
         "async/buffer_occupancy": float(buffer.occupancy),
         "async/tickets_out": float(buffer.outstanding),
-        "async/dropped_groups": float(buffer.dropped),
-        "async/lost_groups": float(buffer.lost),
-        "async/generator_restarts": float(pool.restarts),
-        "async/heartbeat_timeouts": float(pool.heartbeat_timeouts),
+        "async/dropped_groups": float(totals["dropped_groups"]),  # the whole run's, a resumed one's too
+        "async/lost_groups": float(totals["lost_groups"]),
+        "async/generator_restarts": float(totals["generator_restarts"]),
+        "async/heartbeat_timeouts": float(totals["heartbeat_timeouts"]),
         "async/generator_idle_frac": min(max(d_idle / d_alive, 0.0), 1.0) if d_alive > 0 else 0.0,
         "async/episodes_per_s": stats.num_episodes / stats.wall_s if stats.wall_s > 0 else 0.0,
     })
@@ -328,7 +355,8 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
         run = build(cfg, model=model, tokenizer=tokenizer, env_factory=env_factory, reward_funcs=reward_funcs,
                     reward_weights=reward_weights, optimizer=optimizer, reference=cfg.beta > 0, callbacks=callbacks)
         _set_threads(threads[0])
-        resumed_at = run.state.step
+        # A resumed run continues its checkpoint's totals; one written without them, from where it resumed.
+        earlier = run.state.extra.get("async") or {"counted_from_step": run.state.step}
         with run:
             if pool is not None:
                 buffer = GroupBuffer(tasks_per_step=cfg.tasks_per_step, max_staleness=cfg.max_staleness,
@@ -339,7 +367,7 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
                 pool.set_weights(policy_state_dict(run.model), run.sync.version)
                 run.sync.targets.append(pool)
                 pool.attach(buffer)
-            clock = _Clock(_group_writer(run) if cfg.save_groups and pool is not None else None)
+            clock = _Clock(_group_writer(run) if cfg.save_groups and pool is not None else None, earlier)
             for step in run.steps():
                 metrics = async_step(run, buffer, pool, clock, step)
                 if on_step is not None:
@@ -347,11 +375,7 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
             if clock.writer is not None:
                 clock.writer.close()
             if buffer is not None:
-                # Counted by this process: a resumed run's totals start at the step it resumed from.
-                totals = {"counted_from_step": resumed_at, "dropped_groups": buffer.dropped, "lost_groups": buffer.lost,
-                          "ignored_groups": buffer.ignored, "generator_restarts": pool.restarts,
-                          "heartbeat_timeouts": pool.heartbeat_timeouts,
-                          "group_staleness": {str(k): v for k, v in sorted(buffer.staleness.items())}}
+                totals = async_totals(buffer, pool, earlier)
     finally:
         if pool is not None:
             pool.close()

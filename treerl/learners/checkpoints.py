@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,9 @@ class TrainerState:
     """The weights version the policy samples with (one per published update)."""
     next_task: int = 0
     """The index of the first task the next step plays."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """What a learner counts across the whole run besides these (AsyncGRPO: its totals), JSON-serializable;
+    a resumed run continues from it (a checkpoint written before it existed has none)."""
 
 
 def checkpoint_path(output_dir: Path, step: int) -> Path:
@@ -150,4 +153,4 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     random.setstate(rng["python"])
     state = json.loads((path / "trainer_state.json").read_text())
     return TrainerState(step=int(state["step"]), policy_version=int(state["policy_version"]),
-                        next_task=int(state["next_task"]))
+                        next_task=int(state["next_task"]), extra=dict(state.get("extra", {})))

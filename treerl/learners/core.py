@@ -42,7 +42,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -265,7 +265,8 @@ class Run:
         })
         if next_task is None:
             next_task = self.state.next_task + self.cfg.tasks_per_step
-        self.state = TrainerState(step=step + 1, policy_version=self.sync.version, next_task=next_task)
+        # The learner's own counters (state.extra) are its to update before the step ends; they carry over.
+        self.state = replace(self.state, step=step + 1, policy_version=self.sync.version, next_task=next_task)
         if self.ranks.is_main:
             metrics.update(self.diagnostics.check(step + 1, metrics))
             self.log.log(step + 1, metrics)
