@@ -31,7 +31,7 @@ from treerl.learners.forward import packed_logprobs
 from treerl.learners.grpo import optimize
 from treerl.learners.packing import PackingConfig, pack_groups
 from treerl.learners.sdpo import Distillation, SDPOConfig, teacher_prompts, train
-from treerl.learners.teacher import ema_update, teacher_terms, teacher_trees, term_ranks
+from treerl.learners.teacher import ema_update, make_teacher, teacher_terms, teacher_trees, term_ranks
 from treerl.learners.teacher_context import TeacherPrompter
 from treerl.learners.teacher_gate import TeacherGate, copy_gaps
 from treerl.models import load_default_model
@@ -300,6 +300,41 @@ def test_ema_moves_only_trained_parameters_by_the_rate(tiny):
             assert torch.equal(value, before[name])
     with pytest.raises(ValueError, match="teacher_update_rate"):
         ema_update(teacher, student, 1.5)
+
+
+def test_a_lora_ema_teacher_is_the_students_base_with_averaged_adapters(tiny, groups, tmp_path):
+    """With LoRA the EMA teacher holds the adapters' average alone, and scores as a whole EMA copy of the model."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = tiny
+    student = get_peft_model(_tree_model(model), LoraConfig(r=4, target_modules="all-linear"))
+    full = copy.deepcopy(student).eval().requires_grad_(False)  # the EMA teacher as a whole copy
+    teacher = make_teacher("ema", student, None)
+    trained = [p for p in student.parameters() if p.requires_grad]
+    # No second copy of the base: the teacher owns no parameters and holds tensors the adapters' size.
+    assert list(teacher.parameters()) == [] and list(teacher.buffers()) == []
+    assert sum(w.numel() for w in teacher.weights.values()) == sum(p.numel() for p in trained)
+    for _ in range(2):  # two optimizer steps of the student, each followed by the teacher's update
+        with torch.no_grad():
+            for p in trained:
+                p.add_(0.05 * torch.randn_like(p))
+        ema_update(full, student, 0.25)
+        ema_update(teacher, student, 0.25)
+    cfg = _cfg(tmp_path, use_feedback=True)
+    prompts, _ = _prompts(tok, groups, cfg)
+    student.train()
+    for b in pack_groups(groups, torch.zeros(8), cfg.packing_config()):
+        got = teacher_terms(teacher, groups, prompts, b, cfg.packing_config(), temperature=TEMPERATURE, device="cpu")
+        want = teacher_terms(full, groups, prompts, b, cfg.packing_config(), temperature=TEMPERATURE, device="cpu")
+        assert got.mask.any() and torch.equal(got.mask, want.mask)
+        assert torch.allclose(got.hidden, want.hidden, atol=1e-5) and torch.allclose(got.logp, want.logp, atol=1e-5)
+        own = teacher_terms(student, groups, prompts, b, cfg.packing_config(), temperature=TEMPERATURE, device="cpu")
+        assert not torch.allclose(own.logp[own.mask], want.logp[want.mask], atol=1e-4), "the teacher lags the student"
+    assert student.training and all(p.requires_grad for p in trained)
+    # A checkpoint's teacher of when it was a whole copy resumes into the adapters' average.
+    resumed = make_teacher("ema", student, None)
+    resumed.load(full.state_dict())
+    assert all(torch.equal(resumed.weights[k], teacher.weights[k]) for k in teacher.weights)
 
 
 SMALL = ["--steps", "2", "--tasks-per-step", "2", "--group-size", "4", "--max-new-tokens", "24", "--eval-episodes",

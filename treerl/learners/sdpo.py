@@ -82,7 +82,7 @@ from treerl.learners.grpo import (
 from treerl.learners.losses import AGGREGATIONS, LossInputs, LossNormalizer
 from treerl.learners.packing import PackedBatch, pack_groups
 from treerl.rollout.rewards import RewardFunc
-from treerl.learners.teacher import TEACHER_KINDS, ema_update, make_teacher, rebasable, teacher_terms
+from treerl.learners.teacher import TEACHER_KINDS, EMAAdapters, ema_update, make_teacher, rebasable, teacher_terms
 from treerl.learners.teacher_context import TeacherContext, TeacherContextConfig, TeacherPrompter, context_metrics
 from treerl.learners.teacher_gate import TeacherGate, copy_gaps, pooled_gap
 from treerl.rollout.trajectory import Group
@@ -407,21 +407,27 @@ _TEACHER_FILE = "teacher.safetensors"
 
 
 def _save_teacher(run: Run, teacher: torch.nn.Module) -> None:
-    """Next to the checkpoint the core just wrote (if any), the EMA teacher's weights."""
-    from safetensors.torch import save_model
+    """Next to the checkpoint the core just wrote (if any), the EMA teacher's weights (with LoRA, its adapters)."""
+    from safetensors.torch import save_file, save_model
 
     path = checkpoint_path(run.out_dir, run.state.step)
     if run.ranks.is_main and path.is_dir() and not (path / _TEACHER_FILE).exists():
-        save_model(teacher, str(path / _TEACHER_FILE))
+        if isinstance(teacher, EMAAdapters):
+            save_file({k: v.contiguous() for k, v in teacher.weights.items()}, str(path / _TEACHER_FILE))
+        else:
+            save_model(teacher, str(path / _TEACHER_FILE))
 
 
 def _resume_teacher(run: Run, teacher: torch.nn.Module) -> None:
     """A resumed run's EMA teacher continues from its checkpoint (or from the resumed student)."""
-    from safetensors.torch import load_model
+    from safetensors.torch import load_file, load_model
 
     ckpt = latest_checkpoint(run.out_dir) if run.state.step > 0 else None
     if ckpt is not None and Path(ckpt, _TEACHER_FILE).exists():
-        load_model(teacher, str(Path(ckpt, _TEACHER_FILE)))
+        if isinstance(teacher, EMAAdapters):
+            teacher.load(load_file(str(Path(ckpt, _TEACHER_FILE))))
+        else:
+            load_model(teacher, str(Path(ckpt, _TEACHER_FILE)))
 
 
 def train(cfg: SDPOConfig, *, model: torch.nn.Module | None = None, tokenizer: Any = None,

@@ -2,8 +2,10 @@
 
 **Weights** (:data:`TEACHER_KINDS`): ``ema``, an exponential moving average of the student
 (``teacher <- (1 - rate) teacher + rate student`` after every optimizer step,
-:func:`ema_update`); ``initial``, the frozen starting weights; ``live``, the student itself
-(no copy; scored under ``no_grad`` before the step changes it).
+:func:`ema_update`; with LoRA only the adapters move, so the teacher is the student's own
+frozen base with an average of the adapters, :class:`EMAAdapters`); ``initial``, the frozen
+starting weights; ``live``, the student itself (no copy; scored under ``no_grad`` before the
+step changes it).
 
 **Trees**: the teacher re-scores the **same sampled tokens** as the student, after its own
 prompt (:mod:`treerl.learners.teacher_context`). :func:`teacher_trees` rebuilds each
@@ -28,8 +30,10 @@ append-only re-rooted them) get no teacher: their tokens have no single prompt t
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,6 +46,7 @@ from treerl.rollout.trajectory import Group
 
 __all__ = [
     "TEACHER_KINDS",
+    "EMAAdapters",
     "TeacherTerms",
     "TeacherTrees",
     "ema_update",
@@ -60,9 +65,12 @@ def make_teacher(kind: str, model: torch.nn.Module, reference: torch.nn.Module |
     """The teacher's model: a frozen copy of ``model`` (``ema``), ``reference`` (``initial``), or ``model``.
 
     ``model`` is the trained model as the learner built it (tree attention on, LoRA
-    applied); ``reference`` the core's frozen copy of the starting weights.
+    applied); ``reference`` the core's frozen starting weights. With LoRA the ``ema`` teacher
+    copies only the adapters (:class:`EMAAdapters`), as ``reference`` then copies nothing.
     """
     if kind == "ema":
+        if EMAAdapters.fits(model):
+            return EMAAdapters(model)
         return copy.deepcopy(model).eval().requires_grad_(False)
     if kind == "initial":
         if reference is None:
@@ -73,12 +81,77 @@ def make_teacher(kind: str, model: torch.nn.Module, reference: torch.nn.Module |
     raise ValueError(f"teacher={kind!r}: use one of {TEACHER_KINDS}.")
 
 
+class EMAAdapters(torch.nn.Module):
+    """A LoRA model's EMA teacher without a copy of its base: the student's own decoder, run with
+    the teacher's average of the trained (adapter) weights in place of the student's.
+
+    Only the trained parameters differ between the student and its EMA (the frozen base is
+    equal in both), so ``weights`` holds those alone: adapter-sized, not model-sized. A
+    forward through :meth:`get_decoder` swaps them in for the call
+    (``torch.func.functional_call``), in eval mode and without gradients; the student's
+    parameters, and any graph built on them, are left as they were. The LM head is the
+    student's, which LoRA leaves frozen. The learners run a model only through
+    ``get_decoder()`` and ``get_output_embeddings()``, which is all this offers (as
+    :class:`~treerl.learners.core.AdaptersOff`).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "lora_model", model)  # not a submodule: the base is the student's
+        in_decoder = {id(p): name for name, p in model.get_decoder().named_parameters()}
+        trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.weights: dict[str, torch.Tensor] = {name: p.detach().clone() for name, p in trained}
+        # The teacher's trained weights, by the student's names (what ema_update averages) and the decoder's.
+        self._decoder_weights = {in_decoder[id(p)]: self.weights[name] for name, p in trained}
+
+    @staticmethod
+    def fits(model: torch.nn.Module) -> bool:
+        """Whether ``model`` is a peft model whose trained parameters all lie in its decoder (the LM head frozen)."""
+        peft = sys.modules.get("peft")  # a model cannot be a PeftModel unless peft was imported
+        if peft is None or not isinstance(model, peft.PeftModel):
+            return False
+        in_decoder = {id(p) for p in model.get_decoder().parameters()}
+        return all(id(p) in in_decoder for p in model.parameters() if p.requires_grad)
+
+    @property
+    def config(self) -> Any:
+        return self.lora_model.config
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lora_model.get_output_embeddings()
+
+    def get_decoder(self) -> Callable[..., Any]:
+        model, decoder = self.lora_model, self.lora_model.get_decoder()
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            was_training = model.training
+            model.eval()
+            try:
+                with torch.no_grad():
+                    return torch.func.functional_call(decoder, self._decoder_weights, args, kwargs)
+            finally:
+                model.train(was_training)
+
+        return forward
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Set ``weights`` from ``state`` (a checkpoint's; one of a whole copy of the model holds them too)."""
+        missing = sorted(set(self.weights) - set(state))
+        if missing:
+            raise ValueError(f"EMAAdapters.load: the saved teacher has no {missing[0]!r} ({len(missing)} trained "
+                             "weights missing); it was saved for another model or another LoRA setting.")
+        with torch.no_grad():
+            for name, value in self.weights.items():
+                value.copy_(state[name])
+
+
 @torch.no_grad()
 def ema_update(teacher: torch.nn.Module, student: torch.nn.Module, rate: float) -> None:
     """``teacher <- (1 - rate) * teacher + rate * student``, parameter by parameter, in place.
 
     Only the student's trained parameters move (with LoRA, the adapters); frozen ones are
-    equal in both already. Parameters are matched by name.
+    equal in both already. Parameters are matched by name; an :class:`EMAAdapters` teacher
+    holds only the trained ones.
 
     >>> t, s = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
     >>> _ = t.weight.data.fill_(0.0), s.weight.data.fill_(1.0)
@@ -87,7 +160,7 @@ def ema_update(teacher: torch.nn.Module, student: torch.nn.Module, rate: float) 
     """
     if not 0.0 <= rate <= 1.0:
         raise ValueError(f"teacher_update_rate={rate} must be in [0, 1].")
-    teacher_params = dict(teacher.named_parameters())
+    teacher_params = teacher.weights if isinstance(teacher, EMAAdapters) else dict(teacher.named_parameters())
     for name, p in student.named_parameters():
         if not p.requires_grad:
             continue
