@@ -115,6 +115,30 @@ def test_num_iterations_updates_several_times_against_the_first_weights(tmp_path
     assert m["clip/region_frac"] > 0
 
 
+def test_num_iterations_takes_the_old_log_probs_from_the_first_updates_forward(tmp_path, monkeypatch):
+    """Each update forwards each micro-batch once; no forward of its own for the old policy's log-probs."""
+    from treerl.learners import grpo
+
+    model, tok = _load()
+    forwards, windows = [], []
+    packed_logprobs, optimize = grpo.packed_logprobs, grpo.optimize
+
+    def counted_logprobs(m, *args, **kwargs):
+        forwards.append(m is model)  # the trained model's (not the reference's)
+        return packed_logprobs(m, *args, **kwargs)
+
+    def counted_optimize(m, optimizer, scheduler, batches, *args, **kwargs):
+        windows.append(len(batches))
+        return optimize(m, optimizer, scheduler, batches, *args, **kwargs)
+
+    monkeypatch.setattr(grpo, "packed_logprobs", counted_logprobs)
+    monkeypatch.setattr(grpo, "optimize", counted_optimize)
+    train(GRPOConfig(output_dir=str(tmp_path), num_iterations=2, skip_zero_advantage=False, **{**SMALL, "steps": 1}),
+          model=model, tokenizer=tok)
+    assert len(windows) == 2 and windows[0] > 0
+    assert sum(forwards) == sum(windows)
+
+
 def test_lora_trains_the_adapter_and_the_policy_gets_merged_weights(tmp_path):
     model, tok = _load()
     base = {k: v.clone() for k, v in model.state_dict().items()}

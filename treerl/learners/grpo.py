@@ -178,24 +178,12 @@ ExtraLoss = Callable[[PackedBatch, PackedLogprobs], torch.Tensor]
 micro-batch (on the device), from the same forward (``out.hidden`` holds its hidden states)."""
 
 
-def with_old_logprobs(model: torch.nn.Module, batches: Sequence[PackedBatch], cfg: GRPOConfig, device: str,
-                      precision: Precision | None = None) -> list[PackedBatch]:
-    """The batches carrying the model's log-probs now as the old policy of the updates to come
-    (``num_iterations`` > 1: the PPO ratio of every update is against the weights before the first)."""
-    out = []
-    with torch.no_grad():
-        for batch in batches:
-            logp = packed_logprobs(model, batch.to(device), temperature=cfg.temperature, impl="auto",
-                                   precision=precision).logp
-            out.append(batch.with_old_logp(logp.to(batch.term_sampler_logp.device)))
-    return out
-
-
 def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
              batches: Sequence[PackedBatch], cfg: GRPOConfig, device: str, metrics: dict[str, float],
              ranks: Ranks = Ranks(), ref_model: torch.nn.Module | None = None,
              normalizer: LossNormalizer | None = None, policy_coef: float = 1.0,
-             extra_loss: ExtraLoss | None = None, precision: Precision | None = None) -> None:
+             extra_loss: ExtraLoss | None = None, precision: Precision | None = None,
+             keep_logp: list[torch.Tensor] | None = None) -> None:
     """One optimizer step over all micro-batches of the step (one accumulation window).
 
     With several ranks the window is every rank's micro-batches: the normalizer counts them
@@ -203,7 +191,8 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     the one of ``batches``; pass the full window's when some batches were left out. The loss
     backpropagated is ``policy_coef * policy loss + extra_loss(batch, out)`` (SDPO blends its
     distillation loss in this way). ``precision`` (the run's) sets the forward's autocast and
-    the float16 loss scaling; log-probs and the loss stay float32.
+    the float16 loss scaling; log-probs and the loss stay float32. ``keep_logp``, when given,
+    receives each micro-batch's log-probs (M,), detached: those of the weights before this step.
     """
     precision = precision or Precision(weights=None, autocast=None)
     loss_cfg, is_cfg = cfg.loss_config(), cfg.importance_config()
@@ -220,6 +209,8 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
         # (num_iterations) it is the batch's term_old_logp, the weights before the first update. The
         # sampler/old-policy gap is corrected by importance weights, detached.
         old = batch.term_old_logp if batch.term_old_logp is not None else out.logp.detach()
+        if keep_logp is not None:
+            keep_logp.append(out.logp.detach())
         iw = importance_weights(old, batch.term_sampler_logp.to(out.logp.device),
                                 batch.term_episode.to(out.logp.device), batch.num_episodes, is_cfg,
                                 adv=batch.term_adv.to(out.logp.device))
@@ -291,11 +282,16 @@ def update(run: Run, step: int, groups: Sequence[Group], stats: RolloutStats, me
     normalizer = run.ranks.normalizer(batches)  # counts every episode, trained or skipped
     if skips_zero_advantage_groups(cfg, run.ranks):
         batches = without_zero_advantage_groups(groups, adv, batches, cfg, metrics)
-    if cfg.num_iterations > 1:  # every update's old policy: the weights before the first
-        batches = with_old_logprobs(run.model, batches, cfg, run.device, run.precision)
-    for _ in range(cfg.num_iterations):
+    for iteration in range(cfg.num_iterations):
+        # Every update's old policy is the weights before the first, which the first update's own
+        # forward ran on (its optimizer step comes after every micro-batch): it keeps their log-probs.
+        first_of_several = iteration == 0 and cfg.num_iterations > 1
+        old_logp: list[torch.Tensor] = []
         optimize(run.model, run.optimizer, run.scheduler, batches, cfg, run.device, metrics, run.ranks,
-                 ref_model=run.reference, normalizer=normalizer, precision=run.precision)
+                 ref_model=run.reference, normalizer=normalizer, precision=run.precision,
+                 keep_logp=old_logp if first_of_several else None)
+        if first_of_several:
+            batches = [b.with_old_logp(logp.to(b.term_sampler_logp.device)) for b, logp in zip(batches, old_logp)]
     run.publish_weights(metrics)
     return run.end_step(step, metrics, stats, num_episodes=len(adv), batches=batches, next_task=next_task)
 
