@@ -177,6 +177,23 @@ def test_trl_names_are_aliases_and_typos_get_a_suggestion(tmp_path, capsys):
     assert "(lerning_rate: did you mean learning_rate?)" in capsys.readouterr().err
 
 
+def test_trl_names_are_aliases_in_python_too():
+    """A TRL user's GRPOConfig(...) keyword arguments: the aliases the flags and YAML keys take, the same refusal
+    of an option named twice, and the same hint for an option that is not here."""
+    from treerl.learners.sdpo import SDPOConfig
+    from treerl.rollout.evaluate import EvalConfig
+
+    cfg = GRPOConfig(output_dir="x", num_generations=4, max_steps=5, loss_type="grpo", save_steps=2,
+                     scale_rewards="batch", max_completion_length=64)
+    assert (cfg.group_size, cfg.steps, cfg.loss, cfg.save_every, cfg.advantage_scale) == (4, 5, "grpo", 2, "batch")
+    assert SDPOConfig(output_dir="x", num_generations=2).group_size == 2  # every learner's config
+    assert EvalConfig(num_generations=3).rollouts_per_task == 3
+    with pytest.raises(TypeError, match="num_generations and group_size name the same option; keep one"):
+        GRPOConfig(output_dir="x", num_generations=4, group_size=8)
+    with pytest.raises(TypeError, match="no option per_device_train_batch_size: TRL's batch sizes have no counterpart"):
+        GRPOConfig(output_dir="x", per_device_train_batch_size=4)
+
+
 def test_options_that_are_not_here_say_what_to_use_instead(tmp_path, capsys):
     """A TRL option with no field, or another learner's option, is refused with what to use, not with a
     "did you mean" for a look-alike (--max-prompt-length is not --max-completion-length)."""

@@ -37,7 +37,7 @@ from typing import Any, Literal, TypeVar, Union
 from treerl.errors import ConfigError
 
 __all__ = ["field_help", "add_dataclass_arguments", "config_from_args", "load_config_file", "check_types",
-           "unknown_option_hints"]
+           "unknown_option_hints", "AcceptsAliases"]
 
 T = TypeVar("T")
 
@@ -149,6 +149,47 @@ def _aliases(cls: type) -> dict[str, str]:
     return {a: t for a, t in getattr(cls, "ALIASES", {}).items() if t in names and a not in names}
 
 
+def _named_twice(aliases: Mapping[str, str], given: Mapping[str, Any]) -> list[str]:
+    """``"alias and field"`` for each option ``given`` under both its names (which would win is not for
+    a dict's order to say)."""
+    return sorted(f"{k} and {aliases[k]}" for k in given if k in aliases and aliases[k] in given)
+
+
+class AcceptsAliases(type):
+    """The metaclass of a config dataclass with ``ALIASES``: its keyword arguments in Python take the
+    same other names as its flags and YAML keys (TRL's ``num_generations`` for ``group_size``), and a
+    name in its ``UNSUPPORTED`` is refused with what to use instead.
+
+    >>> from dataclasses import dataclass
+    >>> @dataclass
+    ... class Demo(metaclass=AcceptsAliases):
+    ...     ALIASES = {"num_generations": "group_size"}
+    ...     UNSUPPORTED = {"per_device_train_batch_size": "a step plays tasks x group_size episodes"}
+    ...     group_size: int = 8
+    >>> Demo(num_generations=4)
+    Demo(group_size=4)
+    >>> Demo(num_generations=4, group_size=4)
+    Traceback (most recent call last):
+    ...
+    TypeError: Demo(): num_generations and group_size name the same option; keep one.
+    >>> Demo(per_device_train_batch_size=4)
+    Traceback (most recent call last):
+    ...
+    TypeError: Demo() has no option per_device_train_batch_size: a step plays tasks x group_size episodes.
+    """
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        aliases = _aliases(cls)
+        if both := _named_twice(aliases, kwargs):
+            raise TypeError(f"{cls.__name__}(): {'; '.join(both)} name the same option; keep one.")
+        names = {f.name for f in dataclasses.fields(cls)}
+        hints = unknown_option_hints(cls)
+        for name in kwargs:
+            if name not in names and name not in aliases and name in hints:
+                raise TypeError(f"{cls.__name__}() has no option {name}: {hints[name]}.")
+        return super().__call__(*args, **{aliases.get(k, k): v for k, v in kwargs.items()})
+
+
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML/JSON mapping of option names (dashes or underscores) to values."""
     import yaml
@@ -188,8 +229,7 @@ def config_from_args(cls: type[T], args: argparse.Namespace, *, extra_keys: Sequ
     if config_path:
         aliases = _aliases(cls)
         raw = {k: v for k, v in load_config_file(config_path).items() if k not in extra_keys}
-        both = sorted(f"{k} and {aliases[k]}" for k in raw if k in aliases and aliases[k] in raw)
-        if both:  # which would win is not for a dict's order to say
+        if both := _named_twice(aliases, raw):
             raise ConfigError(f"--config {config_path}: {'; '.join(both)} name the same option; keep one.")
         from_file = {aliases.get(k, k): v for k, v in raw.items()}
         unknown = sorted(set(from_file) - names)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from treerl.config import field_help
+from treerl.config import AcceptsAliases, field_help
 from treerl.envs.core import ToolEnv
 from treerl.envs.group import EnvGroup
 from treerl.kernels.tree_attention import BACKENDS
@@ -38,16 +38,16 @@ REPORT_TO = ("none", "tensorboard", "wandb", "trackio")
 
 
 @dataclass
-class LearnerConfig(RewardOptions, EpisodeOptions):
+class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     """Options every learner of ``treerl learn`` shares."""
 
-    ALIASES: ClassVar[dict[str, str]] = {  # TRL's names where the meaning is the same (flags and YAML keys)
+    ALIASES: ClassVar[dict[str, str]] = {  # TRL's names where the meaning is the same (flags, YAML keys, Python)
         "num_generations": "group_size", "max_steps": "steps", "save_steps": "save_every", "loss_type": "loss",
         "model_name_or_path": "model", "epsilon": "epsilon_low", "use_bias_correction_kl": "kl_bias_correction",
         "scale_rewards": "advantage_scale",
     }
-    # TRL's options with no field here, and what to use instead: a flag or YAML key of one of
-    # these names is refused with this hint, not with a "did you mean" for a look-alike name.
+    # TRL's options with no field here, and what to use instead: a flag, YAML key or keyword argument of
+    # one of these names is refused with this hint, not with a "did you mean" for a look-alike name.
     UNSUPPORTED: ClassVar[dict[str, str]] = {
         **dict.fromkeys(("per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size",
                          "steps_per_generation"),

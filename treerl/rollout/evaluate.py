@@ -36,7 +36,7 @@ import torch
 
 from treerl.agents.chat_templates import resolve_chat_template
 from treerl.agents.policy import Policy, SamplingParams
-from treerl.config import field_help
+from treerl.config import AcceptsAliases, field_help
 from treerl.envs.registry import make
 from treerl.errors import ConfigError
 from treerl.rollout.engine import RolloutEngine
@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class EvalConfig(RewardOptions, EpisodeOptions):
+class EvalConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     """Options of ``treerl eval``."""
 
     ALIASES: ClassVar[dict[str, str]] = {"num_generations": "rollouts_per_task"}
