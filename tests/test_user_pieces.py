@@ -162,6 +162,10 @@ def test_trl_names_are_aliases_and_typos_get_a_suggestion(tmp_path, capsys):
     cfg = config_from_args(GRPOConfig, args)
     assert (cfg.group_size, cfg.steps, cfg.loss, cfg.save_every) == (3, 5, "grpo", 2)
     assert cfg.advantage_scale == "batch"  # TRL's scale_rewards: the same group/batch/none
+    for given, scale in (("false", "none"), ("True", "group")):  # TRL's older booleans, mapped as TRL maps them
+        args = build_parser().parse_args(["learn", "--output-dir", "x", "--scale-rewards", given])
+        assert config_from_args(GRPOConfig, args).advantage_scale == scale
+    assert GRPOConfig(output_dir="x", scale_rewards=False).advantage_scale == "none"
     (tmp_path / "c.yaml").write_text("num_generations: 4\nmodel_name_or_path: some/dir\n")
     cfg = config_from_args(GRPOConfig, build_parser().parse_args(["learn", "--output-dir", "x", "--config",
                                                                   str(tmp_path / "c.yaml")]))

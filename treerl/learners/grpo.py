@@ -83,6 +83,10 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        # TRL's older boolean scale_rewards: True is the group's std, False none (as TRL maps it).
+        scale = {"true": "group", "false": "none"}.get(str(self.advantage_scale).lower())
+        if scale is not None:
+            self.advantage_scale = scale
         if self.group_size < 2 and self.advantage_estimator == "grpo":
             raise ValueError("group_size must be >= 2: GRPO's baseline is the mean reward of a task's group.")
         if self.loss not in POLICY_LOSSES:
