@@ -283,6 +283,40 @@ def test_a_hung_sync_step_abandoned_by_its_timeout_does_not_hold_up_the_run():
         timer.cancel()
 
 
+class _WaitingResetEnv(_SleepyStepEnv):
+    """A synchronous reset that waits (a database, a container start) until the event loop lets it go."""
+
+    def reset(self, *, seed=None, options=None):
+        released = self.release.wait(timeout=3.0)
+        super().reset(seed=seed)
+        return [{"role": "user", "content": "hi"}], {"released": released, "seed": seed, "options": options}
+
+
+def test_a_waiting_sync_reset_does_not_stall_the_event_loop():
+    # Run on the loop, the reset held it: the coroutine that releases it could not run for 3 s.
+    env = _WaitingResetEnv(threading.Event())
+
+    async def release():
+        await asyncio.sleep(0.05)
+        env.release.set()
+
+    async def main():
+        (_, info), _ = await asyncio.gather(env.areset(seed=7, options={"k": 1}), release())
+        return info
+
+    assert asyncio.run(main()) == {"released": True, "seed": 7, "options": {"k": 1}}
+    assert env.np_random_seed == 7
+
+
+def test_an_areset_override_is_called_as_it_is():
+    class OwnAreset(_SleepyStepEnv):
+        async def areset(self, *, seed=None, options=None):
+            return [{"role": "user", "content": "own"}], {"thread": threading.current_thread().name}
+
+    obs, info = asyncio.run(OwnAreset().areset(seed=0))
+    assert obs[0]["content"] == "own" and info["thread"] == threading.main_thread().name
+
+
 def test_fork_is_independent():
     env = treerl.make("treerl/GuessNumber-v0")
     env.reset(seed=1)

@@ -8,7 +8,8 @@
 
 Environments whose steps wait on I/O implement ``async def astep``; ``step`` then runs it on
 a private event loop. Environments that only implement ``step`` are run in a worker thread
-by ``astep``, so the rollout engine can always ``await env.astep(...)``.
+by ``astep``, so the rollout engine can always ``await env.astep(...)``; likewise ``areset``
+runs a synchronous ``reset`` in a worker thread.
 
 :class:`ToolEnv` is the class most environments subclass: it parses tool calls out of the
 completion, validates and runs them, and turns every failure into an observation and a
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import threading
 import warnings
 from collections import Counter
@@ -151,8 +153,13 @@ class Env(gymnasium.Env[list[Message], str]):
         return await run_in_thread(self.step, action, name="treerl-env-step")
 
     async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        """Async reset; resets are cheap, so this calls ``reset`` directly."""
-        return self.reset(seed=seed, options=options)
+        """Async reset. By default runs the synchronous ``reset`` in a thread of its own, as ``astep`` does.
+
+        A reset may wait (a database query, a container start): run on the event loop, it would
+        stall every other episode of the run. A ``reset`` that must run on the event loop (it
+        makes an object bound to it) belongs in an override of ``areset``.
+        """
+        return await run_in_thread(functools.partial(self.reset, seed=seed, options=options), name="treerl-env-reset")
 
     def fork(self) -> Env:
         """An independent environment in the same state, random generator included.
