@@ -33,6 +33,8 @@ CASES = [
     ("device-bogus", [*LEARN, "--device", "bogus"], None, "device='bogus' is not a torch device"),
     ("device-bogus-eval", ["eval", "--device", "bogus"], None, "is not a torch device"),
     ("attention-impl-bogus", [*LEARN, "--attention-impl", "bogus"], None, "attention_impl='bogus'"),
+    ("attention-impl-flex-on-cpu", [*LEARN, "--attention-impl", "flex", "--device", "cpu", "--eval-episodes", "0"],
+     None, "attention_impl='flex' cannot train on cpu: FlexAttention has no backward pass on cpu"),
     ("output-dir-is-a-file", ["learn", "--output-dir", "{file}"], None, "cannot create a directory there"),
     ("yaml-seed-abc", LEARN, "seed: abc\n", "seed='abc': expected a whole number"),
     ("yaml-group-size-2.5", LEARN, "group_size: 2.5\n", "group_size=2.5: expected a whole number"),

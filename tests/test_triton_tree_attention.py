@@ -297,6 +297,16 @@ def test_auto_on_cpu_does_not_pick_triton_and_says_why(triton_in_table, caplog):
     assert forced == "triton" and why.startswith("requested impl='triton' although")
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason=SKIP_REASON or "the kernels are compiled for CUDA, not interpreted")
+def test_forced_triton_on_cpu_under_the_interpreter_says_it_runs_slowly(triton_in_table, caplog):
+    # The kernels run forward and backward in the interpreter (the tests above): no "backward will fail".
+    with caplog.at_level(logging.INFO, logger="treerl.kernels.tree_attention"):
+        choice = enable_tree_attention(tiny_llama(), impl="triton")
+    assert choice.impl == "triton" and choice.no_backward is None
+    assert "CPU interpreter, forward and backward, but very slowly" in caplog.text
+    assert "will fail" not in caplog.text
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason=SKIP_REASON or "no CUDA device: auto picks triton on CUDA only")
 def test_auto_on_cuda_picks_triton(triton_in_table):
     assert choose_backend("auto", "cuda") == ("triton", "auto on cuda: triton")

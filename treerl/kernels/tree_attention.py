@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from treerl.kernels.tree_layout import TreeBatch, TreeLayout
-from treerl.kernels.triton_tree_attention import triton_tree_attention, triton_unavailable
+from treerl.kernels.triton_tree_attention import interpreted_on, triton_tree_attention, triton_unavailable
 from treerl.kernels.types import TreeAttentionError  # below the Triton backend, which raises it too
 
 __all__ = [
@@ -332,6 +332,8 @@ class TreeAttentionChoice:
     """Why this backend: requested explicitly, or what ``auto`` ruled out before it."""
     previous: str | None = None
     """The model's attention implementation before, to restore it with ``model.set_attn_implementation``."""
+    no_backward: str | None = None
+    """Why the backward pass cannot run on the model's device (forward-only use still can), or None."""
 
 
 def choose_backend(impl: str, device: torch.device | str) -> tuple[str, str]:
@@ -522,9 +524,14 @@ def enable_tree_attention(model: torch.nn.Module, impl: str = "auto") -> TreeAtt
             f"{type(model).__name__} kept attn_implementation={model.config._attn_implementation!r} after "
             f"set_attn_implementation({name!r}); it cannot be switched to tree attention."
         )
-    choice = TreeAttentionChoice(impl=chosen, attn_implementation=name, reason=reason, previous=previous)
-    if BACKENDS[chosen].unavailable(device) is not None:
+    no_backward = BACKENDS[chosen].unavailable(device)
+    if chosen == "triton" and interpreted_on(device):
+        no_backward = None
+        logger.warning("tree attention: %s; TRITON_INTERPRET=1 runs its kernels in Triton's CPU interpreter, forward "
+                       "and backward, but very slowly (impl='segment' is the fast backend on %s)", reason, device)
+    elif no_backward is not None:
         logger.warning("tree attention: %s; the backward pass will fail on %s", reason, device)
     else:
         logger.info("tree attention: %s", reason)
-    return choice
+    return TreeAttentionChoice(impl=chosen, attn_implementation=name, reason=reason, previous=previous,
+                               no_backward=no_backward)

@@ -67,6 +67,7 @@ __all__ = [
     "TreeBlockSparsity",
     "compile_for_gpu",
     "interpreting",
+    "interpreted_on",
     "triton_tree_attention",
     "triton_unavailable",
     "tree_block_mask",
@@ -83,6 +84,20 @@ MAX_HEAD_DIM = 256
 def interpreting() -> bool:
     """True if the kernels were defined for Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
     return _INTERPRETED
+
+
+def interpreted_on(device: torch.device | str) -> bool:
+    """True if the kernels run on ``device`` in Triton's CPU interpreter: forward and backward, slowly.
+
+    Such a device is not one :func:`triton_unavailable` accepts (``auto`` must not pick an
+    interpreter), yet a model asked to use the Triton backend there does run.
+
+    >>> interpreted_on("cuda")
+    False
+    """
+    device = torch.device(device)
+    return (device.type == "cpu" and _INTERPRETED and _TRITON_MISSING is None
+            and int(triton.__version__.split(".")[0]) >= 3)
 
 
 def triton_unavailable(device: torch.device) -> str | None:

@@ -399,6 +399,9 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     attention = None
     if cfg.pack_mode != "padded":
         attention = enable_tree_attention(model.get_base_model() if cfg.lora_r > 0 else model, impl=cfg.attention_impl)
+        if attention.no_backward is not None:  # else the first step's backward pass fails, after the rollout
+            raise ConfigError(f"attention_impl={cfg.attention_impl!r} cannot train on {device}: {attention.no_backward}. "
+                              "Use attention_impl='auto' (or 'segment'), which runs everywhere.")
         logger.info("tree attention: %s (%s)", attention.impl, attention.reason)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
