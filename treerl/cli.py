@@ -70,10 +70,18 @@ def config_for_command(cls: type, args: argparse.Namespace, *, extra_keys: Seque
     except KeyError as exc:
         raise ConfigError(exc.args[0]) from None
     if cfg.env_kwargs:
-        _check_env_builds(cfg.env, cfg.env_kwargs, "--env-kwargs")
+        _check_env_builds(cfg.env, cfg.env_kwargs, _given_by(args, "env_kwargs"))
     if getattr(cfg, "eval_env_kwargs", None):  # the held-out environment: the same with these on top
-        _check_env_builds(cfg.env, {**cfg.env_kwargs, **cfg.eval_env_kwargs}, "--eval-env-kwargs")
+        _check_env_builds(cfg.env, {**cfg.env_kwargs, **cfg.eval_env_kwargs}, _given_by(args, "eval_env_kwargs"))
     return cfg
+
+
+def _given_by(args: argparse.Namespace, name: str) -> str:
+    """Where the option ``name`` came from, as the user wrote it: its flag, or its key in the ``--config`` file."""
+    config_path = getattr(args, "__config__", None)
+    if name in vars(args) or not config_path:  # flags are in args only when given
+        return "--" + name.replace("_", "-")
+    return f"{name} in --config {config_path}"
 
 
 def _check_env_builds(env_id: str, kwargs: dict, flag: str) -> None:
