@@ -64,6 +64,22 @@ def test_learn_from_a_trajectory_file(tmp_path):
     assert abs(lines[0]["is/ratio_mean"] - 1.0) < 1e-3  # sampled by these very weights: ratio 1
 
 
+def test_length_limit_on_recorded_groups_names_the_limit_they_were_sampled_with(tmp_path):
+    # --max-new-tokens does not reach groups recorded elsewhere: the diagnostic must not tell the user to raise it.
+    model, tok = _load()
+    path = tmp_path / "r.jsonl"
+    engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=SamplingParams(max_new_tokens=2), seed=3)
+    groups, _ = asyncio.run(engine.run(lambda: treerl.make("treerl/Calculator-v0"), "treerl/Calculator-v0", [0], 2))
+    with GroupWriter(path) as writer:
+        writer.write(groups[0])
+    one_step = {**SMALL, "steps": 1, "tasks_per_step": 1}
+    train(GRPOConfig(output_dir=str(tmp_path / "run"), from_rollouts=str(path), **one_step),
+          model=model, tokenizer=tok, env_factory=no_environment)
+    [report] = [json.loads(line) for line in (tmp_path / "run" / "diagnostics.jsonl").read_text().splitlines()
+                if json.loads(line)["kind"] == "length_limit"]
+    assert "max_tokens" in report["action"] and "raise --max-new-tokens" not in report["action"]
+
+
 def test_groups_sampled_at_another_temperature_are_refused(tmp_path):
     """The trainer recomputes log-probs at its --temperature: groups drawn at another one would be
     weighted and trained against a distribution that did not draw them."""

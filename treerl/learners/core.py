@@ -70,7 +70,7 @@ from treerl.learners.checkpoints import (
     save_checkpoint,
 )
 from treerl.learners.config import LearnerConfig
-from treerl.learners.diagnostics import Diagnostics
+from treerl.learners.diagnostics import RECORDED_ACTIONS, Diagnostics
 from treerl.learners.distributed import Ranks
 from treerl.learners.evaluation import evaluate_at_start, evaluate_policy
 from treerl.learners.losses.base import DEFAULT_AGGREGATIONS, same_definition
@@ -471,7 +471,9 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
         (out_dir / "config.json").write_text(json.dumps({"learner": learner, **asdict(cfg)}, indent=2))
         run.log = MetricsLog(out_dir, report_to=cfg.report_to, config=asdict(cfg), total_steps=cfg.steps,
                              start_step=state.step, progress=cfg.progress)
-        run.diagnostics = Diagnostics(out_dir / "diagnostics.jsonl")
+        # Groups from a source were sampled elsewhere, under limits the run's flags do not set.
+        run.diagnostics = Diagnostics(out_dir / "diagnostics.jsonl",
+                                      actions=RECORDED_ACTIONS if source is not None else None)
         run.eval_start = evaluate_at_start(cfg, policy, tokenizer, eval_env_factory, out_dir,
                                            resumed=state.step > 0, env_id=env_id)
         if run.eval_start is not None and state.step == 0:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Check", "CHECKS", "Diagnostics"]
+__all__ = ["Check", "CHECKS", "Diagnostics", "RECORDED_ACTIONS"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +49,27 @@ CHECKS: tuple[Check, ...] = (
 )
 
 
-class Diagnostics:
-    """Runs :data:`CHECKS` (and a rising tool-error check) after every step."""
+RECORDED_ACTIONS: dict[str, str] = {
+    "length_limit": "Almost every final turn stopped at the length limit it was sampled with, which --max-new-tokens "
+                    "does not set for groups recorded elsewhere: raise the max_tokens (or max_completion_tokens) "
+                    "the client sends to `treerl serve`, or the --max-new-tokens of the `treerl rollout` that "
+                    "recorded them; or shorten the expected answers.",
+}
+"""The actions that apply instead when the groups come from a source (``--from-server``, ``--from-rollouts``)."""
 
-    def __init__(self, path: Path, checks: tuple[Check, ...] = CHECKS, tool_error_window: int = 5):
+
+class Diagnostics:
+    """Runs :data:`CHECKS` (and a rising tool-error check) after every step.
+
+    ``actions`` replace the checks' own by kind, where another fix applies (:data:`RECORDED_ACTIONS`).
+    """
+
+    def __init__(self, path: Path, checks: tuple[Check, ...] = CHECKS, tool_error_window: int = 5,
+                 actions: dict[str, str] | None = None):
         self.path = Path(path)
         self.path.touch()  # present from the start (empty: nothing fired), as metrics.jsonl is
         self.checks = checks
+        self.actions = dict(actions or {})
         self.window = tool_error_window
         self._tool_errors: list[float] = []
 
@@ -66,7 +80,7 @@ class Diagnostics:
             if value is None:
                 continue
             if (value > c.threshold) if c.above else (value < c.threshold):
-                self.report(step, c.kind, float(value), c.threshold, c.action)
+                self.report(step, c.kind, float(value), c.threshold, self.actions.get(c.kind, c.action))
                 fired[f"diag/{c.kind}"] = 1.0
         rate = metrics.get("tools/invalid_rate")
         if rate is not None:
