@@ -79,6 +79,26 @@ def test_plot_draws_every_figure_and_overlays_runs(tmp_path, capsys):
         assert overlay.startswith(PNG) and alone.startswith(PNG) and overlay != alone
 
 
+def test_overlaid_plots_name_each_run_in_held_out_labels_and_step_time(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from treerl.learners.plots import _DRAW, read_run
+
+    runs = [read_run(fake_run(tmp_path, f"run{i}", [0.1, 0.3], lr=1e-4, success=(0.1 * i, 0.5)), f"run{i}")
+            for i in range(6)]
+    fig = Figure()
+    FigureCanvasAgg(fig)
+    _DRAW["reward"](fig, runs)
+    held_out = [t.get_text() for t in fig.axes[0].texts]
+    assert held_out[:2] == ["run0: held-out 0%", "run0: held-out 50%"] and len(held_out) == 12
+    fig = Figure()
+    FigureCanvasAgg(fig)
+    _DRAW["step_time"](fig, runs)  # every run gets its panel, not only the first four
+    assert [ax.get_title() for ax in fig.axes] == [f"Step time: run{i}" for i in range(6)]
+
+
 def test_without_matplotlib_plot_names_the_extra_and_learn_only_notes_it(tmp_path, capsys, monkeypatch):
     run = fake_run(tmp_path, "a", [0.1, 0.2], lr=2e-4, success=(0.2, 0.6))
     for module in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):

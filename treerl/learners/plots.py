@@ -148,7 +148,7 @@ def write_plots(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike |
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name in PLOTS:
-        fig = Figure(figsize=(7.5, 4.2) if name != "step_time" else (7.5, 2.6 + 1.6 * min(len(runs), 4)),
+        fig = Figure(figsize=(7.5, 4.2) if name != "step_time" else (7.5, 2.6 + 1.6 * len(runs)),
                      layout="constrained")
         FigureCanvasAgg(fig)
         _DRAW[name](fig, runs)
@@ -200,7 +200,7 @@ def _draw_reward(fig, runs: Sequence[RunRecord]) -> None:
             if ev:
                 ax.plot([step], [ev["success_rate"]], marker=marker, color=colour, markersize=8, linestyle="none",
                         markeredgecolor="black")
-                ax.annotate(f"held-out {ev['success_rate']:.0%}", (step, ev["success_rate"]),
+                ax.annotate(_label(runs, run, f"held-out {ev['success_rate']:.0%}"), (step, ev["success_rate"]),
                             textcoords="offset points", xytext=(6, -12 if step == 0 else 6), fontsize=8)
     ax.set_ylim(-0.02, 1.05)
     _finish_axes(ax, "Reward and success (markers: held-out success at start and end)", "reward / rate")
@@ -252,9 +252,8 @@ def _draw_packing(fig, runs: Sequence[RunRecord]) -> None:
 
 
 def _draw_step_time(fig, runs: Sequence[RunRecord]) -> None:
-    shown = runs[:4]
-    axes = fig.subplots(len(shown), 1, squeeze=False)[:, 0]
-    for ax, run in zip(axes, shown):
+    axes = fig.subplots(len(runs), 1, squeeze=False)[:, 0]
+    for ax, run in zip(axes, runs):
         by_step = {m["step"]: m for m in run.metrics if "perf/step_s" in m}
         steps = sorted(by_step)
         rollout = [float(by_step[s].get("perf/rollout_s", 0.0)) for s in steps]
