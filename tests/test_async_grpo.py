@@ -69,6 +69,26 @@ def test_a_lost_generator_loses_its_tickets_and_its_late_groups_are_ignored():
     assert fresh == [4, 5], "lost tickets are replaced by new tasks, never replayed"
 
 
+def test_ignored_groups_are_a_step_metric_and_documented():
+    # The summary's ignored_groups was the only count of them: a step's metrics carry the running total too.
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from treerl.learners.async_grpo import _async_metrics, _Clock
+    from treerl.rollout.summary import RolloutStats
+
+    buf = _buffer(capacity=4)
+    buf.add_generator(0)
+    held = [t.task for t in buf.issue()[0]]
+    buf.lose(0)
+    buf.arrive(0, task=held[0], oldest=0, newest=0, payload="late")
+    pool = SimpleNamespace(stats=dict, restarts=1, heartbeat_timeouts=0)
+    metrics = _async_metrics([], 0, buf, pool, _Clock(), RolloutStats(), max_staleness=1)
+    assert metrics["async/ignored_groups"] == 1.0 and metrics["async/lost_groups"] == 4.0
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "`async/ignored_groups`" in readme
+
+
 def test_take_waits_for_groups_and_takes_the_stalest_first():
     buf = _buffer(max_staleness=2)
     buf.add_generator(0)

@@ -304,6 +304,7 @@ def _async_metrics(groups: Sequence[Group], version: int, buffer: GroupBuffer, p
         "async/tickets_out": float(buffer.outstanding),
         "async/dropped_groups": float(totals["dropped_groups"]),  # the whole run's, a resumed one's too
         "async/lost_groups": float(totals["lost_groups"]),
+        "async/ignored_groups": float(totals["ignored_groups"]),
         "async/generator_restarts": float(totals["generator_restarts"]),
         "async/heartbeat_timeouts": float(totals["heartbeat_timeouts"]),
         "async/generator_idle_frac": min(max(d_idle / d_alive, 0.0), 1.0) if d_alive > 0 else 0.0,
