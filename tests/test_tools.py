@@ -715,6 +715,39 @@ def test_async_timeout_cancels_the_tool():
     assert time.monotonic() - start < 5 and cancelled == [True]
 
 
+def test_async_tool_that_swallows_cancellation_still_times_out():
+    # A retry loop catching CancelledError: wait_for waited for it to end after the cancel,
+    # so the call overran its limit, as long as the tool ran (forever, hanging the rollout).
+    released, cancels = asyncio.Event(), []
+
+    @tool(timeout=0.1)
+    async def stubborn() -> str:
+        while not released.is_set():
+            try:
+                await asyncio.sleep(0.02)
+            except asyncio.CancelledError:
+                cancels.append(True)
+        return "late"
+
+    async def call() -> float:
+        async def release_later():
+            await asyncio.sleep(3.0)  # the bound of this test's tool: not a hang if the timeout fails
+            released.set()
+
+        releaser = asyncio.create_task(release_later())
+        start = time.monotonic()
+        try:
+            with pytest.raises(ToolTimeout):
+                await stubborn.acall({})
+            return time.monotonic() - start
+        finally:
+            released.set()
+            releaser.cancel()
+
+    assert run(call()) < 1.0
+    assert cancels  # it was asked to stop; it runs on abandoned, without holding the call
+
+
 # Isolated tools run in another process, which finds them by module and name.
 
 

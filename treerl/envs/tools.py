@@ -33,9 +33,11 @@ and its limit is measured on its own execution: from when the thread starts the 
 that neither a busy event loop nor a busy machine turns a call that finished in time into
 a timeout. On timeout the caller gets :class:`~treerl.errors.ToolTimeout` at once, but the
 thread cannot be killed: it runs on to its end (it holds no shared worker meanwhile).
-An async tool is cancelled on timeout (``asyncio.wait_for``), which only works when it
-awaits: an async tool that blocks the event loop cannot be stopped. For code that may
-hang or must really be stopped, use ``isolate=True``: each call then runs in a fresh
+An async tool is cancelled on timeout and the caller gets :class:`~treerl.errors.ToolTimeout`
+at once, whether or not the tool stops: one that swallows the cancellation runs on,
+abandoned, until it returns (its result is dropped; closing the event loop, ``asyncio.run``
+still waits for it), and one that blocks the event loop cannot be stopped at all. For code
+that may hang or must really be stopped, use ``isolate=True``: each call then runs in a fresh
 process (``forkserver`` where available, else ``spawn``), which is killed on timeout. The
 function must then be importable by its module and name (a module-level function) or
 picklable, and its arguments picklable (:mod:`treerl.envs.isolation`).
@@ -79,6 +81,9 @@ __all__ = ["Tool", "tool", "ToolResult", "run_tool_call"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _MAX_REPORTED_ERRORS = 5
+_ABANDONED: set[asyncio.Task] = set()
+"""Async tool calls that ran past their limit and have not ended yet: held here, since the event
+loop keeps only weak references to tasks (not on the Tool, which environments deep-copy)."""
 
 
 class Tool:
@@ -360,11 +365,20 @@ class Tool:
         return self._finish(outcome)
 
     async def _with_timeout(self, awaitable: Any) -> tuple[str, Any]:
+        # Not asyncio.wait_for: after its cancel it waits for the tool to end, so a tool that
+        # swallows CancelledError (a retry loop catching it) held the call, and the rollout,
+        # for as long as it ran. Here the call returns at the limit; the tool, asked to stop,
+        # runs on abandoned until it does.
+        task = asyncio.ensure_future(awaitable)
         try:
-            return await asyncio.wait_for(awaitable, self.timeout)
-        except TimeoutError:
-            # _capture wraps the tool's own exceptions, so a TimeoutError here is ours.
-            raise self._timeout() from None
+            await asyncio.wait({task}, timeout=self.timeout)
+        except asyncio.CancelledError:  # the caller gave up (the episode's own time limit)
+            _abandon(task)
+            raise
+        if task.done():
+            return task.result()
+        _abandon(task)
+        raise self._timeout()
 
     def _timeout(self) -> ToolTimeout:
         return ToolTimeout(f"Tool {self.name!r} timed out after {self.timeout:g} s.", tool_name=self.name)
@@ -588,6 +602,19 @@ def _capture(kwargs: dict[str, Any], fn: Callable[..., Any]) -> tuple[str, Any]:
         return "ok", fn(**kwargs)
     except (Exception, SystemExit) as exc:  # the tool's failure (sys.exit too) is the model's observation
         return "raised", exc
+
+
+def _abandon(task: asyncio.Task) -> None:
+    """Cancel ``task`` without waiting for it to end; hold it until it does."""
+    task.cancel()
+    _ABANDONED.add(task)
+    task.add_done_callback(_forget)
+
+
+def _forget(task: asyncio.Task) -> None:
+    _ABANDONED.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: its outcome is dropped, not logged as never retrieved
 
 
 async def _capture_async(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str, Any]:
