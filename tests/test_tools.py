@@ -774,6 +774,61 @@ def isolated_hangs(pid_file: str) -> str:
     return "late"
 
 
+def _start_sleeper(pid_file: str) -> None:
+    """Fork a child that sleeps a minute (what a tool's subprocess.Popen leaves behind), its pid in ``pid_file``."""
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    with open(pid_file, "w") as f:
+        f.write(str(pid))
+
+
+@tool(isolate=True, timeout=0.5)
+def isolated_spawns_and_hangs(pid_file: str) -> str:
+    _start_sleeper(pid_file)
+    time.sleep(60)
+    return "late"
+
+
+@tool(isolate=True, timeout=30)
+def isolated_spawns_and_returns(pid_file: str) -> str:
+    _start_sleeper(pid_file)
+    return "done"
+
+
+def _ended(pid: int, within_s: float = 5.0) -> bool:
+    """Whether process ``pid`` is gone (or a zombie: killed, waiting for init to reap it) within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    os.kill(pid, 9)  # not left behind by the test either
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_isolated_call_takes_the_processes_it_started_with_it(tmp_path):
+    # The call's process was killed alone: a child it started (a server, a subprocess.Popen)
+    # outlived the call, timed out or not, orphaned in the trainer's process group.
+    hung, returned = tmp_path / "hung", tmp_path / "returned"
+
+    async def calls():
+        return await asyncio.gather(isolated_spawns_and_hangs.acall({"pid_file": str(hung)}),
+                                    isolated_spawns_and_returns.acall({"pid_file": str(returned)}),
+                                    return_exceptions=True)
+
+    timed_out, done = run(calls())
+    assert isinstance(timed_out, ToolTimeout) and done == "done"
+    ended = {"timed out": _ended(int(hung.read_text())), "finished": _ended(int(returned.read_text()))}
+    assert ended == {"timed out": True, "finished": True}, "a child of an isolated call outlived it"
+
+
 def test_isolated_tools_run_in_another_process():
     async def calls():
         return await asyncio.gather(

@@ -4,7 +4,8 @@ A thread running a sync tool cannot be stopped, and an async tool that blocks th
 loop cannot be cancelled; a process can be killed. :func:`run_isolated` starts one
 (``forkserver`` where available, else ``spawn``), sends it the function and the
 arguments, and kills and reaps it (:func:`treerl.envs.processes.akill_and_reap`) when the
-call is over, whatever its outcome.
+call is over, whatever its outcome, with the processes it started: the call's process leads
+its own process group (see :func:`_isolated_main`).
 
 The child finds the function by module and qualified name, or unpickles it
 (:func:`function_payload` decides once, when the tool is defined); the arguments must
@@ -26,6 +27,7 @@ import asyncio
 import importlib
 import inspect
 import multiprocessing
+import os
 import pickle
 import runpy
 import sys
@@ -83,7 +85,8 @@ async def run_isolated(
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise TypeError(f"tool {name!r} has isolate=True but its arguments cannot be pickled: {exc}") from exc
     ctx = multiprocessing.get_context(_MP_CONTEXT)
-    receiver, sender = ctx.Pipe(duplex=False)
+    # Two-way: the child waits on its end for ours to close (see _isolated_main).
+    receiver, sender = ctx.Pipe(duplex=True)
     process = ctx.Process(target=_isolated_main, args=(request, sender), daemon=True, name=f"tool-{name}")
     try:
         await asyncio.to_thread(process.start)
@@ -133,28 +136,41 @@ def _resolve(payload: tuple[str, Any]) -> Callable[..., Any]:
 
 
 def _isolated_main(request: bytes, conn: Any) -> None:
-    """Entry point of an isolated call's process: resolve, report ready, run, send the outcome."""
+    """Entry point of an isolated call's process: resolve, report ready, run, send the outcome.
+
+    The process leads its own session and process group, so that what the tool starts (a
+    subprocess, a server) is killed with it; and it stays alive after its outcome until the
+    parent closes the pipe (the parent kills the group first), so that the group's id is
+    still its own when the kill comes. A child that calls ``setsid()`` itself escapes this.
+    """
+    os.setsid()
+    conn.send(_call(request, conn))
+    try:
+        conn.poll(None)  # the parent never writes: this returns at end of file, when it is done (or gone)
+    except OSError:
+        pass
+
+
+def _call(request: bytes, conn: Any) -> tuple[str, Any]:
+    """Resolve the function, report ready, run it: the outcome to send (see the module doc)."""
     try:
         payload, kwargs = pickle.loads(request)
         fn = _resolve(payload)
     except Exception as exc:  # reported to the parent, which raises it as a bug
-        conn.send(("bug", f"the isolated tool could not be loaded in its process: {type(exc).__name__}: {exc}"))
-        return
+        return "bug", f"the isolated tool could not be loaded in its process: {type(exc).__name__}: {exc}"
     conn.send(("ready", None))
     try:
         result = fn(**kwargs)
         if inspect.isawaitable(result):
             result = asyncio.run(_await(result))
     except ToolCallError as exc:
-        conn.send(("tool_call_error", (exc.kind, exc.message)))
-        return
+        return "tool_call_error", (exc.kind, exc.message)
     except Exception as exc:  # the tool's failure is the model's observation
-        conn.send(("raised_text", f"{type(exc).__name__}: {exc}"))
-        return
+        return "raised_text", f"{type(exc).__name__}: {exc}"
     try:
-        conn.send(("text", result_text(result, getattr(fn, "__name__", "tool"))))
+        return "text", result_text(result, getattr(fn, "__name__", "tool"))
     except TypeError as exc:
-        conn.send(("bug", str(exc)))
+        return "bug", str(exc)
 
 
 async def _await(awaitable: Any) -> Any:

@@ -10,9 +10,11 @@ it, so that no zombie and no open pipe is left behind. They do it here, the same
 - Until a child is reaped its pid cannot be reused, so signalling that pid (or the group
   and session it names) cannot reach an unrelated process. ``before_reap`` runs in that
   window; the sandbox uses it to sweep its private uid and session.
-- A ``multiprocessing`` process (an isolated tool) shares its parent's process group and,
-  under ``forkserver``, is the fork server's child rather than ours: its pid may be reused
-  as soon as it has exited. It is therefore killed alone, and only while it is alive.
+- A ``multiprocessing`` process (an isolated tool) is, under ``forkserver``, the fork
+  server's child rather than ours: its pid may be reused as soon as it has exited. It is
+  therefore killed only while it is alive: itself, and the process group it leads when it
+  made one (an isolated call does, with ``setsid()``, and stays alive until the parent is
+  done with it, so that what it started dies with it).
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ def kill_and_reap(
     """Kill ``proc`` with ``SIGKILL``, run ``before_reap``, then reap it and close its pipes.
 
     A ``subprocess.Popen`` loses its whole process group (see the module doc); a
-    ``multiprocessing`` process is killed alone, and one that never started is left as it
-    is. ``timeout_s`` bounds the wait for the exit (``None``: wait as long as it takes); a
+    ``multiprocessing`` process is killed with the process group it leads (if any) while it
+    is alive, and one that never started is left as it is. ``timeout_s`` bounds the wait for the exit (``None``: wait as long as it takes); a
     process stuck in the kernel past it stays unreaped, and its pipes are closed anyway.
 
     >>> import sys
@@ -84,7 +86,9 @@ def _kill(proc: subprocess.Popen | BaseProcess) -> None:
         send_kill(proc.pid, group=True)
     elif proc.pid is not None and proc.is_alive():
         # is_alive() collects an exit first, so a pid the fork server has already reaped
-        # (and that may now be another process's) is never signalled.
+        # (and that may now be another process's) is never signalled. While it is alive, no
+        # group but its own can have its pid as id: none, or the one it leads.
+        send_kill(proc.pid, group=True)
         proc.kill()
 
 
