@@ -3,7 +3,9 @@
 :func:`run_python` starts ``python -I`` (isolated mode: no ``PYTHON*`` variables, no user
 site, no script directory on ``sys.path``) in its own session and process group, with
 captured and truncated stdin/stdout/stderr and a minimal environment (``PATH``, ``HOME``,
-``TMPDIR``, ``LANG``; nothing inherited, so no tokens or keys leak in). A small trusted
+``TMPDIR``, ``LANG``; nothing inherited, so no tokens or keys are handed in; without a pid
+namespace and not as root, though, the code runs as the caller's user and can read the
+environment of the caller's processes in ``/proc``, and signal them). A small trusted
 bootstrap (:mod:`treerl.envs.sandbox_bootstrap`, run by path) runs first: its outer
 process holds the result pipe and never runs user code; its inner process isolates
 itself, applies the limits and runs the user code as ``__main__``.
@@ -24,7 +26,9 @@ filesystem      A mount namespace whose root is an empty read-only tmpfs with on
                 are visible under ordinary permissions, the working directory is a host
                 temporary directory, ``/tmp`` is shared).
 pid namespace   The code is pid 1 of its own pid namespace: it sees only its processes,
-                and when it exits the kernel kills the rest (fallback: the parent's view).
+                and when it exits the kernel kills the rest (fallback: the parent's view;
+                not as root, the code may then signal the caller's processes and read
+                their ``/proc/<pid>/environ``).
 memory          ``RLIMIT_AS``/``RLIMIT_DATA`` per process, and for the whole run a cgroup
                 (:mod:`treerl.envs.sandbox_cgroup`) of ``memory_mb + disk_mb``; an OOM kill
                 in it -> ``MEMORY``. Fallback: the parent adds up the run's resident memory
