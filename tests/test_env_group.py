@@ -151,3 +151,68 @@ def test_learn_logs_each_environments_reward(tmp_path):
               for k in metrics if k != "step"}
     assert logged <= documented, sorted(logged - documented)
     assert re.search(r"calc=treerl/Calculator-v0,guess=treerl/GuessNumber-v0", readme)
+
+
+def _mixed_rows():
+    """SkyRL-Gym's form: one dataset whose rows name their environment (``env_class``) and carry its task."""
+    return [{"env_class": "math", "question": "What is 1 + 1?", "answer": "2", "level": 1},
+            {"env_class": "calc", "prompt": "What is 6 * 7?", "answer": "42"},
+            {"env_class": "math", "question": "What is 2 + 5?", "answer": "7", "level": 2}]
+
+
+def test_one_mixed_dataset_routes_each_row_to_the_environment_it_names(tmp_path):
+    path = tmp_path / "mix.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _mixed_rows()))
+    env = treerl.make("calc=treerl/Calculator-v0,math=treerl/MathVerify-v0", data_path=str(path))
+    # Each member holds its own rows, read its own way (MathVerify's `question` column), in the file's order.
+    assert [t.prompt for t in env.envs["math"].dataset] == ["What is 1 + 1?", "What is 2 + 5?"]
+    assert env.weights == pytest.approx({"calc": 1 / 3, "math": 2 / 3})
+    plays = []
+    for k in range(4):  # task k plays row k mod 3
+        _, info = env.reset(seed=k, options=env.task_options(k))
+        plays.append((info["env"], info["answer"]))
+    assert plays == [("math", "2"), ("calc", "42"), ("math", "7"), ("math", "2")]
+    assert info["row"] == {"env_class": "math", "level": 1}  # the row's other columns reach reward functions
+    # A Parquet file reads the same (SkyRL-Gym's datasets are Parquet).
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow
+
+    pq.write_table(pyarrow.Table.from_pylist(_mixed_rows()), tmp_path / "mix.parquet")
+    env = make_group("calc=treerl/Calculator-v0,math=treerl/MathVerify-v0", data_path=str(tmp_path / "mix.parquet"))
+    assert [env.task_options(k)["env"] for k in range(3)] == ["math", "calc", "math"]
+
+
+def test_a_mixed_dataset_that_does_not_fit_the_group_says_what_to_do(tmp_path):
+    ids = "calc=treerl/Calculator-v0,math=treerl/MathVerify-v0"
+    with pytest.raises(ValueError, match=r"row 1 has env_class='code'"):
+        make_group(ids, dataset=[_mixed_rows()[0], {"env_class": "code", "prompt": "x"}])
+    with pytest.raises(ValueError, match=r"row 0 has no 'env' column"):
+        make_group(ids, dataset=[{"prompt": "x"}])
+    with pytest.raises(ValueError, match="no row names 'calc'"):
+        make_group(ids, dataset=[_mixed_rows()[0]])
+    with pytest.raises(ValueError, match="drop weights"):
+        make_group(ids, dataset=_mixed_rows(), weights=[1, 1])
+    with pytest.raises(ValueError, match="math has its own data_path"):
+        make_group(ids, dataset=_mixed_rows(), math={"data_path": "x.jsonl"})
+    with pytest.raises(ValueError, match="guess .treerl/GuessNumber-v0. takes no dataset"):
+        make_group("guess=treerl/GuessNumber-v0,math=treerl/MathVerify-v0",
+                   dataset=[{"env": "guess"}, {"env": "math", "question": "1?", "answer": "1"}])
+    with pytest.raises(ValueError, match="the group's own keyword"):
+        treerl.make("data_path=treerl/Calculator-v0,treerl/GuessNumber-v0")
+
+
+def test_learn_trains_on_one_mixed_dataset(tmp_path):
+    from treerl.learners.grpo import GRPOConfig, train
+
+    path = tmp_path / "mix.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _mixed_rows()))
+    train(GRPOConfig(output_dir=str(tmp_path / "run"), env="calc=treerl/Calculator-v0,math=treerl/MathVerify-v0",
+                     env_kwargs={"data_path": str(path), "calc": {"max_turns": 2}}, steps=1, tasks_per_step=3,
+                     group_size=2, max_new_tokens=16, eval_episodes=0, progress=False, num_threads=1,
+                     sample_groups=3))
+    [metrics] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert {"reward/calc", "reward/math"} <= set(metrics)
+    from treerl.rollout import read_groups
+
+    kept = list(read_groups(tmp_path / "run" / "trajectories" / "step-000001.jsonl"))
+    assert [(g.info["env"], g.info["answer"]) for g in kept] == [("math", "2"), ("calc", "42"), ("math", "7")]

@@ -9,7 +9,9 @@ on the same task. Which member a reset picks:
   task column, SkyRL-Gym's ``env_class``);
 * else by the seed, along a fixed schedule that follows the weights in every stretch of seeds
   (equal weights: round-robin, seed ``k`` plays member ``k mod n``); a reset without a seed draws
-  from ``self.np_random``.
+  from ``self.np_random``. A group built on one mixed dataset (``order``: each row's member, in
+  the file's order; :func:`treerl.envs.registry.make_group`'s ``data_path``) follows its rows
+  instead: task ``k`` plays row ``k mod N``, on the member the row names.
 
 The rollout engine asks :meth:`EnvGroup.task_options` which member plays task ``i`` (and which
 row, for a dataset-backed member), so the members' datasets are played row after row. The
@@ -42,11 +44,14 @@ from treerl.envs.core import Env, ValidationReport
 from treerl.envs.tools import Tool
 from treerl.errors import EnvError
 
-__all__ = ["EnvGroup", "member_name", "RESERVED_NAMES"]
+__all__ = ["EnvGroup", "member_name", "RESERVED_NAMES", "GROUP_KEYWORDS"]
 
-RESERVED_NAMES = frozenset({"weights", "mean", "std", "success_rate", "zero_std_frac", "num_zero_std_groups",
-                            "env_mean", "env_std"})
-"""Names a member cannot take: ``weights`` is the group's own keyword, the others are ``reward/*`` metrics."""
+GROUP_KEYWORDS = frozenset({"weights", "data_path", "dataset", "env_key"})
+"""The keyword arguments of :func:`~treerl.envs.registry.make_group` that are the group's, not a member's."""
+
+RESERVED_NAMES = GROUP_KEYWORDS | {"mean", "std", "success_rate", "zero_std_frac", "num_zero_std_groups",
+                                   "env_mean", "env_std"}
+"""Names a member cannot take: the group's own keywords, and ``reward/*`` metrics."""
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 _MAX_PERIOD = 1000
@@ -73,13 +78,18 @@ class EnvGroup(Env):
         member_kwargs: The keyword arguments each member was built with (by name), where the
             group built them (:func:`~treerl.envs.registry.make_group`): training's defaults
             for ToolEnv settings apply to a member only where these do not set them.
+        order: The member of each task, in order, repeating: a mixed dataset's column of
+            environment names, whose rows each member was given as its dataset, in the same order
+            (:func:`~treerl.envs.registry.make_group`'s ``data_path``). Task ``k`` then plays row
+            ``k mod len(order)``; the weights are the rows' shares. Not with ``weights``.
     """
 
     description = "Several environments behind one: each task plays one of them (by name, or by seed and weights)."
 
     def __init__(self, envs: Mapping[str, Env] | Sequence[Env], *,
                  weights: Mapping[str, float] | Sequence[float] | None = None,
-                 member_kwargs: Mapping[str, Mapping[str, Any]] | None = None, render_mode: str | None = None):
+                 member_kwargs: Mapping[str, Mapping[str, Any]] | None = None, order: Sequence[str] | None = None,
+                 render_mode: str | None = None):
         super().__init__(render_mode=render_mode)
         if isinstance(envs, Mapping):
             members = dict(envs)
@@ -102,9 +112,13 @@ class EnvGroup(Env):
         self.envs: dict[str, Env] = members
         """The members, by name."""
         self.member_kwargs = {name: dict((member_kwargs or {}).get(name) or {}) for name in members}
-        self.weights = _weights(weights, list(members))
+        if order is None:
+            self.weights = _weights(weights, list(members))
+            self._schedule, self._counts = _schedule(list(self.weights.values()))
+        else:
+            self._schedule, self._counts = _given_schedule(order, list(members), weights)
+            self.weights = {name: n / len(self._schedule) for name, n in zip(members, self._counts)}
         """Each member's share of the tasks (summing to 1)."""
-        self._schedule, self._counts = _schedule(list(self.weights.values()))
         self._ordinal = _ordinals(self._schedule)
         self.current: str | None = None
         """The member the last reset picked (None before the first)."""
@@ -273,9 +287,9 @@ def _check_name(name: Any) -> None:
         raise ValueError(f"{name!r} cannot name an environment of a group: use letters, digits, '_', '-' and '.' "
                          "(it becomes the metric reward/<name>), e.g. calc=treerl/Calculator-v0.")
     if name in RESERVED_NAMES:
-        raise ValueError(f"{name!r} cannot name an environment of a group: reward/{name} is another metric"
-                         + (" and weights the group's keyword" if name == "weights" else "")
-                         + "; name it otherwise, e.g. my_env=...")
+        why = (f"{name} is the group's own keyword argument" if name in GROUP_KEYWORDS
+               else f"reward/{name} is another metric")
+        raise ValueError(f"{name!r} cannot name an environment of a group: {why}; name it otherwise, e.g. my_env=...")
 
 
 def _weights(weights: Mapping[str, float] | Sequence[float] | None, names: list[str]) -> dict[str, float]:
@@ -302,6 +316,21 @@ def _weights(weights: Mapping[str, float] | Sequence[float] | None, names: list[
     if total <= 0:
         raise ValueError(f"weights={weights!r}: at least one weight must be > 0, or no task has an environment.")
     return {name: value / total for name, value in zip(names, values)}
+
+
+def _given_schedule(order: Sequence[str], names: list[str],
+                    weights: Mapping[str, float] | Sequence[float] | None) -> tuple[list[int], list[int]]:
+    """The schedule of ``order`` (a member name per task) and how many places each member has."""
+    if weights is not None:
+        raise ValueError("weights and order both set the mix: the rows' environments set it (each row is one task); "
+                         "drop weights, or repeat rows to weigh them.")
+    if isinstance(order, str) or not order:
+        raise ValueError(f"order={order!r} must be a non-empty list of environment names, one per task.")
+    unknown = sorted({str(n) for n in order} - set(names))
+    if unknown:
+        raise ValueError(f"order names {unknown}, which are not environments of the group {names}.")
+    schedule = [names.index(n) for n in order]
+    return schedule, [schedule.count(j) for j in range(len(names))]
 
 
 def _schedule(shares: list[float]) -> tuple[list[int], list[int]]:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -175,16 +176,28 @@ def group_members(ids: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def make_group(ids: str, *, weights: Mapping[str, float] | list[float] | None = None, **member_kwargs: Any) -> EnvGroup:
+def make_group(ids: str, *, weights: Mapping[str, float] | list[float] | None = None,
+               data_path: str | os.PathLike | None = None, dataset: Sequence[Mapping[str, Any]] | None = None,
+               env_key: str | None = None, **member_kwargs: Any) -> EnvGroup:
     """The :class:`~treerl.envs.group.EnvGroup` of comma-separated ``ids``, each built by :func:`make`.
 
     Keyword arguments are keyed by member name, as ``--env-kwargs`` gives them: each member's
     own (a mapping), and ``weights`` for the mix.
 
+    One mixed dataset (SkyRL-Gym's form) instead of each member's own: ``data_path`` (JSON Lines
+    or Parquet) or ``dataset`` (rows), each row naming its environment in the column ``env_key``
+    (default ``env``, else SkyRL-Gym's ``env_class``). Each member is built with its rows as its
+    ``dataset``, in the file's order, and reads them as its own (``prompt_key`` and the like
+    among its keyword arguments); task ``k`` plays row ``k mod N``, so the rows set the mix.
+
     >>> env = make_group("calc=treerl/Calculator-v0,guess=treerl/GuessNumber-v0", weights={"calc": 3, "guess": 1},
     ...                  guess={"high": 8})
     >>> [env.route(k) for k in range(4)], env.envs["guess"].high
     (['calc', 'calc', 'guess', 'calc'], 8)
+    >>> rows = [{"env": "math", "question": "1 + 1 = ?", "answer": "2"}, {"env": "calc", "prompt": "2*3?", "answer": "6"}]
+    >>> env = make_group("calc=treerl/Calculator-v0,math=treerl/MathVerify-v0", dataset=rows)
+    >>> [env.task_options(k) for k in range(3)]
+    [{'env': 'math', 'task_index': 0}, {'env': 'calc', 'task_index': 0}, {'env': 'math', 'task_index': 0}]
     """
     pairs = group_members(ids)
     names = [n for n, _ in pairs]
@@ -193,19 +206,76 @@ def make_group(ids: str, *, weights: Mapping[str, float] | list[float] | None = 
         raise ValueError(f"{', '.join(map(repr, unknown))} names no environment of the group {names}: key each "
                          "environment's keyword arguments by its name, e.g. "
                          f"{{\"{names[-1]}\": {{...}}, \"weights\": [...]}}.")
+    for name in names:
+        if not isinstance(member_kwargs.get(name) or {}, Mapping):
+            raise ValueError(f"{name}={member_kwargs[name]!r}: an environment's keyword arguments are a mapping, e.g. "
+                             f"{{\"{name}\": {{\"max_turns\": 4}}}}.")
+    order, member_rows = None, {}
+    if data_path is not None or dataset is not None:
+        if weights is not None:
+            raise ValueError("weights and the group's data_path (or dataset) both set the mix: each row is one task "
+                             "of the environment it names, so the rows set it; drop weights, or repeat rows to "
+                             "weigh them.")
+        order, member_rows = _split_rows(data_path, dataset, env_key, pairs, member_kwargs)
+    elif env_key is not None:
+        raise ValueError(f"env_key={env_key!r} names the column of a mixed dataset, but the group has none: pass "
+                         "data_path (or dataset) with it.")
     members = {}
     try:
         for name, env_id in pairs:
-            kwargs = member_kwargs.get(name) or {}
-            if not isinstance(kwargs, Mapping):
-                raise ValueError(f"{name}={kwargs!r}: an environment's keyword arguments are a mapping, e.g. "
-                                 f"{{\"{name}\": {{\"max_turns\": 4}}}}.")
-            members[name] = make(env_id, **kwargs)
-        return EnvGroup(members, weights=weights, member_kwargs=member_kwargs)
+            kwargs = dict(member_kwargs.get(name) or {})
+            if order is not None:
+                kwargs["dataset"] = member_rows[name]
+            try:
+                members[name] = make(env_id, **kwargs)
+            except TypeError as exc:
+                if order is None or "dataset" not in str(exc):
+                    raise
+                raise ValueError(f"{name} ({env_id}) takes no dataset (it generates its tasks), so rows of the "
+                                 f"group's dataset cannot name it ({exc}): drop its rows, or train it in a group "
+                                 "without data_path, mixed by weights.") from None
+        return EnvGroup(members, weights=weights, member_kwargs=member_kwargs, order=order)
     except BaseException:
         for env in members.values():
             env.close()
         raise
+
+
+def _split_rows(data_path: str | os.PathLike | None, dataset: Sequence[Mapping[str, Any]] | None,
+                env_key: str | None, pairs: list[tuple[str, str]],
+                member_kwargs: Mapping[str, Any]) -> tuple[list[str], dict[str, list[Mapping[str, Any]]]]:
+    """Each row's member (in order) and each member's rows, of a mixed dataset."""
+    from treerl.envs.builtin.math_verify import read_rows
+
+    names = [n for n, _ in pairs]
+    if data_path is not None and dataset is not None:
+        raise ValueError("Pass the group's data_path or its dataset, not both.")
+    own = [n for n in names if {"data_path", "dataset"} & set(member_kwargs.get(n) or {})]
+    if own:
+        raise ValueError(f"{own[0]} has its own data_path/dataset, but the group's data_path gives every environment "
+                         f"its rows: drop {own[0]}'s, or the group's (and give each environment its own).")
+    rows = read_rows(data_path) if dataset is None else dataset
+    where = data_path if data_path is not None else "dataset"
+    if len(rows) == 0:
+        raise ValueError(f"{where} has no rows: an environment group's dataset needs at least one.")
+    if env_key is None:  # verifiers' and treerl's `env`, else SkyRL-Gym's `env_class`
+        first = rows[0]
+        env_key = "env" if "env" in first or "env_class" not in first else "env_class"
+    order: list[str] = []
+    member_rows: dict[str, list[Mapping[str, Any]]] = {n: [] for n in names}
+    for i, row in enumerate(rows):
+        name = row.get(env_key) if isinstance(row, Mapping) else None
+        if name not in member_rows:
+            found = f"{env_key}={name!r}" if isinstance(row, Mapping) and env_key in row else f"no {env_key!r} column"
+            raise ValueError(f"{where}: row {i} has {found}; each row names one environment of the group {names} in "
+                             f"its {env_key!r} column (env_key= names another column).")
+        order.append(name)
+        member_rows[name].append(row)
+    empty = [n for n in names if not member_rows[n]]
+    if empty:
+        raise ValueError(f"{where}: no row names {empty[0]!r} in its {env_key!r} column, so it would never play: "
+                         f"drop it from the group, or add its rows.")
+    return order, member_rows
 
 
 def env_id_of(env: Any) -> str:

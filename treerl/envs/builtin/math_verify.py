@@ -15,7 +15,7 @@ from typing import Any
 from treerl.envs.core import Task, ToolEnv
 from treerl.envs.verifiers import math_verify_reward
 
-__all__ = ["MathVerifyEnv", "load_jsonl", "load_rows"]
+__all__ = ["MathVerifyEnv", "load_jsonl", "load_rows", "read_rows"]
 
 
 def load_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -32,24 +32,37 @@ def load_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
+def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of a JSON Lines file, or of a Parquet file (``.parquet``, read with pyarrow)."""
+    if os.fspath(path).endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ImportError(f"{path}: reading a Parquet file needs pyarrow (pip install pyarrow), or convert it "
+                              "to JSON Lines.") from None
+        return pq.read_table(path).to_pylist()
+    return load_jsonl(path)
+
+
 def load_rows(
     data_path: str | os.PathLike | None, dataset: Sequence[Mapping[str, Any]] | None, default_file: str
 ) -> Sequence[Mapping[str, Any]]:
-    """Task rows from ``dataset``, else the JSONL file ``data_path``, else the shipped ``default_file``."""
+    """Task rows from ``dataset``, else the file ``data_path`` (JSON Lines or Parquet), else the shipped
+    ``default_file``."""
     if data_path is not None and dataset is not None:
         raise ValueError("Pass data_path or dataset, not both.")
     if dataset is not None:
         return dataset
     if data_path is None:
         data_path = resources.files("treerl.envs") / "data" / default_file
-    return load_jsonl(data_path)
+    return read_rows(data_path)
 
 
 class MathVerifyEnv(ToolEnv):
     """Single-turn math: answer in \\boxed{}, checked by math-verify against the gold answer.
 
     Args:
-        data_path: A JSONL file with one problem per line.
+        data_path: A JSONL file with one problem per line (or a Parquet file, one per row).
         dataset: Rows (dicts or a ``datasets.Dataset``) instead of a file.
         prompt_key: The column holding the problem text (``prompt``, TRL's name, when there is no
             ``question`` column); a list of messages (TRL's conversational format) is used as such, and
