@@ -126,6 +126,15 @@ def test_rollout_plays_both_environments_and_reports_each(tmp_path):
     want = {name: sum(e.reward for g in groups if g.info["env"] == name for e in g.episodes) / 6
             for name in ("calc", "guess")}
     assert summary["reward_by_env"] == pytest.approx(want)
+    # Each environment's success rate too (final reward at the threshold), and the table prints both.
+    for threshold in (1.0, 0.0):
+        wins = {name: sum((e.rewards[-1] if e.rewards else 0.0) >= threshold for g in groups
+                          if g.info["env"] == name for e in g.episodes) / 6 for name in ("calc", "guess")}
+        assert stats.summary(threshold)["success_by_env"] == pytest.approx(wins)
+    from treerl.rollout.summary import summary_table
+
+    rates = stats.summary()["success_by_env"]
+    assert f"success rate by env  calc {rates['calc']:.1%}, guess {rates['guess']:.1%}" in summary_table(stats.summary())
 
 
 def test_learn_logs_each_environments_reward(tmp_path):
@@ -135,7 +144,7 @@ def test_learn_logs_each_environments_reward(tmp_path):
                      tasks_per_step=2, group_size=2, max_new_tokens=24, eval_episodes=0, progress=False,
                      num_threads=1, sample_groups=2))
     [metrics] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert {"reward/calc", "reward/guess"} <= set(metrics)
+    assert {"reward/calc", "reward/guess", "success_rate/calc", "success_rate/guess"} <= set(metrics)
     from treerl.rollout import read_groups
 
     kept = list(read_groups(tmp_path / "trajectories" / "step-000001.jsonl"))
@@ -147,8 +156,8 @@ def test_learn_logs_each_environments_reward(tmp_path):
     # The README's list of metrics names every key, the per-environment one as reward/ENV.
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     documented = set(re.findall(r"`([a-z_]+/[A-Za-z_]+)`", readme)) | {"lr"}
-    logged = {re.sub(r"^(tool_calls|diag)/.*", r"\1/KIND", re.sub(r"^reward/(calc|guess)$", "reward/ENV", k))
-              for k in metrics if k != "step"}
+    per_env = r"^(reward|success_rate)/(calc|guess)$"
+    logged = {re.sub(r"^(tool_calls|diag)/.*", r"\1/KIND", re.sub(per_env, r"\1/ENV", k)) for k in metrics if k != "step"}
     assert logged <= documented, sorted(logged - documented)
     assert re.search(r"calc=treerl/Calculator-v0,guess=treerl/GuessNumber-v0", readme)
 

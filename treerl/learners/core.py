@@ -253,6 +253,7 @@ class Run:
         metrics.update({
             **rewards,
             **{f"reward/{name}": mean for name, mean in summary["reward_by_env"].items()},  # an EnvGroup's members
+            **{f"success_rate/{name}": rate for name, rate in summary["success_by_env"].items()},
             "reward/success_rate": summary["success_rate"],
             "tools/invalid_rate": summary["tools/invalid_rate"],
             "episode/length_limit_frac": summary["episode/length_limit_frac"],

@@ -9,8 +9,9 @@ turns them into the figures every command reports, under the same names:
   correct answer in Calculator and MathVerify, all hidden tests in CodeSandbox, the secret
   found in GuessNumber);
 - ``tool_calls`` by outcome (``ok`` or an error kind) and ``tools/invalid_rate``;
-- ``reward_by_env``: with an :class:`~treerl.envs.group.EnvGroup`, each member's mean episode
-  reward (the environment's), by the name its groups carry in ``info["env"]``; empty otherwise;
+- ``reward_by_env``, ``success_by_env``: with an :class:`~treerl.envs.group.EnvGroup`, each
+  member's mean episode reward (the environment's) and success rate, by the name its groups
+  carry in ``info["env"]``; empty otherwise;
 - ``terminations`` by reason, ``episode/length_limit_frac`` (final turns cut by
   ``max_new_tokens``), ``perf/tokens_per_s``, ``tree/packing_ratio``, ``template/branches``.
 
@@ -52,12 +53,16 @@ class RolloutStats:
     wall_s: float = 0.0
     env_rewards: dict[str, list[float]] = field(default_factory=dict)
     """Episode rewards by the member of an EnvGroup that played them (``group.info["env"]``)."""
+    env_final_rewards: dict[str, list[float]] = field(default_factory=dict)
+    """Final rewards (what success is measured on) by the member of an EnvGroup that played them."""
 
     def add(self, group: Group) -> None:
         self.num_groups += 1
         self.packing_ratios.append(group.packing_ratio)
         if isinstance(group.info.get("env"), str):
             self.env_rewards.setdefault(group.info["env"], []).extend(e.reward for e in group.episodes)
+            self.env_final_rewards.setdefault(group.info["env"], []).extend(
+                e.rewards[-1] if e.rewards else 0.0 for e in group.episodes)
         # Each segment once: a turn sampled before a fork was generated once, not once per continuation.
         self.sampled_tokens += sum(len(s.token_ids) for s in group.segments if s.kind == "sampled")
         for e in group.episodes:
@@ -91,6 +96,8 @@ class RolloutStats:
             merged.branches += s.branches
             for name, rewards in s.env_rewards.items():
                 merged.env_rewards.setdefault(name, []).extend(rewards)
+            for name, rewards in s.env_final_rewards.items():
+                merged.env_final_rewards.setdefault(name, []).extend(rewards)
             merged.wall_s = max(merged.wall_s, s.wall_s)
         return merged
 
@@ -107,6 +114,8 @@ class RolloutStats:
             "success_rate": sum(r >= success_threshold for r in self.final_rewards) / n,
             "tool_calls": dict(self.tool_calls),
             "reward_by_env": {name: sum(r) / len(r) for name, r in sorted(self.env_rewards.items()) if r},
+            "success_by_env": {name: sum(x >= success_threshold for x in r) / len(r)
+                               for name, r in sorted(self.env_final_rewards.items()) if r},
             "tools/invalid_rate": (num_calls - self.tool_calls.get("ok", 0)) / num_calls if num_calls else 0.0,
             "terminations": dict(self.terminations),
             "episode/length_limit_frac": self.length_limited / self.final_turns if self.final_turns else 0.0,
@@ -192,6 +201,8 @@ def summary_table(summary: dict[str, Any], **extra: str) -> str:
         rows.append(("reward mean / std", f"{summary['reward/mean']:.3f} / {summary['reward/std']:.3f}"))
     if summary.get("reward_by_env"):  # an EnvGroup: each environment's own
         rows.append(("reward mean by env", ", ".join(f"{k} {v:.3f}" for k, v in summary["reward_by_env"].items())))
+    if summary.get("success_by_env"):
+        rows.append(("success rate by env", ", ".join(f"{k} {v:.1%}" for k, v in summary["success_by_env"].items())))
     rows += [
         ("tool calls", ", ".join(f"{k}={v}" for k, v in sorted(summary["tool_calls"].items())) or "none"),
         ("terminations", ", ".join(f"{k}={v}" for k, v in sorted(summary["terminations"].items())) or "none"),
