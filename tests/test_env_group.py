@@ -225,3 +225,24 @@ def test_learn_trains_on_one_mixed_dataset(tmp_path):
 
     kept = list(read_groups(tmp_path / "run" / "trajectories" / "step-000001.jsonl"))
     assert [(g.info["env"], g.info["answer"]) for g in kept] == [("math", "2"), ("calc", "42"), ("math", "7")]
+
+
+def test_eval_plays_each_row_of_a_groups_datasets_at_most_once(capsys):
+    from _scripted import ScriptedPolicy
+
+    from treerl.models import load_default_model
+    from treerl.rollout.evaluate import EvalConfig, evaluate_with
+
+    _, tok = load_default_model()
+    policy = ScriptedPolicy(tok, lambda task, g, turn: "\\boxed{2}", end_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    # One mixed dataset: its three rows, once each.
+    cfg = EvalConfig(env="calc=treerl/Calculator-v0,math=treerl/MathVerify-v0", env_kwargs={"dataset": _mixed_rows()})
+    report = evaluate_with(cfg, policy, tok, num_episodes=8, seed=0)
+    assert [(g.info["env"], g.info["answer"]) for g in report.groups] == [("math", "2"), ("calc", "42"), ("math", "7")]
+    assert "give 3 tasks before a row repeats" in capsys.readouterr().err
+    # Members' own datasets: up to the first task that would replay a row (math's row 0 at task 5).
+    rows = [{"question": "1 + 1 = ?", "answer": "2"}, {"question": "2 + 2 = ?", "answer": "4"}]
+    cfg = EvalConfig(env=MIX.replace("guess=treerl/GuessNumber-v0", "math=treerl/MathVerify-v0"),
+                     env_kwargs={"math": {"dataset": rows}, "calc": {"max_turns": 1}})
+    assert evaluate_with(cfg, policy, tok, num_episodes=8, seed=0).num_episodes == 5
+    assert evaluate_with(cfg, policy, tok, num_episodes=3, seed=0).num_episodes == 3

@@ -148,6 +148,30 @@ class EnvGroup(Env):
             own = {}
         return {"env": name, **own}
 
+    def num_distinct_tasks(self) -> int | None:
+        """How many tasks :meth:`task_options` gives before a dataset-backed member plays one of its rows a
+        second time (a mixed dataset's number of rows); None when no member plays a dataset.
+
+        >>> import treerl
+        >>> rows = [{"question": f"{i} + 1 = ?", "answer": str(i + 1)} for i in range(3)]
+        >>> env = EnvGroup({"calc": treerl.make("treerl/Calculator-v0"),
+        ...                 "math": treerl.make("treerl/MathVerify-v0", dataset=rows)})
+        >>> env.num_distinct_tasks()  # tasks 1, 3, 5 play math's rows; task 7 would play its row 0 again
+        7
+        """
+        period = len(self._schedule)
+        first_repeat = []
+        for j, (name, member) in enumerate(self.envs.items()):
+            nested = getattr(member, "num_distinct_tasks", None)
+            rows = nested() if callable(nested) else (None if getattr(member, "dataset", None) is None
+                                                     else len(member.dataset))
+            if rows is None or self._counts[j] == 0:
+                continue
+            cycles, nth = divmod(rows, self._counts[j])  # the member's task number `rows` is its first repeat
+            places = [p for p in range(period) if self._schedule[p] == j]
+            first_repeat.append(cycles * period + places[nth])
+        return min(first_repeat, default=None)
+
     def _pick(self, seed: int | None, options: Mapping[str, Any] | None) -> tuple[str, dict[str, Any] | None]:
         """The member a reset plays and the options it passes on (without ``env``)."""
         options = dict(options or {})

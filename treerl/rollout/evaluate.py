@@ -8,7 +8,9 @@ times, as one group sharing the prompt (verifiers' ``-n N -r R``, TRL's ``num_ge
 and the figures are :meth:`~treerl.rollout.summary.RolloutStats.summary`'s. An environment
 that draws its tasks from a dataset plays rows ``0..N-1``, each as one task at most: asked for
 more tasks than it has rows, the evaluation plays every row once and says so, since rows played
-twice would weigh the success rate by accident.
+twice would weigh the success rate by accident. An :class:`~treerl.envs.group.EnvGroup` stops
+before the first task that would replay a row of its dataset or of a member's
+(:meth:`~treerl.envs.group.EnvGroup.num_distinct_tasks`).
 
 An episode *succeeds* when its final environment reward reaches ``success_threshold``; the
 success rate is over all episodes. With ``rollouts_per_task`` R > 1 the report adds
@@ -37,6 +39,7 @@ import torch
 from treerl.agents.chat_templates import resolve_chat_template
 from treerl.agents.policy import Policy, SamplingParams
 from treerl.config import AcceptsAliases, field_help
+from treerl.envs.group import EnvGroup
 from treerl.envs.registry import make
 from treerl.errors import ConfigError
 from treerl.rollout.engine import RolloutEngine
@@ -273,13 +276,18 @@ def _at_most_one_per_row(env_factory: Callable[[], Any], num_episodes: int, roll
     (with a warning)."""
     env = env_factory()
     try:
-        dataset = getattr(env, "dataset", None)
-        num_rows = None if dataset is None else len(dataset)
+        if isinstance(env, EnvGroup):  # its members' datasets, each played along the group's schedule
+            num_rows = env.num_distinct_tasks()
+            rows = f"the group's datasets give {num_rows} tasks before a row repeats"
+        else:
+            dataset = getattr(env, "dataset", None)
+            num_rows = None if dataset is None else len(dataset)
+            rows = f"the dataset has {num_rows} rows"
     finally:
         env.close()
     if num_rows is None or num_episodes <= num_rows:
         return num_episodes
-    message = (f"num_episodes={num_episodes} but the dataset has {num_rows} rows: evaluating each row once "
+    message = (f"num_episodes={num_episodes} but {rows}: evaluating each row once "
                f"({num_rows * rollouts_per_task} episodes), as rows played twice would count twice")
     logger.info(message)  # printed below: at warning level Python's last-resort handler printed it twice
     print(f"warning: {message}", file=sys.stderr)
