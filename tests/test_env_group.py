@@ -134,7 +134,8 @@ def test_rollout_plays_both_environments_and_reports_each(tmp_path):
     from treerl.rollout.summary import summary_table
 
     rates = stats.summary()["success_by_env"]
-    assert f"success rate by env  calc {rates['calc']:.1%}, guess {rates['guess']:.1%}" in summary_table(stats.summary())
+    want_row = f"success rate by env  calc {rates['calc']:.1%}, guess {rates['guess']:.1%}"
+    assert want_row in summary_table(stats.summary())
 
 
 def test_learn_logs_each_environments_reward(tmp_path):
@@ -157,7 +158,8 @@ def test_learn_logs_each_environments_reward(tmp_path):
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     documented = set(re.findall(r"`([a-z_]+/[A-Za-z_]+)`", readme)) | {"lr"}
     per_env = r"^(reward|success_rate)/(calc|guess)$"
-    logged = {re.sub(r"^(tool_calls|diag)/.*", r"\1/KIND", re.sub(per_env, r"\1/ENV", k)) for k in metrics if k != "step"}
+    logged = {re.sub(r"^(tool_calls|diag)/.*", r"\1/KIND", re.sub(per_env, r"\1/ENV", k))
+              for k in metrics if k != "step"}
     assert logged <= documented, sorted(logged - documented)
     assert re.search(r"calc=treerl/Calculator-v0,guess=treerl/GuessNumber-v0", readme)
 
@@ -246,3 +248,28 @@ def test_eval_plays_each_row_of_a_groups_datasets_at_most_once(capsys):
                      env_kwargs={"math": {"dataset": rows}, "calc": {"max_turns": 1}})
     assert evaluate_with(cfg, policy, tok, num_episodes=8, seed=0).num_episodes == 5
     assert evaluate_with(cfg, policy, tok, num_episodes=3, seed=0).num_episodes == 3
+
+
+def test_held_out_kwargs_of_a_group_merge_per_environment_and_warn_of_each_ones_training_data(tmp_path, capsys):
+    from treerl.learners.grpo import GRPOConfig, train
+
+    train_rows = [{"q": f"{i} + 1 = ?", "answer": str(i + 1)} for i in range(3)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train_rows))
+    (tmp_path / "test.jsonl").write_text(json.dumps({"q": "What is 10 + 10?", "answer": "20"}) + "\n")
+    ids = "calc=treerl/Calculator-v0,math=treerl/MathVerify-v0"
+    math = {"data_path": str(tmp_path / "train.jsonl"), "prompt_key": "q"}
+    cfg = GRPOConfig(output_dir=str(tmp_path / "run"), env=ids, env_kwargs={"math": math, "calc": {"max_turns": 2}},
+                     eval_env_kwargs={"math": {"data_path": str(tmp_path / "test.jsonl")}})
+    # math's held-out file, read with its training prompt_key (replacing math's mapping wholesale lost it).
+    assert cfg.held_out_env_kwargs()["math"] == {"data_path": str(tmp_path / "test.jsonl"), "prompt_key": "q"}
+    env = cfg.eval_env_factory()()
+    assert env.envs["math"].dataset[0].prompt == "What is 10 + 10?" and env.envs["calc"].max_turns == 2
+    assert cfg.eval_reads_training_data() == []
+    # Without it, the held-out evaluation would draw math's training rows: the run says so.
+    cfg = GRPOConfig(output_dir=str(tmp_path / "run"), env=ids, env_kwargs={"math": math}, steps=1, tasks_per_step=1,
+                     group_size=2, max_new_tokens=4, eval_episodes=1, progress=False, num_threads=1, sample_groups=0)
+    assert cfg.eval_reads_training_data() == ["math.data_path"]
+    train(cfg)
+    assert "training data (env_kwargs math.data_path)" in capsys.readouterr().err
+    mixed = GRPOConfig(output_dir=str(tmp_path / "run"), env=ids, env_kwargs={"data_path": "mix.jsonl"})
+    assert mixed.eval_reads_training_data() == ["data_path"]

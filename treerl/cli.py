@@ -72,7 +72,7 @@ def config_for_command(cls: type, args: argparse.Namespace, *, extra_keys: Seque
     if cfg.env_kwargs:
         _check_env_builds(cfg.env, cfg.env_kwargs, _given_by(args, "env_kwargs"))
     if getattr(cfg, "eval_env_kwargs", None):  # the held-out environment: the same with these on top
-        _check_env_builds(cfg.env, {**cfg.env_kwargs, **cfg.eval_env_kwargs}, _given_by(args, "eval_env_kwargs"))
+        _check_env_builds(cfg.env, cfg.held_out_env_kwargs(), _given_by(args, "eval_env_kwargs"))
     return cfg
 
 

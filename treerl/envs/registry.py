@@ -194,7 +194,8 @@ def make_group(ids: str, *, weights: Mapping[str, float] | list[float] | None = 
     ...                  guess={"high": 8})
     >>> [env.route(k) for k in range(4)], env.envs["guess"].high
     (['calc', 'calc', 'guess', 'calc'], 8)
-    >>> rows = [{"env": "math", "question": "1 + 1 = ?", "answer": "2"}, {"env": "calc", "prompt": "2*3?", "answer": "6"}]
+    >>> rows = [{"env": "math", "question": "1 + 1 = ?", "answer": "2"},
+    ...         {"env": "calc", "prompt": "2*3?", "answer": "6"}]
     >>> env = make_group("calc=treerl/Calculator-v0,math=treerl/MathVerify-v0", dataset=rows)
     >>> [env.task_options(k) for k in range(3)]
     [{'env': 'math', 'task_index': 0}, {'env': 'calc', 'task_index': 0}, {'env': 'math', 'task_index': 0}]

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from treerl.config import AcceptsAliases, field_help
 from treerl.envs.core import ToolEnv
 from treerl.envs.group import EnvGroup
+from treerl.envs.registry import group_members
 from treerl.kernels.tree_attention import BACKENDS
 from treerl.learners.packing import PackingConfig
 from treerl.learners.precision import DTYPES, resolve_precision
@@ -149,8 +150,9 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     eval_episodes: int = field_help(64, "Held-out episodes evaluated at the start and the end (0 skips).")
     eval_seed: int = field_help(10_000, "First seed of the held-out tasks (training uses seed + i).")
     eval_env_kwargs: dict[str, Any] = field_help(
-        help='The held-out evaluation\'s environment keyword arguments, merged over env_kwargs, e.g. \'{"data_path": '
-             '"test.jsonl"}\' (default: the training environment, whose rows the evaluation would then draw).',
+        help='The held-out evaluation\'s environment keyword arguments, merged over env_kwargs (a group\'s: each '
+             'environment\'s over its own), e.g. \'{"data_path": "test.jsonl"}\' (default: the training environment, '
+             'whose rows the evaluation would then draw).',
         default_factory=dict)
     eval_temperature: float = field_help(1.0, "Sampling temperature of the evaluation.")
     save_every: int = field_help(0, "Checkpoint every N steps (0: only at the end).")
@@ -267,9 +269,37 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                     if k not in self.env_kwargs}
         return functools.partial(_on_malformed, env_factory, settings) if settings else env_factory
 
+    def held_out_env_kwargs(self) -> dict[str, Any]:
+        """The held-out evaluation's environment keyword arguments: ``env_kwargs`` updated with
+        ``eval_env_kwargs``; a group's environment gets its own updated likewise, so that
+        ``{"math": {"data_path": "test.jsonl"}}`` keeps math's other training arguments."""
+        merged = {**self.env_kwargs, **self.eval_env_kwargs}
+        for name in self._member_names():
+            train, held = self.env_kwargs.get(name), self.eval_env_kwargs.get(name)
+            if isinstance(train, Mapping) and isinstance(held, Mapping):
+                merged[name] = {**train, **held}
+        return merged
+
+    def eval_reads_training_data(self) -> list[str]:
+        """The training data the held-out evaluation would draw its tasks from: ``data_path``/``dataset``
+        keyword arguments (``NAME.data_path`` for a group's environment) it keeps from training."""
+        held = self.held_out_env_kwargs()
+        scopes = [("", self.env_kwargs, held)]  # (label prefix, training's kwargs, the evaluation's)
+        for name in self._member_names():
+            train, kept = self.env_kwargs.get(name), held.get(name)
+            if isinstance(train, Mapping) and isinstance(kept, Mapping):
+                scopes.append((f"{name}.", train, kept))
+        # A path compares by value; rows by identity (comparing a whole dataset could take long).
+        return [prefix + key for prefix, train, kept in scopes for key in ("data_path", "dataset")
+                if key in train and (kept.get(key) is train[key] or key == "data_path" and kept.get(key) == train[key])]
+
+    def _member_names(self) -> list[str]:
+        """The names of a group's environments (``--env a=...,b=...``); none for one environment."""
+        return [name for name, _ in group_members(self.env)] if "," in self.env else []
+
     def eval_env_factory(self) -> Any:
-        """The held-out evaluation's environment factory: ``env_kwargs`` updated with ``eval_env_kwargs``."""
-        return EpisodeOptions(env=self.env, env_kwargs={**self.env_kwargs, **self.eval_env_kwargs}).env_factory()
+        """The held-out evaluation's environment factory: ``make(env, **held_out_env_kwargs())``."""
+        return EpisodeOptions(env=self.env, env_kwargs=self.held_out_env_kwargs()).env_factory()
 
     def group_source(self) -> Any:
         """The :class:`~treerl.rollout.sources.GroupSource` named by ``from_rollouts`` or ``from_server``, or None."""

@@ -423,9 +423,11 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     # Training and the held-out evaluation differ only where the learner sets malformed_ends_episode.
     eval_env_factory = cfg.eval_env_factory() if cfg.eval_env_kwargs else (env_factory or cfg.env_factory())
     given_factory, env_factory = env_factory, cfg.train_env_factory(env_factory)
-    if ranks.is_main and cfg.eval_episodes and not cfg.eval_env_kwargs and "data_path" in cfg.env_kwargs:
-        print("warning: the held-out evaluation draws its tasks from the training data (env_kwargs data_path); pass "
-              "--eval-env-kwargs '{\"data_path\": \"test.jsonl\"}' to evaluate on held-out rows.", file=sys.stderr)
+    if ranks.is_main and cfg.eval_episodes and (shared := cfg.eval_reads_training_data()):
+        print("warning: the held-out evaluation draws its tasks from the training data (env_kwargs "
+              + ", ".join(shared) + "); pass --eval-env-kwargs '{\"data_path\": \"test.jsonl\"}' (a group's "
+              "environment: '{\"NAME\": {\"data_path\": \"test.jsonl\"}}') to evaluate on held-out rows.",
+              file=sys.stderr)
 
     state = TrainerState()
     if cfg.resume and (ckpt := resume_checkpoint(out_dir)) is not None:
