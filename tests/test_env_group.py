@@ -273,3 +273,17 @@ def test_held_out_kwargs_of_a_group_merge_per_environment_and_warn_of_each_ones_
     assert "training data (env_kwargs math.data_path)" in capsys.readouterr().err
     mixed = GRPOConfig(output_dir=str(tmp_path / "run"), env=ids, env_kwargs={"data_path": "mix.jsonl"})
     assert mixed.eval_reads_training_data() == ["data_path"]
+
+
+def test_async_grpo_trains_a_group_on_one_mixed_dataset(tmp_path):
+    """The group's factory travels to the generator process (it pickles) and each environment's figures are logged."""
+    from treerl.learners.async_grpo import AsyncGRPOConfig, train_async
+
+    (tmp_path / "mix.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _mixed_rows()))
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path / "run"), env="calc=treerl/Calculator-v0,math=treerl/MathVerify-v0",
+                          env_kwargs={"data_path": str(tmp_path / "mix.jsonl"), "calc": {"max_turns": 1}}, steps=2,
+                          tasks_per_step=3, group_size=2, max_new_tokens=8, eval_episodes=0, progress=False,
+                          num_threads=1, max_staleness=0)
+    assert train_async(cfg).policy_version == 2
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all({"reward/calc", "reward/math", "success_rate/calc", "success_rate/math"} <= set(m) for m in lines)
