@@ -328,6 +328,31 @@ def test_fork_is_independent():
     assert child.np_random is not env.np_random
 
 
+def test_a_large_dataset_is_read_once_and_shared_by_forks_not_copied(tmp_path, monkeypatch):
+    """A run builds an environment per task and forks it per generation: a 100,000-row file was
+    parsed and converted at every build (seconds) and deep-copied at every fork (seconds)."""
+    from treerl.envs.builtin import math_verify
+
+    path = tmp_path / "math.jsonl"
+    path.write_text("".join(json.dumps({"question": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(50)))
+    reads = []
+    real = math_verify._read_rows
+    monkeypatch.setattr(math_verify, "_read_rows", lambda p: reads.append(p) or real(p))
+    env = treerl.make("treerl/MathVerify-v0", data_path=str(path))
+    again = treerl.make("treerl/MathVerify-v0", data_path=str(path), prompt_key="question")
+    assert len(reads) == 1 and len(again.dataset) == 50
+    env.reset(seed=0, options={"task_index": 7})
+    child = env.fork()
+    assert child.dataset is env.dataset  # shared, not copied ...
+    child.task.info["mine"] = 1  # ... while the task each plays is its own
+    assert "mine" not in env.task.info and "mine" not in env.dataset[7].info and child.task.prompt == "7 + 1?"
+    with path.open("a") as f:  # a new version of the file is read again
+        f.write(json.dumps({"question": "bad"}) + "\n")
+    with pytest.raises(ValueError, match="Row 50 has no \\['answer'\\] column"):  # still refused at build
+        treerl.make("treerl/MathVerify-v0", data_path=str(path))
+    assert len(reads) == 2
+
+
 def test_guess_number_feedback_and_shaped_reward():
     env = treerl.make("treerl/GuessNumber-v0", high=64)
     env.reset(seed=0, options={"secret": 40})

@@ -111,6 +111,8 @@ class Env(gymnasium.Env[list[Message], str]):
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "render_fps": 4}  # Gymnasium text envs declare 4
+    fork_shares: ClassVar[tuple[str, ...]] = ("dataset",)
+    """Members that :meth:`fork` shares with the copies instead of copying them: read-only data."""
     description: ClassVar[str] = ""
     """One line shown by ``treerl envs``."""
 
@@ -164,18 +166,21 @@ class Env(gymnasium.Env[list[Message], str]):
     def fork(self) -> Env:
         """An independent environment in the same state, random generator included.
 
-        A deep copy. Members that cannot be deep-copied (a lock, a client with an open
-        connection, a socket) are shared by the copies instead, with a warning naming them,
+        A deep copy, except for the members named in ``fork_shares`` (the dataset), which the
+        copies share: read-only, and copying a large dataset for every generation of every group
+        cost more than the episodes. Members that cannot be deep-copied (a lock, a client with an
+        open connection, a socket) are shared by the copies too, with a warning naming them,
         rather than failing the group; override ``fork`` where sharing one is wrong.
         """
         cls = type(self)
+        shares = {id(v): v for name in self.fork_shares if (v := self.__dict__.get(name)) is not None}
         if cls not in _SHARES_MEMBERS:  # else the whole copy failed before: not tried (and half done) again
             try:
-                return copy.deepcopy(self)
+                return copy.deepcopy(self, dict(shares))
             except Exception:  # noqa: BLE001 - deepcopy fails with TypeError, PicklingError, copy.Error, ...
                 pass
         clone = copy.copy(self)
-        memo: dict[int, Any] = {id(self): clone}
+        memo: dict[int, Any] = {**shares, id(self): clone}
         shared = []
         for name, value in vars(self).items():
             try:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from treerl.envs.builtin.calculator_tasks import sample_task
-from treerl.envs.builtin.math_verify import load_rows
+from treerl.envs.builtin.math_verify import RowTasks, check_rows, load_rows
 from treerl.envs.core import Task, ToolEnv
 from treerl.errors import ToolCallError, ToolErrorKind, ToolTimeout
 from treerl.envs.parsers import ParseResult, ToolCall
@@ -147,7 +147,9 @@ class CodeSandboxEnv(ToolEnv):
             raise ValueError("tasks='word-problems' generates its tasks; drop data_path/dataset, or use tasks='file'.")
         rows = None
         if tasks == "file":
-            rows = [self._row(r, i) for i, r in enumerate(load_rows(data_path, dataset, "code_tasks.jsonl"))]
+            dataset = load_rows(data_path, dataset, "code_tasks.jsonl")
+            check_rows(dataset, self._check)
+            rows = RowTasks(dataset, self._row)
         self.limits = limits or SandboxLimits()
         kwargs.setdefault("max_turns", 4)
         super().__init__(tools=[make_run_python_tool(self.limits)], dataset=rows, **kwargs)
@@ -156,9 +158,13 @@ class CodeSandboxEnv(ToolEnv):
         return word_problem_task(rng)
 
     @staticmethod
-    def _row(row: Mapping[str, Any], index: int) -> Task:
+    def _check(row: Mapping[str, Any], index: int) -> None:
         if "prompt" not in row or "tests" not in row:
             raise ValueError(f"Code task {index} needs 'prompt' and 'tests' fields; it has {sorted(row)}.")
+
+    @classmethod
+    def _row(cls, row: Mapping[str, Any], index: int) -> Task:
+        cls._check(row, index)
         info = {"tests": list(row["tests"]), "solution": row.get("solution")}
         return Task(prompt=str(row["prompt"]), answer=None, info=info, id=str(row.get("id", index)))
 

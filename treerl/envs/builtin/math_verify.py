@@ -6,16 +6,19 @@ Tasks come from a local JSONL file (``data_path``), an in-memory dataset (``data
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from collections.abc import Mapping, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
-from typing import Any
+from typing import Any, overload
 
 from treerl.envs.core import Task, ToolEnv
 from treerl.envs.verifiers import math_verify_reward
 
-__all__ = ["MathVerifyEnv", "load_jsonl", "load_rows", "read_rows"]
+__all__ = ["MathVerifyEnv", "RowTasks", "check_rows", "load_jsonl", "load_rows", "read_rows"]
 
 
 def load_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -32,8 +35,33 @@ def load_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
+_READ: OrderedDict[tuple[str, int, int], list[dict[str, Any]]] = OrderedDict()
+_READ_LOCK = threading.Lock()
+_READ_FILES = 4  # the files whose rows are kept
+
+
 def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The rows of a JSON Lines file, or of a Parquet file (``.parquet``, read with pyarrow)."""
+    """The rows of a JSON Lines file, or of a Parquet file (``.parquet``, read with pyarrow).
+
+    Read once per version of the file (its path, size and modification time) and shared by every
+    caller after: a training run builds an environment per task, and a dataset of 100,000 rows
+    takes seconds to parse. The rows are read-only (environments copy a task as they draw it).
+    """
+    stat = os.stat(path)
+    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+    with _READ_LOCK:
+        if key in _READ:
+            _READ.move_to_end(key)
+            return _READ[key]
+    rows = _read_rows(path)
+    with _READ_LOCK:
+        _READ[key] = rows
+        while len(_READ) > _READ_FILES:
+            _READ.popitem(last=False)
+    return rows
+
+
+def _read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
     if os.fspath(path).endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
@@ -56,6 +84,43 @@ def load_rows(
     if data_path is None:
         data_path = resources.files("treerl.envs") / "data" / default_file
     return read_rows(data_path)
+
+
+class RowTasks(Sequence[Task]):
+    """The tasks of a dataset's rows, each made (``convert(row, index)``) when it is drawn.
+
+    An environment is built for every task of a run; converting every row of a large dataset
+    each time cost as much as the episode. Check the rows when building (cheaply), then wrap them.
+
+    >>> tasks = RowTasks([{"q": "1+1"}, {"q": "2+2"}], lambda row, i: Task(prompt=row["q"], id=str(i)))
+    >>> len(tasks), tasks[1].prompt, tasks[-1].id, [t.id for t in tasks[:1]]
+    (2, '2+2', '1', ['0'])
+    """
+
+    def __init__(self, rows: Sequence[Mapping[str, Any]], convert: Callable[[Mapping[str, Any], int], Task]):
+        self.rows, self.convert = rows, convert
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @overload
+    def __getitem__(self, index: int) -> Task: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Task]: ...
+    def __getitem__(self, index: int | slice) -> Task | list[Task]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"task {index} of {len(self)}")
+        index %= len(self)
+        return self.convert(self.rows[index], index)
+
+
+def check_rows(rows: Sequence[Mapping[str, Any]], check: Callable[[Mapping[str, Any], int], Any]) -> None:
+    """``check(row, index)`` on every row (it raises for a bad one), or on the first row of a
+    ``datasets.Dataset``, whose rows all have its columns."""
+    for index in range(min(len(rows), 1)) if hasattr(rows, "column_names") else range(len(rows)):
+        check(rows[index], index)
 
 
 class MathVerifyEnv(ToolEnv):
@@ -84,12 +149,14 @@ class MathVerifyEnv(ToolEnv):
         **kwargs: Any,
     ):
         dataset = load_rows(data_path, dataset, "math_sample.jsonl")
-        rows = [self._row(r, prompt_key, answer_key, i) for i, r in enumerate(dataset)]
+        check_rows(dataset, functools.partial(self._prompt_key, prompt_key=prompt_key, answer_key=answer_key))
+        rows = RowTasks(dataset, functools.partial(self._row, prompt_key=prompt_key, answer_key=answer_key))
         kwargs.setdefault("max_turns", 1)
         super().__init__(dataset=rows, **kwargs)
 
     @staticmethod
-    def _row(row: Mapping[str, Any], prompt_key: str, answer_key: str, index: int) -> Task:
+    def _prompt_key(row: Mapping[str, Any], index: int, *, prompt_key: str, answer_key: str) -> str:
+        """The column holding ``row``'s prompt; raises when a column is missing or the prompt is not usable."""
         if prompt_key == "question" and "question" not in row and "prompt" in row:
             prompt_key = "prompt"  # TRL's column name
         missing = [k for k in (prompt_key, answer_key) if k not in row]
@@ -98,10 +165,17 @@ class MathVerifyEnv(ToolEnv):
                 f"Row {index} has no {missing} column (columns: {sorted(row)}): pass prompt_key=/answer_key= to match."
             )
         prompt = row[prompt_key]
+        if isinstance(prompt, list) and not all(isinstance(m, Mapping) and "role" in m and "content" in m
+                                                for m in prompt):
+            raise ValueError(f"Row {index}: {prompt_key!r} is a list but not of messages ({{'role', 'content'}} "
+                             "dicts); give a string or a list of messages.")
+        return prompt_key
+
+    @classmethod
+    def _row(cls, row: Mapping[str, Any], index: int, *, prompt_key: str, answer_key: str) -> Task:
+        prompt_key = cls._prompt_key(row, index, prompt_key=prompt_key, answer_key=answer_key)
+        prompt = row[prompt_key]
         if isinstance(prompt, list):  # TRL's conversational format: the messages themselves
-            if not all(isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt):
-                raise ValueError(f"Row {index}: {prompt_key!r} is a list but not of messages ({{'role', 'content'}} "
-                                 "dicts); give a string or a list of messages.")
             prompt = [dict(m) for m in prompt]  # a leading system message replaces the environment's
         else:
             prompt = str(prompt)
