@@ -18,8 +18,10 @@ from treerl.envs.sandbox import (
     SandboxResult,
     arun_python,
     classify_outcome,
+    max_concurrent_runs,
     run_python,
     sandbox_capabilities,
+    set_max_concurrent_runs,
 )
 
 FAST = SandboxLimits(timeout_s=2.0)
@@ -201,6 +203,37 @@ def test_concurrent_runs_from_threads_do_not_interfere():
     assert results[3].error is SandboxErrorKind.RUNTIME_ERROR
     for r in results:
         _assert_clean(r)
+
+
+def test_runs_past_the_concurrency_bound_wait_and_the_wait_is_not_timed(monkeypatch):
+    # One slot: four runs of 0.4 s each go one after the other (about 2 s in all); had the
+    # wait for the slot counted against the 1 s limit, the last ones would time out.
+    monkeypatch.setenv("TREERL_SANDBOX_MAX_CONCURRENT", "1")
+    code = "import time\nstart = time.time()\ntime.sleep(0.4)\nprint(start, time.time())"
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda _: run_python(code, limits=SandboxLimits(timeout_s=1.0)), range(4)))
+    assert [r.error for r in results] == [None] * 4, [r.stderr for r in results]
+    spans = sorted(tuple(map(float, r.stdout.split())) for r in results)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:])), spans  # never two at once
+    assert max(r.wait_s for r in results) > 0.8  # the last one waited for about three runs
+    assert all(r.duration_s < 1.0 for r in results)
+
+
+def test_the_concurrency_bound_is_configurable(monkeypatch):
+    monkeypatch.delenv("TREERL_SANDBOX_MAX_CONCURRENT", raising=False)
+    default = max_concurrent_runs()
+    assert default == len(os.sched_getaffinity(0))
+    try:
+        set_max_concurrent_runs(3)
+        assert max_concurrent_runs() == 3
+    finally:
+        set_max_concurrent_runs(None)
+    assert max_concurrent_runs() == default
+    with pytest.raises(ValueError, match="integer >= 1"):
+        set_max_concurrent_runs(0)
+    monkeypatch.setenv("TREERL_SANDBOX_MAX_CONCURRENT", "many")
+    with pytest.raises(ValueError, match="TREERL_SANDBOX_MAX_CONCURRENT"):
+        max_concurrent_runs()
 
 
 # --- the limits ------------------------------------------------------------------------

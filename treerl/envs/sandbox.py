@@ -16,8 +16,9 @@ What is enforced, and what is left where the machine refuses (each run says whic
 ==============  =========================================================================
 protection      how (fallback)
 ==============  =========================================================================
-wall clock      The parent's read loop has a deadline; then it kills the run's cgroup,
-                process group, session and (as root) private uid. Always enforced.
+wall clock      The parent's read loop has a deadline, ``timeout_s`` after the run got its
+                slot (below); then it kills the run's cgroup, process group, session and
+                (as root) private uid. Always enforced.
 filesystem      A mount namespace whose root is an empty read-only tmpfs with only the
                 interpreter (its prefixes or venv), the system library directories and
                 the loader cache bound back read-only, a fresh ``/proc``, a minimal
@@ -55,6 +56,14 @@ result          Exit status, main pid and the ``enforced`` table travel on a pip
 Every run reports what was actually in effect in :attr:`SandboxResult.enforced`;
 :func:`sandbox_capabilities` runs a probe and returns the same for this machine.
 
+At most :func:`max_concurrent_runs` runs (default: the CPUs this process may use) go at
+once in a process; the others wait for a slot, and the time limit counts from when a run
+has one (:attr:`SandboxResult.wait_s` says how long it waited). Without that bound, many
+episodes running code at once on few cores starve each other, and even ``print(1)`` can pass
+a short wall-clock limit. The limit stays wall clock (a sleeping or blocked program is
+stopped too), not CPU time: with at most one run per CPU a run that is not starved by
+other work gets about a core, so its wall time is close to its CPU time.
+
 Outcomes are classified by :func:`classify_outcome`: wall time -> ``TIMEOUT``; a blocked
 network call -> ``NETWORK``; ``MemoryError``, an OOM kill in the run's cgroup or a kill by
 ``SIGKILL`` that was not ours -> ``MEMORY``; a full disk quota -> ``DISK``; ``EAGAIN`` on
@@ -73,6 +82,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -82,6 +92,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -108,6 +119,8 @@ __all__ = [
     "arun_python",
     "sandbox_capabilities",
     "classify_outcome",
+    "max_concurrent_runs",
+    "set_max_concurrent_runs",
 ]
 
 # Per-run uids come from a range far above ordinary users and the usual subordinate-id
@@ -131,7 +144,8 @@ class SandboxLimits:
     """Limits for one sandboxed run."""
 
     timeout_s: float = 5.0
-    """Wall-clock limit for the whole run, in seconds."""
+    """Wall-clock limit for the whole run (interpreter start-up included), in seconds, counted from
+    when the run has a slot (see :func:`max_concurrent_runs`), not while it waits for one."""
     memory_mb: int = 512
     """Address-space limit per process (``RLIMIT_AS``), in MiB. The interpreter alone needs ~30."""
     max_processes: int = 16
@@ -203,6 +217,7 @@ class SandboxResult:
     sandbox killed it (timeout, process limit)."""
     error: SandboxErrorKind | None
     duration_s: float
+    """Seconds from when the run got its slot to its end (what its time limit counts)."""
     truncated: bool = False
     """Whether stdout or stderr went over ``max_output_bytes`` and was cut."""
     enforced: dict[str, str] = field(default_factory=dict)
@@ -212,6 +227,9 @@ class SandboxResult:
     and session id; the user code runs in its child."""
     uid: int | None = None
     """The private uid the code ran as, when the sandbox dropped privileges."""
+    wait_s: float = 0.0
+    """Seconds the run waited for a slot before it started (see :func:`max_concurrent_runs`);
+    not counted against its time limit."""
 
     @property
     def ok(self) -> bool:
@@ -290,13 +308,22 @@ def run_python(
     ``files`` maps relative paths (subdirectories allowed) to contents written into the
     working directory before the code starts. Never raises for anything the code does;
     raises ``ValueError`` for a bad ``files`` path (the caller's bug). Thread-safe: no
-    ``preexec_fn``, all setup happens in the child's bootstrap.
+    ``preexec_fn``, all setup happens in the child's bootstrap. Waits for a slot first
+    when :func:`max_concurrent_runs` runs are going; ``limits.timeout_s`` counts from then.
 
     >>> r = run_python("import sys; print(sum(map(int, sys.stdin.read().split())))",
     ...                stdin="1 2 3")  # doctest: +SKIP
     >>> r.ok, r.stdout  # doctest: +SKIP
     (True, '6\\n')
     """
+    queued = time.monotonic()
+    with _SLOTS.hold():
+        return _run_in_slot(code, stdin=stdin, limits=limits, files=files, wait_s=time.monotonic() - queued)
+
+
+def _run_in_slot(code: str, *, stdin: str | None, limits: SandboxLimits, files: Mapping[str, str | bytes] | None,
+                 wait_s: float) -> SandboxResult:
+    """:func:`run_python`'s run, once it holds a slot: its clock starts here."""
     start = time.monotonic()
     uid = _pick_uid() if os.geteuid() == 0 else None
     ctl = Path(tempfile.mkdtemp(prefix="treerl-sbx-ctl-"))
@@ -397,6 +424,7 @@ def run_python(
             enforced=enforced,
             pid=proc.pid,
             uid=uid,
+            wait_s=wait_s,
         )
     finally:
         try:
@@ -441,6 +469,77 @@ async def arun_python(
 ) -> SandboxResult:
     """:func:`run_python` in a worker thread, so an event loop keeps serving other episodes."""
     return await asyncio.to_thread(run_python, code, stdin=stdin, limits=limits, files=files)
+
+
+def max_concurrent_runs() -> int:
+    """How many sandboxed runs this process lets go at once; the others wait for a slot.
+
+    The default is the number of CPUs this process may use, or the environment variable
+    ``TREERL_SANDBOX_MAX_CONCURRENT`` where it is set; :func:`set_max_concurrent_runs`
+    overrides both. Waiting for a slot does not count against a run's ``timeout_s``.
+
+    >>> max_concurrent_runs() >= 1
+    True
+    """
+    return _SLOTS.limit()
+
+
+def set_max_concurrent_runs(n: int | None) -> None:
+    """Let at most ``n`` sandboxed runs go at once in this process (``None``: back to the default).
+
+    Takes effect at once, for runs that wait for a slot too; runs already going are not stopped.
+    """
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"set_max_concurrent_runs(n={n!r}): n must be an integer >= 1 (runs at once), "
+                         "or None for the default (the CPUs this process may use).")
+    _SLOTS.set_limit(n)
+
+
+class _RunSlots:
+    """A process-wide bound on the sandboxed runs going at once (``run_python`` is called from many threads)."""
+
+    def __init__(self) -> None:
+        self._after_fork()
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        # A forked child has none of its parent's threads, so none of the slots they held.
+        self._cond = threading.Condition()
+        self._busy = 0
+        self._limit: int | None = None
+
+    def limit(self) -> int:
+        return self._limit if self._limit is not None else _default_max_concurrent_runs()
+
+    def set_limit(self, n: int | None) -> None:
+        with self._cond:
+            self._limit = n
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def hold(self):
+        with self._cond:
+            self._cond.wait_for(lambda: self._busy < self.limit())
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify()
+
+
+def _default_max_concurrent_runs() -> int:
+    value = os.environ.get("TREERL_SANDBOX_MAX_CONCURRENT", "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"TREERL_SANDBOX_MAX_CONCURRENT={value!r} must be an integer >= 1 (sandboxed runs "
+                             "at once); unset it for the default, the CPUs this process may use.")
+        return int(value)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+_SLOTS = _RunSlots()
 
 
 def sandbox_capabilities() -> dict[str, str]:
