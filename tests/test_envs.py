@@ -396,6 +396,23 @@ def test_code_sandbox_partial_credit_and_tool():
     assert terminated and reward == pytest.approx(2 / 3)  # the float test fails
 
 
+def test_code_sandbox_times_only_the_run_not_the_wait_for_a_sandbox_slot(monkeypatch):
+    # The hidden tests and the tool wait for a sandbox slot when other episodes' runs hold them all;
+    # only the sandbox's own limit (from when the run has a slot) may judge the program.
+    from treerl.envs.sandbox import SandboxLimits, run_python
+
+    monkeypatch.setenv("TREERL_SANDBOX_MAX_CONCURRENT", "1")
+    env = treerl.make("treerl/CodeSandbox-v0", limits=SandboxLimits(timeout_s=1.0))
+    assert env.score_timeout_s is None and [t.timeout for t in env.tools] == [None]
+    env.reset(options={"task_index": 0})  # add(a, b)
+    busy = threading.Thread(target=run_python, args=("import time; time.sleep(0.8)",))
+    busy.start()
+    time.sleep(0.3)  # the other run holds the only slot
+    _, reward, terminated, *_ = env.step("```python\ndef add(a, b):\n    return a + b\n```")
+    busy.join()
+    assert terminated and reward == 1.0
+
+
 def test_plain_functions_are_tools_as_in_trl():
     def add(a: int, b: int) -> int:
         """Add two integers.

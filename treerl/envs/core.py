@@ -246,7 +246,9 @@ class ToolEnv(Env):
         parse_timeout_s: Seconds that reading one reply's tool calls (``parser.parse`` and
             :meth:`is_final`) may take; past it the turn is one ``malformed`` call.
         score_timeout_s: Seconds that :meth:`score` may take; past it the reward is 0.0
-            and ``info["metrics"]["score/timeout"]`` is 1.
+            and ``info["metrics"]["score/timeout"]`` is 1. ``None``: no limit here, for a
+            score that bounds itself (CodeSandbox's hidden tests run under the sandbox's
+            limit, which does not count the wait for a sandbox slot; this one would).
         malformed_ends_episode: A reply with a ``malformed`` tool call (one that cannot be
             parsed) ends the episode at reward 0, its other calls unrun (termination
             ``malformed_call``, ``info["metrics"]["episode/malformed_call"]`` is 1), as TRL's
@@ -281,7 +283,7 @@ class ToolEnv(Env):
         system_prompt: str | None = None,
         render_mode: str | None = None,
         parse_timeout_s: float = 10.0,
-        score_timeout_s: float = 60.0,
+        score_timeout_s: float | None = 60.0,
         malformed_ends_episode: bool = False,
         malformed_penalty: float = 0.0,
     ):
@@ -298,9 +300,12 @@ class ToolEnv(Env):
         if max_turns < 1:
             raise ValueError(f"max_turns={max_turns} must be >= 1: the model needs at least one turn to answer.")
         for key, value in (("parse_timeout_s", parse_timeout_s), ("score_timeout_s", score_timeout_s)):
+            if key == "score_timeout_s" and value is None:
+                continue
             if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
                 raise ValueError(f"{key}={value!r} must be a finite number of seconds > 0, e.g. {key}=10.0.")
-        self.parse_timeout_s, self.score_timeout_s = float(parse_timeout_s), float(score_timeout_s)
+        self.parse_timeout_s = float(parse_timeout_s)
+        self.score_timeout_s = None if score_timeout_s is None else float(score_timeout_s)
         # A plain function is made a tool here, as TRL's and verifiers' tools=[fn] take it.
         self._tools = [t if isinstance(t, Tool) else Tool(t) for t in (self.tool_list if tools is None else tools)]
         names = [t.name for t in self._tools]

@@ -74,7 +74,9 @@ def make_run_python_tool(limits: SandboxLimits) -> Tool:
 
     Outcomes other than a clean run become typed tool errors: the wall-clock limit is a
     ``timeout``; memory, process-count and network violations and exceptions are ``tool_error``
-    with the captured output, so the model reads what went wrong.
+    with the captured output, so the model reads what went wrong. The tool itself has no time
+    limit: the sandbox's own counts from when the run has a slot, and a tool limit would count
+    the wait for one as the program's time.
     """
 
     def run_python_tool(code: str) -> str:
@@ -95,8 +97,7 @@ def make_run_python_tool(limits: SandboxLimits) -> Tool:
             tool_name="run_python",
         )
 
-    # The tool's own timeout is a backstop: the sandbox enforces the real limit.
-    return tool(run_python_tool, name="run_python", timeout=limits.timeout_s + 10.0)
+    return tool(run_python_tool, name="run_python", timeout=None)
 
 
 def unit_test_feedback(tests: Sequence[str], report: UnitTestReport) -> str:
@@ -152,6 +153,10 @@ class CodeSandboxEnv(ToolEnv):
             rows = RowTasks(dataset, self._row)
         self.limits = limits or SandboxLimits()
         kwargs.setdefault("max_turns", 4)
+        # The hidden tests run under the sandbox's limit, which does not count the wait for a slot
+        # (see treerl.envs.sandbox.max_concurrent_runs); a score limit would, and score a correct
+        # program 0 when many episodes finish at once.
+        kwargs.setdefault("score_timeout_s", None)
         super().__init__(tools=[make_run_python_tool(self.limits)], dataset=rows, **kwargs)
 
     def sample_task(self, rng: np.random.Generator) -> Task:
