@@ -33,6 +33,7 @@ import gymnasium
 import numpy as np
 
 from treerl.errors import EnvError, ToolCallError, ToolErrorKind
+from treerl.envs.loops import run_until_done
 from treerl.envs.offload import run_in_thread
 from treerl.envs.parsers import PARSERS, ParseResult, ToolCall, ToolCallParser, get_parser
 from treerl.envs.spaces import ChatMessages, Completion
@@ -80,18 +81,20 @@ class ValidationReport:
 def run_sync(coro):
     """Run a coroutine to completion from synchronous code, even under a running loop.
 
-    A fresh event loop is used; if the calling thread already runs one (a notebook), the
-    coroutine runs on a helper thread instead of failing.
+    A fresh event loop is used (:func:`~treerl.envs.loops.run_until_done`: tasks the coroutine
+    left behind, such as a timed-out tool that swallows its cancellation, get a short grace and
+    are then abandoned, not waited for); if the calling thread already runs one (a notebook),
+    the coroutine runs on a helper thread instead of failing.
     """
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coro)
+        return run_until_done(coro)
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
-            box["value"] = asyncio.run(coro)
+            box["value"] = run_until_done(coro)
         except BaseException as exc:  # re-raised in the caller's thread
             box["error"] = exc
 
@@ -148,7 +151,7 @@ class Env(gymnasium.Env[list[Message], str]):
 
         Not asyncio's default executor: its few workers (CPU count + 4) would make the steps
         of a large group queue behind each other, and a step that hangs past the engine's
-        ``max_episode_seconds`` would keep ``asyncio.run`` from returning until it ends.
+        ``max_episode_seconds`` would keep the executor's shutdown waiting until it ends.
         """
         if type(self).step is Env.step:
             raise NotImplementedError(f"{type(self).__name__} must implement step() or astep().")

@@ -35,8 +35,8 @@ a timeout. On timeout the caller gets :class:`~treerl.errors.ToolTimeout` at onc
 thread cannot be killed: it runs on to its end (it holds no shared worker meanwhile).
 An async tool is cancelled on timeout and the caller gets :class:`~treerl.errors.ToolTimeout`
 at once, whether or not the tool stops: one that swallows the cancellation runs on,
-abandoned, until it returns (its result is dropped; closing the event loop, ``asyncio.run``
-still waits for it), and one that blocks the event loop cannot be stopped at all. For code
+abandoned, until it returns (its result is dropped; closing the event loop,
+:func:`~treerl.envs.loops.run_until_done` gives it a short grace, then leaves it), and one that blocks the event loop cannot be stopped at all. For code
 that may hang or must really be stopped, use ``isolate=True``: each call then runs in a fresh
 process (``forkserver`` where available, else ``spawn``), which is killed on timeout. The
 function must then be importable by its module and name (a module-level function) or
@@ -48,7 +48,6 @@ their descriptions from :mod:`treerl.envs.docstrings`.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import json
@@ -63,6 +62,7 @@ import jsonschema
 
 from treerl.envs.docstrings import parse_docstring
 from treerl.envs.isolation import function_payload, run_isolated
+from treerl.envs.loops import run_with_limit
 from treerl.envs.offload import run_in_thread
 from treerl.envs.parsers import ToolCall
 from treerl.envs.schema import (
@@ -81,9 +81,6 @@ __all__ = ["Tool", "tool", "ToolResult", "run_tool_call"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _MAX_REPORTED_ERRORS = 5
-_ABANDONED: set[asyncio.Task] = set()
-"""Async tool calls that ran past their limit and have not ended yet: held here, since the event
-loop keeps only weak references to tasks (not on the Tool, which environments deep-copy)."""
 
 
 class Tool:
@@ -369,16 +366,10 @@ class Tool:
         # swallows CancelledError (a retry loop catching it) held the call, and the rollout,
         # for as long as it ran. Here the call returns at the limit; the tool, asked to stop,
         # runs on abandoned until it does.
-        task = asyncio.ensure_future(awaitable)
         try:
-            await asyncio.wait({task}, timeout=self.timeout)
-        except asyncio.CancelledError:  # the caller gave up (the episode's own time limit)
-            _abandon(task)
-            raise
-        if task.done():
-            return task.result()
-        _abandon(task)
-        raise self._timeout()
+            return await run_with_limit(awaitable, self.timeout, name=f"tool {self.name!r}")
+        except TimeoutError:
+            raise self._timeout() from None
 
     def _timeout(self) -> ToolTimeout:
         return ToolTimeout(f"Tool {self.name!r} timed out after {self.timeout:g} s.", tool_name=self.name)
@@ -602,19 +593,6 @@ def _capture(kwargs: dict[str, Any], fn: Callable[..., Any]) -> tuple[str, Any]:
         return "ok", fn(**kwargs)
     except (Exception, SystemExit) as exc:  # the tool's failure (sys.exit too) is the model's observation
         return "raised", exc
-
-
-def _abandon(task: asyncio.Task) -> None:
-    """Cancel ``task`` without waiting for it to end; hold it until it does."""
-    task.cancel()
-    _ABANDONED.add(task)
-    task.add_done_callback(_forget)
-
-
-def _forget(task: asyncio.Task) -> None:
-    _ABANDONED.discard(task)
-    if not task.cancelled():
-        task.exception()  # retrieved: its outcome is dropped, not logged as never retrieved
 
 
 async def _capture_async(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str, Any]:

@@ -32,7 +32,6 @@ under ``accelerate launch``).
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import logging
@@ -51,6 +50,7 @@ import torch
 
 from treerl.agents.chat_templates import warn_about_template
 from treerl.agents.policy import Policy
+from treerl.envs.loops import run_until_done
 from treerl.envs.registry import factory_env_id
 from treerl.errors import ConfigError
 from treerl.kernels.tree_attention import (
@@ -210,7 +210,7 @@ class Run:
             groups, stats = self.source.take(tasks)
             check_sampling_temperature(groups, self.cfg.temperature)
             return groups, stats
-        return asyncio.run(self.engine.run(self.env_factory, self.env_id or self.cfg.env, tasks, self.cfg.group_size))
+        return run_until_done(self.engine.run(self.env_factory, self.env_id or self.cfg.env, tasks, self.cfg.group_size))
 
     def publish_weights(self, metrics: dict[str, float]) -> None:
         """Send the updated weights to the policy under the next version."""

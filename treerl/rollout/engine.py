@@ -36,6 +36,7 @@ import numpy as np
 
 from treerl.agents.chat import ChatRenderer, RenderError
 from treerl.agents.policy import Policy, SamplingParams
+from treerl.envs.loops import run_with_limit
 from treerl.errors import EnvError
 from treerl.rollout.episode import (
     EpisodeState,
@@ -222,10 +223,12 @@ class RolloutEngine:
             shared = None  # only a context's first request shares its prefill with siblings
             remaining = self.max_episode_seconds - (time.monotonic() - state.started)
             try:
-                obs, reward, terminated, truncated, info = await asyncio.wait_for(
-                    state.env.astep(turn.text), timeout=max(remaining, 1e-3)
+                # Not asyncio.wait_for: it waits for a cancelled step to end, forever for an astep
+                # that swallows CancelledError; this returns at the limit and abandons the step.
+                obs, reward, terminated, truncated, info = await run_with_limit(
+                    state.env.astep(turn.text), max(remaining, 1e-3), name=f"env {group.env_id!r} step ({session})"
                 )
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return self._finish(state, group, turn.leaf, "timeout")
             except Exception as exc:  # an environment bug: recorded as data, the run goes on
                 logger.warning("environment %s raised in step(): %s", group.env_id,

@@ -24,7 +24,6 @@ and each function's ``reward_fn/<name>_mean``, the names of learn's metrics.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import os
@@ -40,6 +39,7 @@ from treerl.agents.chat_templates import resolve_chat_template
 from treerl.agents.policy import Policy, SamplingParams
 from treerl.config import AcceptsAliases, field_help
 from treerl.envs.group import EnvGroup
+from treerl.envs.loops import run_until_done
 from treerl.envs.registry import make
 from treerl.errors import ConfigError
 from treerl.rollout.engine import RolloutEngine
@@ -305,7 +305,7 @@ def evaluate(env_id: str, policy: Policy, tokenizer: Any, *, env_kwargs: dict[st
     >>> evaluate("treerl/Calculator-v0", policy, tok, num_episodes=8).success_rate  # doctest: +SKIP
     """
     env_kwargs = dict(env_kwargs or {})
-    return asyncio.run(aevaluate(lambda: make(env_id, **env_kwargs), policy, tokenizer, env_id=env_id, **kwargs))
+    return run_until_done(aevaluate(lambda: make(env_id, **env_kwargs), policy, tokenizer, env_id=env_id, **kwargs))
 
 
 def evaluate_with(cfg: EpisodeOptions, policy: Policy, tokenizer: Any, *, num_episodes: int, seed: int,
@@ -320,7 +320,7 @@ def evaluate_with(cfg: EpisodeOptions, policy: Policy, tokenizer: Any, *, num_ep
     ``reward_weights`` are :func:`aevaluate`'s (``cfg``'s own are not read: a learner's held-out
     evaluation plays each task once, on the environment's reward).
     """
-    return asyncio.run(aevaluate(
+    return run_until_done(aevaluate(
         env_factory or cfg.env_factory(), policy, tokenizer, env_id=env_id or cfg.env, num_episodes=num_episodes, seed=seed,
         params=cfg.sampling(**sampling_overrides), max_concurrency=cfg.max_concurrency,
         max_episode_tokens=cfg.max_episode_tokens, max_episode_seconds=cfg.max_episode_seconds,

@@ -10,7 +10,6 @@ an unreadable line is reported by line number; ``--repair`` moves such lines to
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 import sys
@@ -21,6 +20,7 @@ from typing import Any
 from treerl.agents.chat_templates import resolve_chat_template, warn_about_template
 from treerl.agents.policy import Policy
 from treerl.config import field_help
+from treerl.envs.loops import run_until_done
 from treerl.errors import ConfigError
 from treerl.rollout.options import EpisodeOptions
 from treerl.rollout.trajectory import GroupWriter, make_header, repair_trajectory_file
@@ -80,7 +80,7 @@ def record(cfg: RolloutConfig, policy: Policy, tokenizer: Any) -> dict[str, Any]
             bar.update(1)
 
     try:
-        _, stats = asyncio.run(engine.run(cfg.env_factory(), cfg.env, todo, cfg.group_size, writer=writer,
+        _, stats = run_until_done(engine.run(cfg.env_factory(), cfg.env, todo, cfg.group_size, writer=writer,
                                           on_group=on_group))
     finally:
         writer.close()
