@@ -199,7 +199,7 @@ class Episode:
                    extra_leaves=list(d.get("extra_leaves", [])), advantage=d.get("advantage"))
 
 
-@dataclass
+@dataclass(repr=False)
 class Group:
     """All episodes of one task, as one prefix tree."""
 
@@ -208,6 +208,13 @@ class Group:
     segments: list[Segment] = field(default_factory=list)
     episodes: list[Episode] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        # Sizes, not contents: Python 3.11's asyncio.run formats the repr of the value its main
+        # coroutine returned (signal.getsignal on its SIGINT handler), and a whole group's
+        # token ids and candidate sets are megabytes of text, seconds per call of engine.run.
+        return (f"Group(task_key={self.task_key!r}, env_id={self.env_id!r}, segments={len(self.segments)}, "
+                f"episodes={len(self.episodes)}, tokens={self.num_unique_tokens})")
 
     def add_segment(self, kind: SegmentKind, token_ids: Sequence[int], *, parent: int | None = None,
                     logprobs: Sequence[float] | None = None, candidates: Sequence[Sequence[int]] | None = None,

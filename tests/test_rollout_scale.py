@@ -1,0 +1,40 @@
+"""How rollout bookkeeping grows with episodes, turns and tokens: counts, not timings.
+
+A fake policy answers instantly, so what is left is the engine's own work per turn and per
+group; these tests pin the counts that keep it linear (renders per turn, encodings per
+write, the size of a group's repr).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from treerl.rollout import Group
+
+
+def big_group(num_episodes: int = 16, turns: int = 8, tokens: int = 100, width: int = 20) -> Group:
+    group = Group(task_key="seed-0", env_id="demo")
+    root = group.add_segment("prompt", list(range(500)))
+    for _ in range(num_episodes):
+        parent = root
+        for _ in range(turns):
+            parent = group.add_segment("sampled", [7] * tokens, parent=parent, logprobs=[-0.5] * tokens,
+                                       candidates=[list(range(1000, 1000 + width))] * tokens, policy_version=0)
+            parent = group.add_segment("env", [3] * 40, parent=parent)
+        group.add_episode(leaf=parent, reward=0.0)
+    return group
+
+
+def test_group_repr_names_sizes_not_tokens():
+    # asyncio.run (Python 3.11) formats the repr of what engine.run returns; a repr that
+    # spelled out every token id and candidate set cost seconds per learner step.
+    group = big_group()
+    text = repr(group)
+    assert len(text) < 200, text[:300]
+    assert "episodes=16" in text and f"tokens={group.num_unique_tokens}" in text
+
+    async def returns_groups():
+        return [group] * 8, None
+
+    groups, _ = asyncio.run(returns_groups())
+    assert groups[0] is group
