@@ -38,3 +38,27 @@ def test_group_repr_names_sizes_not_tokens():
 
     groups, _ = asyncio.run(returns_groups())
     assert groups[0] is group
+
+
+def test_writing_a_group_encodes_its_tokens_once(monkeypatch, tmp_path):
+    # Each part of a line used to be encoded twice: once to see that strict JSON takes it,
+    # once more for the text written.
+    import json
+
+    from treerl.rollout import GroupWriter, read_groups, safe_json
+
+    group = big_group(num_episodes=2, turns=2)
+    encoded: list[int] = []
+    real_dumps = json.dumps
+
+    def counting_dumps(obj, **kwargs):
+        if isinstance(obj, list) and obj and isinstance(obj[0], dict) and "token_ids" in obj[0]:
+            encoded.append(len(obj))
+        return real_dumps(obj, **kwargs)
+
+    monkeypatch.setattr(safe_json.json, "dumps", counting_dumps)
+    with GroupWriter(tmp_path / "r.jsonl") as writer:
+        writer.write(group)
+    monkeypatch.undo()
+    assert encoded == [len(group.segments)]
+    assert [g.to_json() for g in read_groups(tmp_path / "r.jsonl")] == [group.to_json()]

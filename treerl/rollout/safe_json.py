@@ -38,6 +38,10 @@ def dumps_record(obj: Any, *, default: Callable[[Any], Any] | None = None) -> tu
     ``default`` converts objects JSON does not know (as ``json.dumps``'s); what it cannot
     convert is dropped. The list names at most 20 dropped places (``path``, ``value``).
     """
+    try:  # the common case, encoded once: a group's tokens are most of a write
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False, default=default), []
+    except (ValueError, TypeError, RecursionError, OverflowError):
+        pass
     dropped: list[dict[str, str]] = []
     clean = _narrow(obj, "", 0, default, dropped)
     return json.dumps(clean, separators=(",", ":"), allow_nan=False, default=default), dropped[:_MAX_REPORTED]
