@@ -62,3 +62,20 @@ def test_writing_a_group_encodes_its_tokens_once(monkeypatch, tmp_path):
     monkeypatch.undo()
     assert encoded == [len(group.segments)]
     assert [g.to_json() for g in read_groups(tmp_path / "r.jsonl")] == [group.to_json()]
+
+
+def test_packing_builds_candidate_sets_in_one_piece(monkeypatch):
+    # One small tensor per loss position (12,800 here) cost seconds per learner step.
+    import torch
+
+    from treerl.learners.packing import PackingConfig, pack_groups
+
+    group = big_group()
+    calls = []
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: calls.append(1) or real_tensor(*a, **k))
+    [batch] = pack_groups([group], [0.5] * 16, PackingConfig(max_tokens_per_row=1 << 16))
+    monkeypatch.undo()
+    assert len(calls) < 50
+    assert batch.loss_candidates.shape == (16 * 8 * 100, 20)
+    assert (batch.loss_candidates == torch.arange(1000, 1020)).all()

@@ -68,10 +68,12 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -529,10 +531,13 @@ def _assemble(
     candidates_t = None
     if any(c is not None for c in candidates):
         width = max(len(c) for c in candidates if c is not None)
-        candidates_t = torch.full((len(candidates), width), -1, dtype=torch.long)  # (N, K)
-        for n, cands in enumerate(candidates):
-            row = cands if cands is not None else [loss_target[n]]
-            candidates_t[n, : len(row)] = torch.tensor(row, dtype=torch.long)
+        rows = [cands if cands is not None else [target] for cands, target in zip(candidates, loss_target)]
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        # Filled in one assignment, row-major: a tensor per loss position cost seconds per step.
+        padded = np.full((len(rows), width), -1, dtype=np.int64)  # (N, K)
+        padded[np.arange(width) < lengths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+        candidates_t = torch.from_numpy(padded)
     episode_t = torch.tensor(term_episode, dtype=torch.long)
     return PackedBatch(
         mode=cfg.mode,
