@@ -79,3 +79,61 @@ def test_packing_builds_candidate_sets_in_one_piece(monkeypatch):
     assert len(calls) < 50
     assert batch.loss_candidates.shape == (16 * 8 * 100, 20)
     assert (batch.loss_candidates == torch.arange(1000, 1020)).all()
+
+
+class InstantPolicy:
+    """Answers every request at once with the same few tokens and the end-of-turn id."""
+
+    version = 0
+
+    def __init__(self, tokenizer):
+        self.ids = [*tokenizer.encode("fine, and you?", add_special_tokens=False), tokenizer.eos_token_id]
+
+    async def agenerate(self, request):
+        from treerl.agents.policy import Generation
+
+        return Generation(token_ids=list(self.ids), logprobs=[-0.5] * len(self.ids), candidates=None,
+                          finish_reason="stop", policy_version=0, num_prompt_tokens_processed=0)
+
+    def end_session(self, session):
+        pass
+
+
+def talk_env(turns: int):
+    from treerl.envs.core import Env
+
+    class Talk(Env):
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.t = 0
+            return [{"role": "user", "content": f"task {seed}"}], {}
+
+        async def astep(self, action):
+            self.t += 1
+            return [{"role": "user", "content": f"and then {self.t}?"}], 0.0, self.t >= turns, False, {}
+
+    return Talk()
+
+
+def test_a_turn_renders_the_conversation_once(monkeypatch):
+    # The bridge needs the rendering of the conversation before the turn, which is the text
+    # the previous turn's bridge rendered: rendering it again made every turn two renderings
+    # of the whole conversation (the part of an episode's cost that grows as turns^2).
+    from treerl.agents.chat import ChatRenderer
+    from treerl.models import default_model_path
+    from treerl.rollout.engine import RolloutEngine
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    renders = []
+    real_render = ChatRenderer.render
+    monkeypatch.setattr(ChatRenderer, "render", lambda self, *a, **k: renders.append(1) or real_render(self, *a, **k))
+    num_tasks, group_size, turns = 2, 3, 6
+    engine = RolloutEngine(InstantPolicy(tok), tok, max_episode_tokens=1 << 16)
+    groups, _ = asyncio.run(engine.run(lambda: talk_env(turns), "talk", range(num_tasks), group_size))
+    assert all(e.metrics["turns"] == turns for g in groups for e in g.episodes)
+    # One rendering of the prompt per group, then one per bridge (turns - 1 per episode).
+    assert len(renders) == num_tasks + num_tasks * group_size * (turns - 1)
+    renderer = ChatRenderer(tok)
+    for e in groups[0].episodes:  # and the paths are still the rendered conversations
+        assert e.token_ids == renderer.prompt_ids(e.messages)[:len(e.token_ids)]

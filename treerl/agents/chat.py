@@ -135,6 +135,10 @@ class Bridge:
     message: dict[str, Any] | None = field(default=None, compare=False)
     """The assistant message the turn was re-rendered from (raw or structured); the
     conversation keeps it in place of the raw one. None for a bridge built by hand."""
+    text: str | None = field(default=None, compare=False, repr=False)
+    """The rendering of the whole conversation after the turn, with the generation prompt: the
+    text of the next context, which the next turn's :meth:`ChatRenderer.bridge` takes as
+    ``prev_text``. None for a bridge built by hand."""
 
     def __post_init__(self) -> None:
         if self.branch and (self.context_ids is None or self.reason is None or self.ids):
@@ -318,6 +322,8 @@ class ChatRenderer:
         completion_ids: Sequence[int],
         completion_text: str,
         new_messages: Sequence[Mapping[str, Any]],
+        *,
+        prev_text: str | None = None,
     ) -> Bridge:
         """Tokens to append after a completion so the path equals the rendered conversation.
 
@@ -328,6 +334,9 @@ class ChatRenderer:
             completion_text: the sampled text without that final stop token
                 (:meth:`completion_text`).
             new_messages: what the environment answered (tool results, a user turn).
+            prev_text: ``render(messages)`` with the generation prompt when the caller has it
+                (the previous bridge's :attr:`Bridge.text`); None renders it here. Passing it
+                makes a turn one rendering of the conversation instead of two.
 
         Returns a :class:`Bridge`; see the module docstring for when it branches.
         Raises ``ValueError`` when ``completion_text`` still ends with the stop token, and
@@ -346,7 +355,8 @@ class ChatRenderer:
 
         # What the model saw, as text: by induction every context the engine holds is the
         # rendering of `messages` (an append-only bridge keeps it so; a branch resets to it).
-        prev_text = self.render(messages, add_generation_prompt=True)
+        if prev_text is None:
+            prev_text = self.render(messages, add_generation_prompt=True)
         seen_text = prev_text + completion_text
         message, full_text = self._rerender(messages, completion_text, new_messages, seen_text)
 
@@ -370,7 +380,7 @@ class ChatRenderer:
             )
         end_of_turn = rest_ids[0]
         if last == end_of_turn or (last is not None and self._turn_end_aliases.get(last) == end_of_turn):
-            return Bridge(ids=rest_ids[1:], message=message)
+            return Bridge(ids=rest_ids[1:], message=message, text=full_text)
         if last in self._special_ids:
             return self._branch(
                 full_text, message, BranchReason.STOP_TOKEN_MISMATCH,
@@ -379,7 +389,7 @@ class ChatRenderer:
             )
         # No stop token (length stop, or a non-special stop id): the environment closes the
         # turn, so the end-of-turn token is a forced env token at the head of the bridge.
-        return Bridge(ids=rest_ids, message=message)
+        return Bridge(ids=rest_ids, message=message, text=full_text)
 
     def _rerender(self, messages: Sequence[Mapping[str, Any]], completion_text: str,
                   new_messages: Sequence[Mapping[str, Any]], seen_text: str) -> tuple[dict[str, Any], str]:
@@ -417,7 +427,7 @@ class ChatRenderer:
 
     def _branch(self, full_text: str, message: dict[str, Any], reason: BranchReason, detail: str) -> Bridge:
         return Bridge(ids=[], branch=True, context_ids=self.encode(full_text), reason=reason.value,
-                      detail=detail, message=message)
+                      detail=detail, message=message, text=full_text)
 
 
 def _first_difference(a: str, b: str) -> int:

@@ -157,7 +157,8 @@ class RolloutEngine:
             renderer = ChatRenderer(self.tokenizer, tools=env.tool_schemas or None, chat_template=self.chat_template,
                                     parser=getattr(env, "parser", None))
             messages = list(obs)
-            prompt_ids = renderer.prompt_ids(messages)
+            prompt_text = renderer.render(messages)
+            prompt_ids = renderer.encode(prompt_text)
             group = Group(task_key=f"seed-{task_seed}", env_id=env_id,
                           info={"task_seed": task_seed, "task_id": info.get("task_id"), "options": options,
                                 "answer": info.get("answer"), "num_prompt_messages": len(messages),
@@ -166,11 +167,12 @@ class RolloutEngine:
                                 # an EnvGroup's member, which per-environment figures group by
                                 **({"env": info["env"]} if isinstance(info.get("env"), str) else {})})
             root = group.add_segment("prompt", prompt_ids)
-            states = [
-                EpisodeState(env=env.fork(), messages=copy.deepcopy(messages), context_ids=list(prompt_ids),
-                             parent=root, path=(g,))
-                for g in range(group_size)
-            ]
+            states = []
+            for g in range(group_size):
+                state = EpisodeState(env=env.fork(), messages=copy.deepcopy(messages), context_ids=list(prompt_ids),
+                                     parent=root, path=(g,))
+                state.rendered = (state.messages, prompt_text)
+                states.append(state)
             plays = [self._play(s, group, renderer, task_seed, shared=f"{group.task_key}/prompt") for s in states]
             handed_over = group_size
             await asyncio.gather(*plays)

@@ -52,6 +52,9 @@ class EpisodeState:
     extra_leaves: list[int] = field(default_factory=list)
     branched: bool = False
     started: float = field(default_factory=time.monotonic)
+    rendered: tuple[list[dict[str, Any]], str] | None = field(default=None, repr=False)
+    """``(messages, text)``: the renderer's text of that very list (with the generation prompt),
+    valid while ``messages`` is still that list, so a turn renders the conversation once."""
 
     @property
     def name(self) -> str:
@@ -63,6 +66,8 @@ class EpisodeState:
         child.path = (*self.path, branch)
         for name in ("messages", "context_ids", "rewards", "tool_calls", "metrics", "extra_leaves"):
             setattr(child, name, copy.deepcopy(getattr(self, name)))
+        if self.rendered is not None and self.rendered[0] is self.messages:
+            child.rendered = (child.messages, self.rendered[1])
         return child
 
 
@@ -76,6 +81,8 @@ class Turn:
     """The sampled text without a final special stop token (:meth:`ChatRenderer.completion_text`)."""
     before: list[dict[str, Any]]
     """The conversation the turn's context was rendered from."""
+    before_text: str | None = None
+    """Its rendering with the generation prompt, when the episode kept it (else rendered again)."""
     forced: list[int] = field(default_factory=list)
     """Tokens put at the start of the turn rather than sampled (a server forcing a tool call's
     opening): recorded as an ``env`` segment before the sampled one, never trained on."""
@@ -112,8 +119,9 @@ async def sample_turn(policy: Policy, state: EpisodeState, group: Group, rendere
     )
     text = renderer.completion_text([*forced, *gen.token_ids])
     before = state.messages
+    before_text = state.rendered[1] if state.rendered is not None and state.rendered[0] is before else None
     state.messages = [*before, assistant_message(text)]
-    return Turn(leaf=leaf, generation=gen, text=text, before=before, forced=forced)
+    return Turn(leaf=leaf, generation=gen, text=text, before=before, before_text=before_text, forced=forced)
 
 
 def observe(state: EpisodeState, renderer: ChatRenderer, turn: Turn, obs: list[dict[str, Any]]) -> Bridge:
@@ -122,9 +130,10 @@ def observe(state: EpisodeState, renderer: ChatRenderer, turn: Turn, obs: list[d
     The turn stays in the conversation in the form the bridge rendered it (raw, or
     structured when the template needs the parsed calls), so later renderings agree.
     """
-    bridge = renderer.bridge(turn.before, turn.token_ids, turn.text, obs)
+    bridge = renderer.bridge(turn.before, turn.token_ids, turn.text, obs, prev_text=turn.before_text)
     turn_message = bridge.message if bridge.message is not None else assistant_message(turn.text)
     state.messages = [*turn.before, turn_message, *copy.deepcopy(obs)]
+    state.rendered = None if bridge.text is None else (state.messages, bridge.text)
     return bridge
 
 
