@@ -137,3 +137,38 @@ def test_a_turn_renders_the_conversation_once(monkeypatch):
     renderer = ChatRenderer(tok)
     for e in groups[0].episodes:  # and the paths are still the rendered conversations
         assert e.token_ids == renderer.prompt_ids(e.messages)[:len(e.token_ids)]
+
+
+def test_reading_and_resuming_a_file_do_not_hold_it_whole(tmp_path):
+    # read_groups read every line into memory before yielding the first group, and opening a
+    # writer on an existing file read the whole file to look at its last byte.
+    import gc
+    import tracemalloc
+
+    from treerl.rollout import GroupWriter, read_groups
+
+    group = Group(task_key="seed-0", env_id="demo")
+    group.add_episode(leaf=group.add_segment("prompt", [1, 2, 3]), reward=0.0,
+                      messages=[{"role": "user", "content": "long text " * 5000}])
+    line = group.to_json() + "\n"  # its text: as big in memory as in the file
+    path = tmp_path / "r.jsonl"
+    with open(path, "w") as f:
+        f.write(line * 200 + line[: len(line) // 2])  # and a torn last line
+    size = path.stat().st_size
+    assert size > 8_000_000
+
+    tracemalloc.start()
+    count = 0
+    for _ in read_groups(path):  # a group and its episodes form cycles: freed by the collector
+        count += 1
+        if count % 25 == 0:
+            gc.collect()
+    read_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.reset_peak()
+    GroupWriter(path).close()
+    open_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert count == 200
+    assert path.stat().st_size == len(line) * 200  # the torn line was cut
+    assert read_peak < size / 2, (read_peak, size)
+    assert open_peak < size / 20, (open_peak, size)

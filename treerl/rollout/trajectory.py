@@ -395,20 +395,19 @@ def read_header(path: str | os.PathLike) -> dict[str, Any] | None:
 def _read_lines(path: str | os.PathLike) -> Iterator[tuple[int, str, Group | str | None]]:
     """``(line number, line, group)`` per line; the group is the reason when the line is unreadable,
     ``None`` for the header, blank lines and a torn last line (the writer was killed mid-write)."""
+    # Line by line: a file of many groups is never held whole. Only the last line can lack its newline.
     with open(path, "rb") as f:
-        raw_lines = f.readlines()
-    for lineno, raw in enumerate(raw_lines, 1):
-        line = raw.decode("utf-8", errors="replace")
-        group: Group | str | None = None
-        if line.strip() and not (lineno == 1 and _is_header(line)):
-            try:
-                group = Group.from_json(raw.decode("utf-8"))
-            except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:  # UnicodeDecodeError too
-                torn = lineno == len(raw_lines) and not raw.endswith(b"\n") and isinstance(
-                    exc, (json.JSONDecodeError, UnicodeDecodeError))
-                group = None if torn else exc.msg if isinstance(exc, json.JSONDecodeError) else (
-                    f"{type(exc).__name__}: {exc}")
-        yield lineno, line, group
+        for lineno, raw in enumerate(f, 1):
+            line = raw.decode("utf-8", errors="replace")
+            group: Group | str | None = None
+            if line.strip() and not (lineno == 1 and _is_header(line)):
+                try:
+                    group = Group.from_json(raw.decode("utf-8"))
+                except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:  # UnicodeDecodeError too
+                    torn = not raw.endswith(b"\n") and isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError))
+                    group = None if torn else exc.msg if isinstance(exc, json.JSONDecodeError) else (
+                        f"{type(exc).__name__}: {exc}")
+            yield lineno, line, group
 
 
 def read_groups(path: str | os.PathLike) -> Iterator[Group]:
@@ -536,11 +535,21 @@ def _truncate_torn_tail(path: Path) -> None:
     if not path.exists() or path.stat().st_size == 0:
         return
     with open(path, "rb+") as f:
-        data = f.read()
-        if data.endswith(b"\n"):
+        end = f.seek(0, os.SEEK_END)
+        f.seek(end - 1)
+        if f.read(1) == b"\n":
             return
-        cut = data.rfind(b"\n") + 1  # 0 when the only line is torn
-        f.truncate(cut)
+        # Back from the end to the last newline, a block at a time: the file may hold gigabytes of groups.
+        cut = end
+        while cut > 0:
+            start = max(0, cut - (1 << 16))
+            f.seek(start)
+            newline = f.read(cut - start).rfind(b"\n")
+            if newline >= 0:
+                f.truncate(start + newline + 1)
+                return
+            cut = start
+        f.truncate(0)  # the only line is torn
 
 
 def to_flat_records(groups: Sequence[Group] | Iterator[Group]) -> Iterator[dict[str, Any]]:
