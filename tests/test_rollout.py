@@ -343,3 +343,26 @@ def test_an_engine_template_sets_the_call_format_the_environment_reads(tiny):
                            chat_template=load_template("gemma3_tools"))
     asyncio.run(engine.run(factory, "treerl/Calculator-v0", range(1), 1))
     assert envs and all(isinstance(env.parser, PythonicParser) for env in envs)
+
+
+def test_a_run_that_keeps_no_groups_holds_none_while_it_plays(tiny):
+    # `treerl rollout` writes each group as it finishes: holding them all until the end made its
+    # memory grow with the whole run.
+    import gc
+    import weakref
+
+    model, tok = tiny
+    engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=SamplingParams(max_new_tokens=2), seed=0,
+                           max_concurrency=1)
+    finished, alive_at_last = [], []
+
+    def on_group(group):
+        finished.append(weakref.ref(group))
+        if len(finished) == 4:
+            gc.collect()
+            alive_at_last.extend(ref() is not None for ref in finished[:-1])
+
+    groups, stats = asyncio.run(engine.run(lambda: treerl.make("treerl/GuessNumber-v0", max_turns=1),
+                                           "treerl/GuessNumber-v0", range(4), 1, on_group=on_group, keep=False))
+    assert groups == [] and stats.num_groups == 4
+    assert alive_at_last == [False, False, False]

@@ -300,12 +300,15 @@ class RolloutEngine:
         *,
         writer: GroupWriter | None = None,
         on_group: Callable[[Group], None] | None = None,
+        keep: bool = True,
     ) -> tuple[list[Group], RolloutStats]:
         """Play every task in ``tasks`` (indices; task ``i`` is reset with seed ``seed + i``).
 
         Groups are written (and passed to ``on_group``) as they finish. A group that fails
         (a bug: environment errors are recorded as data) does not stop the others: they
-        all finish and are written, then the first failure is raised.
+        all finish and are written, then the first failure is raised. With ``keep=False``
+        the groups are not returned (the list is empty), so a long run that writes them holds
+        none in memory after it is done with it.
         """
         self._ensure_slots()
         # Bound the groups in flight too, so a long task list does not build every
@@ -326,7 +329,8 @@ class RolloutEngine:
                     _close(env, env_id)
             if writer is not None:
                 writer.write(group)
-            groups.append(group)
+            if keep:
+                groups.append(group)
             stats.add(group)
             if on_group is not None:
                 on_group(group)

@@ -81,7 +81,7 @@ def record(cfg: RolloutConfig, policy: Policy, tokenizer: Any) -> dict[str, Any]
 
     try:
         _, stats = run_until_done(engine.run(cfg.env_factory(), cfg.env, todo, cfg.group_size, writer=writer,
-                                          on_group=on_group))
+                                             on_group=on_group, keep=False))  # written: none held in memory
     finally:
         writer.close()
         if bar is not None:
