@@ -40,6 +40,40 @@ class LargestAllocation(TorchDispatchMode):
         return result
 
 
+class HostReads(TorchDispatchMode):
+    """Counts the values read back from tensors to Python: ``item()``, ``float()``, ``int()``,
+    ``bool()`` (each an ATen ``_local_scalar_dense``) and ``tolist()``. On an accelerator each
+    read of a device tensor is a host sync: the CPU waits for everything queued before it.
+    Run on CPU tensors the count is what CUDA would pay for the same code, for the reads of
+    tensors that would live on the device.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self._tolist = None
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        reads = self
+
+        def tolist(tensor):
+            reads.count += 1
+            return reads._tolist(tensor)
+
+        torch.Tensor.tolist = tolist  # tolist reads the data directly, without an ATen op
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def processed_forward(model, prompt: list[int], token_ids: list[int], params):
     """The processed distribution each of ``token_ids`` was drawn from, by one forward of ``model``
     over the prompt and the sampled tokens (the independent reference for a policy's records)."""

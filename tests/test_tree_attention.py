@@ -30,7 +30,7 @@ from treerl.kernels.tree_attention import (
 )
 from treerl.kernels.tree_layout import TreeBatch, TreeLayout
 
-from _helpers import depth_first
+from _helpers import HostReads, depth_first
 
 # -- trees -----------------------------------------------------------------------------------------
 
@@ -138,6 +138,18 @@ def test_many_siblings_take_few_calls():
     plan = TreeBatch([many_siblings(100)]).segment_plan("cpu")
     assert sum(bucket.num for bucket in plan.buckets) == 101
     assert len(plan.buckets) <= 6
+
+
+def test_segment_plan_reads_no_tensor_token_by_token():
+    # The plan is built from Python lists; iterating a tensor instead made a 0-d tensor and a
+    # read per query token (every token of a row of equal-length episodes, its common case).
+    layouts = [TreeLayout.from_parents([64, 64, 64], [-1, -1, -1]), TreeLayout.from_parents([8, 4, 4], [-1, 0, 0])]
+    for layout in layouts:  # the layouts' own per-segment lists, read once when packed
+        layout.num_tokens, layout.seg_depth, layout.subtree_end
+    with HostReads() as reads:
+        plan = TreeBatch(layouts).segment_plan("cpu")
+    assert reads.count == 0
+    assert any(bucket.q_start is not None for bucket in plan.buckets)
 
 
 # -- the attention function alone ----------------------------------------------------------------

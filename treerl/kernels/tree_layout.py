@@ -423,7 +423,8 @@ class TreeBatch:
                 order += queries
             valid = torch.tensor(q_valid, dtype=torch.bool)
             first = q_index[0]
-            contiguous = all(valid) and q_index == list(range(first, first + len(q_index)))
+            # The lists, not the tensor: iterating a tensor makes a 0-d tensor and a .item() per token.
+            contiguous = all(q_valid) and q_index == list(range(first, first + len(q_index)))
             buckets.append(
                 SegmentBucket(
                     q_index=torch.tensor(q_index, dtype=torch.long, device=device),
