@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from _helpers import LargestAllocation
+from _helpers import HostReads, LargestAllocation
 
 from treerl.kernels.logprobs import (
     IMPLS,
@@ -357,3 +357,13 @@ def test_the_implementation_chosen_is_logged_once_at_info(caplog):
         lp.token_logprobs(hidden, weight, targets)
     said = [r for r in caplog.records if r.levelno == logging.INFO and "impl=chunked" in r.getMessage()]
     assert len(said) == 1
+
+
+@pytest.mark.parametrize("with_candidates", [False, True])
+def test_input_checks_read_back_once(with_candidates):
+    # Each read of a device tensor is a host sync that waits for the decoder's forward: the
+    # checks of one call share one read (they took two without candidate sets, six with).
+    hidden, weight, bias, targets, candidates = make_inputs(num_tokens=9, vocab=37)
+    with HostReads() as reads:
+        token_logprobs(hidden, weight, targets, bias=bias, candidates=candidates if with_candidates else None)
+    assert reads.count == 1

@@ -105,11 +105,6 @@ def _check_inputs(
             f"targets must be a (N,) = ({num_tokens},) long tensor of token ids, "
             f"got shape {tuple(targets.shape)} and dtype {targets.dtype}"
         )
-    if num_tokens and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
-        raise ValueError(
-            f"targets must be token ids in [0, {vocab}), got values in "
-            f"[{int(targets.min())}, {int(targets.max())}]; mask padding out before gathering the loss positions"
-        )
     if bias is not None and (bias.shape != (vocab,) or bias.dtype != hidden.dtype):
         raise ValueError(
             f"bias must be (V,) = ({vocab},) in {hidden.dtype}, got shape {tuple(bias.shape)} and dtype "
@@ -120,30 +115,43 @@ def _check_inputs(
             f"temperature must be a finite number > 0, got {temperature!r}; use the sampler's temperature "
             "(greedy decoding has no log-probs to match: sample with a small temperature instead)"
         )
-    if candidates is None:
-        return
-    if candidates.dim() != 2 or candidates.shape[0] != num_tokens or candidates.dtype != torch.long:
+    if candidates is not None and (
+        candidates.dim() != 2 or candidates.shape[0] != num_tokens or candidates.dtype != torch.long
+    ):
         raise ValueError(
             f"candidates must be a (N, K) long tensor with N={num_tokens}, padded with -1, "
             f"got shape {tuple(candidates.shape)} and dtype {candidates.dtype}"
         )
     if num_tokens == 0:
         return
-    if int(candidates.min()) < -1 or int(candidates.max()) >= vocab:
+    # The value checks read their results back in one transfer: on an accelerator each read
+    # waits for the forward queued before it, once per micro-batch.
+    checks = [*torch.aminmax(targets)]
+    if candidates is not None:
+        is_member = (candidates == targets[:, None]).any(dim=1)  # (N,)
+        ordered = candidates.sort(dim=1).values  # (N, K)
+        repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)  # (N, K-1)
+        checks += [*torch.aminmax(candidates), is_member.all(), repeated.any()]
+    values = torch.stack([check.long() for check in checks]).tolist()
+    if values[0] < 0 or values[1] >= vocab:
         raise ValueError(
-            f"candidates must be token ids in [0, {vocab}) or -1 for padding, got values in "
-            f"[{int(candidates.min())}, {int(candidates.max())}]"
+            f"targets must be token ids in [0, {vocab}), got values in [{values[0]}, {values[1]}]; mask padding "
+            "out before gathering the loss positions"
         )
-    is_member = (candidates == targets[:, None]).any(dim=1)  # (N,)
-    if not bool(is_member.all()):
+    if candidates is None:
+        return
+    low, high, all_members, any_repeated = values[2:]
+    if low < -1 or high >= vocab:
+        raise ValueError(
+            f"candidates must be token ids in [0, {vocab}) or -1 for padding, got values in [{low}, {high}]"
+        )
+    if not all_members:
         row = int((~is_member).nonzero()[0])
         raise ValueError(
             f"candidates row {row} does not contain its target {int(targets[row])}: the sampler drew the "
             "target from its candidate set, so it must be a member; record the set the sampler used"
         )
-    ordered = candidates.sort(dim=1).values  # (N, K)
-    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)  # (N, K-1)
-    if bool(repeated.any()):
+    if any_repeated:
         row = int(repeated.any(dim=1).nonzero()[0])
         raise ValueError(
             f"candidates row {row} lists a token id twice, which would count its probability twice in the "
