@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from _helpers import HostReads
 
 from treerl.learners.losses import (
     AGGREGATIONS,
@@ -508,6 +509,15 @@ def _inputs_kwargs(**overrides):
 def test_input_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
         LossInputs(**_inputs_kwargs(**overrides))
+
+
+def test_episode_range_check_reads_back_once():
+    # One host sync per micro-batch on an accelerator (it took two: the min, then the max).
+    with HostReads() as reads:
+        LossInputs(**_inputs_kwargs())
+    assert reads.count == 1
+    with pytest.raises(ValueError, match=r"values in \[-1, 1\] but num_episodes is 2"):
+        LossInputs(**_inputs_kwargs(episode=torch.tensor([0, -1, 1])))
 
 
 def test_missing_reference_or_entropy_says_what_to_do():

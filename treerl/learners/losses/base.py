@@ -130,14 +130,15 @@ class LossInputs:
             )
         if self.num_episodes < 1:
             raise ValueError(f"LossInputs.num_episodes is {self.num_episodes}; it must be at least 1.")
-        # One host sync per micro-batch; an out-of-range index would otherwise surface as
-        # an opaque device-side assert in index_add.
-        if m > 0 and (int(self.episode.min()) < 0 or int(self.episode.max()) >= self.num_episodes):
-            raise ValueError(
-                f"LossInputs.episode has values in [{int(self.episode.min())}, "
-                f"{int(self.episode.max())}] but num_episodes is {self.num_episodes}; episode "
-                "indices must lie in [0, num_episodes)."
-            )
+        # One host sync per micro-batch (min and max in one read); an out-of-range index would
+        # otherwise surface as an opaque device-side assert in index_add.
+        if m > 0:
+            low, high = torch.stack(torch.aminmax(self.episode)).tolist()
+            if low < 0 or high >= self.num_episodes:
+                raise ValueError(
+                    f"LossInputs.episode has values in [{low}, {high}] but num_episodes is {self.num_episodes}; "
+                    "episode indices must lie in [0, num_episodes)."
+                )
 
     @property
     def num_terms(self) -> int:
