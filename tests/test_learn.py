@@ -401,6 +401,47 @@ def test_is_ratio_max_is_the_largest_ratio_of_the_step_not_a_mean_over_micro_bat
     assert ratio_max(batches) == pytest.approx(max(alone))
 
 
+def test_a_micro_batch_reads_back_only_its_two_input_checks():
+    """On an accelerator every value read back from a device tensor is a host sync: the CPU waits
+    for the micro-batch's queued forward or backward before it can queue the next. The window's
+    metrics are read once after the last micro-batch, so an extra micro-batch adds only the
+    range checks of its log-prob targets and loss episodes (it added 14 reads: 10 of them the
+    metrics, read one by one)."""
+    import copy
+
+    from _helpers import HostReads
+    from treerl.kernels.tree_attention import enable_tree_attention
+    from treerl.learners.grpo import optimize
+    from treerl.learners.packing import pack_groups
+    from treerl.rollout.trajectory import Group
+
+    torch.set_num_threads(1)
+    model, _ = _load()
+    enable_tree_attention(model, impl="segment")
+    cfg = GRPOConfig(output_dir="unused", max_tokens_per_row=16)
+    groups = []
+    for key in range(3):
+        g = Group(task_key=str(key), env_id="test")
+        root = g.add_segment("prompt", [5, 6, 7, 8])
+        for i in range(2):
+            g.add_episode(leaf=g.add_segment("sampled", [20 + i, 30 + key, 40], parent=root, logprobs=[-1.0] * 3),
+                          reward=float(i))
+        groups.append(g)
+    batches = pack_groups(groups, torch.tensor([-1.0, 1.0] * 3), cfg.packing_config())
+    assert len(batches) == 3
+
+    def reads(some) -> int:
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+        optimize(m, opt, sched, some, cfg, "cpu", {})  # builds and caches each layout's attention plan
+        with HostReads() as counted:
+            optimize(m, opt, sched, some, cfg, "cpu", {})
+        return counted.count
+
+    assert reads(batches) - reads(batches[:1]) == 2 * 2
+
+
 def test_lora_setup_prints_no_other_librarys_deprecation(tmp_path):
     """peft reads an attribute transformers renamed; its FutureWarning on every LoRA run is not the user's to act on."""
     import warnings

@@ -52,6 +52,7 @@ from treerl.learners.core import OptimizerSpec, Run, StepCallback, TrainResult, 
 from treerl.learners.distributed import Ranks
 from treerl.learners.forward import PackedLogprobs, loss_inputs, packed_logprobs
 from treerl.learners.importance import ImportanceConfig, importance_weights
+from treerl.learners.metrics import read_floats
 from treerl.learners.losses import POLICY_LOSSES, LossCoefficients, LossConfig, LossNormalizer, compute_loss
 from treerl.learners.packing import PackedBatch, pack_groups
 from treerl.learners.precision import Precision
@@ -202,8 +203,9 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     loss_cfg, is_cfg = cfg.loss_config(), cfg.importance_config()
     if normalizer is None:
         normalizer = ranks.normalizer(batches)
-    totals: dict[str, float] = {}
-    maxima: dict[str, float] = {}  # metrics named *_max (is/ratio_max): the window's largest, not a mean
+    # Each micro-batch's metrics stay tensors until the window ends, then are read back at once:
+    # on an accelerator a read per metric and micro-batch would wait for its backward each time.
+    pending: list[_MicroBatchMetrics] = []
     model.train()
     for batch in batches:
         batch = batch.to(device)
@@ -231,15 +233,11 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
         if extra_loss is not None:
             loss = loss + extra_loss(batch, out)
         precision.backward(loss)
-        n = batch.num_terms
-        for k, v in {**result.metrics, **iw.metrics, **(centering.metrics if centering else {})}.items():
-            if k.endswith("_max"):
-                if n:  # a micro-batch without terms has no ratios
-                    maxima[k] = max(maxima.get(k, -math.inf), float(v))
-                continue
-            totals[k] = totals.get(k, 0.0) + float(v) * (1.0 if k.startswith("loss/") else n)
-        totals["_terms"] = totals.get("_terms", 0.0) + n
-        totals["entropy/mean"] = totals.get("entropy/mean", 0.0) + float(out.entropy.detach().sum())
+        batch_metrics = {**result.metrics, **iw.metrics, **(centering.metrics if centering else {})}
+        pending.append(_MicroBatchMetrics(
+            batch.num_terms, {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in batch_metrics.items()},
+            out.entropy.detach().sum()))
+    totals, maxima = _window_totals(pending)
     totals = ranks.sum_dicts(totals)
     totals.setdefault("loss/policy", 0.0)  # a step that trained on nothing (every group skipped)
     terms = max(totals.pop("_terms", 1.0), 1.0)
@@ -260,6 +258,34 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     metrics["lr"] = scheduler.get_last_lr()[0]
+
+
+@dataclass
+class _MicroBatchMetrics:
+    num_terms: int
+    metrics: dict[str, torch.Tensor | float]
+    """The loss's, the importance weights' and the centering's metrics, detached."""
+    entropy_sum: torch.Tensor
+
+
+def _window_totals(pending: Sequence[_MicroBatchMetrics]) -> tuple[dict[str, float], dict[str, float]]:
+    """Sums over the window's micro-batches (``loss/*`` as they are, the others weighted by the
+    micro-batch's terms; ``_terms``; ``entropy/mean`` summed over terms), and the largest of the
+    metrics named ``*_max``. Every value is read back in one go (:func:`read_floats`)."""
+    values = iter(read_floats([v for part in pending for v in (*part.metrics.values(), part.entropy_sum)]))
+    totals: dict[str, float] = {}
+    maxima: dict[str, float] = {}  # metrics named *_max (is/ratio_max): the window's largest, not a mean
+    for part in pending:
+        n = part.num_terms
+        for k, v in zip(part.metrics, values):
+            if k.endswith("_max"):
+                if n:  # a micro-batch without terms has no ratios
+                    maxima[k] = max(maxima.get(k, -math.inf), v)
+                continue
+            totals[k] = totals.get(k, 0.0) + v * (1.0 if k.startswith("loss/") else n)
+        totals["_terms"] = totals.get("_terms", 0.0) + n
+        totals["entropy/mean"] = totals.get("entropy/mean", 0.0) + next(values)
+    return totals, maxima
 
 
 def grpo_step(run: Run, step: int) -> dict[str, float]:

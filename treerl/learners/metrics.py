@@ -19,12 +19,39 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from treerl.errors import ConfigError
 
-__all__ = ["MetricsLog", "truncate_metrics", "tracker_for"]
+__all__ = ["MetricsLog", "truncate_metrics", "tracker_for", "read_floats"]
+
+
+def read_floats(values: Sequence[torch.Tensor | float]) -> list[float]:
+    """``[float(v) for v in values]`` with one read back per device and dtype instead of one per tensor.
+
+    On an accelerator every read of a device tensor waits for all the work queued before it (a
+    host sync); a learner keeps a window's per-micro-batch metrics as tensors and reads them here
+    once, after the last micro-batch. The values are exactly ``float(v)``'s.
+
+    >>> read_floats([torch.tensor(0.5), 2, torch.tensor([True]), torch.tensor(1.25)])
+    [0.5, 2.0, 1.0, 1.25]
+    """
+    out: list[float] = [0.0] * len(values)
+    same_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, value in enumerate(values):
+        if isinstance(value, torch.Tensor):
+            same_kind.setdefault((value.device, value.dtype), []).append(i)
+        else:
+            out[i] = float(value)
+    for indices in same_kind.values():
+        read = torch.stack([values[i].detach().reshape(()) for i in indices]).tolist()  # one sync per device
+        for i, value in zip(indices, read):
+            out[i] = float(value)
+    return out
 
 
 def tracker_for(report_to: str) -> Any:
