@@ -255,6 +255,35 @@ def test_a_teacher_that_reads_the_students_prompt_agrees_with_the_student(tiny, 
     assert abs(metrics["sdpo/logp_gap_success"]) < 1e-5 and abs(metrics["sdpo/logp_gap_failure"]) < 1e-5
 
 
+def test_distillation_reads_its_metrics_back_once_per_step(tiny, groups, tmp_path):
+    """On an accelerator each value read back is a host sync in the middle of the micro-batch's
+    forward: the distillation metrics are kept as tensors and read in step_metrics."""
+    from _helpers import HostReads
+
+    model, tok = tiny
+    cfg = _cfg(tmp_path, use_feedback=True, teacher="initial")
+    prompts, _ = _prompts(tok, groups, cfg)
+    student = _tree_model(model)
+    batches = pack_groups(groups, torch.zeros(8), cfg.packing_config())
+    success = torch.tensor([e.reward >= 1.0 for g in groups for e in g.episodes])
+    distill = Distillation(_run(cfg, student), copy.deepcopy(student).eval(), groups, prompts, batches, success)
+    reads = []
+    for b in batches:
+        out = packed_logprobs(student, b, temperature=TEMPERATURE)
+        with HostReads() as counted:
+            distill(b, out)
+        with HostReads() as checks:  # the teacher's own forward and the loss inputs' check, not metrics
+            teacher_terms(distill.teacher, groups, prompts, b, cfg.packing_config(), temperature=TEMPERATURE,
+                          device="cpu")
+        reads.append(counted.count - checks.count)
+    # Which episodes have a teacher, and the range check of the distillation's LossInputs.
+    assert reads == [2] * len(batches)
+    with HostReads() as counted:
+        metrics = distill.step_metrics()
+    assert counted.count == 2  # the float sums, then the counts
+    assert metrics["sdpo/distill_terms"] > 0
+
+
 def test_the_blend_is_linear_in_distillation_weight(tiny, groups, tmp_path):
     model, tok = tiny
     base = _cfg(tmp_path, use_feedback=True, teacher="initial", max_grad_norm=0.0)

@@ -80,6 +80,7 @@ from treerl.learners.grpo import (
     without_zero_advantage_groups,
 )
 from treerl.learners.losses import AGGREGATIONS, LossInputs, LossNormalizer
+from treerl.learners.metrics import read_floats
 from treerl.learners.packing import PackedBatch, pack_groups
 from treerl.rollout.rewards import RewardFunc
 from treerl.learners.teacher import TEACHER_KINDS, EMAAdapters, ema_update, make_teacher, rebasable, teacher_terms
@@ -290,7 +291,9 @@ class Distillation:
         num_tokens, num_sequences = run.ranks.sum([int(counts.sum()), int((counts > 0).sum())])
         self.normalizer = None if num_tokens == 0 else LossNormalizer(
             num_tokens=num_tokens, num_sequences=num_sequences, episode_num_tokens=counts)
-        self.totals: dict[str, float] = {}
+        # What each micro-batch adds, tensors kept as they are: read back once in step_metrics, not
+        # as host syncs in the middle of every micro-batch's forward.
+        self._added: list[tuple[str, torch.Tensor | float]] = []
 
     def __call__(self, batch: PackedBatch, out: PackedLogprobs) -> torch.Tensor:
         """The micro-batch's share of ``distillation_weight * distillation loss`` (0 without teacher terms)."""
@@ -323,35 +326,38 @@ class Distillation:
         inputs = LossInputs(logp=student_logp, old_logp=student_logp.detach(), sampler_logp=sampler_logp,
                             adv=torch.zeros_like(sampler_logp), episode=episode, num_episodes=batch.num_episodes)
         loss = AGGREGATIONS[cfg.distillation_aggregation](per_term, inputs, cfg.loss_config(), self.normalizer)
-        self._add("loss/distill", float(loss.detach()))
+        self._add("loss/distill", loss.detach())
         self._add("_terms", idx.numel())
-        self._add("_divergence", float(divergence.sum()))
-        self._add("_teacher_logp", float(t.logp[idx].sum()))
-        self._add("_student_logp", float(student_logp.detach().sum()))
+        self._add("_divergence", divergence.sum())
+        self._add("_teacher_logp", t.logp[idx].detach().sum())
+        self._add("_student_logp", student_logp.detach().sum())
         if cfg.distillation_is_clip is not None:
             raw = (out.logp[idx].detach() - sampler_logp).clamp(max=20.0).exp()
-            self._add("_is_clipped", float((raw > cfg.distillation_is_clip).sum()))
+            self._add("_is_clipped", (raw > cfg.distillation_is_clip).sum())
         if self.success is not None:
-            gap = t.logp[idx] - student_logp.detach()  # (K,)
+            gap = t.logp[idx].detach() - student_logp.detach()  # (K,)
             won = self.success.to(device)[episode]
-            self._add("_gap_success", float(gap[won].sum()))
-            self._add("_terms_success", float(won.sum()))
-            self._add("_gap_failure", float(gap[~won].sum()))
-            self._add("_terms_failure", float((~won).sum()))
+            self._add("_gap_success", gap[won].sum())
+            self._add("_terms_success", won.sum())
+            self._add("_gap_failure", gap[~won].sum())
+            self._add("_terms_failure", (~won).sum())
         return cfg.distillation_weight * loss
 
-    def _add(self, key: str, value: float) -> None:
-        self.totals[key] = self.totals.get(key, 0.0) + float(value)
+    def _add(self, key: str, value: torch.Tensor | float) -> None:
+        self._added.append((key, value))
 
     def step_metrics(self) -> dict[str, float]:
         """The step's distillation metrics, summed over ranks (means over the terms with a teacher)."""
+        mine: dict[str, float] = {}
+        for (key, _), value in zip(self._added, read_floats([value for _, value in self._added])):
+            mine[key] = mine.get(key, 0.0) + value
         keys = ["loss/distill", "_terms", "_divergence", "_teacher_logp", "_student_logp", "_is_clipped",
                 "_teacher_tokens", "_teacher_path_tokens", "_gap_success", "_terms_success", "_gap_failure",
                 "_terms_failure"]
-        totals = dict(zip(keys, self.run.ranks.sum([self.totals.get(k, 0.0) for k in keys])))
+        totals = dict(zip(keys, self.run.ranks.sum([mine.get(k, 0.0) for k in keys])))
         terms = totals["_terms"]
         metrics = {"loss/distill": totals["loss/distill"], "sdpo/distill_terms": terms,
-                   "perf/teacher_s": self.totals.get("perf/teacher_s", 0.0)}
+                   "perf/teacher_s": mine.get("perf/teacher_s", 0.0)}
         if terms > 0:
             metrics.update({
                 "sdpo/divergence": totals["_divergence"] / terms,
