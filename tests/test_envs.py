@@ -353,6 +353,26 @@ def test_a_large_dataset_is_read_once_and_shared_by_forks_not_copied(tmp_path, m
     assert len(reads) == 2
 
 
+def test_a_fork_shares_its_tools_schemas_and_keeps_each_method_tool_its_own():
+    class Counter(ToolEnv):
+        def __init__(self):
+            self.count = 0
+            super().__init__(tools=[self.add], dataset=[{"prompt": "count"}])
+
+        def add(self, n: int) -> str:
+            """Add n."""
+            self.count += n
+            return str(self.count)
+
+    env = Counter()
+    env.reset(seed=0)
+    child = env.fork()
+    (mine,), (theirs,) = env._tools, child._tools
+    assert theirs._validator is mine._validator and theirs.parameters is mine.parameters  # built once
+    theirs.fn(5)  # the fork's tool is the fork's method
+    assert (child.count, env.count) == (5, 0)
+
+
 def test_guess_number_feedback_and_shaped_reward():
     env = treerl.make("treerl/GuessNumber-v0", high=64)
     env.reset(seed=0, options={"secret": 40})

@@ -48,6 +48,7 @@ their descriptions from :mod:`treerl.envs.docstrings`.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import json
@@ -390,6 +391,19 @@ class Tool:
         if status == "error":
             raise ToolCallError(ToolErrorKind.TOOL_ERROR, value, tool_name=self.name)
         raise TypeError(value)  # "bug": the tool or its setup is broken, not the model's call
+
+    _SHARED_BY_COPIES = ("parameters", "_converters", "_validator")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Tool:
+        """A copy that shares the schema, its converters and its validator (built once, never
+        changed; copying the validator was most of an environment's fork, once per generation)
+        and deep-copies the rest: a method of an environment stays bound to the copy's."""
+        clone = copy.copy(self)
+        memo[id(self)] = clone
+        for name, value in self.__dict__.items():
+            if name not in self._SHARED_BY_COPIES:
+                clone.__dict__[name] = copy.deepcopy(value, memo)
+        return clone
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
