@@ -108,3 +108,23 @@ def test_treerl_rollout_finishes_when_a_tool_swallows_cancellation(tok, tmp_path
     assert summary["episodes"] == 2
     (group,) = read_groups(tmp_path / "r.jsonl")
     assert [[c["error"] for c in e.tool_calls] for e in group.episodes] == [["timeout"], ["timeout"]]
+
+
+def test_run_until_done_under_a_running_loop_runs_and_leaves_the_callers_loop_as_it_was():
+    """A notebook's cell runs under the kernel's event loop: treerl.evaluate or a learner's step, which
+    run their rollout with run_until_done, must run there (on a helper thread) and leave the caller's
+    loop set for its thread, not fail half-way after replacing it."""
+    async def answer():
+        return 42
+
+    async def cell():
+        return run_until_done(answer())
+
+    loop = asyncio.new_event_loop()
+    try:
+        asyncio.set_event_loop(loop)
+        assert loop.run_until_complete(cell()) == 42
+        assert asyncio.get_event_loop() is loop
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()

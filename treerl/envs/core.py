@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
-import threading
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -81,29 +80,12 @@ class ValidationReport:
 def run_sync(coro):
     """Run a coroutine to completion from synchronous code, even under a running loop.
 
-    A fresh event loop is used (:func:`~treerl.envs.loops.run_until_done`: tasks the coroutine
-    left behind, such as a timed-out tool that swallows its cancellation, get a short grace and
-    are then abandoned, not waited for); if the calling thread already runs one (a notebook),
-    the coroutine runs on a helper thread instead of failing.
+    :func:`~treerl.envs.loops.run_until_done`: a fresh event loop, on which tasks the coroutine
+    left behind (a timed-out tool that swallows its cancellation) get a short grace and are then
+    abandoned, not waited for; if the calling thread already runs one (a notebook), the
+    coroutine runs on a helper thread instead of failing.
     """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return run_until_done(coro)
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = run_until_done(coro)
-        except BaseException as exc:  # re-raised in the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name="treerl-run-sync")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    return run_until_done(coro)
 
 
 class Env(gymnasium.Env[list[Message], str]):

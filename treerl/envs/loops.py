@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
@@ -92,7 +93,33 @@ def run_until_done(main: Coroutine[Any, Any, T], *, grace_s: float = SHUTDOWN_GR
     waits at most ``grace_s`` for each of those, so a task that swallows its cancellation
     cannot hold the caller. Such tasks are logged (warning, logger ``treerl.envs.loops``) by
     name and abandoned: they never run again.
+
+    Unlike it, it also runs under a running event loop (a notebook's cell, a synchronous call made
+    from a coroutine): ``main`` then runs on a helper thread while the caller waits, and the
+    caller's loop is left as it was.
     """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return _run_here(main, grace_s)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = _run_here(main, grace_s)
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="treerl-run-until-done")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _run_here(main: Coroutine[Any, Any, T], grace_s: float) -> T:
+    """:func:`run_until_done` on a fresh event loop of this thread, which runs none."""
     loop = asyncio.new_event_loop()
     try:
         asyncio.set_event_loop(loop)
