@@ -166,6 +166,10 @@ def test_trl_names_are_aliases_and_typos_get_a_suggestion(tmp_path, capsys):
         args = build_parser().parse_args(["learn", "--output-dir", "x", "--scale-rewards", given])
         assert config_from_args(GRPOConfig, args).advantage_scale == scale
     assert GRPOConfig(output_dir="x", scale_rewards=False).advantage_scale == "none"
+    for given, scale in (("false", "none"), ("true", "group")):  # a TRL YAML file's booleans
+        (tmp_path / "s.yaml").write_text(f"scale_rewards: {given}\n")
+        args = build_parser().parse_args(["learn", "--output-dir", "x", "--config", str(tmp_path / "s.yaml")])
+        assert config_from_args(GRPOConfig, args).advantage_scale == scale
     (tmp_path / "c.yaml").write_text("num_generations: 4\nmodel_name_or_path: some/dir\n")
     cfg = config_from_args(GRPOConfig, build_parser().parse_args(["learn", "--output-dir", "x", "--config",
                                                                   str(tmp_path / "c.yaml")]))

@@ -231,7 +231,10 @@ def config_from_args(cls: type[T], args: argparse.Namespace, *, extra_keys: Sequ
         raw = {k: v for k, v in load_config_file(config_path).items() if k not in extra_keys}
         if both := _named_twice(aliases, raw):
             raise ConfigError(f"--config {config_path}: {'; '.join(both)} name the same option; keep one.")
-        from_file = {aliases.get(k, k): v for k, v in raw.items()}
+        # A YAML boolean under another toolkit's name is passed on as its word, for the config to read as
+        # that toolkit does (TRL's scale_rewards: false, its older form of "none").
+        from_file = {aliases.get(k, k): str(v).lower() if k in aliases and isinstance(v, bool) else v
+                     for k, v in raw.items()}
         unknown = sorted(set(from_file) - names)
         if unknown:
             import difflib
