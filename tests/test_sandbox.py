@@ -236,6 +236,26 @@ def test_the_concurrency_bound_is_configurable(monkeypatch):
         max_concurrent_runs()
 
 
+
+def test_a_forked_child_keeps_the_bound_set_in_its_parent():
+    """A multiprocessing pool (fork) of rollouts: each worker starts with no slot taken, but with the
+    bound its parent set, not the default, which would let every worker run one program per CPU."""
+    bound = max_concurrent_runs() + 1  # not the default, whatever the CPUs
+    try:
+        set_max_concurrent_runs(bound)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report its bound, then leave without running the parent's cleanup
+            os.write(write, str(max_concurrent_runs()).encode())
+            os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        with os.fdopen(read) as f:
+            assert f.read() == str(bound)
+    finally:
+        set_max_concurrent_runs(None)
+
+
 # --- the limits ------------------------------------------------------------------------
 
 

@@ -499,14 +499,15 @@ class _RunSlots:
     """A process-wide bound on the sandboxed runs going at once (``run_python`` is called from many threads)."""
 
     def __init__(self) -> None:
+        self._limit: int | None = None
         self._after_fork()
         os.register_at_fork(after_in_child=self._after_fork)
 
     def _after_fork(self) -> None:
-        # A forked child has none of its parent's threads, so none of the slots they held.
+        # A forked child has none of its parent's threads, so none of the slots they held; the bound
+        # its parent set (set_max_concurrent_runs) stays.
         self._cond = threading.Condition()
         self._busy = 0
-        self._limit: int | None = None
 
     def limit(self) -> int:
         return self._limit if self._limit is not None else _default_max_concurrent_runs()
