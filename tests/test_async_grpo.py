@@ -369,3 +369,22 @@ def test_a_generator_waits_for_the_trainers_first_weights_whatever_the_staleness
     core.close()
     assert waited and (oldest, newest) == (0, 0)
     assert {s.policy_version for s in Group.from_json(payload).segments if s.kind == "sampled"} == {0}
+
+
+def test_generators_on_one_machine_split_the_sandbox_bound(tmp_path, monkeypatch):
+    # The sandbox's bound is per process: each generator at the default (every CPU) would let the
+    # generators together start one run per CPU each, and correct programs would time out.
+    from treerl.envs.sandbox import max_concurrent_runs, set_max_concurrent_runs
+    from treerl.learners.async_generator import GeneratorCore, GeneratorSpec
+    from treerl.learners.async_grpo import _cores, _sandbox_runs
+
+    monkeypatch.delenv("TREERL_SANDBOX_MAX_CONCURRENT", raising=False)
+    cfg = AsyncGRPOConfig(output_dir=str(tmp_path), **SMALL, num_generators=2)
+    assert _sandbox_runs(cfg) == max(1, _cores() // 2)
+    monkeypatch.setenv("TREERL_SANDBOX_MAX_CONCURRENT", "3")
+    assert _sandbox_runs(cfg) is None  # the user's choice stands
+    try:
+        GeneratorCore(GeneratorSpec(cfg=cfg, max_staleness=0, sandbox_runs=1), generator_id=0)
+        assert max_concurrent_runs() == 1
+    finally:
+        set_max_concurrent_runs(None)

@@ -73,6 +73,9 @@ class GeneratorSpec:
     """A picklable factory; None makes ``cfg.env`` with ``cfg.env_kwargs``."""
     policy: str = "transformers"
     """``transformers`` (CPU or GPU) or ``vllm`` (a vLLM engine on ``cfg.model``; the vllm extra)."""
+    sandbox_runs: int | None = None
+    """Sandboxed runs (``run_python``) this generator lets go at once; None: the sandbox's default
+    (every CPU), which with several generators on one machine would run too many at once."""
 
 
 def span_versions(group: Group) -> tuple[int, int]:
@@ -102,6 +105,10 @@ class GeneratorCore:
         cfg = spec.cfg
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        if spec.sandbox_runs is not None:
+            from treerl.envs.sandbox import set_max_concurrent_runs
+
+            set_max_concurrent_runs(spec.sandbox_runs)
         self.spec, self.id = spec, generator_id
         # No weights from the trainer yet: version -1 opens no gate.
         if spec.policy == "vllm":

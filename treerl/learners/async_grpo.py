@@ -345,7 +345,8 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
     whole = cfg.num_threads or (_cores() if cfg.device.startswith("cpu") else None)
     spec = GeneratorSpec(cfg=dataclasses.replace(cfg, num_threads=threads[1]), max_staleness=cfg.max_staleness,
                          heartbeat_s=min(1.0, cfg.heartbeat_timeout / 4), sampling=cfg.sampling_overrides(),
-                         model=model, tokenizer=tokenizer, env_factory=env_factory, policy=cfg.generator_policy)
+                         model=model, tokenizer=tokenizer, env_factory=env_factory, policy=cfg.generator_policy,
+                         sandbox_runs=_sandbox_runs(cfg))
     # Under accelerate/torchrun only rank 0 runs generators; the others train on their share of its groups.
     pool = _make_pool(cfg, spec) if int(os.environ.get("RANK", "0")) == 0 else None
     if pool is not None:
@@ -408,6 +409,19 @@ def _split_threads(cfg: AsyncGRPOConfig) -> tuple[int | None, int | None]:
         return cfg.num_threads or cores, cfg.generator_threads or 1
     share = max(1, cores // (1 + cfg.num_generators))
     return cfg.num_threads or share, cfg.generator_threads or cfg.num_threads or share
+
+
+def _sandbox_runs(cfg: AsyncGRPOConfig) -> int | None:
+    """Sandboxed runs each generator lets go at once: the machine's CPUs split between the generators
+    (a per-process bound each, so together they would run one per CPU each), unless the user set
+    ``TREERL_SANDBOX_MAX_CONCURRENT`` or the generators are Ray actors on other machines.
+
+    >>> _sandbox_runs(AsyncGRPOConfig(output_dir="x", num_generators=2)) == max(1, _cores() // 2)
+    True
+    """
+    if cfg.backend == "ray" or os.environ.get("TREERL_SANDBOX_MAX_CONCURRENT"):
+        return None
+    return max(1, _cores() // cfg.num_generators)
 
 
 def _cores() -> int:
