@@ -12,6 +12,7 @@ from treerl.envs.core import Env, Message, Task, ToolEnv, ValidationReport
 from treerl.envs.group import EnvGroup
 from treerl.envs.parsers import PARSERS, ParseResult, ToolCall, ToolCallParser, get_parser
 from treerl.envs.registry import EnvSpec, make, register, registry
+from treerl.envs.skyrl import SkyRLEnv
 from treerl.envs.spaces import ChatMessages, Completion
 from treerl.envs.text import TextEnv
 from treerl.envs.tools import Tool, ToolResult, run_tool_call, tool
@@ -20,7 +21,7 @@ from treerl.errors import EnvError, ToolCallError, ToolErrorKind, ToolTimeout, T
 from treerl.envs import builtin  # noqa: E402,F401  (registers the built-in environments)
 
 __all__ = [
-    "Env", "ToolEnv", "TextEnv", "EnvGroup", "Task", "Message", "ValidationReport",
+    "Env", "ToolEnv", "TextEnv", "SkyRLEnv", "EnvGroup", "Task", "Message", "ValidationReport",
     "ChatMessages", "Completion",
     "Tool", "tool", "ToolResult", "run_tool_call",
     "ToolCall", "ParseResult", "ToolCallParser", "PARSERS", "get_parser",

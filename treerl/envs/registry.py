@@ -28,6 +28,7 @@ import gymnasium
 
 from treerl.envs.core import Env
 from treerl.envs.group import EnvGroup, member_name
+from treerl.envs.skyrl import NAMESPACE as SKYRL_NAMESPACE
 from treerl.errors import ConfigError
 
 __all__ = ["EnvSpec", "register", "make", "make_group", "registry", "spec", "env_id_of", "factory_env_id"]
@@ -93,6 +94,8 @@ def spec(id: str) -> EnvSpec:
     ``id`` may name a module to import first, ``"mypackage.envs:Shop-v0"``, and may be
     registered with ``gymnasium.register`` instead of :func:`register`, as ``gymnasium.make``
     allows. Several ids, comma-separated, are a group (:func:`make_group`); each must exist.
+    ``skyrl/<id>`` is SkyRL-Gym's environment ``<id>`` (:class:`~treerl.envs.skyrl.SkyRLEnv`), registered
+    here on first use; whether SkyRL-Gym has it is checked when it is built.
     """
     if "," in id:
         for _, member_id in group_members(id):
@@ -108,6 +111,10 @@ def spec(id: str) -> EnvSpec:
                               "that registers the environment installed or on PYTHONPATH?") from None
     if id not in _REGISTRY and id in gymnasium.registry:
         return _from_gymnasium(gymnasium.registry[id])
+    if id not in _REGISTRY and id.startswith(SKYRL_NAMESPACE) and len(id) > len(SKYRL_NAMESPACE):
+        env_class = id[len(SKYRL_NAMESPACE):]
+        return register(id, "treerl.envs.skyrl:SkyRLEnv", env_class=env_class,
+                        description=f"SkyRL-Gym's {env_class} environment (skyrl_gym.make({env_class!r})).")
     try:
         return _REGISTRY[id]
     except KeyError:
