@@ -138,6 +138,17 @@ def test_a_skyrl_id_without_the_package_names_the_extra(monkeypatch):
     assert treerl.registry["skyrl/gsm8k"].kwargs == {"env_class": "gsm8k"}  # registered on first use
 
 
+def test_the_command_line_names_the_missing_extra_not_the_flag(monkeypatch, capsys, tmp_path):
+    from treerl.cli import main
+
+    monkeypatch.setitem(sys.modules, "skyrl_gym", None)
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(_rows(env_class="gsm8k")[0]) + "\n")
+    assert main(["eval", "--env", "skyrl/gsm8k", "--env-kwargs", json.dumps({"data_path": str(path)})]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'treerl[skyrl]'" in err and "cannot be built with them" not in err
+
+
 def test_the_engine_plays_a_skyrl_environment_and_records_its_metrics():
     from _scripted import ScriptedPolicy
 

@@ -88,10 +88,12 @@ def _check_env_builds(env_id: str, kwargs: dict, flag: str) -> None:
     """Build ``env_id`` with ``kwargs`` once, before any model loads: a keyword it does not take or a
     file it cannot read is the flag's fault, said in one line."""
     from treerl.envs.registry import make
-    from treerl.errors import EnvError
+    from treerl.errors import EnvError, MissingExtraError
 
     try:
         env = make(env_id, **kwargs)
+    except MissingExtraError:  # not the flag's fault: the message names the extra to install
+        raise
     except (TypeError, ValueError, OSError, LookupError, EnvError) as exc:
         raise ConfigError(f"{flag} {json.dumps(kwargs)}: {env_id} cannot be built with them: "
                           f"{type(exc).__name__}: {exc}") from None
