@@ -452,3 +452,18 @@ def test_lora_setup_prints_no_other_librarys_deprecation(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         _apply_lora(model, GRPOConfig(output_dir=str(tmp_path), lora_r=4))
+
+
+def test_the_held_out_lines_count_the_episodes_played_when_the_data_has_fewer_rows(tmp_path, capsys):
+    from treerl.cli import main
+
+    data = tmp_path / "test.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(2)))
+    assert main(["learn", "--env", "treerl/MathVerify-v0", "--env-kwargs", json.dumps({"data_path": str(data)}),
+                 "--eval-env-kwargs", json.dumps({"data_path": str(data)}), "--eval-episodes", "4",
+                 "--steps", "1", "--tasks-per-step", "1", "--group-size", "2", "--max-new-tokens", "8",
+                 "--progress", "false", "--num-threads", "1", "--output-dir", str(tmp_path / "run")]) == 0
+    out, err = capsys.readouterr()
+    # Each of the 2 rows is played once: "over 4" claimed episodes that never ran.
+    assert "over 2 held-out episodes" in err
+    assert "over 2 episodes" in out

@@ -480,8 +480,9 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
         run.eval_start = evaluate_at_start(cfg, policy, tokenizer, eval_env_factory, out_dir,
                                            resumed=state.step > 0, env_id=env_id)
         if run.eval_start is not None and state.step == 0:
-            print(f"eval at start: success rate {run.eval_start['success_rate']:.1%} over {cfg.eval_episodes} "
-                  f"held-out episodes", file=sys.stderr)
+            # The episodes played, not cfg.eval_episodes: a dataset smaller than that plays each row once.
+            print(f"eval at start: success rate {run.eval_start['success_rate']:.1%} over "
+                  f"{run.eval_start['episodes']} held-out episodes", file=sys.stderr)
     return run
 
 
