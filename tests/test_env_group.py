@@ -199,6 +199,8 @@ def test_a_mixed_dataset_that_does_not_fit_the_group_says_what_to_do(tmp_path):
         make_group(ids, dataset=[_mixed_rows()[0], {"env_class": "code", "prompt": "x"}])
     with pytest.raises(ValueError, match=r"row 0 has no 'env' column"):
         make_group(ids, dataset=[{"prompt": "x"}])
+    with pytest.raises(ValueError, match=r"row 1 has no 'env' column.*the first row has: 'env', else SkyRL-Gym's"):
+        make_group(ids, dataset=[{"env": "math", "question": "1+1?", "answer": "2"}, {"env_class": "calc", "prompt": "x"}])
     with pytest.raises(ValueError, match="no row names 'calc'"):
         make_group(ids, dataset=[_mixed_rows()[0]])
     with pytest.raises(ValueError, match="drop weights"):

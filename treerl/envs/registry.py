@@ -266,6 +266,7 @@ def _split_rows(data_path: str | os.PathLike | None, dataset: Sequence[Mapping[s
     where = data_path if data_path is not None else "dataset"
     if len(rows) == 0:
         raise ValueError(f"{where} has no rows: an environment group's dataset needs at least one.")
+    chosen = "" if env_key is not None else " (the column the first row has: 'env', else SkyRL-Gym's 'env_class')"
     if env_key is None:  # verifiers' and treerl's `env`, else SkyRL-Gym's `env_class`
         first = rows[0]
         env_key = "env" if "env" in first or "env_class" not in first else "env_class"
@@ -276,7 +277,7 @@ def _split_rows(data_path: str | os.PathLike | None, dataset: Sequence[Mapping[s
         if name not in member_rows:
             found = f"{env_key}={name!r}" if isinstance(row, Mapping) and env_key in row else f"no {env_key!r} column"
             raise ValueError(f"{where}: row {i} has {found}; each row names one environment of the group {names} in "
-                             f"its {env_key!r} column (env_key= names another column).")
+                             f"its {env_key!r} column{chosen}; env_key= names another column.")
         order.append(name)
         member_rows[name].append(row)
     empty = [n for n in names if not member_rows[n]]
