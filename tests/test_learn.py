@@ -69,6 +69,44 @@ def test_learner_end_to_end(tmp_path):
     assert logged <= documented, sorted(logged - documented)
 
 
+
+def test_an_environments_own_metrics_are_logged_as_their_mean_over_the_steps_episodes(tmp_path):
+    from treerl.envs import Task, ToolEnv
+    from treerl.rollout import read_groups
+
+    class Reporting(ToolEnv):  # two numbers per episode: how much the model wrote, and whether its answer was even
+        system_prompt = "Say anything."
+
+        def sample_task(self, rng):
+            return Task(prompt="hello", answer="x")
+
+        def score(self, task, completion):
+            return float(len(completion) % 2 == 0)
+
+        def episode_metrics(self):
+            return {"written": sum(len(m["content"] or "") for m in self.messages if m["role"] == "assistant"),
+                    "even": self.final_reward == 1.0}
+
+    model, tok = _load()
+    train(GRPOConfig(output_dir=str(tmp_path), **{**SMALL, "group_size": 2, "max_new_tokens": 16}),
+          model=model, tokenizer=tok, env_factory=lambda: Reporting(max_turns=1))
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for m in lines:  # every group of a step is kept (sample_groups 4 >= tasks_per_step 2)
+        episodes = [e for g in read_groups(tmp_path / "trajectories" / f"step-{m['step']:06d}.jsonl")
+                    for e in g.episodes]
+        assert len(episodes) == 4
+        assert all(e.metrics["env/even"] == float(e.rewards[-1] == 1.0) for e in episodes)
+        assert m["env/even"] == pytest.approx(sum(e.rewards[-1] for e in episodes) / 4)
+        written = [sum(len(m["content"] or "") for m in e.messages if m["role"] == "assistant") for e in episodes]
+        assert len(set(written)) > 1 and m["env/written"] == pytest.approx(sum(written) / 4)
+    # The README names them, as env/KEY.
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    documented = set(re.findall(r"`([a-z_]+/[A-Za-z_]+)`", readme)) | {"lr"}
+    logged = {re.sub(r"^(tool_calls|diag)/.*", r"\1/KIND", re.sub(r"^env/.*", "env/KEY", k)) for m in lines for k in m
+              if k != "step"}
+    assert logged <= documented, sorted(logged - documented)
+
+
 def test_reward_functions_with_trl_signature_are_weighted_in(tmp_path):
     model, tok = _load()
     seen = {}

@@ -366,3 +366,47 @@ def test_a_run_that_keeps_no_groups_holds_none_while_it_plays(tiny):
                                            "treerl/GuessNumber-v0", range(4), 1, on_group=on_group, keep=False))
     assert groups == [] and stats.num_groups == 4
     assert alive_at_last == [False, False, False]
+
+
+class _Reporting(ToolEnv):
+    """Reports two numbers per episode through ``episode_metrics()``: whether the final answer was even in length
+    (a bool: 0/1) and its length, the latter only when there was a final answer; and a text, which is left out."""
+
+    system_prompt = "Say anything."
+
+    def sample_task(self, rng):
+        return Task(prompt="hello", answer="x")
+
+    def score(self, task, completion):
+        return float(len(completion) % 2 == 0)
+
+    def episode_metrics(self):
+        numbers = {"even": self.final_reward == 1.0, "note": "not a number"}
+        if self.final_answer is not None and self.final_answer != "skip":
+            numbers["answer_chars"] = len(self.final_answer)
+        return numbers
+
+
+def test_an_environments_episode_metrics_are_recorded_and_averaged_in_the_rollout_summary(tiny):
+    from _scripted import ScriptedPolicy
+
+    from treerl.rollout.summary import summary_table
+
+    _, tok = tiny
+    end_id = tok.convert_tokens_to_ids("<|im_end|>")
+    replies = ["ab", "abc", "abcd", "skip"]  # the last one reports no answer_chars: left out of its mean
+    policy = ScriptedPolicy(tok, lambda task, g, turn: replies[g], end_id=end_id)
+    (group,), stats = asyncio.run(RolloutEngine(policy, tok, seed=0).run(lambda: _Reporting(max_turns=1),
+                                                                         "tests/Reporting-v0", range(1), 4))
+    recorded = [{k: v for k, v in e.metrics.items() if k.startswith("env/")} for e in group.episodes]
+    assert recorded == [{"env/even": 1.0, "env/answer_chars": 2.0}, {"env/even": 0.0, "env/answer_chars": 3.0},
+                        {"env/even": 1.0, "env/answer_chars": 4.0}, {"env/even": 1.0}]
+    summary = stats.summary()
+    assert summary["env_metrics"] == {"env/answer_chars": 3.0, "env/even": 0.75}
+    assert "env/answer_chars 3.000, env/even 0.750" in summary_table(summary)
+    # Merged over processes, the mean is over all their episodes (not a mean of means).
+    from treerl.rollout.summary import RolloutStats
+
+    other = RolloutStats()
+    other.env_metrics = {"env/even": [0.0, 0.0, 0.0, 0.0]}
+    assert RolloutStats.merge([stats, other]).summary()["env_metrics"]["env/even"] == 0.375

@@ -192,6 +192,23 @@ class Env(gymnasium.Env[list[Message], str]):
         """
         return None
 
+    def episode_metrics(self) -> Mapping[str, Any]:
+        """Numbers that describe the episode so far, by name (SkyRL-Gym's ``get_metrics()``); none by default.
+
+        The rollout engine asks when an episode ends (after its last step, before ``close()``)
+        and records each number as the episode's ``metrics["env/NAME"]``; ``treerl learn``
+        logs each one per step as its mean over the step's episodes that reported it
+        (``env/NAME``), and ``treerl rollout`` and ``treerl eval`` summarize them the same way.
+        Numbers are ints, floats and bools (as 0/1); other values, NaN and infinities are
+        left out. An episode that does not report a name is left out of that name's mean:
+        report 0 where absence means 0.
+
+        >>> class Graded(Env):
+        ...     def episode_metrics(self):
+        ...         return {"format_ok": True, "answer_chars": 12}
+        """
+        return {}
+
     def render(self) -> str | None:
         if self.render_mode != "ansi":
             return None
@@ -213,8 +230,9 @@ class ToolEnv(Env):
     model as messages that say what was wrong, and are counted in ``info["metrics"]``.
 
     Subclasses set ``system_prompt`` and override :meth:`sample_task` (or pass ``dataset``),
-    :meth:`score`, and optionally :meth:`is_final`, :meth:`gold_actions`, and
-    :meth:`answer_feedback` (what :meth:`feedback` says about a final answer).
+    :meth:`score`, and optionally :meth:`is_final`, :meth:`gold_actions`,
+    :meth:`answer_feedback` (what :meth:`feedback` says about a final answer), and
+    :meth:`episode_metrics` (numbers about the episode, averaged in the run's metrics).
 
     Args:
         tools: Tools available to the model (default: the class attribute ``tool_list``):

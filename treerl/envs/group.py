@@ -261,6 +261,10 @@ class EnvGroup(Env):
     def feedback(self) -> str | None:
         return None if self.current is None else self.current_env.feedback()
 
+    def episode_metrics(self) -> Mapping[str, Any]:
+        hook = None if self.current is None else getattr(self.current_env, "episode_metrics", None)
+        return hook() if hook is not None else {}
+
     def render(self) -> str | None:
         return None if self.current is None else self.current_env.render()
 

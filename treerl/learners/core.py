@@ -261,6 +261,7 @@ class Run:
             "tree/packing_ratio": summary["tree/packing_ratio"],
             "perf/tokens_per_s": summary["perf/tokens_per_s"],
             **{f"tool_calls/{kind}": float(n) for kind, n in summary["tool_calls"].items()},  # counts by outcome
+            **summary["env_metrics"],  # the environments' own numbers (env/NAME), each one's mean over its episodes
             "policy/version": self.sync.version,
             **self.ranks.mean_metrics(local, weight=num_episodes),
         })

@@ -14,7 +14,8 @@ the reason an episode ended is recorded. An environment that raises in ``step`` 
 a reward that is not a finite number, or an observation that is not chat messages) is
 recorded as an ``env_error`` termination, never a crashed run; so is a chat template that cannot render
 what came back (``render_error``). When an episode ends, the environment's
-``feedback()`` (what went wrong, in words) is recorded as the episode's ``metrics["feedback"]``.
+``feedback()`` (what went wrong, in words) is recorded as the episode's ``metrics["feedback"]``,
+and the numbers of its ``episode_metrics()`` as ``metrics["env/NAME"]`` (summaries average them).
 
 The steps of one turn (sample, observe, bridge or branch, finish) live in
 :mod:`treerl.rollout.episode`, where ``treerl serve`` takes them too.
@@ -48,7 +49,7 @@ from treerl.rollout.episode import (
     turn_params,
 )
 from treerl.rollout.lockstep import Lockstep
-from treerl.rollout.summary import RolloutStats
+from treerl.rollout.summary import ENV_METRIC_PREFIX, RolloutStats, env_metric_numbers
 from treerl.rollout.trajectory import Group, GroupWriter
 
 __all__ = ["RolloutEngine", "task_options"]
@@ -126,6 +127,8 @@ class RolloutEngine:
         self._slots: asyncio.Semaphore | contextlib.nullcontext | None = None
         self._slots_loop: asyncio.AbstractEventLoop | None = None
         self._gate: Lockstep | None = None
+        self._left_out_metrics: set[tuple[str, str]] = set()
+        """(environment, name) of episode metrics that were not numbers: warned about once."""
 
     def _ensure_slots(self) -> None:
         loop = asyncio.get_running_loop()
@@ -286,9 +289,31 @@ class RolloutEngine:
         feedback = _feedback(state.env, group.env_id)
         if feedback:
             state.metrics["feedback"] = feedback  # what a teacher may read about this attempt (SDPO)
+        state.metrics.update(self._episode_metrics(state.env, group.env_id))
         finish_episode(state, group, leaf, termination)
         _close(state.env, group.env_id)
         return []
+
+    def _episode_metrics(self, env: Any, env_id: str) -> dict[str, float]:
+        """``env.episode_metrics()``'s numbers as ``env/NAME`` (see :meth:`treerl.envs.Env.episode_metrics`);
+        an environment bug there is logged, not raised, and what is not a number is left out (said once)."""
+        hook = getattr(env, "episode_metrics", None)
+        if hook is None:
+            return {}
+        try:
+            values = dict(hook() or {})
+        except Exception as exc:
+            logger.warning("environment %s raised in episode_metrics(): %s", env_id,
+                           "".join(traceback.format_exception_only(exc)).strip())
+            return {}
+        numbers = env_metric_numbers(values)
+        for name in sorted(set(values) - set(numbers)):
+            if (env_id, name) not in self._left_out_metrics:
+                self._left_out_metrics.add((env_id, name))
+                logger.warning("environment %s: episode_metrics()[%r] is %s, not a finite number: left out of the "
+                               "episode's metrics (report ints, floats or bools)", env_id, name,
+                               repr(values[name])[:60])
+        return {f"{ENV_METRIC_PREFIX}{name}": value for name, value in numbers.items()}
 
     # -- many groups -----------------------------------------------------------------------
     async def run(

@@ -13,7 +13,10 @@ turns them into the figures every command reports, under the same names:
   member's mean episode reward (the environment's) and success rate, by the name its groups
   carry in ``info["env"]``; empty otherwise;
 - ``terminations`` by reason, ``episode/length_limit_frac`` (final turns cut by
-  ``max_new_tokens``), ``perf/tokens_per_s``, ``tree/packing_ratio``, ``template/branches``.
+  ``max_new_tokens``), ``perf/tokens_per_s``, ``tree/packing_ratio``, ``template/branches``;
+- ``env_metrics``: the numbers environments report about their episodes (the episode's
+  ``metrics["env/NAME"]``, from :meth:`~treerl.envs.Env.episode_metrics`), each one's mean over
+  the episodes that reported it, by its ``env/NAME``.
 
 >>> stats = RolloutStats()
 >>> stats.summary()["episodes"]
@@ -24,13 +27,32 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Mapping
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import Any
 
 from treerl.rollout.trajectory import Group
 
-__all__ = ["RolloutStats", "summary_table", "two_column_table", "format_table", "task_rows", "task_table"]
+__all__ = ["RolloutStats", "ENV_METRIC_PREFIX", "env_metric_numbers", "summary_table", "two_column_table",
+           "format_table", "task_rows", "task_table"]
+
+ENV_METRIC_PREFIX = "env/"
+"""An episode's ``metrics`` under this prefix are its environment's own numbers, averaged over episodes."""
+
+
+def env_metric_numbers(values: Mapping[str, Any]) -> dict[str, float]:
+    """The entries of ``values`` that are finite numbers (bools as 0/1), as floats; the rest are left out.
+
+    >>> env_metric_numbers({"ok": True, "chars": 12, "note": "text", "bad": float("nan")})
+    {'ok': 1.0, 'chars': 12.0}
+    """
+    numbers = {}
+    for name, value in values.items():
+        if isinstance(value, Real) and math.isfinite(value):
+            numbers[name] = float(value)
+    return numbers
 
 
 @dataclass
@@ -55,6 +77,8 @@ class RolloutStats:
     """Episode rewards by the member of an EnvGroup that played them (``group.info["env"]``)."""
     env_final_rewards: dict[str, list[float]] = field(default_factory=dict)
     """Final rewards (what success is measured on) by the member of an EnvGroup that played them."""
+    env_metrics: dict[str, list[float]] = field(default_factory=dict)
+    """The episodes' own numbers (``metrics["env/NAME"]``) by name, one per episode that reported it."""
 
     def add(self, group: Group) -> None:
         self.num_groups += 1
@@ -77,6 +101,9 @@ class RolloutStats:
                 self.length_limited += last.finish_reason == "length"
             for r in e.tool_calls:
                 self.tool_calls[r.get("error") or "ok"] += 1
+            own = {k: v for k, v in e.metrics.items() if k.startswith(ENV_METRIC_PREFIX)}
+            for name, value in env_metric_numbers(own).items():
+                self.env_metrics.setdefault(name, []).append(value)
 
     @classmethod
     def merge(cls, parts: Sequence[RolloutStats]) -> RolloutStats:
@@ -98,6 +125,8 @@ class RolloutStats:
                 merged.env_rewards.setdefault(name, []).extend(rewards)
             for name, rewards in s.env_final_rewards.items():
                 merged.env_final_rewards.setdefault(name, []).extend(rewards)
+            for name, values in s.env_metrics.items():
+                merged.env_metrics.setdefault(name, []).extend(values)
             merged.wall_s = max(merged.wall_s, s.wall_s)
         return merged
 
@@ -118,6 +147,7 @@ class RolloutStats:
                                for name, r in sorted(self.env_final_rewards.items()) if r},
             "tools/invalid_rate": (num_calls - self.tool_calls.get("ok", 0)) / num_calls if num_calls else 0.0,
             "terminations": dict(self.terminations),
+            "env_metrics": {name: sum(v) / len(v) for name, v in sorted(self.env_metrics.items()) if v},
             "episode/length_limit_frac": self.length_limited / self.final_turns if self.final_turns else 0.0,
             "perf/tokens_per_s": self.sampled_tokens / self.wall_s if self.wall_s > 0 else 0.0,
             "tree/packing_ratio": sum(self.packing_ratios) / max(len(self.packing_ratios), 1),
@@ -203,6 +233,8 @@ def summary_table(summary: dict[str, Any], **extra: str) -> str:
         rows.append(("reward mean by env", ", ".join(f"{k} {v:.3f}" for k, v in summary["reward_by_env"].items())))
     if summary.get("success_by_env"):
         rows.append(("success rate by env", ", ".join(f"{k} {v:.1%}" for k, v in summary["success_by_env"].items())))
+    if summary.get("env_metrics"):  # the environments' own numbers, each one's mean over the episodes reporting it
+        rows.append(("env metrics", ", ".join(f"{k} {v:.3f}" for k, v in summary["env_metrics"].items())))
     rows += [
         ("tool calls", ", ".join(f"{k}={v}" for k, v in sorted(summary["tool_calls"].items())) or "none"),
         ("terminations", ", ".join(f"{k}={v}" for k, v in sorted(summary["terminations"].items())) or "none"),
