@@ -72,10 +72,11 @@ def test_a_base_text_env_plays_with_its_rows_extras_rewards_ends_and_metadata():
     assert obs == [{"role": "user", "content": "Higher or lower?"}]
     assert (reward, terminated, truncated) == (0.0, False, False)
     assert type(reward) is float and info["metadata"] == {"right": False, "guess": "7"}
-    assert info["metrics"] == {"turns": 1, "skyrl/right": 0.0}  # numbers only; get_metrics() at the end
+    assert info["metrics"] == {"turns": 1}
+    assert env.episode_metrics() == {"right": 0.0, "guesses": 1.0}  # the metadata's numbers only, and get_metrics()
     obs, reward, terminated, truncated, info = env.step("3")
     assert (obs, reward, terminated, truncated) == ([], 1.0, True, False)
-    assert info["metrics"] == {"turns": 2, "skyrl/right": 1.0, "skyrl/guesses": 2.0}
+    assert env.episode_metrics() == {"right": 1.0, "guesses": 2.0}  # a later step's replaces an earlier one's
     with pytest.raises(EnvError, match="finished"):
         env.step("3")
 
@@ -159,11 +160,15 @@ def test_the_engine_plays_a_skyrl_environment_and_records_its_metrics():
     end_id = tok.convert_tokens_to_ids("<|im_end|>")
     policy = ScriptedPolicy(tok, lambda task, g, turn: str(turn + g + 2), end_id=end_id)
     factory = lambda: SkyRLEnv(_Guess, dataset=_rows(), max_turns=3)  # noqa: E731
-    groups, _ = asyncio.run(RolloutEngine(policy, tok, seed=0).run(factory, "tests/SkyRLGuess", range(2), 2))
+    groups, stats = asyncio.run(RolloutEngine(policy, tok, seed=0).run(factory, "tests/SkyRLGuess", range(2), 2))
     # Task 0's secret is 2: generation 0 guesses 2 at once, generation 1 guesses 3, 4, 5 and runs out of turns.
     [first, second] = groups[0].episodes
-    assert (first.reward, first.termination, first.metrics["skyrl/guesses"]) == (1.0, "terminated", 1.0)
+    assert (first.reward, first.termination, first.metrics["env/guesses"]) == (1.0, "terminated", 1.0)
     assert (second.reward, second.termination, second.metrics["turns"]) == (0.0, "terminated", 3)
+    assert (first.metrics["env/right"], second.metrics["env/right"], second.metrics["env/guesses"]) == (1.0, 0.0, 3.0)
+    # Averaged as SkyRL's default aggregation does, over the episodes (task 1's secret is 3: generation 0 guesses 2
+    # then 3, generation 1 guesses 3 at once).
+    assert stats.summary()["env_metrics"] == {"env/guesses": (1 + 3 + 2 + 1) / 4, "env/right": 0.75}
     assert groups[0].info["answer"] == "2" and groups[1].info["answer"] == "3"
     text = tok.decode(second.token_ids)
     assert "Answer with a number." in text and text.count("Try again.") == 2

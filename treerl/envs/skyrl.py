@@ -13,8 +13,11 @@ where ``extras`` is the row without its ``prompt`` and ``env_class`` columns (``
   gold answer (``reward_spec["ground_truth"]``) and ``init``'s metadata;
 * ``step`` returns the observations, the reward, ``terminated=done``, and ``truncated`` when
   ``max_turns`` (if set) steps passed without ``done``; ``info["metadata"]`` is the step's
-  metadata, and its numbers, with those of ``get_metrics()`` when the episode ends, are the
-  episode's ``info["metrics"]`` as ``skyrl/<key>``;
+  metadata;
+* ``episode_metrics()`` is the numbers of the steps' metadata (a later step's value of a key
+  replacing an earlier one's) with those of ``get_metrics()``: the engine records them as the
+  episode's ``metrics["env/<key>"]`` and ``treerl learn`` logs their means (SkyRL's default
+  aggregation: numbers averaged over the episodes that have them, the rest dropped);
 * the environment parses the completion itself (SkyRL's ``<search>``, ``<sql>``, ``####``):
   treerl offers no tools and parses no tool calls;
 * ``fork()`` deep-copies the SkyRL environment with the rest (the rows are shared).
@@ -137,6 +140,8 @@ class SkyRLEnv(Env):
         self.env: Any = None
         """The SkyRL-Gym environment of the current episode (None before the first reset)."""
         self.turn, self.done = 0, False
+        self.metadata_numbers: dict[str, float] = {}
+        """The numbers of the episode's step metadata so far, by key (a later step's replacing an earlier one's)."""
 
     def _check_row(self, row: Mapping[str, Any], index: int) -> None:
         if not isinstance(row, Mapping) or self.prompt_key not in row:
@@ -169,6 +174,7 @@ class SkyRLEnv(Env):
                            "messages are the model's prompt.")
         self.messages = copy.deepcopy(messages)
         self.turn, self.done = 0, False
+        self.metadata_numbers = {}
         reward_spec = extras.get("reward_spec")
         info = {
             "task_id": None if index is None else str(index),
@@ -197,15 +203,18 @@ class SkyRLEnv(Env):
         written = out.get("postprocessed_action")
         self.messages += [{"role": "assistant", "content": action if written is None else written}, *obs]
         metadata = dict(out.get("metadata") or {})
-        metrics: dict[str, Any] = {"turns": self.turn, **_numbers(metadata)}
-        if self.done:
-            get_metrics = getattr(self.env, "get_metrics", None)
-            metrics.update(_numbers(get_metrics() if callable(get_metrics) else {}))
-        info = {"turn": self.turn, "metadata": metadata, "metrics": metrics,
+        self.metadata_numbers.update(_numbers(metadata))
+        info = {"turn": self.turn, "metadata": metadata, "metrics": {"turns": self.turn},
                 "termination": "max_turns" if truncated else None}
         if written is not None:
             info["postprocessed_action"] = written
         return [dict(m) for m in obs], reward, terminated, truncated, info
+
+    def episode_metrics(self) -> dict[str, float]:
+        """The numbers of the steps' metadata and of the SkyRL environment's ``get_metrics()`` (SkyRL's generator
+        asks it when the trajectory ends, however it ended)."""
+        get_metrics = getattr(self.env, "get_metrics", None)
+        return {**self.metadata_numbers, **_numbers(get_metrics() if callable(get_metrics) else {})}
 
     def close(self) -> None:
         if self.env is not None:
@@ -249,9 +258,9 @@ class SkyRLEnv(Env):
 
 
 def _numbers(values: Mapping[str, Any]) -> dict[str, float]:
-    """The numeric entries of SkyRL metadata or metrics, as episode metrics ``skyrl/<key>`` (as SkyRL's
-    default aggregation keeps the numbers and drops the rest)."""
-    return {f"skyrl/{k}": float(v) for k, v in values.items() if isinstance(v, Real)}
+    """The numeric entries of SkyRL metadata or metrics (bools as 0/1), as SkyRL's default aggregation keeps the
+    numbers and drops the rest."""
+    return {str(k): float(v) for k, v in values.items() if isinstance(v, Real)}
 
 
 def _as_config(env_config: Mapping[str, Any] | None) -> Any:
