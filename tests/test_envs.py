@@ -499,6 +499,20 @@ def test_check_env_passes_an_env_without_gold_answers_with_a_warning():
         check_env(_EchoEnv(), gymnasium_checks=False)
 
 
+def test_check_env_catches_episode_metrics_that_raise_on_an_episode_without_a_final_answer():
+    class Counting(_EchoEnv):
+        def episode_metrics(self):
+            return {"answer_chars": len(self.final_answer)}  # None after a malformed call: a TypeError
+
+        def gold_actions(self, task):
+            return [task.answer]
+
+    from treerl.envs.checker import EnvCheckError
+
+    with pytest.raises(EnvCheckError, match=r"episode_metrics\(\) after step.*raised TypeError"):
+        check_env(Counting(), gymnasium_checks=False)
+
+
 def test_example_custom_env_is_listed_by_treerl_envs():
     out = subprocess.run(
         [sys.executable, "-m", "treerl.cli", "envs", "--json", "--import", EXAMPLE],

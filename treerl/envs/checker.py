@@ -3,8 +3,8 @@
 Gymnasium's ``check_env`` covers the API shapes, spaces and seeding. treerl adds what
 multi-turn tool environments need: seeded tasks are reproducible, ``fork()`` is independent,
 ``validate()`` proves gold answers earn the full reward (where the environment has them), tool schemas are valid JSON Schema,
-``astep`` agrees with ``step``, and malformed model output never raises (nor does
-``feedback()`` on what it led to).
+``astep`` agrees with ``step``, and malformed model output never raises (nor do
+``feedback()`` and ``episode_metrics()`` on what it led to).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import gymnasium
@@ -159,6 +160,15 @@ def _check_adversarial(env: Env, seed: int) -> None:
         if feedback is not None and not isinstance(feedback, str):
             raise EnvCheckError(f"feedback() after step({action!r}) returned {type(feedback).__name__}: return a "
                                 "str or None.")
+        try:
+            numbers = env.episode_metrics()
+        except Exception as exc:
+            raise EnvCheckError(f"episode_metrics() after step({action!r}) raised {type(exc).__name__}: {exc}. It is "
+                                "asked however the episode ended (a malformed reply, no final answer, a time "
+                                "limit): return the numbers it has, e.g. {'answer_chars': len(answer or '')}.") from exc
+        if not isinstance(numbers, Mapping):
+            raise EnvCheckError(f"episode_metrics() after step({action!r}) returned {type(numbers).__name__}: return "
+                                "a dict of numbers by name, e.g. {'format_ok': True}.")
 
 
 def check_registered(env_id: str, **kwargs: Any) -> None:
