@@ -463,6 +463,13 @@ def test_registry_errors_and_custom_registration():
     assert gymnasium.make("tests/Echo-v0").unwrapped.max_turns == 2
     with pytest.raises(ValueError, match="already registered"):
         treerl.register("tests/Echo-v0", _EchoEnv)
+    # Gymnasium's own form of the constructor's defaults, kwargs={...}; its other options are refused by name.
+    treerl.register("tests/Echo-v0", _EchoEnv, override=True, kwargs={"max_turns": 3})
+    assert treerl.make("tests/Echo-v0").max_turns == 3 and treerl.make("tests/Echo-v0", max_turns=1).max_turns == 1
+    with pytest.raises(ValueError, match=r"\['max_episode_steps'\] are gymnasium.register options"):
+        treerl.register("tests/Echo-v0", _EchoEnv, override=True, max_episode_steps=5)
+    with pytest.raises(ValueError, match=r"\['max_turns'\] given both"):
+        treerl.register("tests/Echo-v0", _EchoEnv, override=True, kwargs={"max_turns": 3}, max_turns=2)
 
 
 def test_ids_registered_with_gymnasium_and_module_prefixed_ids_are_made(tmp_path, monkeypatch):

@@ -61,6 +61,12 @@ registry: Mapping[str, EnvSpec] = MappingProxyType(_REGISTRY)
 """Read-only view of the registered environments, by id."""
 
 
+_GYMNASIUM_ONLY = frozenset({"reward_threshold", "nondeterministic", "max_episode_steps", "order_enforce", "autoreset",
+                              "disable_env_checker", "apply_api_compatibility", "additional_wrappers",
+                              "vector_entry_point"})
+"""Options of ``gymnasium.register`` that are not constructor arguments."""
+
+
 def register(
     id: str,
     entry_point: str | Callable[..., Any],
@@ -76,10 +82,22 @@ def register(
         entry_point: A class/factory, or ``"package.module:ClassName"`` (imported lazily).
         description: One line for ``treerl envs``; defaults to the class's ``description``.
         override: Replace an existing registration instead of refusing.
-        **kwargs: Default keyword arguments for the constructor (``make`` can override them).
+        **kwargs: Default keyword arguments for the constructor (``make`` can override them);
+            Gymnasium's form, ``kwargs={...}``, is taken too.
     """
     if id in _REGISTRY and not override:
         raise ValueError(f"Environment {id!r} is already registered: pick another id or pass override=True.")
+    if isinstance(kwargs.get("kwargs"), Mapping):  # gymnasium.register(id, entry_point, kwargs={...})
+        given = dict(kwargs.pop("kwargs"))
+        both = sorted(set(given) & set(kwargs))
+        if both:
+            raise ValueError(f"register({id!r}): {both} given both in kwargs= and as keyword arguments; keep one.")
+        kwargs = {**given, **kwargs}
+    gymnasium_only = sorted(set(kwargs) & _GYMNASIUM_ONLY)
+    if gymnasium_only:
+        raise ValueError(f"register({id!r}): {gymnasium_only} are gymnasium.register options treerl does not take "
+                         "(its episodes end by max_turns, the environment's own limit, and the engine's token and "
+                         "time limits); the other keyword arguments are the constructor's defaults.")
     spec_ = EnvSpec(id=id, entry_point=entry_point, kwargs=dict(kwargs), description=description)
     _REGISTRY[id] = spec_
     if id in gymnasium.registry:
