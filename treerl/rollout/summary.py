@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any
 
+import numpy as np
+
 from treerl.rollout.trajectory import Group
 
 __all__ = ["RolloutStats", "ENV_METRIC_PREFIX", "env_metric_numbers", "summary_table", "two_column_table",
@@ -43,13 +45,17 @@ ENV_METRIC_PREFIX = "env/"
 
 
 def env_metric_numbers(values: Mapping[str, Any]) -> dict[str, float]:
-    """The entries of ``values`` that are finite numbers (bools as 0/1), as floats; the rest are left out.
+    """The entries of ``values`` that are finite numbers (bools as 0/1; numpy's numbers and bools too),
+    as floats; the rest are left out.
 
-    >>> env_metric_numbers({"ok": True, "chars": 12, "note": "text", "bad": float("nan")})
-    {'ok': 1.0, 'chars': 12.0}
+    >>> import numpy as np
+    >>> env_metric_numbers({"ok": True, "chars": 12, "note": "text", "bad": float("nan"), "np": np.bool_(True)})
+    {'ok': 1.0, 'chars': 12.0, 'np': 1.0}
     """
     numbers = {}
     for name, value in values.items():
+        if isinstance(value, np.bool_):  # not a numbers.Real, unlike numpy's other scalars
+            value = bool(value)
         if isinstance(value, Real) and math.isfinite(value):
             numbers[name] = float(value)
     return numbers
