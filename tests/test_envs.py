@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import subprocess
 import sys
@@ -338,9 +339,14 @@ def test_a_large_dataset_is_read_once_and_shared_by_forks_not_copied(tmp_path, m
     reads = []
     real = math_verify._read_rows
     monkeypatch.setattr(math_verify, "_read_rows", lambda p: reads.append(p) or real(p))
+    checks = []
+    real_check = math_verify.MathVerifyEnv._prompt_key
+    monkeypatch.setattr(math_verify.MathVerifyEnv, "_prompt_key",
+                        staticmethod(lambda *a, **k: checks.append(1) or real_check(*a, **k)))
     env = treerl.make("treerl/MathVerify-v0", data_path=str(path))
+    assert len(checks) == 50  # every row checked at the first build ...
     again = treerl.make("treerl/MathVerify-v0", data_path=str(path), prompt_key="question")
-    assert len(reads) == 1 and len(again.dataset) == 50
+    assert len(reads) == 1 and len(again.dataset) == 50 and len(checks) == 50  # ... and not at the next
     env.reset(seed=0, options={"task_index": 7})
     child = env.fork()
     assert child.dataset is env.dataset  # shared, not copied ...
@@ -351,6 +357,21 @@ def test_a_large_dataset_is_read_once_and_shared_by_forks_not_copied(tmp_path, m
     with pytest.raises(ValueError, match="Row 50 has no \\['answer'\\] column"):  # still refused at build
         treerl.make("treerl/MathVerify-v0", data_path=str(path))
     assert len(reads) == 2
+
+
+def test_a_mixed_data_file_is_split_once_for_every_group_built_on_it(tmp_path, monkeypatch):
+    registry = importlib.import_module("treerl.envs.registry")  # treerl.envs.registry is also the function
+
+    path = tmp_path / "mix.jsonl"
+    path.write_text("".join(json.dumps({"env": "math", "question": f"{i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(6)) + json.dumps({"env": "calc", "prompt": "2*3?", "answer": "6"}) + "\n")
+    splits = []
+    real = registry._route_rows
+    monkeypatch.setattr(registry, "_route_rows", lambda *a: splits.append(1) or real(*a))
+    ids = "calc=treerl/Calculator-v0,math=treerl/MathVerify-v0"
+    first, second = (treerl.make(ids, data_path=str(path)) for _ in range(2))
+    assert len(splits) == 1 and len(second.envs["math"].dataset) == 6
+    assert [first.task_options(k)["env"] for k in range(7)] == ["math"] * 6 + ["calc"]
 
 
 def test_a_fork_shares_its_tools_schemas_and_keeps_each_method_tool_its_own():

@@ -26,6 +26,7 @@ from typing import Any
 
 import gymnasium
 
+from treerl.envs.cache import Recent
 from treerl.envs.core import Env
 from treerl.envs.group import EnvGroup, member_name
 from treerl.envs.skyrl import NAMESPACE as SKYRL_NAMESPACE
@@ -267,11 +268,14 @@ def make_group(ids: str, *, weights: Mapping[str, float] | list[float] | None = 
         raise
 
 
+_SPLITS = Recent(4)  # (file version, env_key, members) -> the file's rows split by member
+
+
 def _split_rows(data_path: str | os.PathLike | None, dataset: Sequence[Mapping[str, Any]] | None,
                 env_key: str | None, pairs: list[tuple[str, str]],
                 member_kwargs: Mapping[str, Any]) -> tuple[list[str], dict[str, list[Mapping[str, Any]]]]:
     """Each row's member (in order) and each member's rows, of a mixed dataset."""
-    from treerl.envs.builtin.math_verify import read_rows
+    from treerl.envs.builtin.math_verify import file_version, read_rows
 
     names = [n for n, _ in pairs]
     if data_path is not None and dataset is not None:
@@ -280,8 +284,14 @@ def _split_rows(data_path: str | os.PathLike | None, dataset: Sequence[Mapping[s
     if own:
         raise ValueError(f"{own[0]} has its own data_path/dataset, but the group's data_path gives every environment "
                          f"its rows: drop {own[0]}'s, or the group's (and give each environment its own).")
-    rows = read_rows(data_path) if dataset is None else dataset
-    where = data_path if data_path is not None else "dataset"
+    if dataset is None:  # a file's split is made once per version of it, not for every environment built
+        return _SPLITS.get_or_put((file_version(data_path), env_key, tuple(names)),
+                                  lambda: _route_rows(read_rows(data_path), data_path, env_key, names))
+    return _route_rows(dataset, "dataset", env_key, names)
+
+
+def _route_rows(rows: Sequence[Mapping[str, Any]], where: Any, env_key: str | None,
+                names: list[str]) -> tuple[list[str], dict[str, list[Mapping[str, Any]]]]:
     if len(rows) == 0:
         raise ValueError(f"{where} has no rows: an environment group's dataset needs at least one.")
     chosen = "" if env_key is not None else " (the column the first row has: 'env', else SkyRL-Gym's 'env_class')"

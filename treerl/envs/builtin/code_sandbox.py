@@ -149,7 +149,7 @@ class CodeSandboxEnv(ToolEnv):
         rows = None
         if tasks == "file":
             dataset = load_rows(data_path, dataset, "code_tasks.jsonl")
-            check_rows(dataset, self._check)
+            check_rows(dataset, self._check, key=type(self))
             rows = RowTasks(dataset, self._row)
         self.limits = limits or SandboxLimits()
         kwargs.setdefault("max_turns", 4)

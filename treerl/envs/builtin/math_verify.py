@@ -9,16 +9,15 @@ from __future__ import annotations
 import functools
 import json
 import os
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from typing import Any, overload
 
+from treerl.envs.cache import Recent
 from treerl.envs.core import Task, ToolEnv
 from treerl.envs.verifiers import math_verify_reward
 
-__all__ = ["MathVerifyEnv", "RowTasks", "check_rows", "load_jsonl", "load_rows", "read_rows"]
+__all__ = ["MathVerifyEnv", "RowTasks", "check_rows", "file_version", "load_jsonl", "load_rows", "read_rows"]
 
 
 def load_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -35,30 +34,23 @@ def load_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
-_READ: OrderedDict[tuple[str, int, int], list[dict[str, Any]]] = OrderedDict()
-_READ_LOCK = threading.Lock()
-_READ_FILES = 4  # the files whose rows are kept
+_READ = Recent(4)  # the rows of the files read last
+
+
+def file_version(path: str | os.PathLike) -> tuple[str, int, int]:
+    """What names one version of a file: its real path, size and modification time."""
+    stat = os.stat(path)
+    return os.path.realpath(path), stat.st_size, stat.st_mtime_ns
 
 
 def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The rows of a JSON Lines file, or of a Parquet file (``.parquet``, read with pyarrow).
 
-    Read once per version of the file (its path, size and modification time) and shared by every
-    caller after: a training run builds an environment per task, and a dataset of 100,000 rows
-    takes seconds to parse. The rows are read-only (environments copy a task as they draw it).
+    Read once per version of the file (:func:`file_version`) and shared by every caller after: a
+    training run builds an environment per task, and a dataset of 100,000 rows takes seconds to
+    parse. The rows are read-only (environments copy a task as they draw it).
     """
-    stat = os.stat(path)
-    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
-    with _READ_LOCK:
-        if key in _READ:
-            _READ.move_to_end(key)
-            return _READ[key]
-    rows = _read_rows(path)
-    with _READ_LOCK:
-        _READ[key] = rows
-        while len(_READ) > _READ_FILES:
-            _READ.popitem(last=False)
-    return rows
+    return _READ.get_or_put(file_version(path), lambda: _read_rows(path))
 
 
 def _read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -116,11 +108,22 @@ class RowTasks(Sequence[Task]):
         return self.convert(self.rows[index], index)
 
 
-def check_rows(rows: Sequence[Mapping[str, Any]], check: Callable[[Mapping[str, Any], int], Any]) -> None:
+_CHECKED = Recent(16)  # (id of rows, what was checked) -> the rows (held: their id stays theirs)
+
+
+def check_rows(rows: Sequence[Mapping[str, Any]], check: Callable[[Mapping[str, Any], int], Any],
+               key: Any = None) -> None:
     """``check(row, index)`` on every row (it raises for a bad one), or on the first row of a
-    ``datasets.Dataset``, whose rows all have its columns."""
+    ``datasets.Dataset``, whose rows all have its columns. With ``key`` (what ``check`` checks, e.g.
+    the columns), the same rows are checked once for it: the rows of a file, read once, are
+    checked again for every environment built on them otherwise. A task is still checked as it
+    is made (``RowTasks``), so rows changed after their check fail when drawn."""
+    if key is not None and _CHECKED.get((id(rows), key)) is rows:
+        return
     for index in range(min(len(rows), 1)) if hasattr(rows, "column_names") else range(len(rows)):
         check(rows[index], index)
+    if key is not None:
+        _CHECKED.put((id(rows), key), rows)
 
 
 class MathVerifyEnv(ToolEnv):
@@ -149,7 +152,8 @@ class MathVerifyEnv(ToolEnv):
         **kwargs: Any,
     ):
         dataset = load_rows(data_path, dataset, "math_sample.jsonl")
-        check_rows(dataset, functools.partial(self._prompt_key, prompt_key=prompt_key, answer_key=answer_key))
+        check_rows(dataset, functools.partial(self._prompt_key, prompt_key=prompt_key, answer_key=answer_key),
+                   key=(type(self), prompt_key, answer_key))
         rows = RowTasks(dataset, functools.partial(self._row, prompt_key=prompt_key, answer_key=answer_key))
         kwargs.setdefault("max_turns", 1)
         super().__init__(dataset=rows, **kwargs)
