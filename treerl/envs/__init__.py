@@ -11,6 +11,7 @@ from treerl.envs.checker import EnvCheckError, check_env
 from treerl.envs.core import Env, Message, Task, ToolEnv, ValidationReport
 from treerl.envs.group import EnvGroup
 from treerl.envs.parsers import PARSERS, ParseResult, ToolCall, ToolCallParser, get_parser
+from treerl.envs.reasoning_gym import ReasoningGymEnv
 from treerl.envs.registry import EnvSpec, make, register, registry
 from treerl.envs.skyrl import SkyRLEnv
 from treerl.envs.spaces import ChatMessages, Completion
@@ -21,7 +22,7 @@ from treerl.errors import EnvError, ToolCallError, ToolErrorKind, ToolTimeout, T
 from treerl.envs import builtin  # noqa: E402,F401  (registers the built-in environments)
 
 __all__ = [
-    "Env", "ToolEnv", "TextEnv", "SkyRLEnv", "EnvGroup", "Task", "Message", "ValidationReport",
+    "Env", "ToolEnv", "TextEnv", "SkyRLEnv", "ReasoningGymEnv", "EnvGroup", "Task", "Message", "ValidationReport",
     "ChatMessages", "Completion",
     "Tool", "tool", "ToolResult", "run_tool_call",
     "ToolCall", "ParseResult", "ToolCallParser", "PARSERS", "get_parser",

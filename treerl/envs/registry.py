@@ -29,6 +29,7 @@ import gymnasium
 from treerl.envs.cache import Recent
 from treerl.envs.core import Env
 from treerl.envs.group import EnvGroup, member_name
+from treerl.envs.reasoning_gym import NAMESPACE as RG_NAMESPACE
 from treerl.envs.skyrl import NAMESPACE as SKYRL_NAMESPACE
 from treerl.errors import ConfigError
 
@@ -114,7 +115,8 @@ def spec(id: str) -> EnvSpec:
     registered with ``gymnasium.register`` instead of :func:`register`, as ``gymnasium.make``
     allows. Several ids, comma-separated, are a group (:func:`make_group`); each must exist.
     ``skyrl/<id>`` is SkyRL-Gym's environment ``<id>`` (:class:`~treerl.envs.skyrl.SkyRLEnv`), registered
-    here on first use; whether SkyRL-Gym has it is checked when it is built.
+    here on first use; whether SkyRL-Gym has it is checked when it is built. Likewise ``rg/<name>`` is
+    reasoning-gym's dataset ``<name>`` (:class:`~treerl.envs.reasoning_gym.ReasoningGymEnv`).
     """
     if "," in id:
         for _, member_id in group_members(id):
@@ -134,6 +136,10 @@ def spec(id: str) -> EnvSpec:
         env_class = id[len(SKYRL_NAMESPACE):]
         return register(id, "treerl.envs.skyrl:SkyRLEnv", env_class=env_class,
                         description=f"SkyRL-Gym's {env_class} environment (skyrl_gym.make({env_class!r})).")
+    if id not in _REGISTRY and id.startswith(RG_NAMESPACE) and len(id) > len(RG_NAMESPACE):
+        name = id[len(RG_NAMESPACE):]
+        return register(id, "treerl.envs.reasoning_gym:ReasoningGymEnv", dataset_name=name,
+                        description=f"reasoning-gym's {name} dataset (reasoning_gym.create_dataset({name!r})).")
     try:
         return _REGISTRY[id]
     except KeyError:
