@@ -153,6 +153,19 @@ class _EchoEnv(ToolEnv):
         return float(completion.strip() == task.answer)
 
 
+def test_an_environment_without_tools_scores_call_markup_as_text_of_the_answer():
+    # Its template showed the model no tools: a reply with call markup was a malformed call, kept from the
+    # score (reasoning-gym and MathVerify runs of an untrained model: every reply malformed, reward 0).
+    env = _EchoEnv()
+    env.reset(seed=0)
+    _, reward, terminated, _, info = env.step('<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert terminated and info["termination"] == "final_answer" and info["tool_calls"] == [] and reward == 0.0
+    env = treerl.make("treerl/MathVerify-v0")
+    env.reset(seed=0)
+    _, reward, terminated, _, _ = env.step(f"<tool_call>x</tool_call> \\boxed{{{env.task.answer}}}")
+    assert terminated and reward == 1.0
+
+
 def test_truncation_after_max_turns_and_step_after_end_raises():
     env = treerl.make("treerl/Calculator-v0", max_turns=2)
     env.reset(seed=0)
@@ -535,10 +548,14 @@ def test_check_env_catches_episode_metrics_that_raise_on_an_episode_without_a_fi
         def gold_actions(self, task):
             return [task.answer]
 
+    def ping(text: str) -> str:
+        """Echo the text."""
+        return text
+
     from treerl.envs.checker import EnvCheckError
 
     with pytest.raises(EnvCheckError, match=r"episode_metrics\(\) after step.*raised TypeError"):
-        check_env(Counting(), gymnasium_checks=False)
+        check_env(Counting(tools=[ping]), gymnasium_checks=False)  # with a tool, call markup can be malformed
 
 
 def test_example_custom_env_is_listed_by_treerl_envs():

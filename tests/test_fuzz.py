@@ -154,8 +154,10 @@ def test_environments_never_raise_and_their_records_always_write(env_id, tmp_pat
         outcomes = asyncio.run(_play(env_id, ENV_INPUTS, seed=0, writer=writer))
     assert sum(1 for _ in open(out, "rb")) == -(-ENV_INPUTS // 500)  # every batch written
     # The corpus reaches the paths that matter: malformed calls, bad arguments, answers.
-    if env_id != "treerl/GuessNumber-v0":
+    if treerl.make(env_id).tool_schemas:
         assert outcomes.get("malformed", 0) > 100 and outcomes.get("terminated", 0) > 0, outcomes
+    elif env_id != "treerl/GuessNumber-v0":  # no tools: call markup is text of an answer, every reply one
+        assert set(outcomes) == {"terminated"} and outcomes["terminated"] == ENV_INPUTS, outcomes
     if env_id == "treerl/Calculator-v0":
         assert outcomes.get("invalid_arguments", 0) > 100 and outcomes.get("ok", 0) > 10, outcomes
 

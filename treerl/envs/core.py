@@ -521,6 +521,11 @@ class ToolEnv(Env):
             parsed = self.parser.parse(action, schemas)
             return parsed, not parsed.calls and not parsed.errors and self.is_final(parsed)
 
+        if not self._tools:
+            # Nothing to call (the template showed the model no tools): call markup is text of the
+            # answer, as in TRL's and verifiers' single-turn tasks, never a malformed call kept from the score.
+            parsed = ParseResult(content=action.strip())
+            return parsed, self.is_final(parsed)
         if len(action) <= _INLINE_CHARS and type(self.parser) in PARSERS.values():
             # treerl's own parsers are linear (about 1 ms for this much text): a thread would
             # cost more than it saves.
