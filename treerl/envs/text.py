@@ -1,6 +1,7 @@
 """Text environments played as chats: a Gymnasium environment whose observations are plain
 strings (GEM's and TextArena's games, a user's own ``gymnasium.Env``) becomes a treerl
-environment whose observations are chat messages.
+environment whose observations are chat messages. GEM's environments (``gem.Env``, not a
+``gymnasium.Env``: its ``reset`` takes a seed and no options) play as they are.
 
 The first observation is the user's opening message (after ``system_prompt``, if given); every
 later one is the next user message; the model's completion is the action. Rewards, ends and
@@ -37,13 +38,13 @@ class TextEnv(Env):
     """A Gymnasium environment with string observations and string actions, as a chat.
 
     Args:
-        env: The environment, or a function that builds it (``lambda: gem.make("game:GuessTheNumber-v0")``).
+        env: The environment, or a function that builds it (``lambda: gem.make("game:GuessTheNumber-v0-easy")``).
         system_prompt: A system message before the first observation.
         role: The role of the observations' messages (``user``; ``tool`` for a tool-like game
             needs a template that renders tool messages without a call id).
 
     Register it as any environment, e.g. ``treerl.register("gem/GuessTheNumber-v0",
-    lambda **kw: TextEnv(lambda: gem.make("game:GuessTheNumber-v0", **kw)))``; then
+    lambda **kw: TextEnv(lambda: gem.make("game:GuessTheNumber-v0-easy", **kw)))``; then
     ``treerl learn --import my_envs.py --env gem/GuessTheNumber-v0``. ``fork()`` copies the
     wrapped environment with the rest (members it cannot copy are shared: see
     :meth:`treerl.envs.Env.fork`).
@@ -57,7 +58,8 @@ class TextEnv(Env):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
-        obs, info = self.env.reset(seed=seed, options=options)
+        # GEM's reset takes no options (``reset(seed=None)``): pass them only when there are some.
+        obs, info = self.env.reset(seed=seed, **({"options": options} if options else {}))
         opening = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         self.messages = [*opening, self._message(obs, "reset()")]
         return [dict(m) for m in self.messages], dict(info)

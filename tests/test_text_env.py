@@ -1,0 +1,72 @@
+"""TextEnv: GEM's and TextArena's text games played as chats.
+
+The first tests of each use a stand-in that follows the package's interface exactly as observed
+in gem-llm 0.1.0 and textarena 0.7.4, so they run without the packages; the last ones play the
+real games and skip where the packages are not installed (neither is a treerl extra: gem-llm
+pins nltk and reasoning-gym).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from treerl.envs import TextEnv, check_env
+
+
+class _GemGuess:
+    """``gem.core.Env``'s interface (gem-llm 0.1.0) without the package: not a ``gymnasium.Env``;
+    ``reset(self, seed=None) -> (str, info)`` takes no options and seeds the global ``random``
+    (``gem.utils.seeding.set_seed``); ``step(action) -> (obs, reward, terminated, truncated, info)``
+    with ``info={"suffix": ...}``, both ends set at the turn limit, as GEM's GuessTheNumber does."""
+
+    def __init__(self, max_turns: int = 3):
+        self.max_turns = max_turns
+        self.reset()
+
+    def reset(self, seed=None):
+        if seed is not None:
+            random.seed(seed)
+        self.secret, self.turn_count = random.randint(1, 10), 0
+        return "Guess a number between 1 and 10 in \\boxed{}.", {"suffix": "Enter your next guess."}
+
+    def step(self, action):
+        self.turn_count += 1
+        if action == f"\\boxed{{{self.secret}}}":
+            return "Congratulations!", 1.0, True, False, {"suffix": "Enter your next guess."}
+        if self.turn_count >= self.max_turns:
+            return "You have reached the maximum number of turns.", 0.0, True, True, {"suffix": "Enter your next guess."}
+        return "Wrong.", 0.0, False, False, {"suffix": "Enter your next guess."}
+
+    @property
+    def unwrapped(self):
+        return self
+
+
+def test_a_gem_env_resets_without_options_and_plays_to_its_end():
+    env = TextEnv(_GemGuess())
+    obs, info = env.reset(seed=0)  # GEM's reset has no options: passing options=None raised TypeError
+    assert obs == [{"role": "user", "content": "Guess a number between 1 and 10 in \\boxed{}."}]
+    assert info == {"suffix": "Enter your next guess."}
+    secret = env.env.secret
+    assert env.reset(seed=0)[0] == obs and env.env.secret == secret  # seeded
+    fork = env.fork()
+    assert fork.step(f"\\boxed{{{secret}}}")[1:4] == (1.0, True, False)
+    assert env.step("\\boxed{0}")[1:4] == (0.0, False, False)  # the fork played on its own copy
+    with pytest.warns(UserWarning, match="no gold answers"):
+        check_env(TextEnv(_GemGuess()))  # Gymnasium's checker resets with options={}
+
+
+def test_a_real_gem_game_plays_as_a_chat():
+    gem = pytest.importorskip("gem", reason="GEM is not installed: pip install gem-llm")
+    env = TextEnv(lambda: gem.make("game:GuessTheNumber-v0-easy"))
+    obs, info = env.reset(seed=0)
+    assert obs[0]["role"] == "user" and "Guess The Number" in obs[0]["content"] and "suffix" in info
+    secret = env.env.game_number
+    assert env.reset(seed=0)[0] == obs and env.env.game_number == secret
+    assert env.fork().step(f"\\boxed{{{secret}}}")[1:4] == (1.0, True, False)
+    new, reward, terminated, truncated, _ = env.step("no guess")
+    assert "did not provide a valid guess" in new[0]["content"] and (reward, terminated, truncated) == (-0.1, True, False)
+    with pytest.warns(UserWarning, match="no gold answers"):
+        check_env(TextEnv(gem.make("game:GuessTheNumber-v0-easy")))
