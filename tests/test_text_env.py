@@ -70,3 +70,76 @@ def test_a_real_gem_game_plays_as_a_chat():
     assert "did not provide a valid guess" in new[0]["content"] and (reward, terminated, truncated) == (-0.1, True, False)
     with pytest.warns(UserWarning, match="no gold answers"):
         check_env(TextEnv(gem.make("game:GuessTheNumber-v0-easy")))
+
+
+class _ArenaGuess:
+    """``textarena.Env``'s interface (textarena 0.7.4) without the package, as its raw
+    GuessTheNumber plays: ``reset(num_players, seed) -> None`` seeds the global ``random``;
+    ``get_observation() -> (player_id, [(from_id, text, type), ...])`` gives the messages since the
+    last look, the player's own action first (from_id -1 is the game); ``step(action) -> (done,
+    info)``; ``close() -> (rewards by player, game info by player)``, the verdict in the latter."""
+
+    def __init__(self, max_turns: int = 3):
+        self.max_turns = max_turns
+
+    def reset(self, num_players, seed=None):
+        if seed is not None:
+            random.seed(seed)
+        self.secret, self.turn, self.done, self.rewards = random.randint(1, 10), 0, False, None
+        self.info = {0: {"role": "Player 0", "invalid_move": False, "turn_count": 0}}
+        self.pending = [(-1, "Guess a number between 1 and 10, e.g. [5].", "PROMPT")]
+
+    def get_observation(self):
+        obs, self.pending = self.pending, []
+        return 0, obs
+
+    def step(self, action):
+        self.turn += 1
+        self.info[0]["turn_count"] = self.turn
+        self.pending.append((0, action, "PLAYER_ACTION"))
+        if action == f"[{self.secret}]":
+            self.done, self.rewards, self.info[0]["reason"] = True, {0: 1}, "Congratulations!"
+        elif self.turn >= self.max_turns:
+            self.done, self.rewards, self.info[0]["reason"] = True, {0: 0.5}, "The turn limit has been reached."
+        else:
+            self.pending.append((-1, "The target number is higher.", "GAME_MESSAGE"))
+        return self.done, {}
+
+    def close(self):
+        return self.rewards, self.info
+
+
+def test_a_textarena_game_plays_as_its_single_player():
+    env = TextEnv(_ArenaGuess())
+    obs, info = env.reset(seed=0)  # TextArena's reset needs num_players and returns nothing
+    assert obs == [{"role": "user", "content": "Guess a number between 1 and 10, e.g. [5]."}] and info == {}
+    secret = env.env.unwrapped.secret
+    won = env.fork().step(f"[{secret}]")
+    assert won[:4] == ([{"role": "user", "content": "Congratulations!"}], 1.0, True, False)
+    assert won[4]["reason"] == "Congratulations!" and won[4]["turn_count"] == 1
+    # Each observation is the game's new messages, without the action the chat already holds.
+    assert env.step("[0]") == ([{"role": "user", "content": "The target number is higher."}], 0.0, False, False, {})
+    env.step("[0]")
+    assert env.step("[0]")[1:4] == (0.5, True, False)  # TextArena's turn limit ends the game with its reward
+    assert env.reset(seed=0)[0] == obs and env.env.unwrapped.secret == secret
+    with pytest.warns(UserWarning, match="no gold answers"):
+        check_env(TextEnv(_ArenaGuess()))
+
+
+def test_a_real_textarena_game_plays_as_a_chat():
+    ta = pytest.importorskip("textarena", reason="TextArena is not installed: pip install textarena")
+    env = TextEnv(lambda: ta.make("GuessTheNumber-v0-raw"))
+    obs, info = env.reset(seed=0)
+    assert obs[0]["role"] == "user" and "Guess The Number" in obs[0]["content"] and info == {}
+    secret = env.env.unwrapped.game_number
+    assert env.fork().step(f"[{secret}]")[1:4] == (1.0, True, False)
+    wrong = 1 if secret != 1 else 2
+    new, reward, terminated, truncated, _ = env.step(f"[{wrong}]")
+    assert new[0]["content"] in ("The target number is higher.", "The target number is lower.")
+    assert (reward, terminated, truncated) == (0.0, False, False)
+    new, reward, terminated, _, info = env.step(f"[{wrong}]")  # a repeated guess: TextArena's warning, then the end
+    assert "invalid move" in new[0]["content"] and not terminated
+    new, reward, terminated, _, info = env.step(f"[{wrong}]")
+    assert terminated and info["invalid_move"] and new[0]["content"] == info["reason"] and 0 <= reward < 1
+    with pytest.warns(UserWarning, match="no gold answers"):
+        check_env(TextEnv(ta.make("GuessTheNumber-v0-raw")))

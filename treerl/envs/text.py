@@ -1,7 +1,10 @@
 """Text environments played as chats: a Gymnasium environment whose observations are plain
 strings (GEM's and TextArena's games, a user's own ``gymnasium.Env``) becomes a treerl
 environment whose observations are chat messages. GEM's environments (``gem.Env``, not a
-``gymnasium.Env``: its ``reset`` takes a seed and no options) play as they are.
+``gymnasium.Env``: its ``reset`` takes a seed and no options) play as they are; a TextArena game
+(``reset(num_players, seed)``, ``get_observation()``, ``step -> (done, info)``, the rewards from
+``close()``) plays as its single player: each observation is the game's new messages since the
+model's last action, and the reward comes at the end, from the game's rewards.
 
 The first observation is the user's opening message (after ``system_prompt``, if given); every
 later one is the next user message; the model's completion is the action. Rewards, ends and
@@ -54,6 +57,8 @@ class TextEnv(Env):
                  role: str = "user", render_mode: str | None = None):
         super().__init__(render_mode=render_mode)
         self.env = env if isinstance(env, gymnasium.Env) or not callable(env) else env()
+        if not isinstance(self.env, gymnasium.Env) and hasattr(self.env, "get_observation"):
+            self.env = _TextArenaGame(self.env)
         self.system_prompt, self.role = system_prompt, role
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
@@ -80,3 +85,48 @@ class TextEnv(Env):
             return dict(obs)
         raise EnvError(f"{type(self.env.unwrapped).__name__}.{where} returned the observation {str(obs)[:80]!r}: "
                        "TextEnv plays environments whose observations are text (a str).")
+
+
+class _TextArenaGame:
+    """A single-player TextArena game (``textarena.Env``) with Gymnasium's ``reset`` and ``step``.
+
+    TextArena's ``reset(num_players, seed)`` returns nothing, ``get_observation()`` returns the
+    player and the messages since it last looked (``(from_id, text, type)`` tuples; a string
+    with the observation wrappers ``ta.make`` applies by default), ``step(action)`` returns
+    ``(done, info)`` and ``close()`` the rewards by player and each player's game info.
+    """
+
+    def __init__(self, env: Any):
+        self.env = env
+
+    @property
+    def unwrapped(self) -> Any:
+        return self.env
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        if options:
+            raise ValueError(f"TextEnv plays a TextArena game as its single player: reset options {options!r} "
+                             "have no TextArena counterpart.")
+        self.env.reset(num_players=1, seed=seed)
+        return self._observe(), {}
+
+    def step(self, action: str):
+        done, info = self.env.step(action)
+        obs = self._observe()
+        if not done:
+            return obs, 0.0, False, False, dict(info)
+        rewards, game_info = self.env.close()
+        player = game_info.get(self.player, {})
+        # The game's verdict (a win, the turn limit, an invalid move) is not among its messages.
+        reason = player.get("reason")
+        return "\n".join(filter(None, [obs, reason])), float(rewards[self.player]), True, False, {**info, **player}
+
+    def close(self) -> None:
+        pass  # TextArena's close() ends the game for its rewards; step() called it at the end
+
+    def _observe(self) -> str:
+        self.player, obs = self.env.get_observation()
+        if isinstance(obs, str):
+            return obs
+        # The model's own action comes back first: the chat already holds it.
+        return "\n".join(text for sender, text, *_ in obs if sender != self.player)
