@@ -58,6 +58,12 @@ def test_a_gem_env_resets_without_options_and_plays_to_its_end():
         check_env(TextEnv(_GemGuess()))  # Gymnasium's checker resets with options={}
 
 
+def test_a_gem_env_closes_though_gem_envs_have_no_close():
+    env = TextEnv(_GemGuess())
+    env.reset(seed=0)
+    env.close()  # raised AttributeError: treerl rollout closes the environment it probes the template with
+
+
 def test_a_real_gem_game_plays_as_a_chat():
     gem = pytest.importorskip("gem", reason="GEM is not installed: pip install gem-llm")
     env = TextEnv(lambda: gem.make("game:GuessTheNumber-v0-easy"))
@@ -70,6 +76,7 @@ def test_a_real_gem_game_plays_as_a_chat():
     assert "did not provide a valid guess" in new[0]["content"] and (reward, terminated, truncated) == (-0.1, True, False)
     with pytest.warns(UserWarning, match="no gold answers"):
         check_env(TextEnv(gem.make("game:GuessTheNumber-v0-easy")))
+    env.close()
 
 
 class _ArenaGuess:

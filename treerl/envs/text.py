@@ -76,7 +76,9 @@ class TextEnv(Env):
         return [dict(m) for m in new], reward, terminated, truncated, dict(info)
 
     def close(self) -> None:
-        self.env.close()
+        close = getattr(self.env, "close", None)  # gem.Env has no close()
+        if close is not None:
+            close()
 
     def _message(self, obs: Any, where: str) -> Message:
         if isinstance(obs, str):
