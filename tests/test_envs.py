@@ -441,6 +441,17 @@ def test_math_verify_env_from_jsonl_and_dataset(tmp_path):
         treerl.make("treerl/MathVerify-v0", data_path=bad)
 
 
+def test_math_and_code_take_rows_from_an_iterable_as_they_did_before_rows_were_shared():
+    """A generator or a streamed dataset (datasets.IterableDataset) has no len(): its rows are read once,
+    as the environments did when they converted every row up front."""
+    rows = [{"question": "2+2?", "answer": "4"}, {"question": "3*3?", "answer": "9"}]
+    env = treerl.make("treerl/MathVerify-v0", dataset=(dict(r) for r in rows))
+    obs, info = env.reset(options={"task_index": 1})
+    assert len(env.dataset) == 2 and obs[-1]["content"] == "3*3?"
+    code = treerl.make("treerl/CodeSandbox-v0", dataset=iter([{"prompt": "Print 1.", "tests": ["assert True"]}]))
+    assert code.reset(options={"task_index": 0})[0][-1]["content"] == "Print 1."
+
+
 def test_code_sandbox_partial_credit_and_tool():
     env = treerl.make("treerl/CodeSandbox-v0")
     env.reset(options={"task_index": 0})  # add(a, b)

@@ -68,11 +68,12 @@ def load_rows(
     data_path: str | os.PathLike | None, dataset: Sequence[Mapping[str, Any]] | None, default_file: str
 ) -> Sequence[Mapping[str, Any]]:
     """Task rows from ``dataset``, else the file ``data_path`` (JSON Lines or Parquet), else the shipped
-    ``default_file``."""
+    ``default_file``. A ``dataset`` without ``len`` and indexing (a generator, a streamed
+    ``datasets.IterableDataset``) is read into a list once."""
     if data_path is not None and dataset is not None:
         raise ValueError("Pass data_path or dataset, not both.")
     if dataset is not None:
-        return dataset
+        return dataset if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__") else list(dataset)
     if data_path is None:
         data_path = resources.files("treerl.envs") / "data" / default_file
     return read_rows(data_path)
