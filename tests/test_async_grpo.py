@@ -388,3 +388,28 @@ def test_generators_on_one_machine_split_the_sandbox_bound(tmp_path, monkeypatch
         assert max_concurrent_runs() == 1
     finally:
         set_max_concurrent_runs(None)
+
+
+def test_a_spawned_generator_imports_the_users_modules_so_their_environments_exist_there(tmp_path, monkeypatch):
+    # Generators are spawned: an environment a module given with --import registers (a treerl one, or a
+    # SkyRL-Gym one for skyrl/<id>) existed in the trainer only, and each generator died of a KeyError.
+    import functools
+    import multiprocessing
+
+    from treerl.envs.registry import factory_env_id, make
+    from treerl.learners.async_generator import GeneratorSpec
+    from treerl.user_modules import import_user_modules
+
+    monkeypatch.setattr("treerl.user_modules._IMPORTED", [])
+    module = tmp_path / "my_envs.py"
+    module.write_text("import treerl\n"
+                      "treerl.register('mine/Spawned-v0', 'treerl.envs.builtin.math_verify:MathVerifyEnv')\n")
+    monkeypatch.chdir(tmp_path)
+    import_user_modules(["my_envs.py"])  # as treerl learn --import my_envs.py runs it
+    spec = GeneratorSpec(cfg=None, max_staleness=0)
+    assert spec.imports == (str(module.resolve()),)
+    build = functools.partial(make, "mine/Spawned-v0")
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # one process: as generator_main, then build
+        assert pool.apply(factory_env_id, (build,)) is None  # not registered in a fresh process ...
+        pool.apply(import_user_modules, (spec.imports,))
+        assert pool.apply(factory_env_id, (build,)) == "mine/Spawned-v0"  # ... until it imports them

@@ -233,6 +233,7 @@ def test_async_generators_leave_ctrl_c_to_the_trainer(monkeypatch):
     """Ctrl-C reaches every process of the group: a generator ignores it (the trainer stops it), rather
     than dying with a traceback and being restarted by the supervisor."""
     import signal
+    import types
 
     from treerl.learners import async_generator
 
@@ -246,7 +247,7 @@ def test_async_generators_leave_ctrl_c_to_the_trainer(monkeypatch):
     before = signal.getsignal(signal.SIGINT)
     try:
         with pytest.raises(Stop):
-            async_generator.generator_main(None, 0, None)
+            async_generator.generator_main(types.SimpleNamespace(imports=()), 0, None)  # no user modules
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)

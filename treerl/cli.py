@@ -36,27 +36,9 @@ from pathlib import Path
 
 from treerl.config import add_dataclass_arguments, config_from_args, unknown_option_hints
 from treerl.errors import ConfigError
+from treerl.user_modules import import_user_modules
 
 __all__ = ["main", "build_parser"]
-
-
-def import_user_modules(specs: Sequence[str]) -> None:
-    """Import modules (``pkg.mod``) or run Python files (``path/to/file.py``) that register environments."""
-    import importlib
-    import runpy
-    from pathlib import Path
-
-    for spec in specs:
-        if spec.endswith(".py"):
-            if not Path(spec).is_file():
-                raise ConfigError(f"--import {spec}: no such file. Pass a Python file or an importable module name.")
-            # One module name per file, so what it defines is the same definition when it runs again.
-            runpy.run_path(spec, run_name=f"treerl_user_module:{Path(spec).resolve()}")
-        else:
-            try:
-                importlib.import_module(spec)
-            except ImportError as exc:
-                raise ConfigError(f"--import {spec}: {exc}. Is the module installed or on PYTHONPATH?") from None
 
 
 def config_for_command(cls: type, args: argparse.Namespace, *, extra_keys: Sequence[str] = (),

@@ -49,6 +49,7 @@ from treerl.envs.registry import factory_env_id
 from treerl.learners.async_buffer import Ticket
 from treerl.learners.config import LearnerConfig
 from treerl.rollout.trajectory import Group
+from treerl.user_modules import import_user_modules, imported_user_modules
 
 __all__ = ["GeneratorSpec", "GeneratorCore", "generator_main", "span_versions"]
 
@@ -76,6 +77,9 @@ class GeneratorSpec:
     sandbox_runs: int | None = None
     """Sandboxed runs (``run_python``) this generator lets go at once; None: the sandbox's default
     (every CPU), which with several generators on one machine would run too many at once."""
+    imports: tuple[str, ...] = field(default_factory=imported_user_modules)
+    """The user's modules (``--import``) the trainer imported: a generator process imports them before
+    it builds its environment, which they may register (a spawned process starts without them)."""
 
 
 def span_versions(group: Group) -> tuple[int, int]:
@@ -251,6 +255,7 @@ def generator_main(spec: GeneratorSpec, generator_id: int, conn: Any, weight_gro
     # (and a generator dying of it would be restarted, with a traceback each).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING)
+    import_user_modules(spec.imports)  # what they register is the trainer's only: this process was spawned
     group = None
     if weight_group is not None:
         from treerl.learners.weight_broadcast import WeightGroup
