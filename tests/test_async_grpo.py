@@ -413,3 +413,21 @@ def test_a_spawned_generator_imports_the_users_modules_so_their_environments_exi
         assert pool.apply(factory_env_id, (build,)) is None  # not registered in a fresh process ...
         pool.apply(import_user_modules, (spec.imports,))
         assert pool.apply(factory_env_id, (build,)) == "mine/Spawned-v0"  # ... until it imports them
+
+
+def test_a_ray_generator_imports_the_users_modules_once(tmp_path, monkeypatch):
+    # A Ray actor's process (or machine) has not run the trainer's --import modules either; and a file run
+    # twice in one process would register its environments twice.
+    from treerl.learners import async_ray
+    from treerl.learners.async_generator import GeneratorSpec
+    from treerl.user_modules import import_user_modules
+
+    monkeypatch.setattr("treerl.user_modules._IMPORTED", [])
+    runs = tmp_path / "runs.txt"
+    module = tmp_path / "ray_envs.py"
+    module.write_text(f"open({str(runs)!r}, 'a').write('run\\n')\n")
+    monkeypatch.setattr(async_ray, "GeneratorCore", lambda spec, generator_id: None)  # no model: imports only
+    async_ray.GeneratorActor(GeneratorSpec(cfg=None, max_staleness=0, imports=(str(module),)), 0)
+    assert runs.read_text() == "run\n"
+    import_user_modules([str(module)])
+    assert runs.read_text() == "run\n"  # once per process

@@ -18,8 +18,11 @@ _IMPORTED: list[str] = []
 
 
 def import_user_modules(specs: Sequence[str]) -> None:
-    """Import modules (``pkg.mod``) or run Python files (``path/to/file.py``) that register environments."""
+    """Import modules (``pkg.mod``) or run Python files (``path/to/file.py``) that register environments;
+    each once per process (a file run again would register its environments again)."""
     for spec in specs:
+        if spec in _IMPORTED or (spec.endswith(".py") and str(Path(spec).resolve()) in _IMPORTED):
+            continue
         if spec.endswith(".py"):
             if not Path(spec).is_file():
                 raise ConfigError(f"--import {spec}: no such file. Pass a Python file or an importable module name.")

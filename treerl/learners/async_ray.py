@@ -35,6 +35,7 @@ from treerl.errors import ConfigError
 from treerl.learners.async_buffer import Ticket
 from treerl.learners.async_generator import GeneratorCore, GeneratorSpec
 from treerl.learners.async_supervisor import Generator, GeneratorPool
+from treerl.user_modules import import_user_modules
 
 __all__ = ["RayPool", "GeneratorActor", "import_ray"]
 
@@ -54,6 +55,7 @@ class GeneratorActor:
     """The body of a generator actor (wrapped with ``ray.remote`` when a pool starts)."""
 
     def __init__(self, spec: GeneratorSpec, generator_id: int):
+        import_user_modules(spec.imports)  # an actor's process (or machine) has not imported them
         self.core = GeneratorCore(spec, generator_id)
 
     async def load_weights(self, version: int, weights: Mapping[str, Tensor]) -> bool:
