@@ -8,8 +8,10 @@ pins nltk and reasoning-gym).
 
 from __future__ import annotations
 
+import asyncio
 import random
 
+import numpy as np
 import pytest
 
 from treerl.envs import TextEnv, check_env
@@ -77,6 +79,88 @@ def test_a_real_gem_game_plays_as_a_chat():
     with pytest.warns(UserWarning, match="no gold answers"):
         check_env(TextEnv(gem.make("game:GuessTheNumber-v0-easy")))
     env.close()
+
+
+class _Drawing:
+    """A GEM game that draws from the global generators during ``step``, as GEM's 2048 places a new
+    tile: each observation is a ``random`` and a numpy draw; the reward, at the third step, their sum."""
+
+    def reset(self, seed=None):
+        if seed is not None:  # gem.utils.seeding.set_seed
+            random.seed(seed)
+            np.random.seed(seed)
+        self.draws = []
+        return "Go.", {}
+
+    def step(self, action):
+        self.draws += [random.random(), float(np.random.random())]
+        done = len(self.draws) == 6
+        return " ".join(map(str, self.draws[-2:])), sum(self.draws) if done else 0.0, done, False, {}
+
+    @property
+    def unwrapped(self):
+        return self
+
+
+def _observations(env, num_steps):
+    return [env.step("go")[0][0]["content"] for _ in range(num_steps)]
+
+
+def test_the_forks_of_a_game_that_draws_in_step_play_as_the_original_would():
+    """Each fork has its own copy of the game's generator state: forks stepped by turns, or at once in
+    the engine's threads, see what one environment stepping alone sees; and the process's own
+    generators are not touched. (The games drew from one process-wide generator: the forks took
+    turns drawing from it, and a seeded reset reseeded the whole process.)"""
+    random.seed(123)
+    np.random.seed(123)
+    process = random.getstate(), np.random.get_state()
+    env = TextEnv(lambda: _Drawing())
+    env.reset(seed=0)
+    alone = _observations(env.fork(), 5)
+    again = TextEnv(_Drawing())
+    again.reset(seed=1)
+    _observations(again, 2)
+    again.reset(seed=0)
+    assert _observations(again, 5) == alone  # a seeded reset starts the same game, whatever came before
+
+    first, second = env.fork(), env.fork()
+    by_turns = [(first.step("go")[0][0]["content"], second.step("go")[0][0]["content"]) for _ in range(5)]
+    assert [a for a, _ in by_turns] == alone and [b for _, b in by_turns] == alone
+
+    async def play(fork):
+        return [(await fork.astep("go"))[0][0]["content"] for _ in range(5)]
+
+    async def play_all():
+        return await asyncio.gather(*(play(env.fork()) for _ in range(8)))
+
+    assert asyncio.run(play_all()) == [alone] * 8
+    assert random.getstate() == process[0]  # the process's generators are as they were
+    after = np.random.get_state()
+    assert after[0] == process[1][0] and np.array_equal(after[1], process[1][1]) and after[2:] == process[1][2:]
+
+
+def test_own_random_false_plays_on_the_process_generators():
+    env = TextEnv(_Drawing(), own_random=False)
+    env.reset()
+    random.seed(7)
+    expected = random.random()
+    random.seed(7)
+    assert env.step("go")[0][0]["content"].split()[0] == str(expected)
+
+
+def test_the_generations_of_a_group_play_a_drawing_game_alike_in_the_engine():
+    """The rollout engine plays each generation on a fork, each step in a thread: same actions, same game."""
+    from _scripted import ScriptedPolicy
+
+    from treerl.models import load_default_model
+    from treerl.rollout.engine import RolloutEngine
+
+    _, tok = load_default_model()
+    policy = ScriptedPolicy(tok, lambda task, g, turn: "go", end_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    groups, _ = asyncio.run(RolloutEngine(policy, tok, seed=0).run(lambda: TextEnv(_Drawing()), "tests/Drawing-v0",
+                                                                   range(2), 4))
+    rewards = [[e.reward for e in g.episodes] for g in groups]
+    assert all(len(set(r)) == 1 and r[0] > 0 for r in rewards) and rewards[0][0] != rewards[1][0]
 
 
 class _ArenaGuess:
