@@ -122,10 +122,12 @@ def test_the_engine_plays_a_generator_and_records_the_score_and_metrics():
     # Generation 0 answers right; generation 1 forgets the tag.
     policy = ScriptedPolicy(tok, lambda task, g, turn: "<answer>1</answer>" if g == 0 else "1", end_id=end_id)
     factory = lambda: ReasoningGymEnv(generator=Ones())  # noqa: E731
-    groups, _ = asyncio.run(RolloutEngine(policy, tok, seed=0).run(factory, "tests/RGSums", range(2), 2))
+    groups, stats = asyncio.run(RolloutEngine(policy, tok, seed=0).run(factory, "tests/RGSums", range(2), 2))
     [right, untagged] = groups[0].episodes
-    assert (right.reward, right.metrics["rg/answered"]) == (1.0, 1)
-    assert (untagged.reward, untagged.metrics["rg/answered"]) == (0.0, 0)
+    assert (right.reward, right.metrics["rg/answered"], right.metrics["env/answered"]) == (1.0, 1, 1)
+    assert (untagged.reward, untagged.metrics["rg/answered"], untagged.metrics["env/answered"]) == (0.0, 0, 0)
+    summary = stats.summary()  # what learn logs per step: the share of replies with a tag
+    assert summary["env_metrics"] == {"env/answered": 0.5, "env/score_error": 0.0}
 
 
 # -- the real package ------------------------------------------------------------------------------------------------

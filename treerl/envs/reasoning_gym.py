@@ -13,7 +13,9 @@ answer in [0, 1] (many tasks have more than one right answer, so the scorer, not
   there is none) is scored by ``score_answer``, and that score is the reward;
 * ``info["metrics"]["rg/answered"]`` is 1 when the completion had an ``<answer>`` tag, so a run can
   tell a wrong answer from one the scorer never saw; a scorer that raises on the model's answer
-  scores 0 and counts ``rg/score_error`` (a bad answer is data, not a crash);
+  scores 0 and counts ``rg/score_error`` (a bad answer is data, not a crash); both are the
+  episode's :meth:`episode_metrics`, so ``treerl learn`` logs them per step as ``env/answered`` and
+  ``env/score_error``;
 * ``fork()`` shares the generator (entries are made on demand, and read-only).
 
 ``reasoning_gym`` is imported only when a dataset is named (``pip install 'treerl[reasoning-gym]'``); a
@@ -136,6 +138,10 @@ class ReasoningGymEnv(ToolEnv):
         except Exception:  # noqa: BLE001 - the model's answer reaches third-party scorers: a bad one is data
             self.metrics["rg/score_error"] = 1
             return 0.0
+
+    def episode_metrics(self) -> dict[str, int]:
+        """``answered`` and ``score_error`` (logged as ``env/answered`` and ``env/score_error``)."""
+        return {"answered": self.metrics.get("rg/answered", 0), "score_error": self.metrics.get("rg/score_error", 0)}
 
     def gold_actions(self, task: Task) -> list[str]:
         return [f"<answer>{task.answer}</answer>"]
