@@ -590,12 +590,17 @@ class AdaptersOff(torch.nn.Module):
             was_training = model.training
             model.eval()
             try:
-                with torch.no_grad(), model.disable_adapter():
-                    return decoder(*args, **kwargs)
+                with torch.no_grad():
+                    return self.run_decoder(decoder, args, kwargs)
             finally:
                 model.train(was_training)
 
         return forward
+
+    def run_decoder(self, decoder: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One forward of the LoRA model's ``decoder`` as this view sees it: with the adapters off."""
+        with self.lora_model.disable_adapter():
+            return decoder(*args, **kwargs)
 
 
 # -- finish --------------------------------------------------------------------------------------

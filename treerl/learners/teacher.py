@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from treerl.kernels.logprobs import token_logprobs
+from treerl.learners.core import AdaptersOff
 from treerl.learners.divergences import LMHead
 from treerl.learners.forward import packed_hidden_states
 from treerl.learners.packing import PackedBatch, PackingConfig, pack_groups
@@ -81,7 +82,7 @@ def make_teacher(kind: str, model: torch.nn.Module, reference: torch.nn.Module |
     raise ValueError(f"teacher={kind!r}: use one of {TEACHER_KINDS}.")
 
 
-class EMAAdapters(torch.nn.Module):
+class EMAAdapters(AdaptersOff):
     """A LoRA model's EMA teacher without a copy of its base: the student's own decoder, run with
     the teacher's average of the trained (adapter) weights in place of the student's.
 
@@ -96,8 +97,7 @@ class EMAAdapters(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        object.__setattr__(self, "lora_model", model)  # not a submodule: the base is the student's
+        super().__init__(model)  # the student, not a submodule: the base is the student's
         in_decoder = {id(p): name for name, p in model.get_decoder().named_parameters()}
         trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.weights: dict[str, torch.Tensor] = {name: p.detach().clone() for name, p in trained}
@@ -113,26 +113,9 @@ class EMAAdapters(torch.nn.Module):
         in_decoder = {id(p) for p in model.get_decoder().parameters()}
         return all(id(p) in in_decoder for p in model.parameters() if p.requires_grad)
 
-    @property
-    def config(self) -> Any:
-        return self.lora_model.config
-
-    def get_output_embeddings(self) -> torch.nn.Module:
-        return self.lora_model.get_output_embeddings()
-
-    def get_decoder(self) -> Callable[..., Any]:
-        model, decoder = self.lora_model, self.lora_model.get_decoder()
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            was_training = model.training
-            model.eval()
-            try:
-                with torch.no_grad():
-                    return torch.func.functional_call(decoder, self._decoder_weights, args, kwargs)
-            finally:
-                model.train(was_training)
-
-        return forward
+    def run_decoder(self, decoder: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One forward of the student's ``decoder`` with the teacher's adapter weights in place of its own."""
+        return torch.func.functional_call(decoder, self._decoder_weights, args, kwargs)
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
         """Set ``weights`` from ``state`` (a checkpoint's; one of a whole copy of the model holds them too)."""
