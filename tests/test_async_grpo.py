@@ -241,6 +241,7 @@ def _check_view_samples(run_dir, steps):
     assert (run_dir / "view.html").stat().st_size > 0
 
 
+@pytest.mark.slow  # three runs of generator processes: about 30 s
 def test_a_resumed_run_continues_the_totals_of_its_checkpoint(tmp_path):
     """summary.json's totals and the running async/* ones count the whole run after --resume, as if it had never
     stopped; a checkpoint written without them still resumes, its totals labelled with the step they start at."""

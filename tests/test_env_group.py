@@ -277,6 +277,7 @@ def test_held_out_kwargs_of_a_group_merge_per_environment_and_warn_of_each_ones_
     assert mixed.eval_reads_training_data() == ["data_path"]
 
 
+@pytest.mark.slow  # a run with a generator process: about 15 s
 def test_async_grpo_trains_a_group_on_one_mixed_dataset(tmp_path):
     """The group's factory travels to the generator process (it pickles) and each environment's figures are logged."""
     from treerl.learners.async_grpo import AsyncGRPOConfig, train_async

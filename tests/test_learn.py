@@ -207,6 +207,7 @@ def _learn(args, env=None, **kw):
                           env=env, **kw)
 
 
+@pytest.mark.slow  # two learn processes: about 17 s
 def test_learn_cli_reads_yaml_config_and_flags_override(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("steps: 1\ntasks-per-step: 1\ngroup_size: 2\nmax_new_tokens: 16\neval_episodes: 0\n"

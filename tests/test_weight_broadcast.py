@@ -74,6 +74,7 @@ def test_weights_and_versions_arrive_exactly_over_nccl(tmp_path):
     _broadcast_to_a_receiver(tmp_path, "cuda:0", "cuda:1", bucket_bytes=1 << 20)
 
 
+@pytest.mark.slow  # a run with generator processes: about 12 s
 def test_asyncgrpo_generators_take_weights_by_broadcast_and_publish_time_is_a_metric(tmp_path):
     """With max_staleness=0 a generator plays step k only with version k-1 loaded, so each step's spans
     carry the version the trainer broadcast; the publish time is logged every step."""
