@@ -377,11 +377,12 @@ def test_generators_on_one_machine_split_the_sandbox_bound(tmp_path, monkeypatch
     # generators together start one run per CPU each, and correct programs would time out.
     from treerl.envs.sandbox import max_concurrent_runs, set_max_concurrent_runs
     from treerl.learners.async_generator import GeneratorCore, GeneratorSpec
-    from treerl.learners.async_grpo import _cores, _sandbox_runs
+    from treerl.envs.sandbox import usable_cpus
+    from treerl.learners.async_grpo import _sandbox_runs
 
     monkeypatch.delenv("TREERL_SANDBOX_MAX_CONCURRENT", raising=False)
     cfg = AsyncGRPOConfig(output_dir=str(tmp_path), **SMALL, num_generators=2)
-    assert _sandbox_runs(cfg) == max(1, _cores() // 2)
+    assert _sandbox_runs(cfg) == max(1, usable_cpus() // 2)
     monkeypatch.setenv("TREERL_SANDBOX_MAX_CONCURRENT", "3")
     assert _sandbox_runs(cfg) is None  # the user's choice stands
     try:

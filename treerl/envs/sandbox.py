@@ -113,6 +113,7 @@ from treerl.envs.sandbox_host import (
 
 __all__ = [
     "SandboxLimits",
+    "usable_cpus",
     "SandboxErrorKind",
     "SandboxResult",
     "run_python",
@@ -537,6 +538,11 @@ def _default_max_concurrent_runs() -> int:
             raise ValueError(f"TREERL_SANDBOX_MAX_CONCURRENT={value!r} must be an integer >= 1 (sandboxed runs "
                              "at once); unset it for the default, the CPUs this process may use.")
         return int(value)
+    return usable_cpus()
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may use (its affinity where the platform has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from treerl.config import field_help
+from treerl.envs.sandbox import usable_cpus
 from treerl.learners.async_buffer import GroupBuffer
 from treerl.learners.async_generator import GeneratorSpec
 from treerl.learners.async_pool import WEIGHT_TRANSPORTS, ProcessPool
@@ -342,7 +343,7 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
     threads = _split_threads(cfg)
     # The evaluations at the start and the end run while the generators load their model or after
     # they stopped: they get every core (or the user's --num-threads), training gets the trainer's share.
-    whole = cfg.num_threads or (_cores() if cfg.device.startswith("cpu") else None)
+    whole = cfg.num_threads or (usable_cpus() if cfg.device.startswith("cpu") else None)
     spec = GeneratorSpec(cfg=dataclasses.replace(cfg, num_threads=threads[1]), max_staleness=cfg.max_staleness,
                          heartbeat_s=min(1.0, cfg.heartbeat_timeout / 4), sampling=cfg.sampling_overrides(),
                          model=model, tokenizer=tokenizer, env_factory=env_factory, policy=cfg.generator_policy,
@@ -404,7 +405,7 @@ def _split_threads(cfg: AsyncGRPOConfig) -> tuple[int | None, int | None]:
     """torch threads of the trainer and of each generator: the cores split between them unless set."""
     if not cfg.device.startswith("cpu"):
         return cfg.num_threads, cfg.generator_threads or cfg.num_threads
-    cores = _cores()
+    cores = usable_cpus()
     if cfg.backend == "ray":  # generators live on other machines' cores: one each unless told
         return cfg.num_threads or cores, cfg.generator_threads or 1
     share = max(1, cores // (1 + cfg.num_generators))
@@ -416,16 +417,12 @@ def _sandbox_runs(cfg: AsyncGRPOConfig) -> int | None:
     (a per-process bound each, so together they would run one per CPU each), unless the user set
     ``TREERL_SANDBOX_MAX_CONCURRENT`` or the generators are Ray actors on other machines.
 
-    >>> _sandbox_runs(AsyncGRPOConfig(output_dir="x", num_generators=2)) == max(1, _cores() // 2)
+    >>> _sandbox_runs(AsyncGRPOConfig(output_dir="x", num_generators=2)) == max(1, usable_cpus() // 2)
     True
     """
     if cfg.backend == "ray" or os.environ.get("TREERL_SANDBOX_MAX_CONCURRENT"):
         return None
-    return max(1, _cores() // cfg.num_generators)
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, usable_cpus() // cfg.num_generators)
 
 
 def _set_threads(num_threads: int | None) -> None:
