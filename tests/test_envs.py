@@ -461,6 +461,45 @@ def test_code_sandbox_partial_credit_and_tool():
     assert terminated and reward == pytest.approx(2 / 3)  # the float test fails
 
 
+def test_code_sandbox_judges_stdin_stdout_cases_in_each_dataset_form(tmp_path):
+    """Competitive-programming rows: cases in 'tests', parallel 'inputs'/'outputs', APPS/TACO's
+    'input_output' (JSON text, as those datasets store it); the program reads stdin."""
+    prompt = "Read two integers and print their sum."
+    solution = "a, b = map(int, input().split())\nprint(a + b)"
+    rows = [
+        {"id": "cases", "prompt": prompt, "solution": solution,
+         "tests": [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5", "output": "10"}]},
+        {"id": "lists", "prompt": prompt, "solution": solution, "inputs": ["1 2", "5 5"], "outputs": ["3", "10"]},
+        {"id": "apps", "prompt": prompt, "solution": solution,
+         "input_output": json.dumps({"inputs": ["1 2\n", "5 5\n"], "outputs": ["3\n", "10\n"]})},
+    ]
+    path = tmp_path / "io.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    env = treerl.make("treerl/CodeSandbox-v0", data_path=str(path))
+    assert env.validate(num_tasks=3).ok
+    for index in range(3):
+        env.reset(options={"task_index": index})
+        _, reward, terminated, _, info = env.step("```python\nprint(sum(map(int, input().split())) % 10)\n```")
+        assert terminated and reward == 0.5
+        case = env.task.info["io_cases"][1]
+        assert env.feedback() == ("The final code passed 1 of 2 tests. Failed tests:\n"
+                                  f"- on input {case['input']!r}: expected {case['output']!r}, got '0\\n'")
+
+
+def test_code_sandbox_refuses_rows_whose_tests_it_cannot_run():
+    def make(row):
+        return treerl.make("treerl/CodeSandbox-v0", dataset=[{"prompt": "p", **row}])
+
+    with pytest.raises(ValueError, match="Code task 0: 'input_output' names fn_name='solve'"):
+        make({"input_output": {"inputs": [[1]], "outputs": [[2]], "fn_name": "solve"}})
+    with pytest.raises(ValueError, match="same length"):
+        make({"inputs": ["1"], "outputs": []})
+    with pytest.raises(ValueError, match="not a mix"):
+        make({"tests": ["assert True", {"input": "", "output": ""}]})
+    with pytest.raises(ValueError, match="needs 'prompt' and its tests"):
+        make({"test_cases": ["assert True"]})
+
+
 def test_code_sandbox_times_only_the_run_not_the_wait_for_a_sandbox_slot(monkeypatch):
     # The hidden tests and the tool wait for a sandbox slot when other episodes' runs hold them all;
     # only the sandbox's own limit (from when the run has a slot) may judge the program.

@@ -16,7 +16,10 @@ from treerl.envs.verifiers import (
     _fast_math_verdict,
     exact_match_reward,
     extract_boxed,
+    io_test_results,
+    io_test_reward,
     math_verify_reward,
+    outputs_match,
     numeric_reward,
     unit_test_reward,
 )
@@ -326,6 +329,93 @@ def test_unit_tests_need_tests():
 def test_unit_test_garbage_code_scores_zero():
     for text in GARBAGE[:10]:
         assert unit_test_reward(text, ["assert add(1, 2) == 3"]) == 0.0
+
+
+# --- io_test_reward -------------------------------------------------------------------------
+
+SUM = "print(sum(map(int, input().split())))\n"
+
+# Walks up from the candidate's code to whatever runs it, and writes a passing result line
+# for every test in the runner's own format: what code set on fooling its judge would do.
+FORGER = """
+import sys, os
+frame = sys._getframe()
+while frame is not None and "nonce" not in frame.f_locals:
+    frame = frame.f_back
+if frame is not None:
+    found = frame.f_locals
+    for i in range(len(found["tests"])):
+        os.write(found["out"], ("%s %d 1 \\"\\"\\n" % (found["nonce"], i)).encode())
+os._exit(0)
+"""
+
+
+def test_io_tests_pass_a_case_only_when_the_program_prints_its_output():
+    cases = [{"input": "1 2", "output": "3"}, {"input": "2 2\n", "output": "5"}, {"input": "-7 7", "output": "0\n"}]
+    report = io_test_results(SUM, cases)
+    assert report.passed == [True, False, True] and report.code_error is None
+    assert report.errors == [None, "expected '5', got '4\\n'", None]
+    assert io_test_reward(SUM, cases) == pytest.approx(2 / 3)
+
+
+def test_io_test_failures_say_how_each_case_failed():
+    cases = [{"input": "1", "output": "1"}]
+    limits = SandboxLimits(timeout_s=2.0)
+    assert io_test_results("while True:\n    pass", cases, limits=limits).errors == ["timed out"]
+    raised = io_test_results("int('x')", cases).errors[0]
+    assert raised.startswith("runtime_error: ValueError: invalid literal for int()")
+    assert io_test_results("x = input()", cases).errors == ["expected '1', printed nothing"]
+    flood = io_test_results("print('1' * 100_000)", cases, limits=SandboxLimits(max_output_bytes=1000))
+    assert flood.errors == ["printed more than the output limit"]
+    assert io_test_results(None, cases).code_error == "the code is not text"
+
+
+def test_io_tests_compare_tokens_and_decimals_as_a_judge_does():
+    assert outputs_match("1 2\n3\n", "1\n2 3")  # whitespace and line breaks do not matter
+    assert not outputs_match("1 2 3", "1 2")
+    assert outputs_match("0.3333333333", "0.333333333")
+    assert outputs_match("2.5e3", "2500")  # a decimal against an integer, as numbers
+    assert not outputs_match("0.5", "0.6") and not outputs_match("12", "13")
+    assert not outputs_match("1000000000000000000000", "1000000000000000000001")  # integers exactly
+    assert not outputs_match("0.3333333333", "0.333333333", float_tol=None)
+    assert not outputs_match("1.0", "nan") and not outputs_match("1e999", "2e999")  # never within a tolerance
+    assert outputs_match("YES", "YES") and not outputs_match("YES", "yes")
+
+
+def test_io_tests_keep_the_expected_output_out_of_the_sandbox(monkeypatch):
+    """The judge is this process: the expected outputs never reach the code's process, so a program
+    that goes looking for its judge (the way the unit-test harness can be found and fooled) finds none."""
+    import treerl.envs.verifiers as verifiers
+
+    sent = []
+    real = verifiers.run_python
+
+    def recording(code, **kwargs):
+        sent.append(repr((code, kwargs)))
+        return real(code, **kwargs)
+
+    monkeypatch.setattr(verifiers, "run_python", recording)
+    secret = "forty-two-7f3a"
+    assert io_test_reward("print(input())", [{"input": "hello", "output": secret}]) == 0.0
+    assert sent and not any(secret in call for call in sent)
+    assert io_test_reward(FORGER, [{"input": "1 2", "output": "3"}]) == 0.0
+
+
+def test_the_unit_test_harness_can_be_fooled_and_io_tests_cannot():
+    """Why CodeSandbox reads stdin/stdout cases: assert tests run beside the candidate, which can
+    reach their runner; this pins that known weakness, so that a fix to it shows up here."""
+    assert unit_test_reward(FORGER, ["assert False", "assert False"]) == 1.0
+    assert io_test_reward(FORGER, [{"input": "", "output": "ok"}, {"input": "", "output": "ok"}]) == 0.0
+
+
+def test_io_tests_need_cases():
+    for bad in ([], "1 2", {"input": "1", "output": "2"}):
+        with pytest.raises(ValueError, match="non-empty sequence"):
+            io_test_reward(SUM, bad)
+    with pytest.raises(ValueError, match="'input' and 'output'"):
+        io_test_reward(SUM, [{"stdin": "1 2", "stdout": "3"}])
+    with pytest.raises(ValueError, match="text or a list of lines"):
+        io_test_reward(SUM, [{"input": 1, "output": 3}])
 
 
 def test_verifiers_read_a_completion_given_as_chat_messages():

@@ -21,6 +21,9 @@ assistant message's text is the one checked.
 - :func:`unit_test_reward` runs candidate code and assert-style tests in the sandbox
   (:mod:`treerl.envs.unit_test_harness`); :func:`unit_test_results` says which tests
   failed and what they raised.
+- :func:`io_test_reward` runs candidate code as a program per stdin/stdout case and judges
+  its output outside the sandbox, where the code cannot reach the judge;
+  :func:`io_test_results` says which cases failed and how.
 
 Costs measured on a 2-core CPU: the in-process fast path is a few microseconds; a worker
 round trip is about 1 ms on top of math-verify's own work; starting a worker (importing
@@ -41,6 +44,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -49,7 +53,7 @@ from typing import Any
 import treerl.envs.math_verify_worker as math_verify_worker
 import treerl.envs.unit_test_harness as unit_test_harness
 from treerl.envs.processes import kill_and_reap
-from treerl.envs.sandbox import SandboxLimits, run_python
+from treerl.envs.sandbox import SandboxErrorKind, SandboxLimits, max_concurrent_runs, run_python
 
 __all__ = [
     "extract_boxed",
@@ -59,6 +63,10 @@ __all__ = [
     "unit_test_reward",
     "unit_test_results",
     "UnitTestReport",
+    "io_test_reward",
+    "io_test_results",
+    "io_case",
+    "outputs_match",
     "MathVerifier",
 ]
 
@@ -492,3 +500,134 @@ def unit_test_results(code: str, tests: Sequence[str], *, limits: SandboxLimits 
     if code_error is None and result.error is not None and not any(passed) and all(e == "not run" for e in errors):
         code_error = result.error.value  # the whole run was stopped (timeout, memory, a crash)
     return UnitTestReport(passed, errors, code_error)
+
+
+# --- input/output tests -----------------------------------------------------------------
+
+_NUMBER_TOKEN = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+_SHOWN_CHARS = 200
+"""How much of an input, an expected output or a printed one a failure message shows."""
+
+
+def outputs_match(expected: str, got: str, *, float_tol: float | None = 1e-6) -> bool:
+    """Whether a program's output ``got`` matches ``expected``, as a judge's standard checker reads them.
+
+    Both are compared as sequences of whitespace-separated tokens, so line breaks, runs of
+    spaces and trailing newlines do not matter. Tokens are equal as text, or, where
+    ``float_tol`` is not ``None`` and at least one of the two is a decimal with a point or
+    an exponent, as numbers within ``float_tol`` relative to the expected value (absolute
+    below 1). Integers must match exactly.
+
+    >>> outputs_match("3\\n1 2\\n", "3 1  2")
+    True
+    >>> outputs_match("0.333333", "0.33333333")
+    True
+    >>> outputs_match("10", "10.0000001")
+    True
+    >>> outputs_match("10", "11"), outputs_match("yes", "YES")
+    (False, False)
+    """
+    want, have = expected.split(), got.split()
+    if len(want) != len(have):
+        return False
+    for a, b in zip(want, have):
+        if a == b:
+            continue
+        if float_tol is None or not (_NUMBER_TOKEN.fullmatch(a) and _NUMBER_TOKEN.fullmatch(b)):
+            return False
+        if not any(c in token for token in (a, b) for c in ".eE"):
+            return False  # two integers that differ
+        x, y = float(a), float(b)
+        if not (math.isfinite(x) and math.isfinite(y)) or abs(x - y) > float_tol * max(1.0, abs(x)):
+            return False
+    return True
+
+
+def _shown(text: str) -> str:
+    """``text`` for a failure message: at most ``_SHOWN_CHARS`` characters, as a repr."""
+    return repr(text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "...")
+
+
+def io_case(case: Any) -> dict[str, str]:
+    """One input/output case as ``{"input": str, "output": str}``.
+
+    Takes a mapping with ``input`` and ``output`` (each text, or a list of lines, as some
+    datasets store them). Raises ``ValueError`` for anything else (the caller's data).
+
+    >>> io_case({"input": "1 2", "output": ["3"], "testtype": "stdin"})
+    {'input': '1 2', 'output': '3'}
+    """
+    if not isinstance(case, Mapping) or "input" not in case or "output" not in case:
+        raise ValueError(f"An input/output test case is a mapping with 'input' and 'output', got {case!r:.200}.")
+    fields = {}
+    for key in ("input", "output"):
+        value = case[key]
+        if isinstance(value, list) and all(isinstance(line, str) for line in value):
+            value = "\n".join(value)
+        if not isinstance(value, str):
+            raise ValueError(f"An input/output test case's {key!r} must be text or a list of lines, got {value!r:.200}.")
+        fields[key] = value
+    return fields
+
+
+def _judge(result: Any, expected: str, float_tol: float | None) -> str | None:
+    """What went wrong in one case's run (None when it passed), in one line."""
+    if result.error is SandboxErrorKind.TIMEOUT:
+        return "timed out"
+    if result.error is not None:
+        lines = result.stderr.strip().splitlines()
+        detail = f": {lines[-1][:300]}" if lines else ""
+        return f"{result.error.value}{detail}"
+    if result.truncated:
+        return "printed more than the output limit"
+    if outputs_match(expected, result.stdout, float_tol=float_tol):
+        return None
+    if not result.stdout.strip():
+        return f"expected {_shown(expected)}, printed nothing"
+    return f"expected {_shown(expected)}, got {_shown(result.stdout)}"
+
+
+def io_test_results(code: str, cases: Sequence[Mapping[str, Any]], *, limits: SandboxLimits = SandboxLimits(),
+                    float_tol: float | None = 1e-6) -> UnitTestReport:
+    """Run ``code`` as a program once per case, with the case's ``input`` on stdin, and judge its stdout.
+
+    Each case runs in its own sandboxed process under ``limits`` (up to
+    :func:`~treerl.envs.sandbox.max_concurrent_runs` at once), and the output is compared
+    here, outside it (:func:`outputs_match`): unlike :func:`unit_test_results`, the code
+    cannot reach the judge, so it passes a case only by printing the right answer. A case
+    that raises, times out or prints something else fails alone; ``errors`` says how
+    (``"expected '3', got '4'"``, ``"timed out"``, ``"runtime_error: ValueError: ..."``).
+
+    >>> io_test_results("print(sum(map(int, input().split())))",
+    ...                 [{"input": "1 2", "output": "3"}, {"input": "2 2", "output": "5"}]).passed  # doctest: +SKIP
+    [True, False]
+    """
+    if isinstance(cases, (str, Mapping)) or not cases:
+        raise ValueError(
+            f"io_test_results(cases=...) needs a non-empty sequence of cases, got {cases!r:.200}. "
+            "Pass a list such as [{'input': '1 2', 'output': '3'}]."
+        )
+    checked = [io_case(case) for case in cases]
+    if not isinstance(code, str):
+        return UnitTestReport([False] * len(checked), ["not run"] * len(checked), "the code is not text")
+
+    def judge(case: dict[str, str]) -> str | None:
+        return _judge(run_python(code, stdin=case["input"], limits=limits), case["output"], float_tol)
+
+    workers = min(len(checked), max_concurrent_runs())
+    if workers == 1:
+        errors = [judge(case) for case in checked]
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="treerl-io-test") as pool:
+            errors = list(pool.map(judge, checked))
+    return UnitTestReport([error is None for error in errors], errors)
+
+
+def io_test_reward(code: str, cases: Sequence[Mapping[str, Any]], *, limits: SandboxLimits = SandboxLimits(),
+                   float_tol: float | None = 1e-6) -> float:
+    """The fraction of input/output ``cases`` whose output ``code`` prints (see :func:`io_test_results`).
+
+    >>> io_test_reward("print(int(input()) * 2)", [{"input": "2", "output": "4"}])  # doctest: +SKIP
+    1.0
+    """
+    return io_test_results(code, cases, limits=limits, float_tol=float_tol).fraction

@@ -3,7 +3,15 @@
 The model may try code with the ``run_python`` tool, which runs it in the sandbox
 (:mod:`treerl.envs.sandbox`: separate process, time/memory/process limits, private working
 directory, no network). Its final answer is a reply with a fenced ```python block and no
-tool call; the reward is the fraction of the task's hidden unit tests that pass.
+tool call; the reward is the fraction of the task's hidden tests that pass.
+
+A task's tests are assert statements run after its code in one sandboxed process
+(``tests: ["assert add(1, 2) == 3"]``), or stdin/stdout cases, the form of competitive
+programming datasets (``tests: [{"input": "1 2", "output": "3"}]``, parallel ``inputs`` and
+``outputs`` lists, or APPS/TACO's ``input_output``): each case runs the code as a program
+with its input on stdin, and the output is judged outside the sandbox, so a program cannot
+forge its reward (:func:`~treerl.envs.verifiers.io_test_results`); assert tests run in the
+candidate's own process, which could tamper with them.
 
 Tasks come from a JSONL file (the shipped dozen by default) or, with ``tasks="word-problems"``,
 are generated from the seed: Calculator's word problems (:mod:`~treerl.envs.builtin.calculator_tasks`)
@@ -15,6 +23,7 @@ benchmarks, at a difficulty the shipped ``tiny-coder`` model can learn.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -29,10 +38,10 @@ from treerl.errors import ToolCallError, ToolErrorKind, ToolTimeout
 from treerl.envs.parsers import ParseResult, ToolCall
 from treerl.envs.sandbox import SandboxErrorKind, SandboxLimits, run_python
 from treerl.envs.tools import Tool, tool
-from treerl.envs.verifiers import UnitTestReport, unit_test_results
+from treerl.envs.verifiers import UnitTestReport, io_case, io_test_results, unit_test_results
 
 __all__ = ["CodeSandboxEnv", "make_run_python_tool", "extract_code", "word_problem_task", "unit_test_feedback",
-           "TASK_SOURCES", "WORD_PROBLEM_PROMPT"]
+           "io_test_feedback", "row_tests", "TASK_SOURCES", "WORD_PROBLEM_PROMPT"]
 
 _MAX_FAILED_TESTS = 3
 """Failed tests the feedback shows: enough to point at the mistake, short enough to read."""
@@ -109,25 +118,91 @@ def unit_test_feedback(tests: Sequence[str], report: UnitTestReport) -> str:
     """
     if report.code_error is not None:
         return f"Running the final code raised {report.code_error}, so none of the tests ran."
-    failed = [(test, error) for test, ok, error in zip(tests, report.passed, report.errors) if not ok]
-    lines = [f"- `{test}` raised {error}" for test, error in failed[:_MAX_FAILED_TESTS]]
+    return _failed_tests(report, [f"`{test}` raised" for test in tests])
+
+
+def io_test_feedback(cases: Sequence[Mapping[str, str]], report: UnitTestReport) -> str:
+    """The feedback on a failed final answer to input/output cases: the inputs it failed on and how.
+
+    >>> print(io_test_feedback([{"input": "1 2", "output": "3"}], UnitTestReport([False], ["expected '3', got '4'"])))
+    The final code passed 0 of 1 tests. Failed tests:
+    - on input '1 2': expected '3', got '4'
+    """
+    if report.code_error is not None:
+        return f"The final code could not be run ({report.code_error})."
+    shown = [case["input"] if len(case["input"]) <= 100 else case["input"][:97] + "..." for case in cases]
+    return _failed_tests(report, [f"on input {text!r}:" for text in shown])
+
+
+def _failed_tests(report: UnitTestReport, labels: Sequence[str]) -> str:
+    """The first failed tests, each as its label followed by what went wrong."""
+    failed = [(label, error) for label, ok, error in zip(labels, report.passed, report.errors) if not ok]
+    lines = [f"- {label} {error}" for label, error in failed[:_MAX_FAILED_TESTS]]
     more = f" (the first {_MAX_FAILED_TESTS})" if len(failed) > _MAX_FAILED_TESTS else ""
     return f"The final code passed {sum(report.passed)} of {len(report.passed)} tests. Failed tests{more}:\n" + "\n".join(lines)
+
+
+def row_tests(row: Mapping[str, Any]) -> dict[str, list]:
+    """A task row's hidden tests: ``{"tests": [assert statements]}`` or ``{"io_cases": [cases]}``.
+
+    Reads ``tests`` (assert statements, or ``{"input", "output"}`` cases), parallel
+    ``inputs`` and ``outputs`` lists, or APPS/TACO's ``input_output`` (a mapping or its JSON
+    text). Raises ``ValueError`` naming what is wrong with the row.
+
+    >>> row_tests({"inputs": ["1 2"], "outputs": ["3"]})
+    {'io_cases': [{'input': '1 2', 'output': '3'}]}
+    >>> row_tests({"tests": ["assert f() == 1"]})
+    {'tests': ['assert f() == 1']}
+    """
+    if "input_output" in row and "tests" not in row:
+        spec = row["input_output"]
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"'input_output' is not JSON ({exc}).") from None
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"'input_output' must hold an object with 'inputs' and 'outputs', got {spec!r:.200}.")
+        if spec.get("fn_name"):
+            raise ValueError(
+                f"'input_output' names fn_name={spec['fn_name']!r}: call-based tests are not read; "
+                "give them as assert statements in 'tests' (e.g. \"assert f(1) == 2\")."
+            )
+        row = spec
+    if "tests" not in row and ("inputs" in row or "outputs" in row):
+        inputs, outputs = row.get("inputs"), row.get("outputs")
+        if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs):
+            raise ValueError("'inputs' and 'outputs' must be two lists of the same length, one entry per test case.")
+        row = {"tests": [{"input": i, "output": o} for i, o in zip(inputs, outputs)]}
+    tests = row.get("tests")
+    if isinstance(tests, str):
+        try:  # a Parquet or CSV column may hold the list as JSON text
+            tests = json.loads(tests)
+        except json.JSONDecodeError:
+            tests = None
+    if not isinstance(tests, list) or not tests:
+        raise ValueError(f"'tests' must be a non-empty list, got {tests!r:.200}.")
+    if all(isinstance(test, str) for test in tests):
+        return {"tests": list(tests)}
+    if all(isinstance(test, Mapping) for test in tests):
+        return {"io_cases": [io_case(test) for test in tests]}
+    raise ValueError("'tests' must be all assert statements (text) or all {'input': ..., 'output': ...} cases, not a mix.")
 
 
 class CodeSandboxEnv(ToolEnv):
     """Write a function; hidden unit tests decide the reward.
 
     Args:
-        data_path: JSONL of tasks with ``prompt``, ``tests`` (assert statements), optional
-            ``solution`` (for ``validate()``) and ``id``. Defaults to the shipped tasks.
+        data_path: JSONL of tasks with ``prompt``, tests (assert statements, or stdin/stdout
+            cases: see :func:`row_tests`), optional ``solution`` (for ``validate()``) and
+            ``id``. Defaults to the shipped tasks.
         dataset: Rows instead of a file.
         limits: Sandbox limits for the tool and the hidden tests.
         tasks: ``"file"`` (the rows of ``data_path``/``dataset``, the shipped tasks by default) or
             ``"word-problems"`` (generated from the seed by :func:`word_problem_task`).
     """
 
-    description = "Write a Python function; a sandboxed run_python tool; reward = fraction of hidden unit tests passed."
+    description = "Write a Python function or program; a sandboxed run_python tool; reward = fraction of hidden tests passed (unit tests or stdin/stdout cases)."
     system_prompt = (
         "Write the requested Python function. You can test code with the run_python tool. "
         "When done, reply with the final code in a ```python block and no tool call."
@@ -163,14 +238,21 @@ class CodeSandboxEnv(ToolEnv):
         return word_problem_task(rng)
 
     @staticmethod
-    def _check(row: Mapping[str, Any], index: int) -> None:
-        if "prompt" not in row or "tests" not in row:
-            raise ValueError(f"Code task {index} needs 'prompt' and 'tests' fields; it has {sorted(row)}.")
+    def _check(row: Mapping[str, Any], index: int) -> dict[str, list]:
+        """The row's tests (see :func:`row_tests`); raises naming the row when it has none usable."""
+        if "prompt" not in row or not {"tests", "inputs", "outputs", "input_output"} & set(row):
+            raise ValueError(
+                f"Code task {index} needs 'prompt' and its tests ('tests', or 'inputs' and 'outputs', "
+                f"or 'input_output'); it has {sorted(row)}."
+            )
+        try:
+            return row_tests(row)
+        except ValueError as exc:
+            raise ValueError(f"Code task {index}: {exc}") from None
 
     @classmethod
     def _row(cls, row: Mapping[str, Any], index: int) -> Task:
-        cls._check(row, index)
-        info = {"tests": list(row["tests"]), "solution": row.get("solution")}
+        info = {**cls._check(row, index), "solution": row.get("solution")}
         return Task(prompt=str(row["prompt"]), answer=None, info=info, id=str(row.get("id", index)))
 
     def is_final(self, parsed: ParseResult) -> bool:
@@ -181,19 +263,28 @@ class CodeSandboxEnv(ToolEnv):
 
     def score(self, task: Task, completion: str) -> float:
         code = extract_code(completion)
-        self.test_report = None if code is None else unit_test_results(code, task.info["tests"], limits=self.limits)
+        if code is None:
+            self.test_report = None
+        elif "io_cases" in task.info:
+            self.test_report = io_test_results(code, task.info["io_cases"], limits=self.limits)
+        else:
+            self.test_report = unit_test_results(code, task.info["tests"], limits=self.limits)
         return 0.0 if self.test_report is None else self.test_report.fraction
 
     def answer_feedback(self, task: Task, completion: str, reward: float) -> str | None:
-        """Which hidden tests failed and what they raised (the first few), or what the code raised."""
+        """Which hidden tests failed and what they raised or printed (the first few), or what the code raised."""
         report: UnitTestReport | None = getattr(self, "test_report", None)
         if report is None or reward >= self.max_reward:
             return None
+        if "io_cases" in task.info:
+            return io_test_feedback(task.info["io_cases"], report)
         return unit_test_feedback(task.info["tests"], report)
 
     def gold_actions(self, task: Task) -> list[str]:
         solution = task.info.get("solution")
         if not solution:
             raise ValueError(f"Task {task.id!r} has no 'solution', so it cannot be validated.")
+        if "io_cases" in task.info:  # a program that reads stdin: the tool would give it none
+            return [f"```python\n{solution}\n```"]
         probe = self.parser.render([ToolCall("run_python", {"code": solution + "\nprint('ok')"})])
         return [probe, f"```python\n{solution}\n```"]
