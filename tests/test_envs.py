@@ -494,6 +494,8 @@ def test_code_sandbox_refuses_rows_whose_tests_it_cannot_run():
         make({"input_output": {"inputs": [[1]], "outputs": [[2]], "fn_name": "solve"}})
     with pytest.raises(ValueError, match="same length"):
         make({"inputs": ["1"], "outputs": []})
+    with pytest.raises(ValueError, match="only stdin/stdout cases are read"):
+        make({"tests": json.dumps([{"input": "[1]", "output": "2", "testtype": "functional"}])})
     with pytest.raises(ValueError, match="not a mix"):
         make({"tests": ["assert True", {"input": "", "output": ""}]})
     with pytest.raises(ValueError, match="needs 'prompt' and its tests"):

@@ -185,6 +185,11 @@ def row_tests(row: Mapping[str, Any]) -> dict[str, list]:
     if all(isinstance(test, str) for test in tests):
         return {"tests": list(tests)}
     if all(isinstance(test, Mapping) for test in tests):
+        if any(test.get("testtype", "stdin") != "stdin" for test in tests):
+            raise ValueError(
+                "a case's testtype is not 'stdin' (LiveCodeBench's 'functional' cases call a method): "
+                "only stdin/stdout cases are read; give call-based tests as assert statements."
+            )
         return {"io_cases": [io_case(test) for test in tests]}
     raise ValueError("'tests' must be all assert statements (text) or all {'input': ..., 'output': ...} cases, not a mix.")
 
