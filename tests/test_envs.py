@@ -476,7 +476,13 @@ def test_code_sandbox_judges_stdin_stdout_cases_in_each_dataset_form(tmp_path):
     path = tmp_path / "io.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     env = treerl.make("treerl/CodeSandbox-v0", data_path=str(path))
-    assert env.validate(num_tasks=3).ok
+    assert env.validate(num_tasks=3).ok  # the gold solution tried with the tool on a case's input, then answered
+    assert env.system_prompt == env.program_system_prompt
+    obs, *_ = env.reset(options={"task_index": 0})
+    obs, *_ = env.step('<tool_call>\n{"name": "run_python", "arguments": {"code": "print(input()[::-1])", '
+                       '"stdin": "abc"}}\n</tool_call>')
+    assert obs[0]["content"].strip() == "cba"
+    assert "stdin" not in treerl.make("treerl/CodeSandbox-v0").tools[0].parameters["properties"]
     for index in range(3):
         env.reset(options={"task_index": index})
         _, reward, terminated, _, info = env.step("```python\nprint(sum(map(int, input().split())) % 10)\n```")

@@ -78,8 +78,8 @@ def extract_code(text: str) -> str | None:
     return blocks[-1] if blocks else None
 
 
-def make_run_python_tool(limits: SandboxLimits) -> Tool:
-    """A ``run_python`` tool bound to ``limits``.
+def make_run_python_tool(limits: SandboxLimits, *, stdin: bool = False) -> Tool:
+    """A ``run_python`` tool bound to ``limits``; with ``stdin``, it also takes the text the program reads.
 
     Outcomes other than a clean run become typed tool errors: the wall-clock limit is a
     ``timeout``; memory, process-count and network violations and exceptions are ``tool_error``
@@ -94,7 +94,19 @@ def make_run_python_tool(limits: SandboxLimits) -> Tool:
         Args:
             code: A complete Python program; use print() to see values.
         """
-        result = run_python(code, limits=limits)
+        return _run(code, None)
+
+    def run_program_tool(code: str, stdin: str = "") -> str:
+        """Run a Python program in a sandbox with the given standard input and return what it printed.
+
+        Args:
+            code: A complete Python program; use print() to see values.
+            stdin: The text the program reads from standard input.
+        """
+        return _run(code, stdin)
+
+    def _run(code: str, stdin: str | None) -> str:
+        result = run_python(code, stdin=stdin, limits=limits)
         if result.error is None:
             return result.stdout if result.stdout else "(no output)"
         if result.error is SandboxErrorKind.TIMEOUT:
@@ -106,7 +118,7 @@ def make_run_python_tool(limits: SandboxLimits) -> Tool:
             tool_name="run_python",
         )
 
-    return tool(run_python_tool, name="run_python", timeout=None)
+    return tool(run_program_tool if stdin else run_python_tool, name="run_python", timeout=None)
 
 
 def unit_test_feedback(tests: Sequence[str], report: UnitTestReport) -> str:
@@ -212,6 +224,12 @@ class CodeSandboxEnv(ToolEnv):
         "Write the requested Python function. You can test code with the run_python tool. "
         "When done, reply with the final code in a ```python block and no tool call."
     )
+    program_system_prompt = (
+        "Write the requested Python program: it reads its input from standard input and prints the answer. "
+        "You can test code with the run_python tool, giving it the input to read. "
+        "When done, reply with the final code in a ```python block and no tool call."
+    )
+    """The system prompt when the tasks' tests are stdin/stdout cases (the tool then takes ``stdin``)."""
 
     def __init__(
         self,
@@ -226,18 +244,23 @@ class CodeSandboxEnv(ToolEnv):
             raise ValueError(f"tasks={tasks!r} is not one of {TASK_SOURCES}; use 'word-problems' for generated tasks.")
         if tasks == "word-problems" and (data_path is not None or dataset is not None):
             raise ValueError("tasks='word-problems' generates its tasks; drop data_path/dataset, or use tasks='file'.")
-        rows = None
+        rows, programs = None, False
         if tasks == "file":
             dataset = load_rows(data_path, dataset, "code_tasks.jsonl")
             check_rows(dataset, self._check, key=type(self))
             rows = RowTasks(dataset, self._row)
+            # Programs read stdin: the tool takes it, and the prompt says so (from the first row, as a
+            # file's rows share one form).
+            programs = len(dataset) > 0 and "io_cases" in self._check(dataset[0], 0)
         self.limits = limits or SandboxLimits()
+        if programs:
+            kwargs.setdefault("system_prompt", self.program_system_prompt)
         kwargs.setdefault("max_turns", 4)
         # The hidden tests run under the sandbox's limit, which does not count the wait for a slot
         # (see treerl.envs.sandbox.max_concurrent_runs); a score limit would, and score a correct
         # program 0 when many episodes finish at once.
         kwargs.setdefault("score_timeout_s", None)
-        super().__init__(tools=[make_run_python_tool(self.limits)], dataset=rows, **kwargs)
+        super().__init__(tools=[make_run_python_tool(self.limits, stdin=programs)], dataset=rows, **kwargs)
 
     def sample_task(self, rng: np.random.Generator) -> Task:
         return word_problem_task(rng)
@@ -289,7 +312,10 @@ class CodeSandboxEnv(ToolEnv):
         solution = task.info.get("solution")
         if not solution:
             raise ValueError(f"Task {task.id!r} has no 'solution', so it cannot be validated.")
-        if "io_cases" in task.info:  # a program that reads stdin: the tool would give it none
-            return [f"```python\n{solution}\n```"]
+        if "io_cases" in task.info:  # a program: try it on the first case's input, then answer
+            if "stdin" not in self.tools[0].parameters["properties"]:  # (a file whose first row has asserts)
+                return [f"```python\n{solution}\n```"]
+            probe = self.parser.render([ToolCall("run_python", {"code": solution, "stdin": task.info["io_cases"][0]["input"]})])
+            return [probe, f"```python\n{solution}\n```"]
         probe = self.parser.render([ToolCall("run_python", {"code": solution + "\nprint('ok')"})])
         return [probe, f"```python\n{solution}\n```"]
