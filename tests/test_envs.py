@@ -508,6 +508,17 @@ def test_code_sandbox_refuses_rows_whose_tests_it_cannot_run():
         make({"test_cases": ["assert True"]})
 
 
+def test_code_sandbox_all_or_nothing_reward():
+    env = treerl.make("treerl/CodeSandbox-v0", reward="all")
+    env.reset(options={"task_index": 0})  # add(a, b): the float test fails
+    _, reward, terminated, *_ = env.step("```python\ndef add(a, b):\n    return int(a) + int(b)\n```")
+    assert terminated and reward == 0.0 and env.feedback().startswith("The final code passed 2 of 3 tests.")
+    env.reset(options={"task_index": 0})
+    assert env.step("```python\ndef add(a, b):\n    return a + b\n```")[1] == 1.0
+    with pytest.raises(ValueError, match="'fraction' of the tests passed, or 'all'"):
+        treerl.make("treerl/CodeSandbox-v0", reward="binary")
+
+
 def test_code_sandbox_times_only_the_run_not_the_wait_for_a_sandbox_slot(monkeypatch):
     # The hidden tests and the tool wait for a sandbox slot when other episodes' runs hold them all;
     # only the sandbox's own limit (from when the run has a slot) may judge the program.

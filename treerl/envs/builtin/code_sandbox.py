@@ -41,7 +41,7 @@ from treerl.envs.tools import Tool, tool
 from treerl.envs.verifiers import UnitTestReport, io_case, io_test_results, unit_test_results
 
 __all__ = ["CodeSandboxEnv", "make_run_python_tool", "extract_code", "word_problem_task", "unit_test_feedback",
-           "io_test_feedback", "row_tests", "TASK_SOURCES", "WORD_PROBLEM_PROMPT"]
+           "io_test_feedback", "row_tests", "TASK_SOURCES", "REWARDS", "WORD_PROBLEM_PROMPT"]
 
 _MAX_FAILED_TESTS = 3
 """Failed tests the feedback shows: enough to point at the mistake, short enough to read."""
@@ -51,6 +51,9 @@ _CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
 TASK_SOURCES = ("file", "word-problems")
 """Where ``CodeSandboxEnv`` takes its tasks from: a JSONL file of rows, or generated word problems."""
+
+REWARDS = ("fraction", "all")
+"""How ``CodeSandboxEnv`` turns test results into a reward: the fraction passed, or 1.0 only when all pass."""
 
 WORD_PROBLEM_PROMPT = "Write a function `solve()` that returns the answer to this problem, computed from its numbers: {question}"
 
@@ -217,6 +220,8 @@ class CodeSandboxEnv(ToolEnv):
         limits: Sandbox limits for the tool and the hidden tests.
         tasks: ``"file"`` (the rows of ``data_path``/``dataset``, the shipped tasks by default) or
             ``"word-problems"`` (generated from the seed by :func:`word_problem_task`).
+        reward: ``"fraction"`` (of the hidden tests passed, the default) or ``"all"`` (1.0 when
+            every test passes, else 0.0: DeepCoder's and open-r1's binary code reward).
     """
 
     description = "Write a Python function or program; a sandboxed run_python tool; reward = fraction of hidden tests passed (unit tests or stdin/stdout cases)."
@@ -238,8 +243,12 @@ class CodeSandboxEnv(ToolEnv):
         dataset: Sequence[Mapping[str, Any]] | None = None,
         limits: SandboxLimits | None = None,
         tasks: str = "file",
+        reward: str = "fraction",
         **kwargs: Any,
     ):
+        if reward not in REWARDS:
+            raise ValueError(f"reward={reward!r} is not one of {REWARDS}: 'fraction' of the tests passed, or 'all' of them.")
+        self.reward_mode = reward
         if tasks not in TASK_SOURCES:
             raise ValueError(f"tasks={tasks!r} is not one of {TASK_SOURCES}; use 'word-problems' for generated tasks.")
         if tasks == "word-problems" and (data_path is not None or dataset is not None):
@@ -297,7 +306,11 @@ class CodeSandboxEnv(ToolEnv):
             self.test_report = io_test_results(code, task.info["io_cases"], limits=self.limits)
         else:
             self.test_report = unit_test_results(code, task.info["tests"], limits=self.limits)
-        return 0.0 if self.test_report is None else self.test_report.fraction
+        if self.test_report is None:
+            return 0.0
+        if self.reward_mode == "all":
+            return float(all(self.test_report.passed))
+        return self.test_report.fraction
 
     def answer_feedback(self, task: Task, completion: str, reward: float) -> str | None:
         """Which hidden tests failed and what they raised or printed (the first few), or what the code raised."""
