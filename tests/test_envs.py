@@ -492,6 +492,18 @@ def test_code_sandbox_judges_stdin_stdout_cases_in_each_dataset_form(tmp_path):
                                   f"- on input {case['input']!r}: expected {case['output']!r}, got '0\\n'")
 
 
+def test_code_sandbox_reads_list_columns_of_a_pandas_row():
+    """A Parquet file read with pandas gives list columns as numpy arrays."""
+    import numpy as np
+
+    row = {"prompt": "Echo the line.", "inputs": np.array(["a", "b"], dtype=object), "outputs": np.array(["a", "b"], dtype=object)}
+    env = treerl.make("treerl/CodeSandbox-v0", dataset=[row])
+    env.reset(options={"task_index": 0})
+    assert env.step("```python\nprint(input())\n```")[1] == 1.0
+    tuple_row = {"prompt": "p", "tests": ("assert True",)}
+    assert treerl.make("treerl/CodeSandbox-v0", dataset=[tuple_row]).dataset[0].info["tests"] == ["assert True"]
+
+
 def test_code_sandbox_refuses_rows_whose_tests_it_cannot_run():
     def make(row):
         return treerl.make("treerl/CodeSandbox-v0", dataset=[{"prompt": "p", **row}])

@@ -157,6 +157,11 @@ def _failed_tests(report: UnitTestReport, labels: Sequence[str]) -> str:
     return f"The final code passed {sum(report.passed)} of {len(report.passed)} tests. Failed tests{more}:\n" + "\n".join(lines)
 
 
+def _as_list(value: Any) -> Any:
+    """A tuple or a numpy array (a pandas row of a Parquet list column) as a list; anything else as it is."""
+    return list(value) if isinstance(value, (tuple, np.ndarray)) else value
+
+
 def row_tests(row: Mapping[str, Any]) -> dict[str, list]:
     """A task row's hidden tests: ``{"tests": [assert statements]}`` or ``{"io_cases": [cases]}``.
 
@@ -185,11 +190,11 @@ def row_tests(row: Mapping[str, Any]) -> dict[str, list]:
             )
         row = spec
     if "tests" not in row and ("inputs" in row or "outputs" in row):
-        inputs, outputs = row.get("inputs"), row.get("outputs")
+        inputs, outputs = _as_list(row.get("inputs")), _as_list(row.get("outputs"))
         if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs):
             raise ValueError("'inputs' and 'outputs' must be two lists of the same length, one entry per test case.")
         row = {"tests": [{"input": i, "output": o} for i, o in zip(inputs, outputs)]}
-    tests = row.get("tests")
+    tests = _as_list(row.get("tests"))
     if isinstance(tests, str):
         try:  # a Parquet or CSV column may hold the list as JSON text
             tests = json.loads(tests)
