@@ -194,6 +194,25 @@ def test_arun_python_from_an_event_loop():
     assert [r.stdout for r in results] == ["0\n", "2\n", "4\n"]
 
 
+
+def test_arun_python_waiting_for_a_slot_does_not_hold_the_loops_executor(monkeypatch):
+    """Runs past the slot bound wait in threads of their own: the loop's default executor, which
+    every asyncio.to_thread shares, stays free for the rest of the episode's work."""
+    monkeypatch.setenv("TREERL_SANDBOX_MAX_CONCURRENT", "1")
+
+    async def main():
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(2))
+        runs = [asyncio.ensure_future(arun_python("import time; time.sleep(0.5)", limits=FAST)) for _ in range(3)]
+        await asyncio.sleep(0.2)  # one run holds the slot, two wait for it
+        start = time.monotonic()
+        await asyncio.to_thread(lambda: None)
+        waited = time.monotonic() - start
+        await asyncio.gather(*runs)
+        return waited
+
+    assert asyncio.run(main()) < 0.25
+
+
 def test_concurrent_runs_from_threads_do_not_interfere():
     codes = ["import time\ntime.sleep(0.2)\nprint('slow')", "print('fast')", "while True: pass", "1/0"]
     with ThreadPoolExecutor(max_workers=4) as pool:

@@ -81,8 +81,8 @@ Example:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -100,6 +100,7 @@ from enum import Enum
 from pathlib import Path
 
 import treerl.envs.sandbox_bootstrap as sandbox_bootstrap
+from treerl.envs.offload import run_in_thread
 from treerl.envs.processes import kill_and_reap, send_kill
 from treerl.envs.sandbox_capture import capture
 from treerl.envs.sandbox_cgroup import RunCgroup, open_cgroup
@@ -468,8 +469,13 @@ async def arun_python(
     limits: SandboxLimits = SandboxLimits(),
     files: Mapping[str, str | bytes] | None = None,
 ) -> SandboxResult:
-    """:func:`run_python` in a worker thread, so an event loop keeps serving other episodes."""
-    return await asyncio.to_thread(run_python, code, stdin=stdin, limits=limits, files=files)
+    """:func:`run_python` in a thread of its own, so an event loop keeps serving other episodes.
+
+    Not the loop's default executor: a run that waits for a sandbox slot would hold one of its
+    few threads (CPUs + 4), and every ``asyncio.to_thread`` of the loop would queue behind it.
+    """
+    return await run_in_thread(functools.partial(run_python, code, stdin=stdin, limits=limits, files=files),
+                               name="treerl-sandbox")
 
 
 def max_concurrent_runs() -> int:
