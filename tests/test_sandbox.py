@@ -509,7 +509,7 @@ def test_unprivileged_fallbacks_inside_the_sandbox():
     files = {"treerl/__init__.py": "", "treerl/envs/__init__.py": ""}
     envs = os.path.dirname(treerl.envs.sandbox.__file__)
     for name in sorted(os.listdir(envs)):
-        if name.startswith("sandbox") and name.endswith(".py") or name == "processes.py":
+        if name.startswith("sandbox") and name.endswith(".py") or name in ("processes.py", "offload.py"):
             with open(os.path.join(envs, name), encoding="utf-8") as f:
                 files[f"treerl/envs/{name}"] = f.read()
     inner = (
