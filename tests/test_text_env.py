@@ -217,6 +217,57 @@ def test_a_textarena_game_plays_as_its_single_player():
         check_env(TextEnv(_ArenaGuess()))
 
 
+class _ArenaWrapper:
+    """TextArena 0.7.4's ``Wrapper``: the wrapped game in ``env``, every call passed on."""
+
+    def __init__(self, env):
+        self.env = env
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def reset(self, num_players, seed=None):
+        return self.env.reset(num_players=num_players, seed=seed)
+
+    def step(self, action):
+        return self.env.step(action)
+
+    def get_observation(self):
+        return self.env.get_observation()
+
+    def close(self):
+        return self.env.close()
+
+
+class _ArenaHistory(_ArenaWrapper):
+    """TextArena's default ``LLMObservationWrapper``: the whole game so far as one string every
+    turn, kept across ``reset`` (its ``full_observations`` is never cleared)."""
+
+    full_observations: list = []
+
+    def get_observation(self):
+        player, new = self.env.get_observation()
+        self.full_observations = [*self.full_observations, *new]
+        return player, "".join(f"\n[{sender}] {text}" for sender, text, _ in self.full_observations)
+
+
+class _ArenaBrackets(_ArenaWrapper):
+    """TextArena's ``ActionFormattingWrapper``: an action without brackets gets them."""
+
+    def step(self, action):
+        return self.env.step(action if action.startswith("[") else f"[{action}]")
+
+
+def test_a_textarena_game_under_the_default_wrappers_plays_as_the_raw_one():
+    """``ta.make("X-v0")`` wraps the game in observation wrappers that resend the whole game every turn
+    and keep the last game's messages after reset: observations are read under them, actions go through."""
+    env = TextEnv(_ArenaBrackets(_ArenaHistory(_ArenaGuess())))
+    obs, _ = env.reset(seed=0)
+    assert obs == [{"role": "user", "content": "Guess a number between 1 and 10, e.g. [5]."}]
+    assert env.step("0")[0] == [{"role": "user", "content": "The target number is higher."}]  # "0" played as "[0]"
+    assert env.reset(seed=0)[0] == obs
+
+
 def test_a_real_textarena_game_plays_as_a_chat():
     ta = pytest.importorskip("textarena", reason="TextArena is not installed: pip install textarena")
     env = TextEnv(lambda: ta.make("GuessTheNumber-v0-raw"))
@@ -234,3 +285,13 @@ def test_a_real_textarena_game_plays_as_a_chat():
     assert terminated and info["invalid_move"] and new[0]["content"] == info["reason"] and 0 <= reward < 1
     with pytest.warns(UserWarning, match="no gold answers"):
         check_env(TextEnv(ta.make("GuessTheNumber-v0-raw")))
+
+
+def test_a_real_textarena_game_under_its_default_wrappers():
+    ta = pytest.importorskip("textarena", reason="TextArena is not installed: pip install textarena")
+    env = TextEnv(lambda: ta.make("GuessTheNumber-v0"))
+    obs, _ = env.reset(seed=0)
+    assert env.step("[1]")[0][0]["content"] in ("The target number is higher.", "Congratulations!")
+    assert env.reset(seed=0)[0] == obs
+    with pytest.warns(UserWarning, match="no gold answers"):
+        check_env(TextEnv(ta.make("GuessTheNumber-v0")))

@@ -147,12 +147,20 @@ class _TextArenaGame:
 
     TextArena's ``reset(num_players, seed)`` returns nothing, ``get_observation()`` returns the
     player and the messages since it last looked (``(from_id, text, type)`` tuples; a string
-    with the observation wrappers ``ta.make`` applies by default), ``step(action)`` returns
-    ``(done, info)`` and ``close()`` the rewards by player and each player's game info.
+    with the observation wrappers ``ta.make`` applies by default, which are read under),
+    ``step(action)`` returns ``(done, info)`` and ``close()`` the rewards by player and each
+    player's game info.
     """
 
     def __init__(self, env: Any):
         self.env = env
+        # Observations come from the game itself, under the wrappers (TextArena's ``Wrapper.env``):
+        # the observation wrappers ``ta.make`` adds by default resend the whole game every turn, which
+        # the chat already holds, and keep the last game's messages after ``reset``. Actions still go
+        # through every wrapper (the action formatting ones included).
+        self.game = env
+        while hasattr(self.game, "env"):
+            self.game = self.game.env
 
     @property
     def unwrapped(self) -> Any:
@@ -180,7 +188,7 @@ class _TextArenaGame:
         pass  # TextArena's close() ends the game for its rewards; step() called it at the end
 
     def _observe(self) -> str:
-        self.player, obs = self.env.get_observation()
+        self.player, obs = self.game.get_observation()
         if isinstance(obs, str):
             return obs
         # The model's own action comes back first: the chat already holds it.
