@@ -443,3 +443,18 @@ def test_a_warning_is_printed_once(tmp_path):
             "torch.nn.Linear(2, 2), True)\n")
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
     assert err.count("max_completion_length=512") == 1, err
+
+
+def test_a_hub_id_model_is_named_by_its_id_so_its_lora_adapter_names_the_base(tmp_path, monkeypatch):
+    # peft writes the base model's name_or_path into adapter_config.json: the cache snapshot's
+    # directory there would make an adapter pushed to the Hub unloadable on any other machine.
+    import huggingface_hub.constants
+    from peft import LoraConfig, get_peft_model
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(_hub_cache(tmp_path)))
+    model, tok = load_model("acme/tiny-chat")
+    assert model.name_or_path == model.config.name_or_path == tok.name_or_path == "acme/tiny-chat"
+    lora = get_peft_model(model, LoraConfig(r=2, target_modules="all-linear", task_type="CAUSAL_LM"))
+    lora.save_pretrained(tmp_path / "adapter")
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == "acme/tiny-chat"

@@ -248,8 +248,9 @@ def load_model(path: str | None, device: Any = "cpu", *, chat_template: str | No
             set_chat_template(tokenizer, chat_template, chat_template_kwargs)
         return model, tokenizer
     path = _shipped(path)
-    if not Path(path).is_dir():
-        path = resolve_hub_id(path)
+    hub_id = None if Path(path).is_dir() else str(path)
+    if hub_id is not None:
+        path = resolve_hub_id(hub_id)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -277,4 +278,6 @@ def load_model(path: str | None, device: Any = "cpu", *, chat_template: str | No
         raise ConfigError(f"model {path!r}: could not load a causal LM and its tokenizer from it "
                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); pass a directory "
                           "written by save_pretrained (--model PATH).") from None
+    if hub_id is not None:  # named as a download names it: peft writes it into a LoRA adapter as its base
+        model.name_or_path = model.config.name_or_path = tokenizer.name_or_path = hub_id
     return model.eval(), tokenizer
