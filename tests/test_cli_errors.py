@@ -60,6 +60,10 @@ CASES = [
     ("model-broken", [*LEARN, "--model", "{broken}"], None, "could not load a causal LM"),
     ("model-is-a-lora-adapter", ["eval", "--model", "{adapter}"], None, "is a LoRA adapter, not a whole model: pass "
      "the merged model (treerl learn saved it merged beside it: --model"),
+    ("model-is-a-learn-output-dir", ["eval", "--model", "{lora_run}"], None, "is the output directory of treerl "
+     "learn, not a model: its trained model is in"),
+    ("model-is-a-checkpoint", ["eval", "--model", "{checkpoint}"], None, "is a checkpoint of treerl learn (what "
+     "--resume continues from), not a transformers model: the run writes its trained model at its end to"),
     ("env-unknown", [*LEARN, "--env", "nope/Nothing-v0"], None, "nope/Nothing-v0"),
     ("env-group-member-unknown", [*LEARN, "--env", "treerl/Calculator-v0,nope/Nothing-v0"], None, "nope/Nothing-v0"),
     ("env-group-kwargs-not-by-name", [*ROLLOUT, "--env", "treerl/Calculator-v0,guess=treerl/GuessNumber-v0",
@@ -143,9 +147,16 @@ def paths(tmp_path_factory) -> dict[str, str]:
     shutil.copytree(DEFAULT_MODEL_PATH, run / "model")
     (run / "adapter").mkdir()
     (run / "adapter" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    (run / "config.json").write_text(json.dumps({"learner": "grpo", "lora_r": 4}))  # the run's options, not a model's
+    (run / "metrics.jsonl").write_text("")
+    checkpoint = run / "checkpoints" / "step-2"  # a checkpoint: weights and training state, no config or tokenizer
+    checkpoint.mkdir(parents=True)
+    shutil.copy(DEFAULT_MODEL_PATH / "model.safetensors", checkpoint / "model.safetensors")
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 2, "policy_version": 2, "next_task": 4}))
     return {"tmp": str(tmp), "out": str(tmp / "run"), "file": str(tmp / "a_file"), "no_template": str(no_template),
             "broken": str(broken), "corrupt": str(corrupt), "other_env": str(other), "old_other_env": str(old_other),
-            "readme": str(tmp / "README.md"), "adapter": str(run / "adapter")}
+            "readme": str(tmp / "README.md"), "adapter": str(run / "adapter"),
+            "lora_run": str(run), "checkpoint": str(checkpoint)}
 
 
 def _run(argv: list[str], paths: dict[str, str], capsys) -> tuple[int, str]:

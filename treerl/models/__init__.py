@@ -228,6 +228,27 @@ def model_directory(path: str | None) -> str:
     return str(path) if Path(path).is_dir() else resolve_hub_id(path)
 
 
+def _refuse_learn_output(path: Path) -> None:
+    """Say where the model is when ``path`` is what ``treerl learn`` wrote around it: its output
+    directory or one of its checkpoints (weights and training state, without config or tokenizer)."""
+    if (path / "trainer_state.json").is_file() and path.parent.name == "checkpoints":
+        run = path.parent.parent
+        state = json.loads((path / "trainer_state.json").read_text())
+        then = (f" (there now: --model {run / 'model'})" if (run / "model" / "config.json").is_file() else
+                f"; a run stopped early writes its latest checkpoint's weights there when it ends at that step: "
+                f"treerl learn --config {run / 'config.json'} --resume true --steps {state.get('step', 'N')} "
+                "--eval-episodes 0")
+        raise ConfigError(f"model {str(path)!r} is a checkpoint of treerl learn (what --resume continues from), not "
+                          f"a transformers model: the run writes its trained model at its end to {run / 'model'}"
+                          f"{then}.")
+    if (path / "model" / "config.json").is_file() or (path / "checkpoints").is_dir():
+        where = (f"its trained model is in {path / 'model'} (--model {path / 'model'})"
+                 if (path / "model" / "config.json").is_file() else
+                 f"it writes its trained model to {path / 'model'} at its end (a run stopped early: resume it with "
+                 "--resume true)")
+        raise ConfigError(f"model {str(path)!r} is the output directory of treerl learn, not a model: {where}.")
+
+
 def load_model(path: str | None, device: Any = "cpu", *, chat_template: str | None = None,
                chat_template_kwargs: dict[str, Any] | None = None) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
     """A transformers causal LM and its tokenizer from a local directory or a cached Hub id, offline, in eval mode.
@@ -263,6 +284,7 @@ def load_model(path: str | None, device: Any = "cpu", *, chat_template: str | No
                           "merge it first (peft: PeftModel.from_pretrained(base, DIR).merge_and_unload()"
                           ".save_pretrained(OUT), and the base's tokenizer beside it).")
     if not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
+        _refuse_learn_output(Path(path))
         raise ConfigError(f"model {str(path)!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); save the "
                           "tokenizer next to the weights (tokenizer.save_pretrained(DIR)), e.g. the one of the model "
                           "it was fine-tuned from.")
