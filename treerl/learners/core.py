@@ -83,6 +83,7 @@ from treerl.learners.precision import (
     check_learning_rate,
     checkpoint_dtype,
     enable_gradient_checkpointing,
+    model_size,
     resolve_precision,
 )
 from treerl.rollout.rewards import RewardFunc, check_reward_weights, load_reward_funcs
@@ -514,7 +515,7 @@ def _check_size_defaults(cfg: LearnerConfig, model: torch.nn.Module, is_main: bo
     notes = [warning] if warning else []
     if num_params >= SMALL_MODEL_PARAMS and cfg.max_new_tokens < 256:
         notes.append(f"max_new_tokens={cfg.max_new_tokens} is the shipped tiny model's limit; a "
-                     f"{num_params / 1e6:.0f}M-parameter model's answers (and its thinking) are usually longer, so "
+                     f"{model_size(num_params)}-parameter model's answers (and its thinking) are usually longer, so "
                      "most turns would be cut off: pass e.g. --max-new-tokens 1024.")
     if getattr(cfg, "max_completion_length", None) is not None and hasattr(cfg, "loss_config"):
         loss = cfg.loss_config()

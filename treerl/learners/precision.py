@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 __all__ = ["DTYPES", "Precision", "resolve_precision", "checkpoint_dtype", "enable_gradient_checkpointing",
-           "usual_learning_rate", "check_learning_rate"]
+           "usual_learning_rate", "check_learning_rate", "model_size"]
 
 DTYPES: dict[str, torch.dtype | None] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                          "float16": torch.float16, "auto": None}
@@ -202,6 +202,17 @@ def usual_learning_rate(num_params: int, lora: bool) -> tuple[float, float, floa
     return 1e-6, 1e-7, 1e-5
 
 
+def model_size(num_params: int) -> str:
+    """A parameter count as people write it.
+
+    >>> model_size(600_000_000), model_size(1_240_000_000), model_size(1_700_000), model_size(25_000)
+    ('600M', '1.2B', '1.7M', '0.025M')
+    """
+    if num_params >= 1e9:
+        return f"{num_params / 1e9:.1f}B"
+    return f"{num_params / 1e6:.0f}M" if num_params >= 1e7 else f"{num_params / 1e6:.2g}M"
+
+
 def check_learning_rate(lr: float | None, num_params: int, lora: bool) -> tuple[float, str | None]:
     """``(learning rate to use, warning or None)``: the default for the size when ``lr`` is None,
     and a warning when the given one is outside the usual range.
@@ -212,7 +223,7 @@ def check_learning_rate(lr: float | None, num_params: int, lora: bool) -> tuple[
     default, low, high = usual_learning_rate(num_params, lora)
     if lr is None:
         return default, None
-    what = f"a {num_params / 1e6:.0f}M-parameter model {'with LoRA' if lora else 'fine-tuning all weights'}"
+    what = f"a {model_size(num_params)}-parameter model {'with LoRA' if lora else 'fine-tuning all weights'}"
     if lr > high:
         return lr, (f"learning_rate={lr:g} is far above the usual range for {what} ({low:g} to {high:g}, default "
                     f"{default:g}): expect the policy to collapse within a few steps; try --learning-rate {default:g}.")
