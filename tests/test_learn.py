@@ -493,6 +493,22 @@ def test_lora_setup_prints_no_other_librarys_deprecation(tmp_path):
         _apply_lora(model, GRPOConfig(output_dir=str(tmp_path), lora_r=4))
 
 
+def test_lora_target_modules_choose_the_adapted_layers_as_in_trl(tmp_path):
+    from treerl.errors import ConfigError
+    from treerl.learners.core import _apply_lora
+
+    def adapted(**kwargs):
+        model, _ = _load()
+        lora = _apply_lora(model, GRPOConfig(output_dir=str(tmp_path), lora_r=4, **kwargs))
+        return {name.split(".")[-4] for name, _ in lora.named_parameters() if name.endswith("lora_A.default.weight")}
+
+    assert adapted(lora_target_modules=["q_proj", "v_proj"]) == {"q_proj", "v_proj"}
+    assert adapted() == adapted(lora_target_modules=["all-linear"]) and {"q_proj", "down_proj"} <= adapted()
+    with pytest.raises(ConfigError, match=r"lora_target_modules: qkv names no module of this model; its linear "
+                                          r"layers are .*q_proj"):
+        adapted(lora_target_modules=["qkv"])
+
+
 def test_the_held_out_lines_count_the_episodes_played_when_the_data_has_fewer_rows(tmp_path, capsys):
     from treerl.cli import main
 

@@ -107,6 +107,9 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     lora_r: int = field_help(0, "LoRA rank; 0 trains all weights.")
     lora_alpha: int = field_help(16, "LoRA alpha.")
     lora_dropout: float = field_help(0.0, "LoRA dropout.")
+    lora_target_modules: list[str] | None = field_help(None, "Modules LoRA adapts, by name or suffix as peft "
+                                                             "matches them (e.g. q_proj v_proj; TRL's name); default: "
+                                                             "every linear layer but the LM head (all-linear).")
     dtype: str = field_help("float32", "Master weights and AdamW states: float32 (a bfloat16 checkpoint is upcast; "
                                        "pair with --bf16/--fp16 for mixed precision), bfloat16 or float16 (pure low "
                                        "precision: small updates round away), or auto (the checkpoint's dtype).")

@@ -549,8 +549,18 @@ def _fall_back_to_padded_packing(cfg: LearnerConfig, model: torch.nn.Module, is_
 def _apply_lora(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
+    targets = cfg.lora_target_modules
+    if not targets or targets == ["all-linear"]:
+        targets = "all-linear"
+    else:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, torch.nn.Linear)})
+        missing = [t for t in targets if not any(name == t or name.endswith("." + t) for name, _ in model.named_modules())]
+        if missing:
+            raise ConfigError(f"lora_target_modules: {', '.join(missing)} names no module of this model; its linear "
+                              f"layers are {', '.join(linear)} (or pass all-linear).")
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules="all-linear", task_type="CAUSAL_LM")
+                      target_modules=targets, task_type="CAUSAL_LM")
     with warnings.catch_warnings():  # peft reads an attribute transformers renamed: not the user's to act on
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
         return get_peft_model(model, lora)
