@@ -106,8 +106,10 @@ def test_output_is_truncated_and_flagged():
     assert result.ok, result.stderr
     assert result.stdout == "x" * 100
     assert result.stderr == "e" * 100
-    assert result.truncated
+    assert result.truncated and result.stdout_truncated
     assert not run_python("print('short')", limits=limits).truncated
+    noisy = run_python("import sys\nprint('ok')\nprint('e' * 500, file=sys.stderr)", limits=limits)
+    assert noisy.truncated and not noisy.stdout_truncated  # only stderr was cut
 
 
 def test_endless_output_is_cut_and_timed_out():

@@ -370,6 +370,12 @@ def test_io_test_failures_say_how_each_case_failed():
     assert io_test_results(None, cases).code_error == "the code is not text"
 
 
+def test_io_tests_ignore_what_a_program_writes_to_stderr():
+    # Debug output on stderr past the output limit: a judge reads stdout only.
+    chatty = "import sys\nfor i in range(20_000):\n    print('debug', i, file=sys.stderr)\nprint(3)"
+    assert io_test_results(chatty, [{"input": "", "output": "3"}]).passed == [True]
+
+
 def test_io_tests_compare_tokens_and_decimals_as_a_judge_does():
     assert outputs_match("1 2\n3\n", "1\n2 3")  # whitespace and line breaks do not matter
     assert not outputs_match("1 2 3", "1 2")

@@ -222,6 +222,8 @@ class SandboxResult:
     """Seconds from when the run got its slot to its end (what its time limit counts)."""
     truncated: bool = False
     """Whether stdout or stderr went over ``max_output_bytes`` and was cut."""
+    stdout_truncated: bool = False
+    """Whether stdout itself was cut: what a judge of the printed output must know (it ignores stderr)."""
     enforced: dict[str, str] = field(default_factory=dict)
     """What was in effect for this run (see the module docstring), as the child reported it."""
     pid: int | None = None
@@ -423,6 +425,7 @@ def _run_in_slot(code: str, *, stdin: str | None, limits: SandboxLimits, files: 
             error=error,
             duration_s=time.monotonic() - start,
             truncated=out.truncated,
+            stdout_truncated=out.stdout_truncated,
             enforced=enforced,
             pid=proc.pid,
             uid=uid,

@@ -44,6 +44,8 @@ class Captured:
     stderr: str
     truncated: bool
     """Whether stdout or stderr went over ``max_output_bytes`` and was cut."""
+    stdout_truncated: bool
+    """Whether stdout itself was cut (a judge of the output ignores stderr)."""
     timed_out: bool
     """The main process was still running at the deadline."""
     stopped_early: bool
@@ -69,7 +71,7 @@ def capture(
     """
     assert proc.stdout is not None and proc.stderr is not None
     kept = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
-    truncated = False
+    cut: set[int] = set()  # the pipes that went over max_output_bytes
     timed_out = stopped_early = False
     sel = selectors.DefaultSelector()
     for pipe in (proc.stdout, proc.stderr):
@@ -80,7 +82,6 @@ def capture(
     next_watch = time.monotonic() + watch_every_s
 
     def read_ready(timeout: float) -> None:
-        nonlocal truncated
         for key, _ in sel.select(timeout=max(timeout, 0.0)):
             data = os.read(key.fd, 65536)
             if not data:
@@ -92,7 +93,7 @@ def capture(
             buf = kept[key.fd]
             room = max_output_bytes - len(buf)
             if len(data) > room:
-                truncated = True
+                cut.add(key.fd)
             if room > 0:
                 buf += data[:room]
 
@@ -134,7 +135,8 @@ def capture(
     return Captured(
         stdout=kept[proc.stdout.fileno()].decode("utf-8", errors="replace"),
         stderr=kept[proc.stderr.fileno()].decode("utf-8", errors="replace"),
-        truncated=truncated,
+        truncated=bool(cut),
+        stdout_truncated=proc.stdout.fileno() in cut,
         timed_out=timed_out,
         stopped_early=stopped_early,
         records=status.poll(final=True) + watched,

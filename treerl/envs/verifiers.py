@@ -578,7 +578,7 @@ def _judge(result: Any, expected: str, float_tol: float | None) -> str | None:
         lines = result.stderr.strip().splitlines()
         detail = f": {lines[-1][:300]}" if lines else ""
         return f"{result.error.value}{detail}"
-    if result.truncated:
+    if result.stdout_truncated:  # (stderr is not judged: debug output there is no failure)
         return "printed more than the output limit"
     if outputs_match(expected, result.stdout, float_tol=float_tol):
         return None
