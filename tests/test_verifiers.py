@@ -370,6 +370,14 @@ def test_io_test_failures_say_how_each_case_failed():
     assert io_test_results(None, cases).code_error == "the code is not text"
 
 
+def test_io_tests_keep_room_for_an_expected_output_longer_than_the_output_limit():
+    count = "n = int(input())\nprint('\\n'.join(map(str, range(n))))"
+    out = "\n".join(map(str, range(20_000)))  # 109 kB, past the default 64 kB of kept output
+    assert io_test_results(count, [{"input": "20000", "output": out}]).passed == [True]
+    flood = "print('1' * 500_000)"  # the room is not endless
+    assert io_test_results(flood, [{"input": "", "output": out}]).errors == ["printed more than the output limit"]
+
+
 def test_io_tests_ignore_what_a_program_writes_to_stderr():
     # Debug output on stderr past the output limit: a judge reads stdout only.
     chatty = "import sys\nfor i in range(20_000):\n    print('debug', i, file=sys.stderr)\nprint(3)"

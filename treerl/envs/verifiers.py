@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -597,6 +597,8 @@ def io_test_results(code: str, cases: Sequence[Mapping[str, Any]], *, limits: Sa
     cannot reach the judge, so it passes a case only by printing the right answer. A case
     that raises, times out or prints something else fails alone; ``errors`` says how
     (``"expected '3', got '4'"``, ``"timed out"``, ``"runtime_error: ValueError: ..."``).
+    Only stdout is judged, and a case keeps at least twice its expected output's bytes of it,
+    however small ``limits.max_output_bytes``.
 
     >>> io_test_results("print(sum(map(int, input().split())))",
     ...                 [{"input": "1 2", "output": "3"}, {"input": "2 2", "output": "5"}]).passed  # doctest: +SKIP
@@ -612,7 +614,11 @@ def io_test_results(code: str, cases: Sequence[Mapping[str, Any]], *, limits: Sa
         return UnitTestReport([False] * len(checked), ["not run"] * len(checked), "the code is not text")
 
     def judge(case: dict[str, str]) -> str | None:
-        return _judge(run_python(code, stdin=case["input"], limits=limits), case["output"], float_tol)
+        # A right answer may be longer than the output kept (judges' outputs run to megabytes):
+        # keep twice the expected output, room for other whitespace, so the limit cuts only floods.
+        room = max(limits.max_output_bytes, 2 * len(case["output"].encode()))
+        result = run_python(code, stdin=case["input"], limits=replace(limits, max_output_bytes=room))
+        return _judge(result, case["output"], float_tol)
 
     workers = min(len(checked), max_concurrent_runs())
     if workers == 1:
