@@ -492,6 +492,17 @@ def test_code_sandbox_judges_stdin_stdout_cases_in_each_dataset_form(tmp_path):
                                   f"- on input {case['input']!r}: expected {case['output']!r}, got '0\\n'")
 
 
+def test_code_sandbox_refuses_function_call_cases_instead_of_running_them_as_programs():
+    """PrimeIntellect's verifiable-coding cases (also in DeepCoder and open-r1) say type 'function_call'
+    and fn_name: their inputs are arguments; read as stdin, every answer would score 0."""
+    case = {"type": "function_call", "fn_name": "rev", "input": ["abc"], "output": ["cba"]}
+    with pytest.raises(ValueError, match="Code task 0: a case calls a function"):
+        treerl.make("treerl/CodeSandbox-v0", dataset=[{"prompt": "p", "tests": json.dumps([case])}])
+    stdin_case = {"type": "stdin_stdout", "fn_name": None, "input": "abc", "output": "cba"}  # open-r1's stdin form
+    env = treerl.make("treerl/CodeSandbox-v0", dataset=[{"prompt": "p", "tests": [stdin_case]}])
+    assert env.dataset[0].info["io_cases"] == [{"input": "abc", "output": "cba"}]
+
+
 def test_code_sandbox_reads_list_columns_of_a_pandas_row():
     """A Parquet file read with pandas gives list columns as numpy arrays."""
     import numpy as np

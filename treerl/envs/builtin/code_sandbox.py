@@ -162,6 +162,12 @@ def _as_list(value: Any) -> Any:
     return list(value) if isinstance(value, (tuple, np.ndarray)) else value
 
 
+def _calls_a_function(case: Mapping[str, Any]) -> bool:
+    """Whether a case is call-based: LiveCodeBench's testtype 'functional', PrimeIntellect's type
+    'function_call' (also in DeepCoder and open-r1), or any case naming a function."""
+    return case.get("testtype", "stdin") != "stdin" or case.get("type") == "function_call" or bool(case.get("fn_name"))
+
+
 def row_tests(row: Mapping[str, Any]) -> dict[str, list]:
     """A task row's hidden tests: ``{"tests": [assert statements]}`` or ``{"io_cases": [cases]}``.
 
@@ -205,10 +211,11 @@ def row_tests(row: Mapping[str, Any]) -> dict[str, list]:
     if all(isinstance(test, str) for test in tests):
         return {"tests": list(tests)}
     if all(isinstance(test, Mapping) for test in tests):
-        if any(test.get("testtype", "stdin") != "stdin" for test in tests):
+        if any(_calls_a_function(test) for test in tests):
             raise ValueError(
-                "a case's testtype is not 'stdin' (LiveCodeBench's 'functional' cases call a method): "
-                "only stdin/stdout cases are read; give call-based tests as assert statements."
+                "a case calls a function (LiveCodeBench's testtype 'functional', PrimeIntellect's type "
+                "'function_call', or a case with a fn_name): only stdin/stdout cases are read; give "
+                "call-based tests as assert statements."
             )
         return {"io_cases": [io_case(test) for test in tests]}
     raise ValueError("'tests' must be all assert statements (text) or all {'input': ..., 'output': ...} cases, not a mix.")
