@@ -515,6 +515,20 @@ def test_code_sandbox_reads_list_columns_of_a_pandas_row():
     assert treerl.make("treerl/CodeSandbox-v0", dataset=[tuple_row]).dataset[0].info["tests"] == ["assert True"]
 
 
+def test_code_sandbox_reads_tests_held_as_parallel_input_and_output_lists():
+    """CodeContests' public/private/generated tests are {"input": [...], "output": [...]}; DeepCoder's
+    TACO and CodeContests rows hold 'tests' as {"inputs": [...], "outputs": [...]} (as JSON text)."""
+    code_contests = {"input": ["1 2\n", "5 5\n"], "output": ["3\n", "10\n"]}
+    deepcoder = json.dumps({"inputs": ["1 2\n", "5 5\n"], "outputs": ["3\n", "10\n"]})
+    env = treerl.make("treerl/CodeSandbox-v0", dataset=[{"prompt": "p", "tests": t} for t in (code_contests, deepcoder)])
+    for index in range(2):
+        assert env.dataset[index].info["io_cases"] == [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5\n", "output": "10\n"}]
+        env.reset(options={"task_index": index})
+        assert env.step("```python\nprint(sum(map(int, input().split())))\n```")[1] == 1.0
+    with pytest.raises(ValueError, match="Code task 0: 'tests' names fn_name='f'"):
+        treerl.make("treerl/CodeSandbox-v0", dataset=[{"prompt": "p", "tests": {"inputs": [[1]], "outputs": [2], "fn_name": "f"}}])
+
+
 def test_code_sandbox_refuses_rows_whose_tests_it_cannot_run():
     def make(row):
         return treerl.make("treerl/CodeSandbox-v0", dataset=[{"prompt": "p", **row}])

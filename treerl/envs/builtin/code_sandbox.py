@@ -162,6 +162,21 @@ def _as_list(value: Any) -> Any:
     return list(value) if isinstance(value, (tuple, np.ndarray)) else value
 
 
+def _parallel_cases(spec: Mapping[str, Any], name: str) -> list[dict[str, Any]]:
+    """``{"inputs": [...], "outputs": [...]}`` (APPS, TACO; CodeContests spells them ``input`` and
+    ``output``) as a list of cases; ``name`` says where it came from in an error."""
+    if spec.get("fn_name"):
+        raise ValueError(
+            f"{name} names fn_name={spec['fn_name']!r}: call-based tests are not read; "
+            "give them as assert statements in 'tests' (e.g. \"assert f(1) == 2\")."
+        )
+    inputs, outputs = _as_list(spec.get("inputs", spec.get("input"))), _as_list(spec.get("outputs", spec.get("output")))
+    if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs):
+        raise ValueError(f"{name} must hold two lists of the same length, 'inputs' and 'outputs' (or 'input' and "
+                         f"'output'), one entry per test case; got {spec!r:.200}.")
+    return [{"input": i, "output": o} for i, o in zip(inputs, outputs)]
+
+
 def _calls_a_function(case: Mapping[str, Any]) -> bool:
     """Whether a case is call-based: LiveCodeBench's testtype 'functional', PrimeIntellect's type
     'function_call' (also in DeepCoder and open-r1), or any case naming a function."""
@@ -171,11 +186,15 @@ def _calls_a_function(case: Mapping[str, Any]) -> bool:
 def row_tests(row: Mapping[str, Any]) -> dict[str, list]:
     """A task row's hidden tests: ``{"tests": [assert statements]}`` or ``{"io_cases": [cases]}``.
 
-    Reads ``tests`` (assert statements, or ``{"input", "output"}`` cases), parallel
-    ``inputs`` and ``outputs`` lists, or APPS/TACO's ``input_output`` (a mapping or its JSON
-    text). Raises ``ValueError`` naming what is wrong with the row.
+    Reads ``tests`` (assert statements, ``{"input", "output"}`` cases, or parallel lists
+    ``{"inputs": [...], "outputs": [...]}``, CodeContests' ``{"input": [...], "output": [...]}``;
+    any of them as JSON text), parallel ``inputs`` and ``outputs`` columns, or APPS/TACO's
+    ``input_output`` (a mapping or its JSON text). Raises ``ValueError`` naming what is wrong
+    with the row.
 
     >>> row_tests({"inputs": ["1 2"], "outputs": ["3"]})
+    {'io_cases': [{'input': '1 2', 'output': '3'}]}
+    >>> row_tests({"tests": {"input": ["1 2"], "output": ["3"]}})
     {'io_cases': [{'input': '1 2', 'output': '3'}]}
     >>> row_tests({"tests": ["assert f() == 1"]})
     {'tests': ['assert f() == 1']}
@@ -189,12 +208,7 @@ def row_tests(row: Mapping[str, Any]) -> dict[str, list]:
                 raise ValueError(f"'input_output' is not JSON ({exc}).") from None
         if not isinstance(spec, Mapping):
             raise ValueError(f"'input_output' must hold an object with 'inputs' and 'outputs', got {spec!r:.200}.")
-        if spec.get("fn_name"):
-            raise ValueError(
-                f"'input_output' names fn_name={spec['fn_name']!r}: call-based tests are not read; "
-                "give them as assert statements in 'tests' (e.g. \"assert f(1) == 2\")."
-            )
-        row = spec
+        row = {"tests": _parallel_cases(spec, "'input_output'")}
     if "tests" not in row and ("inputs" in row or "outputs" in row):
         inputs, outputs = _as_list(row.get("inputs")), _as_list(row.get("outputs"))
         if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs):
@@ -206,6 +220,8 @@ def row_tests(row: Mapping[str, Any]) -> dict[str, list]:
             tests = json.loads(tests)
         except json.JSONDecodeError:
             tests = None
+    if isinstance(tests, Mapping):
+        tests = _parallel_cases(tests, "'tests'")
     if not isinstance(tests, list) or not tests:
         raise ValueError(f"'tests' must be a non-empty list, got {tests!r:.200}.")
     if all(isinstance(test, str) for test in tests):
