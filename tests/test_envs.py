@@ -543,6 +543,9 @@ def test_code_sandbox_refuses_rows_whose_tests_it_cannot_run():
         make({"tests": ["assert True", {"input": "", "output": ""}]})
     with pytest.raises(ValueError, match="needs 'prompt' and its tests"):
         make({"test_cases": ["assert True"]})
+    # One snippet as text (HumanEval's 'test'): the message says what the text is and how to list it.
+    with pytest.raises(ValueError, match=r"'tests' is text but not JSON .*'def check\(candidate\)"):
+        make({"tests": "def check(candidate):\n    assert candidate(1) == 2\n"})
 
 
 def test_code_sandbox_all_or_nothing_reward():

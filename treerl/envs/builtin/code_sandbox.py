@@ -218,8 +218,12 @@ def row_tests(row: Mapping[str, Any]) -> dict[str, list]:
     if isinstance(tests, str):
         try:  # a Parquet or CSV column may hold the list as JSON text
             tests = json.loads(tests)
-        except json.JSONDecodeError:
-            tests = None
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"'tests' is text but not JSON ({exc}): {tests!r:.120}. Give a list of assert statements or "
+                "of cases (or that list as JSON text); one test snippet goes in a list of one, and one that "
+                "only defines a checker must call it too (HumanEval's: [test + '\\ncheck(entry_point)'])."
+            ) from None
     if isinstance(tests, Mapping):
         tests = _parallel_cases(tests, "'tests'")
     if not isinstance(tests, list) or not tests:
