@@ -543,6 +543,13 @@ def test_code_sandbox_refuses_rows_whose_tests_it_cannot_run():
         make({"tests": ["assert True", {"input": "", "output": ""}]})
     with pytest.raises(ValueError, match="needs 'prompt' and its tests"):
         make({"test_cases": ["assert True"]})
+    # HumanEval's 'test' defines check(candidate) and never calls it: run as is, it passes any code.
+    humaneval = "METADATA = {'author': 'jt'}\n\n\ndef check(candidate):\n    assert candidate(1) == 2\n"
+    with pytest.raises(ValueError, match=r"Code task 0: test 0 defines check\(\) but never calls it"):
+        make({"tests": [humaneval]})
+    assert make({"tests": [humaneval + "\ncheck(f)"]}).dataset[0].info["tests"] == [humaneval + "\ncheck(f)"]
+    with pytest.raises(ValueError, match=r"test 1 defines test_f\(\) but never calls it"):  # KodCode's pytest files
+        make({"tests": ["assert True", "import math\n\ndef test_f():\n    assert f(1) == 2\n"]})
     # One snippet as text (HumanEval's 'test'): the message says what the text is and how to list it.
     with pytest.raises(ValueError, match=r"'tests' is text but not JSON .*'def check\(candidate\)"):
         make({"tests": "def check(candidate):\n    assert candidate(1) == 2\n"})

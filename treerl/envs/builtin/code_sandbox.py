@@ -23,6 +23,7 @@ benchmarks, at a difficulty the shipped ``tiny-coder`` model can learn.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -183,6 +184,20 @@ def _calls_a_function(case: Mapping[str, Any]) -> bool:
     return case.get("testtype", "stdin") != "stdin" or case.get("type") == "function_call" or bool(case.get("fn_name"))
 
 
+def _defined_but_never_run(test: str) -> list[str]:
+    """The functions and classes a test snippet defines when nothing at its top level calls or asserts
+    anything (HumanEval's ``check(candidate)`` left uncalled, a pytest file): such a test passes
+    whatever the code does. Empty for any other snippet, and for one that does not parse."""
+    try:
+        body = ast.parse(test).body
+    except (SyntaxError, ValueError):
+        return []
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    runs = any(isinstance(node, (ast.Call, ast.Assert, ast.Raise))
+               for statement in body if not isinstance(statement, defs) for node in ast.walk(statement))
+    return [] if runs else [statement.name for statement in body if isinstance(statement, defs)]
+
+
 def row_tests(row: Mapping[str, Any]) -> dict[str, list]:
     """A task row's hidden tests: ``{"tests": [assert statements]}`` or ``{"io_cases": [cases]}``.
 
@@ -229,6 +244,13 @@ def row_tests(row: Mapping[str, Any]) -> dict[str, list]:
     if not isinstance(tests, list) or not tests:
         raise ValueError(f"'tests' must be a non-empty list, got {tests!r:.200}.")
     if all(isinstance(test, str) for test in tests):
+        for index, test in enumerate(tests):
+            if names := _defined_but_never_run(test):
+                raise ValueError(
+                    f"test {index} defines {', '.join(n + '()' for n in names)} but never calls it, so it "
+                    "would pass whatever the code does: call it in the test (HumanEval's: test + "
+                    "'\\ncheck(entry_point)'), or give assert statements."
+                )
         return {"tests": list(tests)}
     if all(isinstance(test, Mapping) for test in tests):
         if any(_calls_a_function(test) for test in tests):
