@@ -20,7 +20,7 @@ import treerl
 from treerl.agents import ChatRenderer, SamplingParams, TransformersPolicy
 from treerl.envs import EnvError, Task, ToolEnv
 from treerl.rollout.engine import RolloutEngine
-from treerl.rollout import Group, GroupWriter, read_groups, to_flat_records
+from treerl.rollout import Group, GroupWriter, read_all_groups, read_groups, to_flat_records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -230,6 +230,40 @@ def test_storage_roundtrip_and_flat_records(tiny, tmp_path):
     assert len(list(read_groups(path))) == 2
     GroupWriter(path).close()
     assert path.read_text().endswith("\n") and len(path.read_text().splitlines()) == 2
+
+
+def test_read_all_groups_reads_the_same_groups_without_collector_passes(tmp_path):
+    """Read groups are kept and each is a cycle (episodes refer back to their group): the cyclic
+    collector's passes over them free nothing, and were most of the time of list(read_groups)."""
+    import gc
+
+    path = tmp_path / "r.jsonl"
+    with GroupWriter(path) as writer:
+        for i in range(200):
+            g = Group(task_key=f"seed-{i}", env_id="demo")
+            root = g.add_segment("prompt", [1, 2, 3])
+            for j in range(4):
+                leaf = g.add_segment("sampled", [4 + j, 5], parent=root, logprobs=[-0.1, -0.2], policy_version=0)
+                g.add_episode(leaf=leaf, reward=float(j), messages=[{"role": "assistant", "content": "x"}])
+            writer.write(g)
+    passes = []
+
+    def count(phase, info):
+        if phase == "start":
+            passes.append(info["generation"])
+
+    gc.callbacks.append(count)
+    try:
+        groups = read_all_groups(path)
+        assert len(passes) <= 1 and gc.isenabled()  # the one young-generation pass once collection resumes
+        assert [g.to_json() for g in groups] == [g.to_json() for g in read_groups(path)]
+        assert groups[3].episodes[1].group is groups[3] and groups[3].episodes[1].token_ids == [1, 2, 3, 5, 5]
+        gc.disable()  # a caller's choice is left as it was
+        read_all_groups(path)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.callbacks.remove(count)
 
 
 def test_same_seed_same_trajectories(tiny):

@@ -11,12 +11,14 @@ from treerl.rollout.trajectory import (
     Group,
     GroupWriter,
     Segment,
+    read_all_groups,
     read_groups,
     to_flat_records,
 )
 
 __all__ = [
-    "SCHEMA_VERSION", "Segment", "Episode", "Group", "GroupWriter", "read_groups", "to_flat_records",
+    "SCHEMA_VERSION", "Segment", "Episode", "Group", "GroupWriter", "read_groups", "read_all_groups",
+    "to_flat_records",
     "RolloutEngine", "RolloutStats", "EpisodeOptions", "evaluate", "record", "GroupSource", "FileSource",
 ]
 

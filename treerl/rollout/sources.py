@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from treerl.rollout.summary import RolloutStats
-from treerl.rollout.trajectory import Group, read_groups
+from treerl.rollout.trajectory import Group, read_all_groups
 
 __all__ = ["GroupSource", "FileSource", "stats_of"]
 
@@ -65,7 +65,7 @@ class FileSource:
             raise FileNotFoundError(f"from_rollouts={str(path)!r}: no such trajectory file; write one with "
                                     "`treerl rollout --out FILE` or `treerl serve --out FILE`.")
         self.path = path
-        self.groups = list(read_groups(path))
+        self.groups = read_all_groups(path)
         if not self.groups:
             raise ValueError(f"from_rollouts={str(path)!r} holds no complete group: nothing to train on.")
         for lineno, group in enumerate(self.groups, 1):

@@ -12,7 +12,8 @@ prompt segment, and branches forked mid-episode share more.
 Groups are stored as JSON Lines, one group per line (see :data:`SCHEMA_VERSION` and
 :meth:`Group.to_json`), after a header line that says what produced them (see
 :func:`make_header`; files written before headers existed are still read).
-:func:`read_groups` yields them back. Writing never fails on what an episode holds: a
+:func:`read_groups` yields them back (:func:`read_all_groups` reads a whole file into a list,
+faster). Writing never fails on what an episode holds: a
 value strict JSON cannot spell becomes ``null`` and is listed in the group's
 ``info["unencodable"]`` (:mod:`treerl.rollout.safe_json`).
 
@@ -30,6 +31,8 @@ value strict JSON cannot spell becomes ``null`` and is listed in the group's
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import time
@@ -50,6 +53,7 @@ __all__ = [
     "make_header",
     "read_header",
     "read_groups",
+    "read_all_groups",
     "GroupWriter",
     "repair_trajectory_file",
     "to_flat_records",
@@ -422,6 +426,32 @@ def read_groups(path: str | os.PathLike) -> Iterator[Group]:
                               "with --repair to move unreadable lines aside and resume, or repair_trajectory_file().")
         if group is not None:
             yield group
+
+
+def read_all_groups(path: str | os.PathLike) -> list[Group]:
+    """Every group stored in a JSON Lines file, as a list: ``list(read_groups(path))``, faster.
+
+    The groups read are kept, so the cyclic garbage collector's full passes, which the growing
+    heap sets off, walk every token list read so far and free nothing (each group is a
+    reference cycle, as its episodes refer back to it, so it is these passes that free a
+    dropped one). Here collection is paused while the file is read: only this function's
+    parsing runs meanwhile, and it leaves no cyclic garbage. On 3,000 groups that takes 0.6-0.75x
+    the time of ``list(read_groups(path))`` (BENCHMARKS.md, "Reading trajectory files").
+    """
+    with _collection_paused():
+        return list(read_groups(path))
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """Automatic garbage collection off for the block, then as it was (a caller may have turned it off)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def repair_trajectory_file(path: str | os.PathLike) -> list[int]:

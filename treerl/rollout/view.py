@@ -51,7 +51,7 @@ import numpy as np
 
 from treerl.config import field_help
 from treerl.errors import ConfigError
-from treerl.rollout.trajectory import TRAJECTORIES_DIR, Group, read_groups, read_header, sample_files
+from treerl.rollout.trajectory import TRAJECTORIES_DIR, Group, read_all_groups, read_groups, read_header, sample_files
 
 __all__ = ["ViewConfig", "SourcedGroup", "load_groups", "group_row", "group_payload", "token_pieces",
            "build_html", "write_view"]
@@ -106,7 +106,7 @@ def load_groups(paths: Sequence[str | os.PathLike]) -> list[SourcedGroup]:
                                   "with --sample-groups N (default 4) every --sample-every steps, or pass a "
                                   "trajectory file written by `treerl rollout --out FILE`.")
             for step, path in samples:
-                out.extend(SourcedGroup(g, source=p.name, step=step) for g in read_groups(path))
+                out.extend(SourcedGroup(g, source=p.name, step=step) for g in read_all_groups(path))
         elif p.is_file():
             before = len(out)
             try:

@@ -51,7 +51,7 @@ from treerl.rollout.episode import (
     turn_params,
 )
 from treerl.rollout.record import recorded_model, tokenizer_info
-from treerl.rollout.trajectory import Group, GroupWriter, make_header, read_groups
+from treerl.rollout.trajectory import Group, GroupWriter, make_header, read_all_groups
 from treerl.serve.config import ServeConfig
 from treerl.serve.openai_format import (ChatRequest, RequestError, call_end, call_opening, first_call_end, message_key,
                                         template_messages, tool_reply)
@@ -179,7 +179,7 @@ class Recorder:
         if cfg.out:
             # Cuts a torn last line, so a restarted server resumes the file; its header must match this server's.
             self.writer = GroupWriter(cfg.out, header=serve_header(cfg, tokenizer))
-            self.finished = list(read_groups(cfg.out))
+            self.finished = read_all_groups(cfg.out)
             for g in self.finished:
                 self.task_counts[str(g.info.get("task_id") or g.task_key)] += 1
         self.running = asyncio.Event()
