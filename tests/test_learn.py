@@ -351,8 +351,7 @@ def test_skipping_zero_advantage_groups_gives_the_same_update():
     from treerl.agents import TransformersPolicy
     from treerl.kernels.tree_attention import enable_tree_attention
     from treerl.learners.distributed import Ranks
-    from treerl.learners.grpo import optimize, without_zero_advantage_groups
-    from treerl.learners.packing import pack_groups
+    from treerl.learners.grpo import optimize, pack_step
     from treerl.rollout.engine import RolloutEngine
 
     torch.set_num_threads(1)
@@ -370,11 +369,8 @@ def test_skipping_zero_advantage_groups_gives_the_same_update():
         opt = torch.optim.SGD(m.parameters(), lr=cfg.learning_rate, momentum=0.9)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
         for _ in range(2):  # two steps, so AdamW's moments carry over as in training
-            batches = pack_groups(groups, adv, cfg.packing_config())
-            normalizer = Ranks().normalizer(batches)
             metrics: dict = {}
-            if skip:
-                batches = without_zero_advantage_groups(groups, adv, batches, cfg, metrics)
+            batches, normalizer = pack_step(groups, adv, cfg, Ranks(), metrics, skip_zero_advantage=skip)
             optimize(m, opt, sched, batches, cfg, "cpu", metrics, normalizer=normalizer)
             adv = torch.zeros_like(adv)  # the second step has nothing to learn: momentum alone moves weights
         return m.state_dict(), metrics
@@ -384,6 +380,104 @@ def test_skipping_zero_advantage_groups_gives_the_same_update():
     assert metrics["train/skipped_groups_frac"] == 1.0
     for k in full:
         assert torch.allclose(full[k], skipped[k], atol=1e-6, rtol=1e-5), k
+
+
+def _equal_batches(a, b) -> bool:
+    """Field by field, tensors exactly (the tree layouts by their segments)."""
+    import dataclasses
+
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        for f in dataclasses.fields(x):
+            u, v = getattr(x, f.name), getattr(y, f.name)
+            if isinstance(u, torch.Tensor):
+                if not (u.dtype == v.dtype and torch.equal(u, v)):
+                    return False
+            elif f.name == "layouts":
+                if [(t.seg_len.tolist(), t.seg_parent.tolist()) for t in u.layouts] != [
+                        (t.seg_len.tolist(), t.seg_parent.tolist()) for t in v.layouts]:
+                    return False
+            elif u != v:
+                return False
+    return True
+
+
+def test_a_step_that_skips_groups_packs_once_and_trains_on_the_same_batches(monkeypatch):
+    """Skipping zero-advantage groups packed the step twice (every group, then the kept ones
+    again); one packing now lays the kept groups in rows and counts the skipped ones' terms.
+    The batches and the normalizer are exactly those of the two packings."""
+    import dataclasses
+
+    import numpy as np
+
+    from treerl.learners import grpo
+    from treerl.learners.distributed import Ranks
+    from treerl.learners.packing import pack_groups
+    from treerl.rollout.trajectory import Group
+
+    def group(key: int, n: int) -> Group:
+        g = Group(task_key=str(key), env_id="test")
+        root = g.add_segment("prompt", [5, 6, 7, 8 + key])
+        for i in range(n):
+            turn = g.add_segment("sampled", [20 + i, 30 + key, 40], parent=root, logprobs=[-1.0, -0.5, -0.25],
+                                 candidates=[[20 + i, 3], [30 + key], [40, 1, 2]])
+            tool = g.add_segment("env", [9, 9], parent=turn)
+            g.add_episode(leaf=g.add_segment("sampled", [50 + i] * (i + 1), parent=tool, logprobs=[-0.1] * (i + 1)),
+                          reward=float(i))
+        return g
+
+    groups = [group(k, n) for k, n in enumerate([2, 3, 2, 4, 1])]
+    adv = torch.tensor([0.0, 0.0] + [0.5, -0.25, -0.25] + [0.0, 0.0] + [1.0, 0.0, -1.0, 0.0] + [0.0])
+    cfg = GRPOConfig(output_dir="unused", max_tokens_per_row=40)
+
+    # The two packings the step did before, as it did them.
+    full = pack_groups(groups, adv, cfg.packing_config())
+    want_normalizer = Ranks().normalizer(full)
+    starts = np.cumsum([0] + [len(g.episodes) for g in groups])
+    keep = [1, 3]
+    full_index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in keep])
+    sub = pack_groups([groups[i] for i in keep], torch.cat([adv[starts[i]:starts[i + 1]] for i in keep]),
+                      cfg.packing_config())
+    want = [dataclasses.replace(b, term_episode=full_index[b.term_episode], num_episodes=full[0].num_episodes,
+                                episode_num_tokens=full[0].episode_num_tokens) for b in sub]
+
+    calls = []
+    monkeypatch.setattr(grpo, "pack_groups", lambda *a, **k: calls.append(1) or pack_groups(*a, **k))
+    metrics: dict = {}
+    batches, normalizer = grpo.pack_step(groups, adv, cfg, Ranks(), metrics, skip_zero_advantage=True)
+    assert len(calls) == 1
+    assert len(want) > 1 and _equal_batches(batches, want)
+    assert (normalizer.num_tokens, normalizer.num_sequences) == (want_normalizer.num_tokens,
+                                                                  want_normalizer.num_sequences)
+    assert torch.equal(normalizer.episode_num_tokens, want_normalizer.episode_num_tokens)
+    assert metrics["train/skipped_groups_frac"] == 1.0 - 2 / 5
+
+    calls.clear()  # nothing skipped: the one packing of every group; everything skipped: no rows
+    batches, normalizer = grpo.pack_step(groups, adv + 1.0, cfg, Ranks(), metrics, skip_zero_advantage=True)
+    assert len(calls) == 1 and _equal_batches(batches, pack_groups(groups, adv + 1.0, cfg.packing_config()))
+    assert grpo.pack_step(groups, adv * 0, cfg, Ranks(), metrics, skip_zero_advantage=True) == ([], None)
+
+
+def test_a_learner_step_that_skips_some_groups_packs_once(tmp_path, monkeypatch):
+    from treerl.learners import grpo
+
+    model, tok = _load()
+    advantages, pack_groups = grpo.advantages, grpo.pack_groups
+    calls = []
+
+    def first_group_without_advantage(groups, *args, **kwargs):
+        adv = advantages(groups, *args, **kwargs).clone()
+        adv[:len(groups[0].episodes)] = 0.0
+        adv[len(groups[0].episodes):] = torch.linspace(-1.0, 1.0, len(adv) - len(groups[0].episodes))
+        return adv
+
+    monkeypatch.setattr(grpo, "advantages", first_group_without_advantage)
+    monkeypatch.setattr(grpo, "pack_groups", lambda *a, **k: calls.append(1) or pack_groups(*a, **k))
+    train(GRPOConfig(output_dir=str(tmp_path), **{**SMALL, "steps": 1}), model=model, tokenizer=tok)
+    metrics = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["train/skipped_groups_frac"] == 0.5
+    assert len(calls) == 1
 
 
 def test_callbacks_see_each_steps_logged_metrics(tmp_path):

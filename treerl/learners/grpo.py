@@ -33,7 +33,6 @@ evaluates (:mod:`treerl.learners.distributed`)::
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -156,26 +155,29 @@ def skips_zero_advantage_groups(cfg: GRPOConfig, ranks: Ranks) -> bool:
     return cfg.skip_zero_advantage and cfg.beta == 0 and cfg.entropy_coef == 0 and not ranks.enabled
 
 
-def without_zero_advantage_groups(groups: Sequence[Group], adv: torch.Tensor, batches: Sequence[PackedBatch],
-                                  cfg: GRPOConfig, metrics: dict[str, float]) -> list[PackedBatch]:
-    """The step's micro-batches repacked without the groups whose advantages are all exactly 0.
+def pack_step(groups: Sequence[Group], adv: torch.Tensor, cfg: GRPOConfig, ranks: Ranks, metrics: dict[str, float],
+              *, skip_zero_advantage: bool) -> tuple[list[PackedBatch], LossNormalizer | None]:
+    """The step's micro-batches and the normalizer of the whole step, from one packing.
 
-    Episode indices keep referring to the whole step, so the normalizer built from the full
-    packing applies unchanged.
+    With ``skip_zero_advantage`` (see :func:`skips_zero_advantage_groups`) the groups whose
+    advantages are all exactly 0 are left out of the rows; their episodes still count in the
+    normalizer, so the update is the one of training on them. The normalizer is None when
+    every group was left out (there is no loss to normalize).
     """
-    starts = np.cumsum([0] + [len(g.episodes) for g in groups])
-    keep = [i for i in range(len(groups)) if bool((adv[starts[i]:starts[i + 1]] != 0).any())]
-    metrics["train/skipped_groups_frac"] = 1.0 - len(keep) / max(len(groups), 1)
-    if len(keep) == len(groups):
-        return list(batches)
-    if not keep:
-        return []
-    full_index = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in keep])  # kept -> whole-step episode
-    kept_adv = torch.cat([adv[starts[i]:starts[i + 1]] for i in keep])
-    sub = pack_groups([groups[i] for i in keep], kept_adv, cfg.packing_config())
-    full = batches[0]
-    return [dataclasses.replace(b, term_episode=full_index[b.term_episode], num_episodes=full.num_episodes,
-                                episode_num_tokens=full.episode_num_tokens) for b in sub]
+    skip: list[int] = []
+    if skip_zero_advantage:
+        starts = np.cumsum([0] + [len(g.episodes) for g in groups])
+        skip = [i for i in range(len(groups)) if not bool((adv[starts[i]:starts[i + 1]] != 0).any())]
+        metrics["train/skipped_groups_frac"] = 1.0 - (len(groups) - len(skip)) / max(len(groups), 1)
+    batches = pack_groups(groups, adv, cfg.packing_config(), skip=skip)
+    if not skip:
+        return batches, ranks.normalizer(batches)
+    if not batches:
+        return [], None
+    counts = batches[0].episode_num_tokens  # (E,) over the whole step, skipped episodes included
+    # One process (skipping is off with several ranks): nothing to sum over ranks.
+    return batches, LossNormalizer(num_tokens=int(counts.sum()), num_sequences=int((counts > 0).sum()),
+                                   episode_num_tokens=counts)
 
 
 ExtraLoss = Callable[[PackedBatch, PackedLogprobs], torch.Tensor]
@@ -193,7 +195,8 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
 
     With several ranks the window is every rank's micro-batches: the normalizer counts them
     all, and the gradients are summed over ranks before clipping. ``normalizer`` defaults to
-    the one of ``batches``; pass the full window's when some batches were left out. The loss
+    the one of ``batches``; pass the full window's when some batches were left out (see
+    :func:`pack_step`). The loss
     backpropagated is ``policy_coef * policy loss + extra_loss(batch, out)`` (SDPO blends its
     distillation loss in this way). ``precision`` (the run's) sets the forward's autocast and
     the float16 loss scaling; log-probs and the loss stay float32. ``keep_logp``, when given,
@@ -201,7 +204,7 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     """
     precision = precision or Precision(weights=None, autocast=None)
     loss_cfg, is_cfg = cfg.loss_config(), cfg.importance_config()
-    if normalizer is None:
+    if normalizer is None and (batches or ranks.enabled):  # one process without batches (every group skipped) needs none
         normalizer = ranks.normalizer(batches)
     # Each micro-batch's metrics stay tensors until the window ends, then are read back at once:
     # on an accelerator a read per metric and micro-batch would wait for its backward each time.
@@ -308,10 +311,9 @@ def update(run: Run, step: int, groups: Sequence[Group], stats: RolloutStats, me
     rewards = score_step(run, step, groups, metrics)
     adv = advantages(groups, rewards, run.reward_weights, cfg, metrics, run.ranks)
     run.keep_sample(step, groups, adv)
-    batches = pack_groups(groups, adv, cfg.packing_config())
-    normalizer = run.ranks.normalizer(batches)  # counts every episode, trained or skipped
-    if skips_zero_advantage_groups(cfg, run.ranks):
-        batches = without_zero_advantage_groups(groups, adv, batches, cfg, metrics)
+    # The normalizer counts every episode, trained or skipped.
+    batches, normalizer = pack_step(groups, adv, cfg, run.ranks, metrics,
+                                    skip_zero_advantage=skips_zero_advantage_groups(cfg, run.ranks))
     for iteration in range(cfg.num_iterations):
         # Every update's old policy is the weights before the first, which the first update's own
         # forward ran on (its optimizer step comes after every micro-batch): it keeps their log-probs.

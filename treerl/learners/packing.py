@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -406,6 +406,8 @@ def pack_groups(
     groups: Sequence[Group],
     advantages: Tensor | Sequence[float],
     cfg: PackingConfig,
+    *,
+    skip: Collection[int] = (),
 ) -> list[PackedBatch]:
     """Pack groups into micro-batches of rows, with their loss terms.
 
@@ -415,12 +417,15 @@ def pack_groups(
             order (the order of ``compute_advantages`` over ``[e for g in groups for e in
             g.episodes]``).
         cfg: the row budget, the mode and the rows per micro-batch.
+        skip: indices of groups left out of the rows (GRPO leaves out those whose
+            advantages are all 0). Their episodes still count in ``num_episodes`` and
+            ``episode_num_tokens``, so a normalizer built from those is the whole call's.
 
     Returns:
         Micro-batches, longest rows first. Every episode's terms are in one micro-batch,
         and ``term_episode`` indexes the episodes of the whole call, so
         :func:`treerl.learners.forward.window_normalizer` over the list normalizes exactly
-        as the unpacked batch would.
+        as the unpacked batch would (without ``skip``).
     """
     num_episodes = sum(len(g.episodes) for g in groups)
     adv = torch.as_tensor(advantages)
@@ -432,10 +437,12 @@ def pack_groups(
             "advantage per episode, groups in order and episodes in group order."
         )
     units: list[_Unit] = []
+    skipped: list[_Unit] = []  # counted in episode_num_tokens, laid in no row
+    skip_set = set(skip)
     first = 0
     for g, group in enumerate(groups):
         _check_group(group, g)
-        units.extend(_group_units(group, g, first, cfg))
+        (skipped if g in skip_set else units).extend(_group_units(group, g, first, cfg))
         first += len(group.episodes)
     units = [u for u in units if u.num_tokens > 0]
 
@@ -458,7 +465,7 @@ def pack_groups(
         else:
             batches_rows.append(list(bundle))
 
-    all_episodes = [episode for unit in units for _, episode in unit.terms]
+    all_episodes = [episode for unit in (*units, *skipped) for _, episode in unit.terms]
     episode_num_tokens = torch.bincount(torch.tensor(all_episodes, dtype=torch.long), minlength=num_episodes)
     return [_assemble(rows, units, adv, num_episodes, episode_num_tokens, cfg) for rows in batches_rows]
 

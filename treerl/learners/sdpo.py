@@ -75,13 +75,13 @@ from treerl.learners.grpo import (
     GRPOConfig,
     advantages,
     optimize,
+    pack_step,
     score_step,
     skips_zero_advantage_groups,
-    without_zero_advantage_groups,
 )
 from treerl.learners.losses import AGGREGATIONS, LossInputs, LossNormalizer
 from treerl.learners.metrics import read_floats
-from treerl.learners.packing import PackedBatch, pack_groups
+from treerl.learners.packing import PackedBatch
 from treerl.rollout.rewards import RewardFunc
 from treerl.learners.teacher import TEACHER_KINDS, EMAAdapters, ema_update, make_teacher, rebasable, teacher_terms
 from treerl.learners.teacher_context import TeacherContext, TeacherContextConfig, TeacherPrompter, context_metrics
@@ -388,14 +388,13 @@ def sdpo_step(run: Run, teacher: torch.nn.Module, prompter: TeacherPrompter, ste
     prompts = teacher_prompts(groups, rewards, run.reward_weights, prompter, metrics, contexts, run.ranks)
     if gate is not None and cfg.distillation_weight > 0:
         prompts = gate_prompts(run, teacher, gate, groups, contexts, prompts, prompter, metrics)
-    batches = pack_groups(groups, adv, cfg.packing_config())
-    normalizer = run.ranks.normalizer(batches)
+    # GRPO alone (no distillation) may leave groups without advantages out: its shortcut holds.
+    batches, normalizer = pack_step(groups, adv, cfg, run.ranks, metrics, skip_zero_advantage=(
+        cfg.distillation_weight == 0 and skips_zero_advantage_groups(cfg, run.ranks)))
     distill = None
     if cfg.distillation_weight > 0:
         success = weighted_rewards(rewards, run.reward_weights) >= cfg.success_threshold
         distill = Distillation(run, teacher, groups, prompts, batches, success)
-    elif skips_zero_advantage_groups(cfg, run.ranks):  # GRPO alone: its shortcut holds
-        batches = without_zero_advantage_groups(groups, adv, batches, cfg, metrics)
     optimize(run.model, run.optimizer, run.scheduler, batches, cfg, run.device, metrics, run.ranks,
              ref_model=run.reference if cfg.beta > 0 else None, normalizer=normalizer,
              policy_coef=1.0 - cfg.distillation_weight, extra_loss=distill, precision=run.precision)
