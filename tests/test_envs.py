@@ -562,6 +562,12 @@ def test_code_sandbox_all_or_nothing_reward():
     assert terminated and reward == 0.0 and env.feedback().startswith("The final code passed 2 of 3 tests.")
     env.reset(options={"task_index": 0})
     assert env.step("```python\ndef add(a, b):\n    return a + b\n```")[1] == 1.0
+    cases = [{"input": str(i), "output": str(i)} for i in range(4)]
+    programs = treerl.make("treerl/CodeSandbox-v0", reward="all", dataset=[{"prompt": "Echo.", "tests": cases}])
+    programs.reset(options={"task_index": 0})
+    assert programs.step("```python\nprint(0)\n```")[1] == 0.0
+    assert programs.test_report.errors.count("not run") >= 1  # judging stopped at the failure
+    assert programs.feedback().startswith("The final code passed 1 of 4 tests (")
     with pytest.raises(ValueError, match="'fraction' of the tests passed, or 'all'"):
         treerl.make("treerl/CodeSandbox-v0", reward="binary")
 

@@ -422,6 +422,16 @@ def test_the_unit_test_harness_can_be_fooled_and_io_tests_cannot():
     assert io_test_reward(FORGER, [{"input": "", "output": "ok"}, {"input": "", "output": "ok"}]) == 0.0
 
 
+def test_io_tests_can_stop_at_the_first_failed_case(monkeypatch):
+    monkeypatch.setenv("TREERL_SANDBOX_MAX_CONCURRENT", "1")
+    cases = [{"input": str(i), "output": str(i)} for i in range(6)]
+    code = "x = input()\nprint(x if x != '1' else 'no')"
+    report = io_test_results(code, cases, stop_at_failure=True)
+    assert report.passed == [True, False, False, False, False, False]
+    assert report.errors[2:] == ["not run"] * 4
+    assert io_test_results(code, cases).passed == [True, False, True, True, True, True]
+
+
 def test_io_tests_need_cases():
     for bad in ([], "1 2", {"input": "1", "output": "2"}):
         with pytest.raises(ValueError, match="non-empty sequence"):

@@ -33,6 +33,7 @@ sympy) takes 1-2 s, paid once, and again after each timeout.
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import math
 import os
@@ -44,7 +45,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from decimal import Decimal
 from pathlib import Path
@@ -588,7 +589,7 @@ def _judge(result: Any, expected: str, float_tol: float | None) -> str | None:
 
 
 def io_test_results(code: str, cases: Sequence[Mapping[str, Any]], *, limits: SandboxLimits = SandboxLimits(),
-                    float_tol: float | None = 1e-6) -> UnitTestReport:
+                    float_tol: float | None = 1e-6, stop_at_failure: bool = False) -> UnitTestReport:
     """Run ``code`` as a program once per case, with the case's ``input`` on stdin, and judge its stdout.
 
     Each case runs in its own sandboxed process under ``limits`` (up to
@@ -598,7 +599,9 @@ def io_test_results(code: str, cases: Sequence[Mapping[str, Any]], *, limits: Sa
     that raises, times out or prints something else fails alone; ``errors`` says how
     (``"expected '3', got '4'"``, ``"timed out"``, ``"runtime_error: ValueError: ..."``).
     Only stdout is judged, and a case keeps at least twice its expected output's bytes of it,
-    however small ``limits.max_output_bytes``.
+    however small ``limits.max_output_bytes``. With ``stop_at_failure`` (a judge's verdict, an
+    all-or-nothing reward), cases start in order and none starts after one has failed: the
+    rest are ``"not run"``.
 
     >>> io_test_results("print(sum(map(int, input().split())))",
     ...                 [{"input": "1 2", "output": "3"}, {"input": "2 2", "output": "5"}]).passed  # doctest: +SKIP
@@ -620,12 +623,19 @@ def io_test_results(code: str, cases: Sequence[Mapping[str, Any]], *, limits: Sa
         result = run_python(code, stdin=case["input"], limits=replace(limits, max_output_bytes=room))
         return _judge(result, case["output"], float_tol)
 
-    workers = min(len(checked), max_concurrent_runs())
-    if workers == 1:
-        errors = [judge(case) for case in checked]
-    else:
-        with ThreadPoolExecutor(workers, thread_name_prefix="treerl-io-test") as pool:
-            errors = list(pool.map(judge, checked))
+    errors: list[str | None] = ["not run"] * len(checked)
+    order = iter(range(len(checked)))
+    failed, workers = False, min(len(checked), max_concurrent_runs())
+    with ThreadPoolExecutor(workers, thread_name_prefix="treerl-io-test") as pool:
+        running = {pool.submit(judge, checked[i]): i for i in itertools.islice(order, workers)}
+        while running:
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                i = running.pop(future)
+                errors[i] = future.result()
+                failed = failed or errors[i] is not None
+            for i in itertools.islice(order, 0 if failed and stop_at_failure else len(done)):
+                running[pool.submit(judge, checked[i])] = i
     return UnitTestReport([error is None for error in errors], errors)
 
 

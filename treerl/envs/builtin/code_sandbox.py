@@ -147,7 +147,11 @@ def io_test_feedback(cases: Sequence[Mapping[str, str]], report: UnitTestReport)
     if report.code_error is not None:
         return f"The final code could not be run ({report.code_error})."
     shown = [case["input"] if len(case["input"]) <= 100 else case["input"][:97] + "..." for case in cases]
-    return _failed_tests(report, [f"on input {text!r}:" for text in shown])
+    ran = [i for i, error in enumerate(report.errors) if error != "not run"]
+    text = _failed_tests(UnitTestReport([report.passed[i] for i in ran], [report.errors[i] for i in ran]),
+                         [f"on input {shown[i]!r}:" for i in ran])
+    skipped = len(report.errors) - len(ran)  # the cases after a failure, when judging stops there
+    return text.replace(f" of {len(ran)} tests.", f" of {len(report.errors)} tests ({skipped} not run).", 1) if skipped else text
 
 
 def _failed_tests(report: UnitTestReport, labels: Sequence[str]) -> str:
@@ -357,7 +361,9 @@ class CodeSandboxEnv(ToolEnv):
         if code is None:
             self.test_report = None
         elif "io_cases" in task.info:
-            self.test_report = io_test_results(code, task.info["io_cases"], limits=self.limits)
+            # All or nothing: the reward is 0 from the first failed case, so the rest need not run.
+            self.test_report = io_test_results(code, task.info["io_cases"], limits=self.limits,
+                                               stop_at_failure=self.reward_mode == "all")
         else:
             self.test_report = unit_test_results(code, task.info["tests"], limits=self.limits)
         if self.test_report is None:
