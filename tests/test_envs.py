@@ -529,6 +529,25 @@ def test_code_sandbox_reads_tests_held_as_parallel_input_and_output_lists():
         treerl.make("treerl/CodeSandbox-v0", dataset=[{"prompt": "p", "tests": {"inputs": [[1]], "outputs": [2], "fn_name": "f"}}])
 
 
+def test_code_sandbox_reads_the_columns_a_public_dataset_names():
+    """MBPP keeps its problem in 'text' and its asserts in 'test_list'; APPS its problem in 'question'."""
+    mbpp = {"text": "Write add(a, b).", "test_list": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]}
+    env = treerl.make("treerl/CodeSandbox-v0", dataset=[mbpp], prompt_key="text", tests_key="test_list")
+    obs, _ = env.reset(options={"task_index": 0})
+    assert obs[-1]["content"] == "Write add(a, b)."
+    assert env.step("```python\ndef add(a, b):\n    return a + b\n```")[1] == 1.0
+    apps = {"question": [{"role": "user", "content": "Echo a line."}],
+            "input_output": json.dumps({"inputs": ["hi\n"], "outputs": ["hi\n"]})}
+    env = treerl.make("treerl/CodeSandbox-v0", dataset=[apps], prompt_key="question")
+    assert env.reset(options={"task_index": 0})[0][-1]["content"] == "Echo a line."
+    assert env.step("```python\nprint(input())\n```")[1] == 1.0
+    with pytest.raises(ValueError, match=r"needs 'text' and its tests \('test_list'\).*pass prompt_key=/tests_key="):
+        treerl.make("treerl/CodeSandbox-v0", dataset=[{"text": "p", "tests": ["assert True"]}], prompt_key="text",
+                    tests_key="test_list")
+    with pytest.raises(ValueError, match="must be text or a list of chat messages"):
+        treerl.make("treerl/CodeSandbox-v0", dataset=[{"prompt": ["a", "b"], "tests": ["assert True"]}])
+
+
 def test_code_sandbox_refuses_rows_whose_tests_it_cannot_run():
     def make(row):
         return treerl.make("treerl/CodeSandbox-v0", dataset=[{"prompt": "p", **row}])

@@ -24,6 +24,7 @@ benchmarks, at a difficulty the shipped ``tiny-coder`` model can learn.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import re
@@ -280,6 +281,11 @@ class CodeSandboxEnv(ToolEnv):
             ``"word-problems"`` (generated from the seed by :func:`word_problem_task`).
         reward: ``"fraction"`` (of the hidden tests passed, the default) or ``"all"`` (1.0 when
             every test passes, else 0.0: DeepCoder's and open-r1's binary code reward).
+        prompt_key: The column holding the problem (``question`` in APPS and TACO, ``description``
+            in CodeContests, ``text`` in MBPP); text, or a list of chat messages.
+        tests_key: The column holding the tests, read as ``tests`` is (``test_list`` in MBPP,
+            ``public_tests`` in CodeContests, ``public_test_cases`` in LiveCodeBench); default:
+            ``tests``, else ``inputs`` and ``outputs``, else ``input_output``.
     """
 
     description = "Write a Python function or program; a sandboxed run_python tool; reward = fraction of hidden tests passed (unit tests or stdin/stdout cases)."
@@ -302,6 +308,8 @@ class CodeSandboxEnv(ToolEnv):
         limits: SandboxLimits | None = None,
         tasks: str = "file",
         reward: str = "fraction",
+        prompt_key: str = "prompt",
+        tests_key: str | None = None,
         **kwargs: Any,
     ):
         if reward not in REWARDS:
@@ -314,11 +322,13 @@ class CodeSandboxEnv(ToolEnv):
         rows, programs = None, False
         if tasks == "file":
             dataset = load_rows(data_path, dataset, "code_tasks.jsonl")
-            check_rows(dataset, self._check, key=type(self))
-            rows = RowTasks(dataset, self._row)
+            keys = {"prompt_key": prompt_key, "tests_key": tests_key}
+            check = functools.partial(self._check, **keys)
+            check_rows(dataset, check, key=(type(self), prompt_key, tests_key))
+            rows = RowTasks(dataset, functools.partial(self._row, **keys))
             # Programs read stdin: the tool takes it, and the prompt says so (from the first row, as a
             # file's rows share one form).
-            programs = len(dataset) > 0 and "io_cases" in self._check(dataset[0], 0)
+            programs = len(dataset) > 0 and "io_cases" in check(dataset[0], 0)
         self.limits = limits or SandboxLimits()
         if programs:
             kwargs.setdefault("system_prompt", self.program_system_prompt)
@@ -333,22 +343,36 @@ class CodeSandboxEnv(ToolEnv):
         return word_problem_task(rng)
 
     @staticmethod
-    def _check(row: Mapping[str, Any], index: int) -> dict[str, list]:
+    def _check(row: Mapping[str, Any], index: int, *, prompt_key: str = "prompt",
+               tests_key: str | None = None) -> dict[str, list]:
         """The row's tests (see :func:`row_tests`); raises naming the row when it has none usable."""
-        if "prompt" not in row or not {"tests", "inputs", "outputs", "input_output"} & set(row):
+        tests = {"tests", "inputs", "outputs", "input_output"} if tests_key is None else {tests_key}
+        if prompt_key not in row or not tests & set(row):
+            named = "'tests', or 'inputs' and 'outputs', or 'input_output'" if tests_key is None else repr(tests_key)
             raise ValueError(
-                f"Code task {index} needs 'prompt' and its tests ('tests', or 'inputs' and 'outputs', "
-                f"or 'input_output'); it has {sorted(row)}."
+                f"Code task {index} needs {prompt_key!r} and its tests ({named}); it has {sorted(row)}: "
+                "pass prompt_key=/tests_key= to name the columns."
             )
+        prompt = row[prompt_key]
+        if not isinstance(prompt, str) and not (
+                isinstance(prompt, list) and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt)):
+            raise ValueError(f"Code task {index}: {prompt_key!r} must be text or a list of chat messages "
+                             f"({{'role', 'content'}} dicts), got {prompt!r:.100}.")
+        if tests_key is not None:  # the named column, read as 'tests' are (or as APPS's input_output)
+            row = {"input_output" if tests_key == "input_output" else "tests": row[tests_key]}
         try:
             return row_tests(row)
         except ValueError as exc:
             raise ValueError(f"Code task {index}: {exc}") from None
 
     @classmethod
-    def _row(cls, row: Mapping[str, Any], index: int) -> Task:
-        info = {**cls._check(row, index), "solution": row.get("solution")}
-        return Task(prompt=str(row["prompt"]), answer=None, info=info, id=str(row.get("id", index)))
+    def _row(cls, row: Mapping[str, Any], index: int, *, prompt_key: str = "prompt",
+             tests_key: str | None = None) -> Task:
+        info = {**cls._check(row, index, prompt_key=prompt_key, tests_key=tests_key), "solution": row.get("solution")}
+        prompt = row[prompt_key]  # (checked above)
+        # TRL's conversational format: the messages themselves (a leading system message replaces the environment's)
+        prompt = [dict(m) for m in prompt] if isinstance(prompt, list) else str(prompt)
+        return Task(prompt=prompt, answer=None, info=info, id=str(row.get("id", index)))
 
     def is_final(self, parsed: ParseResult) -> bool:
         return extract_code(parsed.content) is not None
