@@ -230,10 +230,7 @@ def row_tests(row: Mapping[str, Any]) -> dict[str, list]:
             raise ValueError(f"'input_output' must hold an object with 'inputs' and 'outputs', got {spec!r:.200}.")
         row = {"tests": _parallel_cases(spec, "'input_output'")}
     if "tests" not in row and ("inputs" in row or "outputs" in row):
-        inputs, outputs = _as_list(row.get("inputs")), _as_list(row.get("outputs"))
-        if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs):
-            raise ValueError("'inputs' and 'outputs' must be two lists of the same length, one entry per test case.")
-        row = {"tests": [{"input": i, "output": o} for i, o in zip(inputs, outputs)]}
+        row = {"tests": _parallel_cases({"inputs": row.get("inputs"), "outputs": row.get("outputs")}, "the row")}
     tests = _as_list(row.get("tests"))
     if isinstance(tests, str):
         try:  # a Parquet or CSV column may hold the list as JSON text
