@@ -71,6 +71,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                         "--is-level token|sequence, --is-ratio-high"),
         "mask_truncated_completions": "not supported: episodes cut at --max-new-tokens or --max-episode-tokens are "
                                       "trained on (reward functions get each episode's termination)",
+        "max_tool_calling_iterations": "tool-calling turns are the environment's max_turns: --env-kwargs "
+                                       "'{\"max_turns\": N}' (env_kwargs={\"max_turns\": N} in Python)",
         "repetition_penalty": "not supported: sampling takes --temperature, --top-k, --top-p and --min-p",
         "top_entropy_quantile": "not supported",
         "sync_ref_model": "not supported: the reference model of --beta is the starting weights",

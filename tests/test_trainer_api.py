@@ -1,0 +1,158 @@
+"""``treerl.GRPOTrainer``: a TRL GRPO script runs with only its import changed (the shipped tiny model, a
+step or two of 2 tasks x 2 generations each)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from treerl import GRPOConfig, GRPOTrainer
+from treerl.models import default_model_path, load_model
+
+SYSTEM = "Use the calculator tool, then answer with \\boxed{number}."
+
+
+def small(tmp_path, **kwargs) -> GRPOConfig:
+    options = dict(output_dir=str(tmp_path / "out"), max_steps=1, num_generations=2, tasks_per_step=2,
+                   max_new_tokens=8, progress=False, sample_groups=0)
+    return GRPOConfig(**{**options, **kwargs})
+
+
+def changed(model_dir) -> bool:
+    before = load_file(default_model_path() / "model.safetensors")
+    after = load_file(model_dir / "model.safetensors")
+    return any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_trl_script_trains_with_only_its_import_changed(tmp_path):
+    from datasets import Dataset
+
+    dataset = Dataset.from_list([{"prompt": f"What is {i} + {i}?", "level": ["easy", "hard"][i % 2]}
+                                 for i in range(4)])
+    seen = {}
+
+    def reward_len(completions, level, **kwargs):  # TRL's quickstart reward, on the text of each completion
+        seen.update(completions=completions, level=level, prompts=kwargs.get("prompts"))
+        return [-abs(20 - len(completion)) for completion in completions]
+
+    trainer = GRPOTrainer(model="tiny", reward_funcs=reward_len, args=small(tmp_path, max_steps=2),
+                          train_dataset=dataset, eval_dataset=dataset.select(range(2)))
+    result = trainer.train()
+
+    assert result.steps == 2 and changed(result.model_dir)
+    # TRL's standard format: text prompts give the functions text, not lists of messages.
+    assert all(isinstance(c, str) for c in seen["completions"])
+    assert set(seen["level"]) <= {"easy", "hard"} and len(seen["level"]) == 4  # the extra column, per completion
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    for m in metrics:  # the reward trained on is the function's alone (the environment's weight is 0)
+        assert m["reward/mean"] == pytest.approx(m["reward_fn/reward_len_mean"])
+    figures = trainer.evaluate()
+    assert set(figures) == {"eval_reward", "eval_reward_std", "eval_rewards/reward_len/mean"}
+    assert figures["eval_reward"] == pytest.approx(figures["eval_rewards/reward_len/mean"])
+    assert figures["eval_reward"] <= 0  # -|20 - length|
+    trainer.save_model(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "model.safetensors").is_file()
+
+
+def test_conversational_prompts_and_tools_play_multi_turn_episodes(tmp_path):
+    calls = []
+
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: The expression, e.g. "2 + 3".
+        """
+        calls.append(expression)
+        return str(eval(expression, {"__builtins__": {}}))  # the tiny model writes + and - of small numbers
+
+    rows = [{"prompt": [{"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": f"Tara has {i + 11} marbles, buys 9 more and then gives away 15. "
+                                                    "How many marbles are left?"}],
+             "answer": str(i + 5)} for i in range(2)]
+    seen = {}
+
+    def boxed(prompts, completions, answer, **kwargs):
+        seen.update(prompts=prompts, completions=completions, answer=answer)
+        return [float(f"\\boxed{{{a}}}" in c[-1]["content"]) for c, a in zip(completions, answer)]
+
+    trainer = GRPOTrainer(model="tiny", reward_funcs=[boxed], tools=[calculator], train_dataset=rows,
+                          args=small(tmp_path, max_new_tokens=32))
+    trainer.train()
+
+    assert calls, "the model called no tool"
+    # Conversational: the row's messages as the prompt, the episode's messages as the completion.
+    assert all([m["role"] for m in p] == ["system", "user"] and p[0]["content"] == SYSTEM for p in seen["prompts"])
+    turns = [[m["role"] for m in c] for c in seen["completions"]]
+    assert ["assistant", "tool", "assistant"] in turns, turns
+    assert sorted(set(seen["answer"])) == ["5", "6"]
+
+
+def test_peft_config_a_loaded_model_and_trl_callbacks(tmp_path):
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+
+    class Logs(TrainerCallback):
+        def __init__(self):
+            self.events = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.events.append("begin")
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.events.append((state.global_step, "reward/mean" in logs))
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.events.append("end")
+
+    steps = []
+    logs = Logs()
+    model, _ = load_model(None)  # the tokenizer comes from where the model was loaded from
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                          args=small(tmp_path), train_dataset=[{"prompt": "Hi"}, {"prompt": "Count to 3."}],
+                          peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                                 target_modules=["q_proj", "v_proj"]),
+                          callbacks=[logs, lambda step, metrics: steps.append(step)])
+    result = trainer.train()
+
+    adapter = json.loads((result.output_dir / "adapter" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"], sorted(adapter["target_modules"])) == (4, 8, ["q_proj", "v_proj"])
+    config = json.loads((result.output_dir / "config.json").read_text())
+    assert (config["lora_r"], config["lora_target_modules"]) == (4, ["q_proj", "v_proj"])
+    assert logs.events == ["begin", (1, True), "end"] and steps == [1]
+    # peft's own default targets where the LoraConfig names none (q_proj and v_proj for Qwen3).
+    default = GRPOTrainer(model="tiny", reward_funcs=len, args=small(tmp_path), train_dataset=[{"prompt": "Hi"}],
+                          peft_config=LoraConfig(r=2))
+    assert default.args.lora_target_modules == ["q_proj", "v_proj"] and default.args.lora_r == 2
+
+
+def test_unsupported_arguments_are_refused_by_name(tmp_path):
+    from peft import LoraConfig
+
+    rows = [{"prompt": "Hi"}]
+
+    def reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    def refused(match, **kwargs):
+        kwargs = {"model": "tiny", "reward_funcs": reward, "args": small(tmp_path), "train_dataset": rows, **kwargs}
+        with pytest.raises(ValueError, match=match):
+            GRPOTrainer(**kwargs)
+
+    refused("reward model", reward_funcs=["acme/reward-model"])
+    refused("quantization_config", quantization_config=object())
+    refused("reward_processing_classes", reward_processing_classes=object())
+    refused("rollout_func", rollout_func=lambda prompts, trainer: {})
+    refused("environment_factory", environment_factory=object)
+    refused("optimizers=.*warm-up", optimizers=(None, object()))
+    refused("use_dora", peft_config=LoraConfig(r=2, use_dora=True))
+    refused("regular expression", peft_config=LoraConfig(r=2, target_modules=".*proj"))
+    refused("one per function", args=small(tmp_path, reward_weights=[1.0, 0.5]))
+    refused("no 'prompt' column", train_dataset=[{"question": "Hi"}])
+    refused("mapping of several datasets", eval_dataset={"a": rows, "b": rows})
+    with pytest.raises(TypeError, match="max_tool_calling_iterations: .*max_turns"):
+        small(tmp_path, max_tool_calling_iterations=3)

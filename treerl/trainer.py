@@ -1,0 +1,329 @@
+"""``GRPOTrainer``: TRL's GRPO entry point over :func:`treerl.learners.train`, so that a TRL script ports by
+changing its import.
+
+::
+
+    from treerl import GRPOConfig, GRPOTrainer      # was: from trl import GRPOConfig, GRPOTrainer
+
+    def reward_len(completions, **kwargs):
+        return [-abs(20 - len(completion)) for completion in completions]
+
+    trainer = GRPOTrainer(model="Qwen/Qwen3-0.6B", reward_funcs=reward_len,
+                          args=GRPOConfig(output_dir="out"), train_dataset=dataset)
+    trainer.train()
+
+What maps, and how:
+
+- ``train_dataset`` (a ``datasets.Dataset`` or a list of dicts with a ``prompt`` column) becomes a
+  :class:`~treerl.envs.prompts.PromptEnv`: each row one task, its other columns keyword arguments of
+  the reward functions. With ``tools=[...]`` the episodes are multi-turn tool use over the same rows.
+- ``reward_funcs`` are called with TRL's arguments. Text prompts give them text ``prompts`` and
+  ``completions`` (TRL's standard format: the prompt, the reply's text), message prompts and tool
+  episodes lists of messages (its conversational format). The reward trained on is their weighted sum
+  (``args.reward_weights``: one per function, TRL's meaning); the environment's reward, 0 here, has
+  weight 0.
+- ``peft_config`` (a peft ``LoraConfig``) sets ``lora_r``, ``lora_alpha``, ``lora_dropout`` and
+  ``lora_target_modules``; any other setting of it is refused by name.
+- ``eval_dataset`` is what :meth:`GRPOTrainer.evaluate` scores (TRL evaluates during training only with
+  ``eval_strategy``, which has no counterpart here); the run itself evaluates nothing
+  (``eval_episodes`` is set to 0: its held-out figures score the environment's reward, which is 0).
+- ``callbacks``: functions ``(step, metrics)``, or TRL ``TrainerCallback`` objects, whose
+  ``on_train_begin``, ``on_step_end``, ``on_log`` and ``on_train_end`` are called (``control`` is not
+  read: a callback cannot stop the run).
+
+What does not map is refused with what to do instead: a reward model (a model id or object in
+``reward_funcs``), ``reward_processing_classes``, ``quantization_config``, an LR scheduler in
+``optimizers``, ``rollout_func`` and ``environment_factory``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from treerl.envs.builtin.math_verify import load_rows
+from treerl.envs.prompts import PromptEnv
+from treerl.learners.core import TrainResult
+from treerl.learners.grpo import GRPOConfig, train
+from treerl.rollout.rewards import RewardFunc
+
+__all__ = ["GRPOTrainer", "GRPOConfig"]
+
+# LoraConfig fields that say nothing about the adapters trained (bookkeeping, or what peft fills in).
+_LORA_IGNORED = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+                 "inference_mode"}
+_LORA_MAPPED = {"r", "lora_alpha", "lora_dropout", "target_modules"}
+
+
+class GRPOTrainer:
+    """TRL's ``GRPOTrainer(model, reward_funcs, args, train_dataset, ...)`` on treerl's GRPO learner.
+
+    ``model`` is a model directory, a cached Hub id or a shipped model name (``"tiny"``), or a loaded
+    causal LM (its tokenizer then comes from ``processing_class``, else from where the model was loaded
+    from). See the module docstring for what each argument maps to; :meth:`train` returns
+    :class:`~treerl.learners.core.TrainResult` (``output_dir``, ``steps``, ``model_dir``, ...).
+    """
+
+    def __init__(self, model: Any, reward_funcs: RewardFunc | Sequence[RewardFunc] | None = None,
+                 args: GRPOConfig | None = None, train_dataset: Any = None, eval_dataset: Any = None,
+                 processing_class: Any = None, reward_processing_classes: Any = None,
+                 callbacks: Sequence[Any] | None = None, optimizers: tuple[Any, Any] = (None, None),
+                 quantization_config: Any = None, peft_config: Any = None,
+                 tools: Sequence[Callable[..., Any]] | None = None, rollout_func: Any = None,
+                 environment_factory: Any = None):
+        _refuse(reward_processing_classes=(reward_processing_classes, "it tokenizes for reward models, which treerl "
+                                           "does not run; score with reward functions"),
+                quantization_config=(quantization_config, "quantized training is not supported; load the model in "
+                                     "full precision (args.dtype, args.bf16 set the precision)"),
+                rollout_func=(rollout_func, "generation is treerl's rollout engine; a sampler of your own is a "
+                              "treerl.agents.Policy passed as treerl.learners.train(cfg, policy=...)"),
+                environment_factory=(environment_factory, "an environment of your own is a treerl ToolEnv "
+                                     "(README: 'Define your own environment'), trained with "
+                                     "treerl.learners.train(cfg, env_factory=...)"))
+        optimizer, scheduler = optimizers
+        _refuse(optimizers=(scheduler, "the learning-rate schedule is args.warmup_steps of linear warm-up, then "
+                            "constant; pass optimizers=(optimizer, None)"))
+        if isinstance(model, str) and args is not None and args.model not in (None, model):
+            raise ValueError(f"GRPOTrainer(model={model!r}) and args.model={args.model!r} differ; keep one.")
+        if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+            raise ValueError("GRPOTrainer(model=...) is a peft model: pass its base model and the LoraConfig as "
+                             "peft_config= (treerl adds the adapters itself).")
+        if train_dataset is None:
+            raise ValueError("GRPOTrainer needs train_dataset: a datasets.Dataset or a list of dicts with a 'prompt' "
+                             "column.")
+        if isinstance(eval_dataset, Mapping):
+            raise ValueError("eval_dataset is a mapping of several datasets; pass one (a datasets.Dataset or a list "
+                             "of rows), or call evaluate(eval_dataset=...) once per dataset.")
+        self.reward_funcs = _reward_funcs(reward_funcs)
+        if args is None:  # TRL's default: a directory named after the model
+            name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
+            args = GRPOConfig(output_dir=f"{(str(name) or 'model').rstrip('/').split('/')[-1]}-GRPO")
+        if args.reward_funcs:
+            raise ValueError(f"args.reward_funcs={args.reward_funcs!r} names functions for the command line; pass the "
+                             "functions themselves as GRPOTrainer(reward_funcs=...).")
+        weights = [1.0] * len(self.reward_funcs) if args.reward_weights is None else list(args.reward_weights)
+        if len(weights) != len(self.reward_funcs):
+            raise ValueError(f"args.reward_weights has {len(weights)} entries for {len(self.reward_funcs)} reward "
+                             "function(s); give one per function (TRL's meaning: there is no environment reward "
+                             "here).")
+        # The environment's reward (0 here) comes first in treerl's weights; weight 0 keeps TRL's sum.
+        self.reward_weights = [0.0, *map(float, weights)]
+        changes: dict[str, Any] = {"reward_weights": self.reward_weights, "eval_episodes": 0}
+        if isinstance(model, str):
+            changes["model"] = model
+        if peft_config is not None:
+            changes.update(_lora_fields(peft_config, model if not isinstance(model, str) else None,
+                                        model if isinstance(model, str) else args.model))
+        self.args = dataclasses.replace(args, **changes)
+        self.model, self.processing_class = model, processing_class
+        self.optimizer = optimizer
+        self.tools = list(tools or [])
+        # Read once (a streamed dataset into a list), shared by every episode's environment.
+        self.train_dataset = load_rows(None, train_dataset, "")
+        self.eval_dataset = None if eval_dataset is None else load_rows(None, eval_dataset, "")
+        self.callbacks = list(callbacks or [])
+        for rows in (self.train_dataset, self.eval_dataset):  # a row without a prompt is said now, not at a step
+            if rows is not None:
+                self._env_factory(rows)().close()
+        self.result: TrainResult | None = None
+
+    # -- training --------------------------------------------------------------------------------------------
+
+    def train(self, resume_from_checkpoint: bool | None = None) -> TrainResult:
+        """Train; ``resume_from_checkpoint=True`` continues the run in ``args.output_dir`` (a checkpoint path
+        is refused: the run resumes from its latest)."""
+        if resume_from_checkpoint not in (None, False, True):
+            raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r}: a run resumes from the latest "
+                             "checkpoint in args.output_dir; pass True.")
+        cfg = dataclasses.replace(self.args, resume=True) if resume_from_checkpoint else self.args
+        model, tokenizer = self._model_and_tokenizer()
+        callbacks = [c for c in self.callbacks if not hasattr(c, "on_log")]
+        trainer_callbacks = [c for c in self.callbacks if hasattr(c, "on_log")]
+        if trainer_callbacks:
+            callbacks.append(_TrainerCallbacks(trainer_callbacks, cfg))
+            callbacks[-1].event("on_train_begin")
+        self.result = train(cfg, model=model, tokenizer=tokenizer, env_factory=self._env_factory(self.train_dataset),
+                            reward_funcs=[_trl_format(f, self.train_dataset, self.tools) for f in self.reward_funcs],
+                            reward_weights=self.reward_weights, optimizer=self.optimizer, callbacks=callbacks)
+        if trainer_callbacks:
+            callbacks[-1].event("on_train_end")
+        return self.result
+
+    def evaluate(self, eval_dataset: Any = None) -> dict[str, float]:
+        """Play each row of ``eval_dataset`` (default: the trainer's) once with the model as it is now (the
+        trained one after :meth:`train`) and score the episodes with the reward functions: TRL's
+        ``eval_reward``, ``eval_reward_std`` and ``eval_rewards/NAME/mean``."""
+        from treerl.agents.transformers_policy import TransformersPolicy
+        from treerl.rollout.evaluate import evaluate_with
+        from treerl.rollout.rewards import reward_func_name
+
+        rows = self.eval_dataset if eval_dataset is None else load_rows(None, eval_dataset, "")
+        if rows is None:
+            raise ValueError("evaluate() needs rows: pass eval_dataset= here or to GRPOTrainer.")
+        if self.result is not None:
+            from treerl.models import load_model
+
+            model, tokenizer = load_model(str(self.result.model_dir), self.args.device)
+        else:
+            model, tokenizer = self._model_and_tokenizer()
+            if model is None:
+                model, tokenizer = self.args.load_model()
+            else:
+                self.args.apply_chat_template(tokenizer)
+        policy = TransformersPolicy(model, tokenizer, device=self.args.device, continuous_batching=False)
+        try:
+            report = evaluate_with(self.args, policy, tokenizer, num_episodes=len(rows), seed=self.args.eval_seed,
+                                   env_factory=self._env_factory(rows), env_id="GRPOTrainer.eval_dataset",
+                                   reward_funcs=[_trl_format(f, rows, self.tools) for f in self.reward_funcs],
+                                   reward_weights=self.reward_weights, temperature=self.args.eval_temperature)
+        finally:
+            policy.close()
+        figures = report.summary()
+        out = {"eval_reward": figures["reward/mean"], "eval_reward_std": figures["reward/std"]}
+        for func in self.reward_funcs:
+            name = reward_func_name(func)
+            out[f"eval_rewards/{name}/mean"] = figures[f"reward_fn/{name}_mean"]
+        return out
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """Copy the trained model (``model/`` of the run, in transformers format) to ``output_dir`` (default:
+        ``args.output_dir``), as TRL's ``save_model`` writes it there."""
+        if self.result is None:
+            raise ValueError("save_model() saves the trained model: call train() first.")
+        shutil.copytree(self.result.model_dir, Path(output_dir or self.args.output_dir), dirs_exist_ok=True)
+
+    # -- pieces ----------------------------------------------------------------------------------------------
+
+    def _env_factory(self, rows: Any) -> Callable[[], PromptEnv]:
+        return functools.partial(PromptEnv, dataset=rows, tools=self.tools, **self.args.env_kwargs)
+
+    def _model_and_tokenizer(self) -> tuple[Any, Any]:
+        """``(None, None)`` for a model named by a string without ``processing_class`` (``train`` loads
+        ``args.model``), else the model object and its tokenizer."""
+        model, tokenizer = self.model, self.processing_class
+        if isinstance(model, str):
+            if tokenizer is None:
+                return None, None
+            from treerl.models import load_model
+
+            model, _ = load_model(model, self.args.device)
+        elif tokenizer is None:
+            from transformers import AutoTokenizer
+
+            from treerl.models import model_directory
+
+            name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+            if not name:
+                raise ValueError("GRPOTrainer(model=...) was not loaded from a directory or Hub id, so its "
+                                 "tokenizer is unknown: pass processing_class=tokenizer.")
+            tokenizer = AutoTokenizer.from_pretrained(model_directory(name), local_files_only=True)
+        return model, tokenizer
+
+
+def _trl_format(func: RewardFunc, rows: Any, tools: Sequence[Any]) -> RewardFunc:
+    """``func`` given text prompts and completions where TRL gives them: rows whose prompts are text, played
+    without tools (TRL's standard format); else the lists of messages treerl gives (its conversational one)."""
+    if tools or not len(rows) or not isinstance(rows[0].get("prompt"), str):
+        return func
+
+    @functools.wraps(func)  # keeps its name for the metrics and its signature for the argument check
+    def standard(*, prompts: list[list[dict]], completions: list[list[dict]], **kwargs: Any) -> Any:
+        return func(prompts=[p[-1]["content"] for p in prompts],
+                    completions=["".join(str(m.get("content") or "") for m in c) for c in completions], **kwargs)
+
+    return standard
+
+
+def _refuse(**given: tuple[Any, str]) -> None:
+    for name, (value, why) in given.items():
+        if value is not None:
+            raise ValueError(f"GRPOTrainer({name}=...) is not supported: {why}.")
+
+
+def _reward_funcs(reward_funcs: Any) -> list[RewardFunc]:
+    if reward_funcs is None:
+        raise ValueError("GRPOTrainer needs reward_funcs: a function f(prompts, completions, **kwargs) -> list of "
+                         "floats, or a list of them.")
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    for func in funcs:
+        if isinstance(func, str) or hasattr(func, "config") and hasattr(func, "forward"):
+            shown = repr(func) if isinstance(func, str) else type(func).__name__
+            raise ValueError(f"reward_funcs: {shown} is a reward model; treerl scores with functions only: wrap the "
+                             "model in a function f(prompts, completions, **kwargs) that returns its scores, one "
+                             "per completion.")
+        if not callable(func):
+            raise ValueError(f"reward_funcs: {func!r} is not callable; give functions f(prompts, completions, "
+                             "**kwargs) -> list of floats.")
+    return funcs
+
+
+def _lora_fields(peft_config: Any, model: Any, model_name: str | None) -> dict[str, Any]:
+    """``lora_r``, ``lora_alpha``, ``lora_dropout`` and ``lora_target_modules`` from a peft ``LoraConfig``;
+    any other setting that differs from peft's default is refused by name."""
+    from peft import LoraConfig
+
+    if not isinstance(peft_config, LoraConfig):
+        raise ValueError(f"peft_config is a {type(peft_config).__name__}; treerl trains LoRA adapters only "
+                         "(peft.LoraConfig).")
+    default = LoraConfig()
+    other = [f.name for f in dataclasses.fields(peft_config)
+             if f.name not in _LORA_IGNORED | _LORA_MAPPED and getattr(peft_config, f.name) != getattr(default, f.name)]
+    if other:
+        raise ValueError(f"peft_config sets {', '.join(other)}, which treerl's LoRA does not take: it trains "
+                         "adapters of rank r (lora_alpha, lora_dropout) on target_modules; leave those at peft's "
+                         "defaults.")
+    targets = peft_config.target_modules
+    if targets is None:  # peft's choice for the model's architecture, as get_peft_model makes it
+        from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as BY_TYPE
+
+        model_type = _model_type(model, model_name)
+        if model_type not in BY_TYPE:
+            raise ValueError(f"peft_config.target_modules is None and peft has no default for model type "
+                             f"{model_type!r}; name them, e.g. LoraConfig(target_modules=['q_proj', 'v_proj']) or "
+                             "'all-linear'.")
+        targets = list(BY_TYPE[model_type])
+    elif isinstance(targets, str):
+        if targets != "all-linear":
+            raise ValueError(f"peft_config.target_modules={targets!r} is a regular expression; treerl takes module "
+                             "names (a list, e.g. ['q_proj', 'v_proj']) or 'all-linear'.")
+        targets = None
+    else:
+        targets = sorted(targets)
+    return {"lora_r": peft_config.r, "lora_alpha": peft_config.lora_alpha, "lora_dropout": peft_config.lora_dropout,
+            "lora_target_modules": targets}
+
+
+def _model_type(model: Any, model_name: str | None) -> str | None:
+    if model is not None:
+        return getattr(getattr(model, "config", None), "model_type", None)
+    from transformers import AutoConfig
+
+    from treerl.models import model_directory
+
+    return AutoConfig.from_pretrained(model_directory(model_name), local_files_only=True).model_type
+
+
+class _TrainerCallbacks:
+    """TRL ``TrainerCallback`` objects called as a treerl step callback: ``on_step_end``, then ``on_log`` with
+    the step's metrics, after each step (``control`` is passed but not read)."""
+
+    def __init__(self, callbacks: Sequence[Any], cfg: GRPOConfig):
+        from transformers import TrainerControl, TrainerState
+
+        self.callbacks, self.cfg = list(callbacks), cfg
+        self.state, self.control = TrainerState(max_steps=cfg.steps), TrainerControl()
+
+    def event(self, name: str, **kwargs: Any) -> None:
+        for callback in self.callbacks:
+            if hasattr(callback, name):
+                getattr(callback, name)(self.cfg, self.state, self.control, **kwargs)
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        self.state.global_step = step
+        self.state.log_history.append({**metrics, "step": step})
+        self.event("on_step_end")
+        self.event("on_log", logs=dict(metrics))
