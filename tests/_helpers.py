@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -99,3 +102,26 @@ def assert_drawn_from(generation, processed, *, abs_tol: float, ordered: bool) -
         assert generation.logprobs[t] == pytest.approx(processed.logprobs[t, ids.index(token)].item(), abs=abs_tol)
         if not ordered:
             assert set(generation.candidates[t]) == set(want[t])
+
+
+def sandbox_package() -> dict[str, str]:
+    """``treerl/envs/sandbox*.py`` and every ``treerl.envs`` module they import (transitively), as the files
+    of a bare package (``{"treerl/envs/NAME.py": source}``, with empty ``__init__.py`` files): what a test
+    that runs the sandbox inside a sandbox copies in, since the real ``treerl/envs/__init__.py`` pulls
+    in far more than the sandbox needs. Read from the imports, so a new one is copied too."""
+    import treerl.envs.sandbox
+
+    envs = Path(treerl.envs.sandbox.__file__).parent
+    todo = sorted(path.stem for path in envs.glob("sandbox*.py"))
+    files = {"treerl/__init__.py": "", "treerl/envs/__init__.py": ""}
+    while todo:
+        name = todo.pop()
+        key = f"treerl/envs/{name}.py"
+        if key in files:
+            continue
+        files[key] = source = (envs / f"{name}.py").read_text(encoding="utf-8")
+        for node in ast.walk(ast.parse(source)):
+            modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            todo += [m.split(".")[2] for m in modules if m.startswith("treerl.envs.")]
+    return files

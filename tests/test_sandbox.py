@@ -11,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from _helpers import sandbox_package
 
 from treerl.envs.sandbox import (
     SandboxErrorKind,
@@ -504,16 +505,8 @@ def test_unprivileged_fallbacks_inside_the_sandbox():
     """The non-root path, exercised by running the sandbox module inside a root sandbox run."""
     if os.geteuid() != 0:
         pytest.skip("already not root: the other tests exercise the unprivileged path directly")
-    import treerl.envs.sandbox
-
-    # The sandbox's own modules, copied into a bare package: the real treerl/envs/__init__.py
-    # pulls in far more than the sandbox needs, and the inner run starts its bootstrap by path.
-    files = {"treerl/__init__.py": "", "treerl/envs/__init__.py": ""}
-    envs = os.path.dirname(treerl.envs.sandbox.__file__)
-    for name in sorted(os.listdir(envs)):
-        if name.startswith("sandbox") and name.endswith(".py") or name in ("processes.py", "offload.py"):
-            with open(os.path.join(envs, name), encoding="utf-8") as f:
-                files[f"treerl/envs/{name}"] = f.read()
+    # The sandbox's own modules, copied into a bare package (the inner run starts its bootstrap by path).
+    files = sandbox_package()
     inner = (
         "import json, os, sys\n"
         "sys.path.insert(0, os.getcwd())\n"

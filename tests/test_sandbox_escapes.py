@@ -15,6 +15,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from _helpers import sandbox_package
 
 import treerl
 from treerl.envs.sandbox import (
@@ -289,13 +290,8 @@ def test_escapes_held_without_root():
     """The same reproducers through the unprivileged path: the sandbox run as a plain user."""
     if os.geteuid() != 0:
         pytest.skip("already not root: the tests above exercise the unprivileged path directly")
-    import treerl.envs.sandbox
-
     # The sandbox's own modules in a bare package (see test_unprivileged_fallbacks_inside_the_sandbox).
-    files = {"treerl/__init__.py": "", "treerl/envs/__init__.py": ""}
-    for path in Path(treerl.envs.sandbox.__file__).parent.glob("*.py"):
-        if path.name.startswith("sandbox") or path.name == "processes.py":
-            files[f"treerl/envs/{path.name}"] = path.read_text()
+    files = sandbox_package()
     tag = "treerl-escape-" + secrets.token_hex(6)
     probes = {
         # OUTER_CWD: the root run's working directory, the host filesystem as the inner runs see it.
