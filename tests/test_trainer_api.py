@@ -46,6 +46,7 @@ def test_a_trl_script_trains_with_only_its_import_changed(tmp_path):
     # TRL's standard format: text prompts give the functions text, not lists of messages.
     assert all(isinstance(c, str) for c in seen["completions"])
     assert set(seen["level"]) <= {"easy", "hard"} and len(seen["level"]) == 4  # the extra column, per completion
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["env"] == "GRPOTrainer.train_dataset"
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2
     for m in metrics:  # the reward trained on is the function's alone (the environment's weight is 0)

@@ -112,7 +112,9 @@ class GRPOTrainer:
                              "here).")
         # The environment's reward (0 here) comes first in treerl's weights; weight 0 keeps TRL's sum.
         self.reward_weights = [0.0, *map(float, weights)]
-        changes: dict[str, Any] = {"reward_weights": self.reward_weights, "eval_episodes": 0}
+        # config.json names what was trained on: no registered environment (a rerun from it says so).
+        changes: dict[str, Any] = {"reward_weights": self.reward_weights, "eval_episodes": 0,
+                                   "env": "GRPOTrainer.train_dataset"}
         if isinstance(model, str):
             changes["model"] = model
         if peft_config is not None:
