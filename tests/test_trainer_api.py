@@ -157,3 +157,5 @@ def test_unsupported_arguments_are_refused_by_name(tmp_path):
     refused("mapping of several datasets", eval_dataset={"a": rows, "b": rows})
     with pytest.raises(TypeError, match="max_tool_calling_iterations: .*max_turns"):
         small(tmp_path, max_tool_calling_iterations=3)
+    with pytest.raises(TypeError, match="eval_strategy: held-out evaluation runs at the start and the end.*evaluate()"):
+        small(tmp_path, eval_strategy="steps")

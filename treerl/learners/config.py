@@ -62,6 +62,10 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "lr_scheduler_type": "the schedule is a linear warm-up (--warmup-steps), then constant (TRL's default "
                              "decays linearly to 0)",
         "logging_steps": "every step is logged (metrics.jsonl, and --report-to)",
+        **dict.fromkeys(("eval_strategy", "eval_steps"),
+                        "held-out evaluation runs at the start and the end of a run (--eval-episodes, "
+                        "--eval-env-kwargs); treerl.GRPOTrainer.evaluate() scores an eval_dataset with the reward "
+                        "functions at any time"),
         "log_completions": "--sample-groups and --sample-every keep trajectories for `treerl view`",
         "importance_sampling_level": "sequence-level ratios are --loss gspo; --is-level sets the level of the "
                                      "sampler/trainer importance weights (TRL's vllm_importance_sampling_mode)",
