@@ -101,6 +101,22 @@ def test_runs_as_main_with_unicode():
     assert result.stdout == "héllo ✓\n"
 
 
+def test_a_caller_reading_stdout_as_it_arrives_can_stop_the_run():
+    seen = []
+
+    def on_stdout(data):
+        seen.append(data)
+        return b"stop" in b"".join(seen)
+
+    start = time.monotonic()
+    code = "import sys, time\nprint('stop', flush=True)\ntime.sleep(30)\nprint('never')"
+    result = run_python(code, limits=SandboxLimits(timeout_s=30.0), on_stdout=on_stdout)
+    assert time.monotonic() - start < 5.0
+    assert result.stopped and result.error is None and result.exit_code is None
+    assert result.stdout == "stop\n" and b"".join(seen) == b"stop\n"
+    assert run_python("print(1)", on_stdout=lambda data: False).ok  # never asked: an ordinary run
+
+
 def test_output_is_truncated_and_flagged():
     limits = SandboxLimits(timeout_s=5.0, max_output_bytes=100)
     result = run_python("import sys\nprint('x' * 10_000)\nprint('e' * 500, file=sys.stderr)", limits=limits)

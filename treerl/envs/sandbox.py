@@ -224,6 +224,8 @@ class SandboxResult:
     """Whether stdout or stderr went over ``max_output_bytes`` and was cut."""
     stdout_truncated: bool = False
     """Whether stdout itself was cut: what a judge of the printed output must know (it ignores stderr)."""
+    stopped: bool = False
+    """Whether the run was stopped because ``on_stdout`` asked (then ``exit_code`` and ``error`` are ``None``)."""
     enforced: dict[str, str] = field(default_factory=dict)
     """What was in effect for this run (see the module docstring), as the child reported it."""
     pid: int | None = None
@@ -306,12 +308,16 @@ def run_python(
     stdin: str | None = None,
     limits: SandboxLimits = SandboxLimits(),
     files: Mapping[str, str | bytes] | None = None,
+    on_stdout: Callable[[bytes], bool] | None = None,
 ) -> SandboxResult:
     """Run ``code`` as ``__main__`` of a fresh, limited ``python -I`` in a private directory.
 
     ``files`` maps relative paths (subdirectories allowed) to contents written into the
     working directory before the code starts. Never raises for anything the code does;
-    raises ``ValueError`` for a bad ``files`` path (the caller's bug). Thread-safe: no
+    raises ``ValueError`` for a bad ``files`` path (the caller's bug). ``on_stdout``, if
+    given, is called with each piece of the kept stdout as it arrives (from the thread that
+    runs the code); when it returns true the run is stopped there, and the result says
+    ``stopped`` (a caller that reads results as they stream and has seen enough). Thread-safe: no
     ``preexec_fn``, all setup happens in the child's bootstrap. Waits for a slot first
     when :func:`max_concurrent_runs` runs are going; ``limits.timeout_s`` counts from then.
 
@@ -322,11 +328,12 @@ def run_python(
     """
     queued = time.monotonic()
     with _SLOTS.hold():
-        return _run_in_slot(code, stdin=stdin, limits=limits, files=files, wait_s=time.monotonic() - queued)
+        return _run_in_slot(code, stdin=stdin, limits=limits, files=files, wait_s=time.monotonic() - queued,
+                            on_stdout=on_stdout)
 
 
 def _run_in_slot(code: str, *, stdin: str | None, limits: SandboxLimits, files: Mapping[str, str | bytes] | None,
-                 wait_s: float) -> SandboxResult:
+                 wait_s: float, on_stdout: Callable[[bytes], bool] | None) -> SandboxResult:
     """:func:`run_python`'s run, once it holds a slot: its clock starts here."""
     start = time.monotonic()
     uid = _pick_uid() if os.geteuid() == 0 else None
@@ -395,14 +402,15 @@ def _run_in_slot(code: str, *, stdin: str | None, limits: SandboxLimits, files: 
             proc, events_r, max_output_bytes=limits.max_output_bytes, deadline=start + limits.timeout_s,
             kill_survivors=lambda: _kill_survivors(proc.pid, uid, group, contained()),
             watch=_watch(limits, work, proc.pid, uid, group, joined, trusted), watch_every_s=_WATCH_S,
+            on_stdout=on_stdout,
         )
         trusted.poll()
         records = list(out.records)
         if group.oom_kills() and not any(r.get("event") == "memory_limit" for r in records):
             records.append({"event": "memory_limit", "by": "cgroup OOM kill"})
-        killed = out.timed_out or out.stopped_early
+        killed = out.timed_out or out.stopped_early or out.stopped
         exit_code = None if killed else trusted.exit_code(proc.returncode)
-        error = classify_outcome(
+        error = None if out.stopped else classify_outcome(
             exit_code=exit_code,
             timed_out=out.timed_out,
             records=records,
@@ -426,6 +434,7 @@ def _run_in_slot(code: str, *, stdin: str | None, limits: SandboxLimits, files: 
             duration_s=time.monotonic() - start,
             truncated=out.truncated,
             stdout_truncated=out.stdout_truncated,
+            stopped=out.stopped,
             enforced=enforced,
             pid=proc.pid,
             uid=uid,
@@ -471,13 +480,15 @@ async def arun_python(
     stdin: str | None = None,
     limits: SandboxLimits = SandboxLimits(),
     files: Mapping[str, str | bytes] | None = None,
+    on_stdout: Callable[[bytes], bool] | None = None,
 ) -> SandboxResult:
     """:func:`run_python` in a thread of its own, so an event loop keeps serving other episodes.
 
     Not the loop's default executor: a run that waits for a sandbox slot would hold one of its
     few threads (CPUs + 4), and every ``asyncio.to_thread`` of the loop would queue behind it.
     """
-    return await run_in_thread(functools.partial(run_python, code, stdin=stdin, limits=limits, files=files),
+    return await run_in_thread(functools.partial(run_python, code, stdin=stdin, limits=limits, files=files,
+                                                 on_stdout=on_stdout),
                                name="treerl-sandbox")
 
 

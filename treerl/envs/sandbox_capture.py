@@ -10,6 +10,8 @@
   total memory or disk where the kernel could not be asked to enforce them), is stopped at
   once rather than left to spin until the deadline; whatever the run left behind is killed (``kill_survivors``) before the
   pipes are drained, since a leftover child can hold them open.
+- ``on_stdout`` sees the kept stdout as it arrives; when it returns true the run is
+  stopped at once (``stopped``), the way a process-limit hit stops it.
 - Event records are JSON lines on a pipe (``events_fd``) that any process of the run may
   write, the user code included: unreadable lines are skipped, and only the first
   ``_MAX_STATUS_BYTES`` are kept; the rest is read and dropped, so that the pipe never
@@ -52,6 +54,8 @@ class Captured:
     """The run was stopped before the deadline because it hit its process limit or a watched limit."""
     records: list[dict]
     """The status records of every process of the run, in the order they were written."""
+    stopped: bool = False
+    """The run was stopped because ``on_stdout`` asked for it."""
 
 
 def capture(
@@ -63,16 +67,19 @@ def capture(
     kill_survivors: Callable[[], None],
     watch: Callable[[], dict | None] | None = None,
     watch_every_s: float = 0.2,
+    on_stdout: Callable[[bytes], bool] | None = None,
 ) -> Captured:
     """Read the child's output until it exits or the deadline passes, keeping the head.
 
     ``watch``, called every ``watch_every_s``, returns a record when the run broke a limit
     the parent enforces itself; the record joins ``records`` and the run is stopped.
+    ``on_stdout`` is called with each piece of stdout that is kept, as it is read; when it
+    returns true, the run is stopped.
     """
     assert proc.stdout is not None and proc.stderr is not None
     kept = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     cut: set[int] = set()  # the pipes that went over max_output_bytes
-    timed_out = stopped_early = False
+    timed_out = stopped_early = stopped = False
     sel = selectors.DefaultSelector()
     for pipe in (proc.stdout, proc.stderr):
         sel.register(pipe.fileno(), selectors.EVENT_READ)
@@ -81,7 +88,9 @@ def capture(
     watched: list[dict] = []
     next_watch = time.monotonic() + watch_every_s
 
-    def read_ready(timeout: float) -> None:
+    def read_ready(timeout: float) -> bool:
+        """Read what is ready; True when ``on_stdout`` asked to stop."""
+        stop = False
         for key, _ in sel.select(timeout=max(timeout, 0.0)):
             data = os.read(key.fd, 65536)
             if not data:
@@ -96,6 +105,9 @@ def capture(
                 cut.add(key.fd)
             if room > 0:
                 buf += data[:room]
+                if on_stdout is not None and key.fd == proc.stdout.fileno():
+                    stop = bool(on_stdout(data[:room])) or stop
+        return stop
 
     try:
         while True:
@@ -110,7 +122,9 @@ def capture(
                 except subprocess.TimeoutExpired:
                     timed_out = True
                 break
-            read_ready(min(remaining, _POLL_S))
+            if read_ready(min(remaining, _POLL_S)) and proc.poll() is None:
+                stopped = True
+                break
             if any(r.get("event") == "process_limit" for r in status.poll()):
                 # A fork bomb that swallows its errors would otherwise spin until the
                 # wall clock; the limit has done its job, stop the run now.
@@ -139,6 +153,7 @@ def capture(
         stdout_truncated=proc.stdout.fileno() in cut,
         timed_out=timed_out,
         stopped_early=stopped_early,
+        stopped=stopped,
         records=status.poll(final=True) + watched,
     )
 
