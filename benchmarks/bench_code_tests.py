@@ -7,9 +7,9 @@ CodeSandbox judges a task's tests in one of two ways (README, "Code tasks"):
 
 - ``asserts``: :func:`~treerl.envs.verifiers.unit_test_results` runs the code and every
   assert test in one sandboxed process;
-- ``cases``: :func:`~treerl.envs.verifiers.io_test_results` runs the code once per case, each
-  in a sandboxed process of its own (up to ``max_concurrent_runs()`` at once), and compares
-  the output outside, where the code cannot reach the judge.
+- ``cases``: :func:`~treerl.envs.verifiers.io_test_results` runs the code once per case, all
+  cases in one sandboxed run (a harness that forks a process per case, one after another),
+  and compares the output outside, where the code cannot reach the judge.
 
 For ``N`` tests of the same function (a sum, asserted or printed), each round times one call
 of each side, in alternating order; the figure is cases / asserts per round, median over
@@ -118,9 +118,11 @@ def main() -> None:
         f"({med(f for _, f in stop_rounds):.2f} s vs {med(e for e, _ in stop_rounds):.2f} s, median of "
         f"{len(stop_rounds)} rounds: " + ", ".join(f"{x:.2f}" for x in ratios) + ").",
         "",
-        "Cases cost a sandboxed process each, so their cost grows with their number, where asserts "
-        "share one process; what it buys is a judge the code cannot reach "
-        "(`tests/test_verifiers.py::test_the_unit_test_harness_can_be_fooled_and_io_tests_cannot`).",
+        "Cases share one sandboxed run, with a process forked for each (a few ms), where asserts share "
+        "one process; what it buys is a judge the code cannot reach "
+        "(`tests/test_verifiers.py::test_the_unit_test_harness_can_be_fooled_and_io_tests_cannot`). "
+        "The cases of a call run one after another, so a program that times out on every case takes "
+        "the sum of their limits.",
     ]
     body = "\n".join(lines)
     if args.no_write:

@@ -6,6 +6,7 @@ import asyncio
 import os
 import sys
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -398,7 +399,8 @@ def test_io_tests_compare_tokens_and_decimals_as_a_judge_does():
 
 def test_io_tests_keep_the_expected_output_out_of_the_sandbox(monkeypatch):
     """The judge is this process: the expected outputs never reach the code's process, so a program
-    that goes looking for its judge (the way the unit-test harness can be found and fooled) finds none."""
+    that goes looking for its judge (the way the unit-test harness can be found and fooled) finds none.
+    All of a call's cases go to one sandboxed run, which is given their inputs only."""
     import treerl.envs.verifiers as verifiers
 
     sent = []
@@ -409,10 +411,115 @@ def test_io_tests_keep_the_expected_output_out_of_the_sandbox(monkeypatch):
         return real(code, **kwargs)
 
     monkeypatch.setattr(verifiers, "run_python", recording)
-    secret = "forty-two-7f3a"
-    assert io_test_reward("print(input())", [{"input": "hello", "output": secret}]) == 0.0
-    assert sent and not any(secret in call for call in sent)
+    secrets = [f"forty-two-7f3a-{i}" for i in range(3)]
+    cases = [{"input": f"hello-{i}", "output": secret} for i, secret in enumerate(secrets)]
+    assert io_test_results("print(input())", cases).passed == [False] * 3
+    assert len(sent) == 1 and all(f"hello-{i}" in sent[0] for i in range(3))
+    assert not any(secret in call for call in sent for secret in secrets)
     assert io_test_reward(FORGER, [{"input": "1 2", "output": "3"}]) == 0.0
+
+
+# Case 0 tries every way back to the harness's report (its stdout through /proc, every descriptor
+# it holds) and writes results there that pass both cases; case 1 then prints a wrong answer.
+REPORT_FORGER = """
+import json, os
+x = input()
+if x == "0":
+    lines = "".join(json.dumps({"i": i, "pid": 1, "exit": 0, "timed_out": False, "s": 0.0, "cut": False,
+                                "stdout": str(i).encode().hex(), "stderr": "", "records": []}) + "\\n"
+                    for i in range(2)).encode()
+    targets = ["/proc/%d/fd/1" % os.getppid(), "/proc/1/fd/1"]
+    for path in targets:
+        try:
+            with open(path, "wb") as f:
+                f.write(lines)
+        except OSError:
+            pass
+    for fd in range(3, 64):
+        try:
+            os.write(fd, lines)
+        except OSError:
+            pass
+    print(0)
+else:
+    print("not", x)
+"""
+
+
+@pytest.mark.parametrize("namespaces", [True, False])
+def test_io_test_cases_cannot_write_results_for_other_cases(namespaces):
+    cases = [{"input": "0", "output": "0"}, {"input": "1", "output": "1"}]
+    report = io_test_results(REPORT_FORGER, cases, limits=SandboxLimits(namespaces=namespaces))
+    assert report.passed == [True, False]
+    assert report.errors[1] == "expected '1', got 'not 1\\n'"
+
+
+# One program whose cases hang, raise, flood, fork-bomb, run out of memory, or leave a process
+# behind (which case 7 looks for); the cases between them must pass as if they ran alone.
+MISBEHAVING = """
+import os, sys, time
+x = input()
+if x == "1":
+    while True:
+        pass
+if x == "2":
+    raise ValueError("bad")
+if x == "3":
+    while True:
+        sys.stdout.write("1" * 65536)
+if x == "4":
+    while True:
+        try:
+            os.fork()
+        except OSError:
+            pass
+if x == "5":
+    data = bytearray(8 << 30)
+if x == "6":
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        time.sleep(60)
+        os._exit(0)
+    with open(PID_FILE, "w") as f:
+        f.write(str(child))
+if x == "7":
+    try:
+        os.kill(int(open(PID_FILE).read()), 0)
+        x = "left alive"
+    except (ProcessLookupError, PermissionError):
+        pass
+print(x)
+"""
+
+
+@pytest.mark.parametrize("namespaces", [True, False])
+def test_io_test_cases_that_hang_crash_flood_or_fork_bomb_fail_alone(namespaces):
+    cases = [{"input": str(i), "output": str(i)} for i in range(9)]
+    limits = SandboxLimits(timeout_s=1.0, namespaces=namespaces)
+    code = MISBEHAVING.replace("PID_FILE", repr(f"/tmp/treerl-io-test-{uuid.uuid4().hex}"))
+    report = io_test_results(code, cases, limits=limits)
+    assert report.errors == [None, "timed out", "runtime_error: ValueError: bad", "timed out", "process_limit",
+                             "memory: MemoryError", None, None, None]
+
+
+def test_io_test_cases_that_end_their_harness_fail_alone():
+    # Without a pid namespace the harness is not its namespace's init, and a case can kill it:
+    # that case fails, and the next ones run in a new harness.
+    code = "import os, signal\nx = input()\nif x == '1':\n    os.kill(os.getppid(), signal.SIGKILL)\nprint(x)"
+    cases = [{"input": str(i), "output": str(i)} for i in range(4)]
+    report = io_test_results(code, cases, limits=SandboxLimits(namespaces=False))
+    assert report.passed == [True, False, True, True]
+
+
+def test_io_tests_stop_at_the_first_failure_as_results_arrive():
+    # Every case after the failed one would take 1 s: judged as they arrive, the run stops at once.
+    code = "import time\nx = input()\nif x != '1':\n    time.sleep(1)\nprint(x if x != '1' else 'no')"
+    cases = [{"input": str(i), "output": str(i)} for i in range(1, 6)]
+    start = time.monotonic()
+    report = io_test_results(code, cases, limits=SandboxLimits(timeout_s=3.0), stop_at_failure=True)
+    assert time.monotonic() - start < 1.0
+    assert report.errors == ["expected '1', got 'no\\n'"] + ["not run"] * 4
 
 
 def test_the_unit_test_harness_can_be_fooled_and_io_tests_cannot():

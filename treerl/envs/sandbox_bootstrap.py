@@ -45,7 +45,8 @@ import json
 import linecache
 import os
 import resource
-import signal
+import select  # (for treerl.envs.io_test_harness, which runs as user code: without a private filesystem,
+import signal  # the private uid may not read the interpreter's files)
 import sys
 import types
 

@@ -21,8 +21,9 @@ assistant message's text is the one checked.
 - :func:`unit_test_reward` runs candidate code and assert-style tests in the sandbox
   (:mod:`treerl.envs.unit_test_harness`); :func:`unit_test_results` says which tests
   failed and what they raised.
-- :func:`io_test_reward` runs candidate code as a program per stdin/stdout case and judges
-  its output outside the sandbox, where the code cannot reach the judge;
+- :func:`io_test_reward` runs candidate code as a program per stdin/stdout case (all cases in
+  one sandboxed run, :mod:`treerl.envs.io_test_harness`) and judges its output outside the
+  sandbox, where the code cannot reach the judge;
   :func:`io_test_results` says which cases failed and how.
 
 Costs measured on a 2-core CPU: the in-process fast path is a few microseconds; a worker
@@ -33,7 +34,6 @@ sympy) takes 1-2 s, paid once, and again after each timeout.
 from __future__ import annotations
 
 import atexit
-import itertools
 import json
 import math
 import os
@@ -44,17 +44,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import treerl.envs.math_verify_worker as math_verify_worker
+import treerl.envs.io_test_harness as io_test_harness
 import treerl.envs.unit_test_harness as unit_test_harness
 from treerl.envs.processes import kill_and_reap
-from treerl.envs.sandbox import SandboxErrorKind, SandboxLimits, max_concurrent_runs, run_python
+from treerl.envs.sandbox import SandboxErrorKind, SandboxLimits, SandboxResult, classify_outcome, run_python
 
 __all__ = [
     "extract_boxed",
@@ -592,16 +592,28 @@ def io_test_results(code: str, cases: Sequence[Mapping[str, Any]], *, limits: Sa
                     float_tol: float | None = 1e-6, stop_at_failure: bool = False) -> UnitTestReport:
     """Run ``code`` as a program once per case, with the case's ``input`` on stdin, and judge its stdout.
 
-    Each case runs in its own sandboxed process under ``limits`` (up to
-    :func:`~treerl.envs.sandbox.max_concurrent_runs` at once), and the output is compared
-    here, outside it (:func:`outputs_match`): unlike :func:`unit_test_results`, the code
-    cannot reach the judge, so it passes a case only by printing the right answer. A case
-    that raises, times out or prints something else fails alone; ``errors`` says how
-    (``"expected '3', got '4'"``, ``"timed out"``, ``"runtime_error: ValueError: ..."``).
-    Only stdout is judged, and a case keeps at least twice its expected output's bytes of it,
-    however small ``limits.max_output_bytes``. With ``stop_at_failure`` (a judge's verdict, an
-    all-or-nothing reward), cases start in order and none starts after one has failed: the
-    rest are ``"not run"``.
+    All the cases run in one sandboxed run (:func:`~treerl.envs.sandbox.run_python` of
+    :mod:`treerl.envs.io_test_harness`), one after another, each in a process of its own
+    forked for it, under ``limits.timeout_s`` each (the run's own limit covers them all),
+    ``limits.memory_mb`` of address space, and ``limits.max_processes``; what a case left
+    behind is killed before the next starts. The output is compared here, outside the
+    sandbox (:func:`outputs_match`): the harness is given the code, the inputs and how many
+    bytes of output to keep, never an expected output, so whatever a program does to the
+    harness or to the other cases' runs (it runs as the same user), it can only change what
+    is reported as printed, and it passes a case only by printing that case's right answer.
+    (Unlike :func:`unit_test_results`, where the tests run beside the code, which can reach
+    their runner.) A case that raises, times out or prints something else fails alone;
+    ``errors`` says how (``"expected '3', got '4'"``, ``"timed out"``,
+    ``"runtime_error: ValueError: ..."``). Only stdout is judged, and a case keeps at least
+    twice its expected output's bytes of it, however small ``limits.max_output_bytes``.
+    With ``stop_at_failure`` (a judge's verdict, an all-or-nothing reward), the results are
+    judged as they arrive and the run is stopped at the first failed case: the rest are
+    ``"not run"``.
+
+    A program that ends the harness itself (it can without a pid namespace, where the
+    harness is not protected as the namespace's init) fails the case it was running; the
+    next cases run in a new harness, and when it stalls the harness until the whole run's
+    time limit, every case not yet reported fails.
 
     >>> io_test_results("print(sum(map(int, input().split())))",
     ...                 [{"input": "1 2", "output": "3"}, {"input": "2 2", "output": "5"}]).passed  # doctest: +SKIP
@@ -615,28 +627,99 @@ def io_test_results(code: str, cases: Sequence[Mapping[str, Any]], *, limits: Sa
     checked = [io_case(case) for case in cases]
     if not isinstance(code, str):
         return UnitTestReport([False] * len(checked), ["not run"] * len(checked), "the code is not text")
-
-    def judge(case: dict[str, str]) -> str | None:
-        # A right answer may be longer than the output kept (judges' outputs run to megabytes):
-        # keep twice the expected output, room for other whitespace, so the limit cuts only floods.
-        room = max(limits.max_output_bytes, 2 * len(case["output"].encode()))
-        result = run_python(code, stdin=case["input"], limits=replace(limits, max_output_bytes=room))
-        return _judge(result, case["output"], float_tol)
-
+    # A right answer may be longer than the output kept (judges' outputs run to megabytes):
+    # keep twice the expected output, room for other whitespace, so the limit cuts only floods.
+    rooms = [max(limits.max_output_bytes, 2 * len(case["output"].encode())) for case in checked]
     errors: list[str | None] = ["not run"] * len(checked)
-    order = iter(range(len(checked)))
-    failed, workers = False, min(len(checked), max_concurrent_runs())
-    with ThreadPoolExecutor(workers, thread_name_prefix="treerl-io-test") as pool:
-        running = {pool.submit(judge, checked[i]): i for i in itertools.islice(order, workers)}
-        while running:
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for future in done:
-                i = running.pop(future)
-                errors[i] = future.result()
-                failed = failed or errors[i] is not None
-            for i in itertools.islice(order, 0 if failed and stop_at_failure else len(done)):
-                running[pool.submit(judge, checked[i])] = i
+    first = 0
+    while first < len(checked):
+
+        def judge(i: int, result: SandboxResult) -> bool:
+            errors[i] = _judge(result, checked[i]["output"], float_tol)
+            return stop_at_failure and errors[i] is not None
+
+        todo = range(first, len(checked))
+        reported, run = _run_io_harness(code, [checked[i]["input"] for i in todo], [rooms[i] for i in todo],
+                                        limits, lambda k, result: judge(first + k, result))
+        first += reported
+        if run.stopped or first == len(checked):
+            break
+        # The run ended before it reported this case: the case's program ended its harness.
+        errors[first] = "runtime_error: stopped its harness" if run.error is None else _judge(run, "", float_tol)
+        if run.error is SandboxErrorKind.TIMEOUT or stop_at_failure:
+            break  # it stalled the harness: no second run for the rest
+        first += 1
     return UnitTestReport([error is None for error in errors], errors)
+
+
+_IO_HARNESS_PATH = Path(io_test_harness.__file__)
+_CASE_SLACK_S = 0.2
+"""Seconds a case may take in the harness beyond its time limit: killing what it left, reporting."""
+_START_SLACK_S = 5.0
+"""Seconds the harness run may take beyond its cases: starting the sandbox and the interpreter."""
+
+
+def _run_io_harness(code: str, inputs: Sequence[str], rooms: Sequence[int], limits: SandboxLimits,
+                    on_case: Callable[[int, SandboxResult], bool]) -> tuple[int, SandboxResult]:
+    """Run ``code`` on each input in one sandboxed harness run; ``on_case(k, result)`` as each case is reported.
+
+    ``rooms[k]`` is how many bytes of the ``k``-th case's stdout to keep. ``on_case`` gets a
+    :class:`~treerl.envs.sandbox.SandboxResult` per case, in order, while the run goes on;
+    when it returns true the run is stopped. Returns how many cases were reported, and the run.
+    """
+    encoded = [text.encode() for text in inputs]
+    header = json.dumps({"code": code, "timeout_s": limits.timeout_s,
+                         "cases": [[len(data), room] for data, room in zip(encoded, rooms)]})
+    job = f"{len(header)}\n{header}" + "".join(inputs)  # (the header is ASCII: its length is its bytes)
+    frame_bytes = 4 * io_test_harness.STDERR_TAIL + 8192  # a frame without its stdout, at most
+    run_limits = replace(
+        limits,
+        timeout_s=len(inputs) * (limits.timeout_s + _CASE_SLACK_S) + _START_SLACK_S,
+        max_processes=limits.max_processes + 1,  # the harness, beside what a case may start
+        max_output_bytes=sum(2 * room + frame_bytes for room in rooms),  # stdout in hex
+    )
+    pending, reported, broken = bytearray(), 0, False
+
+    def on_stdout(data: bytes) -> bool:
+        nonlocal reported, broken
+        if broken:
+            return False
+        pending.extend(data)
+        while (end := pending.find(b"\n")) >= 0:
+            line = bytes(pending[:end])
+            del pending[: end + 1]
+            result = _case_result(line, reported)
+            if result is None:
+                broken = True  # not the harness's line: trust nothing after it
+                return True
+            reported += 1
+            if on_case(reported - 1, result):
+                return True
+        return False
+
+    run = run_python(_IO_HARNESS_PATH.read_text(encoding="utf-8"), stdin=job, limits=run_limits, on_stdout=on_stdout)
+    if broken:
+        run = replace(run, stopped=False, error=SandboxErrorKind.RUNTIME_ERROR,
+                      stderr="the harness's report is unreadable")
+    return reported, run
+
+
+def _case_result(line: bytes, index: int) -> SandboxResult | None:
+    """One case's result from the harness's report line, or None when it is not the ``index``-th case's."""
+    try:
+        frame = json.loads(line)
+        if frame["i"] != index:
+            return None
+        stdout = bytes.fromhex(frame["stdout"]).decode("utf-8", errors="replace")
+        records = [r for r in frame["records"] if isinstance(r, dict)]
+        exit_code, stderr = frame["exit"], str(frame["stderr"])
+        error = classify_outcome(exit_code=exit_code, timed_out=bool(frame["timed_out"]), records=records,
+                                 main_pid=frame["pid"], stderr=stderr)
+        return SandboxResult(stdout=stdout, stderr=stderr, exit_code=exit_code, error=error,
+                             duration_s=float(frame["s"]), truncated=bool(frame["cut"]),
+                             stdout_truncated=bool(frame["cut"]))
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def io_test_reward(code: str, cases: Sequence[Mapping[str, Any]], *, limits: SandboxLimits = SandboxLimits(),
