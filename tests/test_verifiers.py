@@ -397,6 +397,18 @@ def test_io_tests_compare_tokens_and_decimals_as_a_judge_does():
     assert outputs_match("YES", "YES") and not outputs_match("YES", "yes")
 
 
+def test_io_tests_hold_an_integer_answer_printed_as_a_decimal_to_its_value():
+    # The relative tolerance is for decimal answers: a wrong integer printed with a point must not
+    # pass as "close" (1000001.0 is within 1e-6 of 1000000 relative, and wrong).
+    assert not outputs_match("1000000", "1000001.0")
+    assert not outputs_match("998244353", "998244000.0")
+    assert not outputs_match("123456789012345678", "123456789012345677.0")  # past a float's digits
+    assert outputs_match("10", "10.0") and outputs_match("10", "10.0000001") and outputs_match("10", "1e1")
+    assert outputs_match("5 7", "5.0 7.0") and not outputs_match("5 1000000", "5.0 1000001")  # every token
+    assert outputs_match("1000000.0", "1000000.5")  # a decimal answer keeps its relative tolerance
+    assert not outputs_match("10", "10.0000001", float_tol=None)
+
+
 def test_io_tests_keep_the_expected_output_out_of_the_sandbox(monkeypatch):
     """The judge is this process: the expected outputs never reach the code's process, so a program
     that goes looking for its judge (the way the unit-test harness can be found and fooled) finds none.

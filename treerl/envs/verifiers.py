@@ -516,8 +516,9 @@ def outputs_match(expected: str, got: str, *, float_tol: float | None = 1e-6) ->
     Both are compared as sequences of whitespace-separated tokens, so line breaks, runs of
     spaces and trailing newlines do not matter. Tokens are equal as text, or, where
     ``float_tol`` is not ``None`` and at least one of the two is a decimal with a point or
-    an exponent, as numbers within ``float_tol`` relative to the expected value (absolute
-    below 1). Integers must match exactly.
+    an exponent, as numbers: within ``float_tol`` relative to an expected decimal (absolute
+    below 1), within ``float_tol`` of an expected integer (so ``1000001.0`` is not
+    ``1000000``, which a relative tolerance would pass). Two integers must match exactly.
 
     >>> outputs_match("3\\n1 2\\n", "3 1  2")
     True
@@ -539,7 +540,14 @@ def outputs_match(expected: str, got: str, *, float_tol: float | None = 1e-6) ->
         if not any(c in token for token in (a, b) for c in ".eE"):
             return False  # two integers that differ
         x, y = float(a), float(b)
-        if not (math.isfinite(x) and math.isfinite(y)) or abs(x - y) > float_tol * max(1.0, abs(x)):
+        if not (math.isfinite(x) and math.isfinite(y)):
+            return False
+        if not any(c in a for c in ".eE"):
+            # An integer answer: the printed number must be that integer, up to float_tol, compared
+            # exactly (a float would round a large one's last digits away).
+            if abs(Decimal(b) - Decimal(a)) > Decimal(repr(float_tol)):
+                return False
+        elif abs(x - y) > float_tol * max(1.0, abs(x)):
             return False
     return True
 
