@@ -551,6 +551,37 @@ def test_io_tests_can_stop_at_the_first_failed_case(monkeypatch):
     assert io_test_results(code, cases).passed == [True, False, True, True, True, True]
 
 
+def test_io_tests_judge_nothing_after_the_run_was_asked_to_stop(monkeypatch):
+    """The sandbox drains stdout after a stop (its reader may hold later cases' lines, or read them
+    while the harness is killed): those cases stay "not run", whatever arrives."""
+    import json
+
+    import treerl.envs.verifiers as verifiers
+    from treerl.envs.sandbox import SandboxResult
+
+    def line(i, printed):
+        return json.dumps({"i": i, "pid": 7, "exit": 0, "timed_out": False, "s": 0.0, "cut": False,
+                           "stdout": printed.encode().hex(), "stderr": "", "records": []}).encode() + b"\n"
+
+    def streamed(code, *, on_stdout, **kwargs):
+        stopped = on_stdout(line(0, "no\n") + line(1, "1\n"))  # one read: the failure and the next case
+        on_stdout(line(2, "2\n"))  # read while the harness is killed
+        return SandboxResult(stdout="", stderr="", exit_code=None, error=None, duration_s=0.0, stopped=stopped)
+
+    monkeypatch.setattr(verifiers, "run_python", streamed)
+    cases = [{"input": str(i), "output": str(i)} for i in range(4)]
+    report = io_test_results("print(input())", cases, stop_at_failure=True)
+    assert report.errors == ["expected '0', got 'no\\n'", "not run", "not run", "not run"]
+
+    def ended(code, *, on_stdout, **kwargs):  # the harness had exited: nothing left to stop
+        on_stdout(line(0, "no\n") + line(1, "1\n"))
+        return SandboxResult(stdout="", stderr="", exit_code=0, error=None, duration_s=0.0)
+
+    monkeypatch.setattr(verifiers, "run_python", ended)
+    report = io_test_results("print(input())", cases, stop_at_failure=True)
+    assert report.errors == ["expected '0', got 'no\\n'", "not run", "not run", "not run"]
+
+
 def test_io_tests_need_cases():
     for bad in ([], "1 2", {"input": "1", "output": "2"}):
         with pytest.raises(ValueError, match="non-empty sequence"):

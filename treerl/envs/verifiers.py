@@ -673,7 +673,8 @@ def _run_io_harness(code: str, inputs: Sequence[str], rooms: Sequence[int], limi
 
     ``rooms[k]`` is how many bytes of the ``k``-th case's stdout to keep. ``on_case`` gets a
     :class:`~treerl.envs.sandbox.SandboxResult` per case, in order, while the run goes on;
-    when it returns true the run is stopped. Returns how many cases were reported, and the run.
+    when it returns true the run is stopped, and no later case is reported. Returns how many
+    cases were reported, and the run (``stopped`` when ``on_case`` asked).
     """
     encoded = [text.encode() for text in inputs]
     header = json.dumps({"code": code, "timeout_s": limits.timeout_s,
@@ -686,11 +687,12 @@ def _run_io_harness(code: str, inputs: Sequence[str], rooms: Sequence[int], limi
         max_processes=limits.max_processes + 1,  # the harness, beside what a case may start
         max_output_bytes=sum(2 * room + frame_bytes for room in rooms),  # stdout in hex
     )
-    pending, reported, broken = bytearray(), 0, False
+    pending, reported, broken, stopping = bytearray(), 0, False, False
 
     def on_stdout(data: bytes) -> bool:
-        nonlocal reported, broken
-        if broken:
+        # After a stop the sandbox still drains stdout: the cases in it were not asked for.
+        nonlocal reported, broken, stopping
+        if broken or stopping:
             return False
         pending.extend(data)
         while (end := pending.find(b"\n")) >= 0:
@@ -702,6 +704,7 @@ def _run_io_harness(code: str, inputs: Sequence[str], rooms: Sequence[int], limi
                 return True
             reported += 1
             if on_case(reported - 1, result):
+                stopping = True
                 return True
         return False
 
@@ -709,6 +712,8 @@ def _run_io_harness(code: str, inputs: Sequence[str], rooms: Sequence[int], limi
     if broken:
         run = replace(run, stopped=False, error=SandboxErrorKind.RUNTIME_ERROR,
                       stderr="the harness's report is unreadable")
+    elif stopping:  # (also when the harness had ended by then, and the sandbox had nothing to stop)
+        run = replace(run, stopped=True)
     return reported, run
 
 
