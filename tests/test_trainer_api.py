@@ -159,3 +159,24 @@ def test_unsupported_arguments_are_refused_by_name(tmp_path):
         small(tmp_path, max_tool_calling_iterations=3)
     with pytest.raises(TypeError, match="eval_strategy: held-out evaluation runs at the start and the end.*evaluate()"):
         small(tmp_path, eval_strategy="steps")
+
+
+def test_a_trl_script_with_its_batch_sizes_and_logging_options(tmp_path):
+    """The GRPOConfig of TRL's course and of Unsloth's notebooks: TRL's batch sizes set the step's tasks
+    (4 completions of 2 generations each: 2 tasks), the logging options and the epochs beside max_steps
+    change nothing (each with a note)."""
+    def reward_len(completions, **kwargs):
+        return [-abs(20 - len(completion)) for completion in completions]
+
+    with pytest.warns(UserWarning, match="changes nothing"):
+        args = GRPOConfig(output_dir=str(tmp_path / "out"), num_train_epochs=1, max_steps=1,
+                          per_device_train_batch_size=4, gradient_accumulation_steps=1, num_generations=2,
+                          logging_steps=10, remove_unused_columns=False, max_new_tokens=8, progress=False,
+                          sample_groups=0)
+    trainer = GRPOTrainer(model="tiny", reward_funcs=reward_len, args=args,
+                          train_dataset=[{"prompt": f"What is {i} + {i}?"} for i in range(4)])
+    result = trainer.train()
+
+    assert result.steps == 1 and changed(result.model_dir)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["tasks_per_step"], config["group_size"]) == (2, 2)

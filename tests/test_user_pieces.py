@@ -198,15 +198,81 @@ def test_trl_names_are_aliases_in_python_too():
     assert EvalConfig(num_generations=3).rollouts_per_task == 3
     with pytest.raises(TypeError, match="num_generations and group_size name the same option; keep one"):
         GRPOConfig(output_dir="x", num_generations=4, group_size=8)
-    with pytest.raises(TypeError, match="no option per_device_train_batch_size: TRL's batch sizes have no counterpart"):
+    with pytest.raises(TypeError, match="no option generation_batch_size: one generation per optimizer step here"):
+        GRPOConfig(output_dir="x", generation_batch_size=16)
+
+
+def test_trl_batch_sizes_set_the_tasks_of_a_step(tmp_path, monkeypatch):
+    """TRL's optimizer step takes per_device_train_batch_size x gradient_accumulation_steps x processes
+    completions, num_generations per prompt: tasks_per_step here, in Python, YAML and flags alike."""
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+
+    cfg = GRPOConfig(output_dir="x", per_device_train_batch_size=4, gradient_accumulation_steps=4, num_generations=8)
+    assert (cfg.tasks_per_step, cfg.group_size) == (2, 8)
+    assert GRPOConfig(output_dir="x", per_device_train_batch_size=16).tasks_per_step == 2  # group_size 8, TRL's too
+    assert GRPOConfig(output_dir="x", gradient_accumulation_steps=2).tasks_per_step == 2  # TRL's batch of 8
+    monkeypatch.setenv("WORLD_SIZE", "2")  # accelerate launch: per device, and tasks_per_step counts every process's
+    assert GRPOConfig(output_dir="x", per_device_train_batch_size=8, num_generations=4).tasks_per_step == 4
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ValueError, match=r"4 x 1 x 1 = 4 completions .* divisible by num_generations=8"):
         GRPOConfig(output_dir="x", per_device_train_batch_size=4)
+    with pytest.raises(TypeError, match="per_device_train_batch_size and tasks_per_step set the same thing; keep one"):
+        GRPOConfig(output_dir="x", per_device_train_batch_size=16, tasks_per_step=2)
+    # TRL's default steps_per_generation (gradient_accumulation_steps) is what happens here; another is refused.
+    assert GRPOConfig(output_dir="x", per_device_train_batch_size=4, num_generations=4,
+                      steps_per_generation=1).tasks_per_step == 1
+    with pytest.raises(TypeError, match="no option steps_per_generation other than gradient_accumulation_steps: one "
+                                        "generation per optimizer step here"):
+        GRPOConfig(output_dir="x", gradient_accumulation_steps=2, steps_per_generation=4)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=0 must be a whole number >= 1"):
+        GRPOConfig(output_dir="x", gradient_accumulation_steps=0)
+    (tmp_path / "c.yaml").write_text("per_device_train_batch_size: 4\ngradient_accumulation_steps: 2\n"
+                                     "num_generations: 4\n")
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--config", str(tmp_path / "c.yaml")])
+    assert config_from_args(GRPOConfig, args).tasks_per_step == 2
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--per-device-train-batch-size", "6",
+                                      "--num-generations", "3"])
+    assert config_from_args(GRPOConfig, args).tasks_per_step == 2
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--per-device-train-batch-size", "6"])
+    with pytest.raises(ConfigError, match="divisible by num_generations=8"):
+        config_from_args(GRPOConfig, args)
+
+
+def test_trl_options_that_change_nothing_here_are_taken_with_a_note(tmp_path, capsys):
+    """logging_steps (every step is logged), num_train_epochs beside max_steps (which TRL then follows),
+    remove_unused_columns=False (every column reaches the reward functions): accepted, each with a note;
+    where they would change the run they are refused with what to do."""
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+
+    with pytest.warns(UserWarning, match="logging_steps=10 changes nothing here: every step is logged"):
+        cfg = GRPOConfig(output_dir="x", logging_steps=10, max_steps=5, num_train_epochs=1,
+                         remove_unused_columns=False)
+    assert cfg.steps == 5 and not hasattr(cfg, "logging_steps")
+    with pytest.raises(TypeError, match="no option num_train_epochs: the run's length is --steps"):
+        GRPOConfig(output_dir="x", num_train_epochs=3)
+    with pytest.raises(TypeError, match="no option num_train_epochs: the run's length is --steps"):
+        GRPOConfig(output_dir="x", num_train_epochs=1, max_steps=-1)  # TRL's "no limit: use the epochs"
+    with pytest.raises(TypeError, match="remove_unused_columns=True: every column of the dataset reaches"):
+        GRPOConfig(output_dir="x", remove_unused_columns=True)
+    (tmp_path / "c.yaml").write_text("logging_steps: 1\nlogging_first_step: true\nlogging_strategy: steps\n"
+                                     "num_train_epochs: 1\nmax_steps: 3\n")
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--config", str(tmp_path / "c.yaml")])
+    with pytest.warns(UserWarning, match="logging_first_step=True changes nothing here"):
+        assert config_from_args(GRPOConfig, args).steps == 3
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--logging-steps", "10"])
+    with pytest.warns(UserWarning, match="logging_steps=10 changes nothing here"):
+        config_from_args(GRPOConfig, args)
+    assert main(["learn", "--output-dir", "x", "--num-train-epochs", "2"]) == 2
+    assert "no option num_train_epochs: the run's length is --steps" in capsys.readouterr().err
 
 
 def test_options_that_are_not_here_say_what_to_use_instead(tmp_path, capsys):
     """A TRL option with no field, or another learner's option, is refused with what to use, not with a
     "did you mean" for a look-alike (--max-prompt-length is not --max-completion-length)."""
     cases = [("--max-prompt-length", "128", "prompts are never cut here: --max-episode-tokens"),
-             ("--per-device-train-batch-size", "4", "TRL's batch sizes have no counterpart here: a step plays"),
+             ("--generation-batch-size", "4", "one generation per optimizer step here: a step plays"),
              ("--sync-ref-model", "true", "not supported: the reference model of --beta is the starting weights"),
              ("--max-staleness", "2", "an option of treerl learn --learner async_grpo, not of --learner grpo")]
     for flag, value, expected in cases:

@@ -109,37 +109,42 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         if not f.init or f.metadata.get("cli") is False:
             continue
         tp, optional = _unwrap_optional(hints[f.name])
-        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata.get("help", "")}
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": f.metadata.get("help", ""),
+                                  **_type_kwargs(tp, optional)}
         default = f.default if f.default is not dataclasses.MISSING else None
         if default is not None:
             kwargs["help"] += f" (default: {default})"
-        origin = typing.get_origin(tp)
-        if tp is bool:
-            kwargs.update(type=_parse_bool, nargs="?", const=True, metavar="BOOL")
-        elif origin is Literal:
-            choices = typing.get_args(tp)
-            kwargs.update(type=type(choices[0]), choices=choices)
-        elif origin is dict or tp is dict:
-            kwargs.update(type=_parse_mapping, metavar="JSON")
-        elif origin in (list, tuple):
-            (item,) = typing.get_args(tp)[:1]
-            kwargs.update(type=item, nargs="+")
-        elif tp in (int, float) and optional:
-            kwargs["type"] = _or_none(tp)  # unsetting an optional number from the command line: --flag none
-        elif tp in (int, float, str):
-            kwargs["type"] = tp
-        elif tp is Path:
-            kwargs["type"] = Path
-        else:
-            kwargs["type"] = str
         if optional and tp is not bool:
             kwargs["metavar"] = kwargs.get("metavar") or f.name.upper()
         aliases = [_flag(a) for a, target in _aliases(cls).items() if target == f.name]
         if aliases:
             kwargs["help"] += f" (also {', '.join(aliases)}, as in TRL)"
         parser.add_argument(_flag(f.name), *aliases, **kwargs)
+    for name, (tp, help_text) in _translated(cls).items():
+        parser.add_argument(_flag(name), dest=name, default=argparse.SUPPRESS, help=help_text,
+                            **_type_kwargs(tp, False))
     parser.add_argument("--config", dest="__config__", default=None, metavar="FILE.yaml",
                         help="Read these options from a YAML (or JSON) file; flags override it.")
+
+
+def _type_kwargs(tp: Any, optional: bool) -> dict[str, Any]:
+    """``add_argument``'s ``type`` (and ``nargs``, ``choices``, ``metavar``) for a field of type ``tp``."""
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        return {"type": _parse_bool, "nargs": "?", "const": True, "metavar": "BOOL"}
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        return {"type": type(choices[0]), "choices": choices}
+    if origin is dict or tp is dict:
+        return {"type": _parse_mapping, "metavar": "JSON"}
+    if origin in (list, tuple):
+        (item,) = typing.get_args(tp)[:1]
+        return {"type": item, "nargs": "+"}
+    if tp in (int, float) and optional:
+        return {"type": _or_none(tp)}  # unsetting an optional number from the command line: --flag none
+    if tp in (int, float, str, Path):
+        return {"type": tp}
+    return {"type": str}
 
 
 def _aliases(cls: type) -> dict[str, str]:
@@ -147,6 +152,12 @@ def _aliases(cls: type) -> dict[str, str]:
     target is a field of ``cls`` and whose name is not one."""
     names = {f.name for f in dataclasses.fields(cls)}
     return {a: t for a, t in getattr(cls, "ALIASES", {}).items() if t in names and a not in names}
+
+
+def _translated(cls: type) -> dict[str, tuple[type, str]]:
+    """``cls.TRANSLATED``: other names (TRL's ``per_device_train_batch_size``) that ``cls.translate_options``
+    turns into fields or takes with a note, each with its type and help; they are flags and YAML keys too."""
+    return dict(getattr(cls, "TRANSLATED", {}))
 
 
 def _named_twice(aliases: Mapping[str, str], given: Mapping[str, Any]) -> list[str]:
@@ -182,12 +193,15 @@ class AcceptsAliases(type):
         aliases = _aliases(cls)
         if both := _named_twice(aliases, kwargs):
             raise TypeError(f"{cls.__name__}(): {'; '.join(both)} name the same option; keep one.")
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls)} | set(_translated(cls))
         hints = unknown_option_hints(cls)
         for name in kwargs:
             if name not in names and name not in aliases and name in hints:
                 raise TypeError(f"{cls.__name__}() has no option {name}: {hints[name]}.")
-        return super().__call__(*args, **{aliases.get(k, k): v for k, v in kwargs.items()})
+        kwargs = {aliases.get(k, k): v for k, v in kwargs.items()}
+        if _translated(cls):
+            kwargs = cls.translate_options(kwargs)
+        return super().__call__(*args, **kwargs)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -225,7 +239,8 @@ def config_from_args(cls: type[T], args: argparse.Namespace, *, extra_keys: Sequ
     """
     values: dict[str, Any] = {}
     config_path = getattr(args, "__config__", None)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    translated = _translated(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init} | set(translated)
     if config_path:
         aliases = _aliases(cls)
         raw = {k: v for k, v in load_config_file(config_path).items() if k not in extra_keys}
@@ -248,6 +263,10 @@ def config_from_args(cls: type[T], args: argparse.Namespace, *, extra_keys: Sequ
         values.update(from_file)
     values.update({k: v for k, v in vars(args).items() if k in names})
     values = check_types(cls, values)
+    for name in set(values) & set(translated):  # typed here as fields are, for translate_options to read
+        problem, values[name] = _convert(values[name], translated[name][0])
+        if problem is not None:
+            raise ConfigError(f"{name}={values[name]!r}: {problem}.")
     try:
         return cls(**values)
     except (TypeError, ValueError) as exc:

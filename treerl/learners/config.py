@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -50,18 +51,21 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     # TRL's options with no field here, and what to use instead: a flag, YAML key or keyword argument of
     # one of these names is refused with this hint, not with a "did you mean" for a look-alike name.
     UNSUPPORTED: ClassVar[dict[str, str]] = {
-        **dict.fromkeys(("per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size",
-                         "steps_per_generation"),
-                        "TRL's batch sizes have no counterpart here: a step plays --tasks-per-step x --group-size "
-                        "episodes, packs them into rows of --max-tokens-per-row tokens and takes one optimizer step "
-                        "on all of them (--num-iterations N takes N)"),
+        **dict.fromkeys(("generation_batch_size", "steps_per_generation"),
+                        "one generation per optimizer step here: a step plays --tasks-per-step x --group-size "
+                        "episodes (TRL's --per-device-train-batch-size x --gradient-accumulation-steps x processes "
+                        "completions), packs them into rows of --max-tokens-per-row tokens and takes one optimizer "
+                        "step on all of them (--num-iterations N takes N)"),
         "max_prompt_length": "prompts are never cut here: --max-episode-tokens limits the whole context (prompt, "
                              "turns and tool results)",
-        "num_train_epochs": "the run's length is --steps (TRL's --max-steps); each step draws --tasks-per-step tasks",
+        "num_train_epochs": "the run's length is --steps (TRL's --max-steps, beside which TRL ignores "
+                            "num_train_epochs); each step draws --tasks-per-step tasks, so E epochs of N rows are "
+                            "about E x N / tasks-per-step steps",
+        "remove_unused_columns": "every column of the dataset reaches the reward functions (TRL's GRPO default, "
+                                 "remove_unused_columns=False); drop the columns you do not want from the dataset",
         "warmup_ratio": "use --warmup-steps",
         "lr_scheduler_type": "the schedule is a linear warm-up (--warmup-steps), then constant (TRL's default "
                              "decays linearly to 0)",
-        "logging_steps": "every step is logged (metrics.jsonl, and --report-to)",
         **dict.fromkeys(("eval_strategy", "eval_steps"),
                         "held-out evaluation runs at the start and the end of a run (--eval-episodes, "
                         "--eval-env-kwargs); treerl.GRPOTrainer.evaluate() scores an eval_dataset with the reward "
@@ -81,6 +85,20 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "top_entropy_quantile": "not supported",
         "sync_ref_model": "not supported: the reference model of --beta is the starting weights",
         "delta": "not supported (the two-sided clip of --loss dppo is --dppo-delta-low/--dppo-delta-high)",
+    }
+    # TRL's options that translate_options turns into fields, or takes with a note where they change nothing
+    # here; each (type, help) is also a flag and a YAML key.
+    TRANSLATED: ClassVar[dict[str, tuple[type, str]]] = {
+        "per_device_train_batch_size": (int, "TRL's: tasks_per_step = per_device_train_batch_size x "
+                                             "gradient_accumulation_steps x processes / group_size, the completions "
+                                             "of TRL's optimizer step (TRL's defaults: 8 and 1)."),
+        "gradient_accumulation_steps": (int, "TRL's: see --per-device-train-batch-size."),
+        "steps_per_generation": (int, "TRL's: taken at its default only, gradient_accumulation_steps (one "
+                                      "generation per optimizer step)."),
+        "num_train_epochs": (int | float, "TRL's: taken beside --max-steps only, which TRL then follows."),
+        **{name: (tp, "TRL's: changes nothing, every step is logged.")
+           for name, tp in (("logging_steps", int | float), ("logging_first_step", bool), ("logging_strategy", str))},
+        "remove_unused_columns": (bool, "TRL's: false only, as every column reaches the reward functions."),
     }
     # TRL's epsilon_high defaults to epsilon; treerl's stays 0.28 (DAPO's clip-higher): pass both to match TRL.
 
@@ -268,6 +286,58 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
             raise ValueError(f"from_server={self.from_server!r} must be an http(s) URL, e.g. http://127.0.0.1:8000.")
         if not self.server_timeout_s > 0:
             raise ValueError(f"server_timeout_s={self.server_timeout_s} must be > 0 (seconds).")
+
+    @classmethod
+    def translate_options(cls, given: dict[str, Any]) -> dict[str, Any]:
+        """``given`` (keyword arguments, aliases resolved) with TRL's options of :attr:`TRANSLATED` turned into
+        fields: its batch sizes into ``tasks_per_step``, as TRL's optimizer step takes ``per_device_train_batch_size
+        x gradient_accumulation_steps x processes`` completions, ``num_generations`` of each prompt; the options
+        that change nothing here dropped with a note; the others refused with what to do instead.
+
+        >>> LearnerConfig.translate_options({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4})
+        {'tasks_per_step': 2}
+        """
+        values = dict(given)
+        ignored = {k: values.pop(k) for k in ("logging_steps", "logging_first_step", "logging_strategy") if k in values}
+        for name, value in ignored.items():
+            warnings.warn(f"{name}={value!r} changes nothing here: every step is logged (metrics.jsonl, and "
+                          "--report-to).", stacklevel=3)
+        if "num_train_epochs" in values:
+            epochs = values.pop("num_train_epochs")
+            if values.get("steps", -1) == -1:  # TRL's max_steps=-1: the epochs set the run's length
+                raise TypeError(f"{cls.__name__}() has no option num_train_epochs: "
+                                f"{cls.UNSUPPORTED['num_train_epochs']}.")
+            warnings.warn(f"num_train_epochs={epochs!r} changes nothing beside max_steps={values['steps']}, as in TRL.",
+                          stacklevel=3)
+        if "remove_unused_columns" in values:
+            if values.pop("remove_unused_columns") is not False:
+                raise TypeError(f"{cls.__name__}(): remove_unused_columns=True: "
+                                f"{cls.UNSUPPORTED['remove_unused_columns']}.")
+        batch = {k: values.pop(k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps")
+                 if k in values}
+        if "steps_per_generation" in values:  # TRL's default is gradient_accumulation_steps: one generation per step
+            if values.pop("steps_per_generation") != batch.get("gradient_accumulation_steps", 1):
+                raise TypeError(f"{cls.__name__}() has no option steps_per_generation other than "
+                                f"gradient_accumulation_steps: {cls.UNSUPPORTED['steps_per_generation']}.")
+        if not batch:
+            return values
+        if "tasks_per_step" in values:
+            raise TypeError(f"{cls.__name__}(): {' and '.join(batch)} and tasks_per_step set the same thing; keep one.")
+        for name, value in batch.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a whole number >= 1.")
+        per_device = batch.get("per_device_train_batch_size", 8)  # TRL's defaults
+        accumulation = batch.get("gradient_accumulation_steps", 1)
+        processes = int(os.environ.get("WORLD_SIZE", "1"))  # accelerate launch / torchrun, as TRL's world_size
+        group_size = values.get("group_size", cls.__dataclass_fields__["group_size"].default)
+        completions = per_device * accumulation * processes
+        if not isinstance(group_size, int) or group_size < 1 or completions % group_size:
+            raise ValueError(f"per_device_train_batch_size x gradient_accumulation_steps x processes = {per_device} x "
+                             f"{accumulation} x {processes} = {completions} completions per step must be divisible by "
+                             f"num_generations={group_size} (TRL's rule: whole groups), e.g. "
+                             f"per_device_train_batch_size={group_size}.")
+        values["tasks_per_step"] = completions // group_size
+        return values
 
     def train_env_factory(self, env_factory: Callable[[], Any] | None = None) -> Callable[[], Any]:
         """The training episodes' environments: ``env_factory`` (default: ``make(env, **env_kwargs)``) with
