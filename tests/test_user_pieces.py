@@ -239,6 +239,26 @@ def test_trl_batch_sizes_set_the_tasks_of_a_step(tmp_path, monkeypatch):
         config_from_args(GRPOConfig, args)
 
 
+def test_trls_max_steps_and_save_steps_count_optimizer_steps(tmp_path):
+    """TRL's max_steps and save_steps count optimizer steps, num_iterations of them per generation; a step
+    here is one generation and num_iterations optimizer steps, so they are divided by it."""
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+
+    cfg = GRPOConfig(output_dir="x", max_steps=8, save_steps=4, num_iterations=2)
+    assert (cfg.steps, cfg.save_every, cfg.num_iterations) == (4, 2, 2)
+    assert (GRPOConfig(output_dir="x", max_steps=5, save_steps=2).steps, cfg.save_every) == (5, 2)
+    with pytest.raises(ValueError, match="max_steps=5 counts optimizer steps .* num_iterations=2 of them per step"):
+        GRPOConfig(output_dir="x", max_steps=5, num_iterations=2)
+    with pytest.raises(TypeError, match="max_steps and steps name the same option; keep one"):
+        GRPOConfig(output_dir="x", max_steps=5, steps=5)
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--max-steps", "6", "--num-iterations", "3"])
+    assert config_from_args(GRPOConfig, args).steps == 2
+    (tmp_path / "c.yaml").write_text("max_steps: 6\nsave_steps: 3\nnum_iterations: 3\n")
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--config", str(tmp_path / "c.yaml")])
+    assert (config_from_args(GRPOConfig, args).steps, config_from_args(GRPOConfig, args).save_every) == (2, 1)
+
+
 def test_trl_options_that_change_nothing_here_are_taken_with_a_note(tmp_path, capsys):
     """logging_steps (every step is logged), num_train_epochs beside max_steps (which TRL then follows),
     remove_unused_columns=False (every column reaches the reward functions): accepted, each with a note;

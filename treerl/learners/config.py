@@ -44,7 +44,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     """Options every learner of ``treerl learn`` shares."""
 
     ALIASES: ClassVar[dict[str, str]] = {  # TRL's names where the meaning is the same (flags, YAML keys, Python)
-        "num_generations": "group_size", "max_steps": "steps", "save_steps": "save_every", "loss_type": "loss",
+        "num_generations": "group_size", "loss_type": "loss",
         "model_name_or_path": "model", "epsilon": "epsilon_low", "use_bias_correction_kl": "kl_bias_correction",
         "scale_rewards": "advantage_scale",
     }
@@ -89,6 +89,9 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     # TRL's options that translate_options turns into fields, or takes with a note where they change nothing
     # here; each (type, help) is also a flag and a YAML key.
     TRANSLATED: ClassVar[dict[str, tuple[type, str]]] = {
+        "max_steps": (int, "TRL's: optimizer steps; steps = max_steps / num_iterations (a step takes num_iterations "
+                           "optimizer steps on its episodes)."),
+        "save_steps": (int, "TRL's: optimizer steps; save_every = save_steps / num_iterations."),
         "per_device_train_batch_size": (int, "TRL's: tasks_per_step = per_device_train_batch_size x "
                                              "gradient_accumulation_steps x processes / group_size, the completions "
                                              "of TRL's optimizer step (TRL's defaults: 8 and 1)."),
@@ -103,7 +106,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     # TRL's epsilon_high defaults to epsilon; treerl's stays 0.28 (DAPO's clip-higher): pass both to match TRL.
 
     output_dir: str | None = field_help(None, "Where metrics, checkpoints and the final model go (required).")
-    steps: int = field_help(60, "Optimizer steps.")
+    steps: int = field_help(60, "Steps: each plays tasks_per_step x group_size episodes and takes num_iterations "
+                                "optimizer steps on them (TRL's max_steps counts optimizer steps).")
     tasks_per_step: int = field_help(8, "Tasks per step; each is played group_size times.")
     group_size: int = field_help(8, "Generations per task (GRPO's group).")
     learning_rate: float | None = field_help(None, "AdamW learning rate (default: by the model's size, see "
@@ -298,6 +302,22 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         {'tasks_per_step': 2}
         """
         values = dict(given)
+        # TRL's optimizer steps; a step here takes num_iterations of them (one generation, as TRL's
+        # generation every num_iterations optimizer steps).
+        iterations = values.get("num_iterations", 1)
+        for trl_name, name in (("max_steps", "steps"), ("save_steps", "save_every")):
+            if trl_name not in values:
+                continue
+            if name in values:
+                raise TypeError(f"{cls.__name__}(): {trl_name} and {name} name the same option; keep one.")
+            value = values.pop(trl_name)
+            if isinstance(iterations, int) and iterations > 1 and isinstance(value, int) and value > 0:
+                if value % iterations:
+                    raise ValueError(f"{trl_name}={value} counts optimizer steps (TRL's), and num_iterations="
+                                     f"{iterations} of them per step here: give a multiple of {iterations}, or "
+                                     f"{name}={-(-value // iterations)} in steps.")
+                value //= iterations
+            values[name] = value
         ignored = {k: values.pop(k) for k in ("logging_steps", "logging_first_step", "logging_strategy") if k in values}
         for name, value in ignored.items():
             warnings.warn(f"{name}={value!r} changes nothing here: every step is logged (metrics.jsonl, and "
@@ -307,8 +327,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
             if values.get("steps", -1) == -1:  # TRL's max_steps=-1: the epochs set the run's length
                 raise TypeError(f"{cls.__name__}() has no option num_train_epochs: "
                                 f"{cls.UNSUPPORTED['num_train_epochs']}.")
-            warnings.warn(f"num_train_epochs={epochs!r} changes nothing beside max_steps={values['steps']}, as in TRL.",
-                          stacklevel=3)
+            warnings.warn(f"num_train_epochs={epochs!r} changes nothing beside max_steps, as in TRL.", stacklevel=3)
         if "remove_unused_columns" in values:
             if values.pop("remove_unused_columns") is not False:
                 raise TypeError(f"{cls.__name__}(): remove_unused_columns=True: "
