@@ -259,6 +259,23 @@ def test_trls_max_steps_and_save_steps_count_optimizer_steps(tmp_path):
     assert (config_from_args(GRPOConfig, args).steps, config_from_args(GRPOConfig, args).save_every) == (2, 1)
 
 
+def test_trls_report_to_list_of_one_tracker(tmp_path):
+    """TRL's report_to is a list (open-r1's YAML: report_to: [wandb]); one tracker, or none, maps as it is."""
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+
+    assert GRPOConfig(output_dir="x", report_to=["tensorboard"]).report_to == "tensorboard"
+    assert GRPOConfig(output_dir="x", report_to=[]).report_to == "none"
+    assert GRPOConfig(output_dir="x", report_to=["none"]).report_to == "none"
+    with pytest.raises(ValueError, match=r"report_to=\['wandb', 'tensorboard'\]: treerl logs to one tracker"):
+        GRPOConfig(output_dir="x", report_to=["wandb", "tensorboard"])
+    (tmp_path / "c.yaml").write_text("report_to:\n- tensorboard\n")
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--config", str(tmp_path / "c.yaml")])
+    assert config_from_args(GRPOConfig, args).report_to == "tensorboard"
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--report-to", "tensorboard"])
+    assert config_from_args(GRPOConfig, args).report_to == "tensorboard"
+
+
 def test_trl_options_that_change_nothing_here_are_taken_with_a_note(tmp_path, capsys):
     """logging_steps (every step is logged), num_train_epochs beside max_steps (which TRL then follows),
     remove_unused_columns=False (every column reaches the reward functions): accepted, each with a note;

@@ -205,7 +205,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                         "name and default): the other ranks wait while rank 0 alone evaluates, "
                                         "saves and plots.")
     progress: bool = field_help(True, "Show a progress bar.")
-    report_to: str = field_help("none", "Also log to: none, tensorboard, wandb or trackio (when installed).")
+    report_to: str | list[str] = field_help("none", "Also log to: none, tensorboard, wandb or trackio (when "
+                                                    "installed); TRL's list of one tracker is taken too.")
     from_rollouts: str | None = field_help(None, "Train on the groups of this trajectory file (treerl rollout/serve "
                                                  "--out) instead of playing the environment; step s takes the "
                                                  "file's next tasks_per_step groups, cycling.")
@@ -229,6 +230,12 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         if self.attention_impl != "auto" and self.attention_impl not in BACKENDS:
             raise ValueError(f"attention_impl={self.attention_impl!r} is not a tree-attention backend: use auto or one "
                              f"of {', '.join(sorted(BACKENDS))} (--attention-impl auto).")
+        if isinstance(self.report_to, (list, tuple)):  # TRL's list: [] and ["none"] log nowhere else
+            trackers = [t for t in self.report_to if t != "none"]
+            if len(trackers) > 1:
+                raise ValueError(f"report_to={list(self.report_to)!r}: treerl logs to one tracker; keep one of "
+                                 "tensorboard, wandb or trackio.")
+            self.report_to = trackers[0] if trackers else "none"
         if self.report_to not in REPORT_TO:
             raise ValueError(f"report_to={self.report_to!r}: use none, tensorboard, wandb or trackio.")
         if not isinstance(self.eval_env_kwargs, dict):
