@@ -113,8 +113,16 @@ def test_a_caller_reading_stdout_as_it_arrives_can_stop_the_run():
     result = run_python(code, limits=SandboxLimits(timeout_s=30.0), on_stdout=on_stdout)
     assert time.monotonic() - start < 5.0
     assert result.stopped and result.error is None and result.exit_code is None
-    assert result.stdout == "stop\n" and b"".join(seen) == b"stop\n"
+    assert b"".join(seen) == b"stop\n"
+    assert result.stdout == ""  # handed to the caller, not kept twice
     assert run_python("print(1)", on_stdout=lambda data: False).ok  # never asked: an ordinary run
+
+
+def test_stdout_handed_to_the_caller_still_counts_against_the_limit():
+    seen = []
+    result = run_python("print('x' * 10_000)", limits=SandboxLimits(max_output_bytes=100),
+                        on_stdout=lambda data: seen.append(data) and False)
+    assert b"".join(seen) == b"x" * 100 and result.stdout == "" and result.stdout_truncated
 
 
 def test_output_is_truncated_and_flagged():

@@ -315,9 +315,10 @@ def run_python(
     ``files`` maps relative paths (subdirectories allowed) to contents written into the
     working directory before the code starts. Never raises for anything the code does;
     raises ``ValueError`` for a bad ``files`` path (the caller's bug). ``on_stdout``, if
-    given, is called with each piece of the kept stdout as it arrives (from the thread that
-    runs the code); when it returns true the run is stopped there, and the result says
-    ``stopped`` (a caller that reads results as they stream and has seen enough). Thread-safe: no
+    given, is called with each piece of stdout within ``max_output_bytes`` as it arrives
+    (from the thread that runs the code), in place of ``result.stdout``, which stays empty;
+    when it returns true the run is stopped there, and the result says ``stopped`` (a caller
+    that reads results as they stream and has seen enough). Thread-safe: no
     ``preexec_fn``, all setup happens in the child's bootstrap. Waits for a slot first
     when :func:`max_concurrent_runs` runs are going; ``limits.timeout_s`` counts from then.
 

@@ -10,8 +10,10 @@
   total memory or disk where the kernel could not be asked to enforce them), is stopped at
   once rather than left to spin until the deadline; whatever the run left behind is killed (``kill_survivors``) before the
   pipes are drained, since a leftover child can hold them open.
-- ``on_stdout`` sees the kept stdout as it arrives; when it returns true the run is
-  stopped at once (``stopped``), the way a process-limit hit stops it.
+- ``on_stdout`` is handed the stdout within the limit as it arrives, in place of keeping it
+  (``stdout`` is then empty: a caller that reads a long stream piece by piece does not hold
+  it twice); when it returns true the run is stopped at once (``stopped``), the way a
+  process-limit hit stops it.
 - Event records are JSON lines on a pipe (``events_fd``) that any process of the run may
   write, the user code included: unreadable lines are skipped, and only the first
   ``_MAX_STATUS_BYTES`` are kept; the rest is read and dropped, so that the pipe never
@@ -73,11 +75,12 @@ def capture(
 
     ``watch``, called every ``watch_every_s``, returns a record when the run broke a limit
     the parent enforces itself; the record joins ``records`` and the run is stopped.
-    ``on_stdout`` is called with each piece of stdout that is kept, as it is read; when it
-    returns true, the run is stopped.
+    ``on_stdout`` is called with each piece of stdout within the limit, as it is read, and
+    that stdout is not kept; when it returns true, the run is stopped.
     """
     assert proc.stdout is not None and proc.stderr is not None
     kept = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    taken = dict.fromkeys(kept, 0)  # bytes within the limit so far, kept or handed to on_stdout
     cut: set[int] = set()  # the pipes that went over max_output_bytes
     timed_out = stopped_early = stopped = False
     sel = selectors.DefaultSelector()
@@ -99,14 +102,16 @@ def capture(
             if key.fd == events_fd:
                 status.feed(data)
                 continue
-            buf = kept[key.fd]
-            room = max_output_bytes - len(buf)
+            room = max_output_bytes - taken[key.fd]
             if len(data) > room:
                 cut.add(key.fd)
             if room > 0:
-                buf += data[:room]
+                piece = data[:room]
+                taken[key.fd] += len(piece)
                 if on_stdout is not None and key.fd == proc.stdout.fileno():
-                    stop = bool(on_stdout(data[:room])) or stop
+                    stop = bool(on_stdout(piece)) or stop
+                else:
+                    kept[key.fd] += piece
         return stop
 
     try:
