@@ -57,6 +57,20 @@ def test_a_trl_script_trains_with_only_its_import_changed(tmp_path):
     assert figures["eval_reward"] <= 0  # -|20 - length|
     trainer.save_model(str(tmp_path / "saved"))
     assert (tmp_path / "saved" / "model.safetensors").is_file()
+    run_config = (tmp_path / "out" / "config.json").read_text()
+    trainer.save_model()  # TRL scripts end with save_model(args.output_dir): the run's config.json stays
+    assert (tmp_path / "out" / "config.json").read_text() == run_config
+
+
+def test_text_prompts_under_another_column_give_reward_functions_text():
+    from treerl.trainer import _trl_format
+
+    def reward(prompts, completions, **kwargs):
+        return [float(isinstance(c, str)) for c in completions]
+
+    messages = {"prompts": [[{"role": "user", "content": "Hi"}]], "completions": [[{"role": "assistant", "content": "Yo"}]]}
+    assert _trl_format(reward, [{"question": "Hi"}], [], "question")(**messages) == [1.0]
+    assert _trl_format(reward, [{"question": "Hi"}], [], "prompt")(**messages) == [0.0]  # not where the prompt is
 
 
 def test_conversational_prompts_and_tools_play_multi_turn_episodes(tmp_path):

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import shutil
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -149,7 +150,7 @@ class GRPOTrainer:
             callbacks.append(_TrainerCallbacks(trainer_callbacks, cfg))
             callbacks[-1].event("on_train_begin")
         self.result = train(cfg, model=model, tokenizer=tokenizer, env_factory=self._env_factory(self.train_dataset),
-                            reward_funcs=[_trl_format(f, self.train_dataset, self.tools) for f in self.reward_funcs],
+                            reward_funcs=self._reward_funcs_for(self.train_dataset),
                             reward_weights=self.reward_weights, optimizer=self.optimizer, callbacks=callbacks)
         if trainer_callbacks:
             callbacks[-1].event("on_train_end")
@@ -180,7 +181,7 @@ class GRPOTrainer:
         try:
             report = evaluate_with(self.args, policy, tokenizer, num_episodes=len(rows), seed=self.args.eval_seed,
                                    env_factory=self._env_factory(rows), env_id="GRPOTrainer.eval_dataset",
-                                   reward_funcs=[_trl_format(f, rows, self.tools) for f in self.reward_funcs],
+                                   reward_funcs=self._reward_funcs_for(rows),
                                    reward_weights=self.reward_weights, temperature=self.args.eval_temperature)
         finally:
             policy.close()
@@ -192,13 +193,25 @@ class GRPOTrainer:
         return out
 
     def save_model(self, output_dir: str | None = None) -> None:
-        """Copy the trained model (``model/`` of the run, in transformers format) to ``output_dir`` (default:
-        ``args.output_dir``), as TRL's ``save_model`` writes it there."""
+        """Copy the trained model (``model/`` of the run, in transformers format) to ``output_dir``, as TRL's
+        ``save_model`` writes it there. The run's own directory (the default, ``args.output_dir``) already
+        holds it in ``model/``: its ``config.json`` is the run's, which the model's would replace, so the
+        model stays there and a line says where it is."""
         if self.result is None:
             raise ValueError("save_model() saves the trained model: call train() first.")
-        shutil.copytree(self.result.model_dir, Path(output_dir or self.args.output_dir), dirs_exist_ok=True)
+        target = Path(output_dir or self.args.output_dir)
+        if target.resolve() == Path(self.args.output_dir).resolve():
+            print(f"note: the trained model is in {self.result.model_dir} (the run directory keeps the run's "
+                  "config.json, which a model's would replace).", file=sys.stderr)
+            return
+        shutil.copytree(self.result.model_dir, target, dirs_exist_ok=True)
 
     # -- pieces ----------------------------------------------------------------------------------------------
+
+    def _reward_funcs_for(self, rows: Any) -> list[RewardFunc]:
+        """The reward functions, each given the format TRL would give it for ``rows``."""
+        prompt_key = self.args.env_kwargs.get("prompt_key", "prompt")
+        return [_trl_format(f, rows, self.tools, prompt_key) for f in self.reward_funcs]
 
     def _env_factory(self, rows: Any) -> Callable[[], PromptEnv]:
         return functools.partial(PromptEnv, dataset=rows, tools=self.tools, **self.args.env_kwargs)
@@ -226,10 +239,11 @@ class GRPOTrainer:
         return model, tokenizer
 
 
-def _trl_format(func: RewardFunc, rows: Any, tools: Sequence[Any]) -> RewardFunc:
-    """``func`` given text prompts and completions where TRL gives them: rows whose prompts are text, played
-    without tools (TRL's standard format); else the lists of messages treerl gives (its conversational one)."""
-    if tools or not len(rows) or not isinstance(rows[0].get("prompt"), str):
+def _trl_format(func: RewardFunc, rows: Any, tools: Sequence[Any], prompt_key: str = "prompt") -> RewardFunc:
+    """``func`` given text prompts and completions where TRL gives them: rows whose prompts (``prompt_key``)
+    are text, played without tools (TRL's standard format); else the lists of messages treerl gives (its
+    conversational one)."""
+    if tools or not len(rows) or not isinstance(rows[0].get(prompt_key), str):
         return func
 
     @functools.wraps(func)  # keeps its name for the metrics and its signature for the argument check
