@@ -68,7 +68,8 @@ def test_text_prompts_under_another_column_give_reward_functions_text():
     def reward(prompts, completions, **kwargs):
         return [float(isinstance(c, str)) for c in completions]
 
-    messages = {"prompts": [[{"role": "user", "content": "Hi"}]], "completions": [[{"role": "assistant", "content": "Yo"}]]}
+    messages = {"prompts": [[{"role": "user", "content": "Hi"}]],
+                "completions": [[{"role": "assistant", "content": "Yo"}]]}
     assert _trl_format(reward, [{"question": "Hi"}], [], "question")(**messages) == [1.0]
     assert _trl_format(reward, [{"question": "Hi"}], [], "prompt")(**messages) == [0.0]  # not where the prompt is
 
