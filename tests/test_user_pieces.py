@@ -4,7 +4,9 @@ import path (async, None), a chat template and its variables; each failure names
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
 
 import pytest
 
@@ -274,6 +276,28 @@ def test_trls_report_to_list_of_one_tracker(tmp_path):
     assert config_from_args(GRPOConfig, args).report_to == "tensorboard"
     args = build_parser().parse_args(["learn", "--output-dir", "x", "--report-to", "tensorboard"])
     assert config_from_args(GRPOConfig, args).report_to == "tensorboard"
+
+
+def test_trls_run_name_names_the_tracker_run(tmp_path, monkeypatch):
+    import types
+
+    from treerl.learners.metrics import MetricsLog
+
+    inits = []
+    fake = types.SimpleNamespace(init=lambda **kwargs: inits.append(kwargs), log=lambda *a, **k: None,
+                                 finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = GRPOConfig(output_dir=str(tmp_path), report_to="wandb", run_name="qwen3-calc")
+    MetricsLog(tmp_path, report_to="wandb", config=dataclasses.asdict(cfg), total_steps=1, progress=False)
+    MetricsLog(tmp_path, report_to="wandb", config={"run_name": None}, total_steps=1, progress=False)
+    assert inits[0]["name"] == "qwen3-calc" and "name" not in inits[1]
+
+
+@pytest.mark.parametrize("option", ["adam_beta1", "optim", "push_to_hub", "save_strategy", "do_eval",
+                                    "gradient_checkpointing_kwargs", "torch_dtype"])
+def test_trainingarguments_options_a_trl_script_sets_are_refused_with_what_to_do(option):
+    with pytest.raises(TypeError, match=f"GRPOConfig\\(\\) has no option {option}: "):
+        GRPOConfig(output_dir="x", **{option: 1})
 
 
 def test_trl_options_that_change_nothing_here_are_taken_with_a_note(tmp_path, capsys):

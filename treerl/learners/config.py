@@ -82,6 +82,21 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "max_tool_calling_iterations": "tool-calling turns are the environment's max_turns: --env-kwargs "
                                        "'{\"max_turns\": N}' (env_kwargs={\"max_turns\": N} in Python)",
         "repetition_penalty": "not supported: sampling takes --temperature, --top-k, --top-p and --min-p",
+        **dict.fromkeys(("optim", "adam_beta1", "adam_beta2", "adam_epsilon"),
+                        "the optimizer is torch's AdamW with its defaults (--learning-rate, --weight-decay); another "
+                        "one, or other betas, is a torch optimizer passed from Python: treerl.learners.train(cfg, "
+                        "optimizer=...) or GRPOTrainer(optimizers=(optimizer, None))"),
+        **dict.fromkeys(("push_to_hub", "hub_model_id", "hub_strategy"),
+                        "not supported: the trained model is OUTPUT_DIR/model, in transformers format; upload it "
+                        "with `hf upload REPO OUTPUT_DIR/model`"),
+        "save_strategy": "checkpoints are written every --save-every steps (TRL's save_steps; 0: only the final "
+                         "model), keeping --save-total-limit of them",
+        **dict.fromkeys(("do_eval", "per_device_eval_batch_size"),
+                        "held-out evaluation plays --eval-episodes episodes at the start and the end of a run"),
+        "gradient_checkpointing_kwargs": "--gradient-checkpointing recomputes each decoder layer without "
+                                         "reentrancy; it takes no other options",
+        **dict.fromkeys(("model_init_kwargs", "torch_dtype"),
+                        "--dtype sets the dtype the weights are loaded and trained in (auto: the checkpoint's)"),
         "top_entropy_quantile": "not supported",
         "sync_ref_model": "not supported: the reference model of --beta is the starting weights",
         "delta": "not supported (the two-sided clip of --loss dppo is --dppo-delta-low/--dppo-delta-high)",
@@ -207,6 +222,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     progress: bool = field_help(True, "Show a progress bar.")
     report_to: str | list[str] = field_help("none", "Also log to: none, tensorboard, wandb or trackio (when "
                                                     "installed); TRL's list of one tracker is taken too.")
+    run_name: str | None = field_help(None, "The run's name in wandb or trackio (TRL's run_name; default: the "
+                                            "tracker's own).")
     from_rollouts: str | None = field_help(None, "Train on the groups of this trajectory file (treerl rollout/serve "
                                                  "--out) instead of playing the environment; step s takes the "
                                                  "file's next tasks_per_step groups, cycling.")

@@ -86,7 +86,8 @@ class MetricsLog:
         if report_to == "tensorboard":
             self.tracker = ("tensorboard", backend(str(Path(output_dir) / "tensorboard")))
         elif backend is not None:
-            backend.init(project="treerl", config=config)
+            named = {"name": config["run_name"]} if config.get("run_name") else {}  # TRL's run_name
+            backend.init(project="treerl", config=config, **named)
             self.tracker = (report_to, backend)
         self.file = open(Path(output_dir) / "metrics.jsonl", "a", encoding="utf-8")
         self.bar = None
