@@ -142,10 +142,15 @@ def test_num_iterations_updates_several_times_against_the_first_weights(tmp_path
         made.append(torch.optim.AdamW(params, lr=0.05))
         return made[-1]
 
+    def schedule(completions, trainer_state, **kwargs):  # TRL's trainer_state counts optimizer steps
+        made.append((trainer_state.global_step, trainer_state.max_steps))
+        return [0.0] * len(completions)
+
     train(GRPOConfig(output_dir=str(tmp_path), loss="grpo", num_iterations=3, **{**SMALL, "steps": 1,
                                                                                   "tasks_per_step": 4}),
-          model=model, tokenizer=tok, optimizer=adamw)
-    [optimizer] = made
+          model=model, tokenizer=tok, optimizer=adamw, reward_funcs=[schedule])
+    optimizer, states = made
+    assert states == (0, 3)
     assert {int(state["step"]) for state in optimizer.state.values()} == {3}  # three updates on one step's episodes
     [m] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # The last update's ratio is to the weights before the first, which it has left: the clip acts (at

@@ -119,7 +119,10 @@ def score_step(run: Run, step: int, groups: Sequence[Group], metrics: dict[str, 
     functions' means and their ``log_extra`` values (``reward_extras.jsonl``, one line per step)
     over every rank's episodes."""
     extras: dict[str, list[Any]] = {}
-    rewards = score(groups, run.reward_funcs, metrics, extras, StepState(global_step=step, max_steps=run.cfg.steps))
+    # TRL's trainer_state counts optimizer steps: a step here takes num_iterations of them.
+    per_step = getattr(run.cfg, "num_iterations", 1)
+    state = StepState(global_step=step * per_step, max_steps=run.cfg.steps * per_step)
+    rewards = score(groups, run.reward_funcs, metrics, extras, state)
     if run.ranks.enabled and run.reward_funcs:
         extras = run.ranks.gather_episode_values(extras, [len(g.episodes) for g in groups])
         # A function's mean is over the episodes it applies to, which a rank may lack (NaN there).

@@ -57,9 +57,10 @@ class StepState:
     """The ``trainer_state`` reward functions get: the fields of TRL's that a schedule reads."""
 
     global_step: int
-    """Optimizer steps taken before this one (0 while scoring the first step's episodes)."""
+    """Optimizer steps taken before this one (0 while scoring the first step's episodes; a step that
+    takes ``num_iterations`` updates counts them all, as TRL's does)."""
     max_steps: int
-    """Steps the run takes in all."""
+    """Optimizer steps the run takes in all."""
 
 
 @dataclass
