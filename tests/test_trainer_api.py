@@ -163,7 +163,6 @@ def test_unsupported_arguments_are_refused_by_name(tmp_path):
     refused("quantization_config", quantization_config=object())
     refused("reward_processing_classes", reward_processing_classes=object())
     refused("rollout_func", rollout_func=lambda prompts, trainer: {})
-    refused("environment_factory", environment_factory=object)
     refused("optimizers=.*warm-up", optimizers=(None, object()))
     refused("use_dora", peft_config=LoraConfig(r=2, use_dora=True))
     refused("regular expression", peft_config=LoraConfig(r=2, target_modules=".*proj"))
@@ -195,3 +194,198 @@ def test_a_trl_script_with_its_batch_sizes_and_logging_options(tmp_path):
     assert result.steps == 1 and changed(result.model_dir)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["tasks_per_step"], config["group_size"]) == (2, 2)
+
+
+# -- environment_factory -----------------------------------------------------------------------------------------
+
+
+class CalculatorEnv:
+    """A TRL environment: reset(**row) says what to do, calculator is its tool, get_reward scores the episode."""
+
+    made: list[CalculatorEnv] = []
+
+    def __init__(self):
+        CalculatorEnv.made.append(self)
+        self.resets, self.calls = [], []
+
+    def reset(self, **row) -> str:
+        self.resets.append(row)
+        return " Use the calculator."
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: The expression, e.g. "2 + 3".
+        """
+        self.calls.append(expression)
+        return str(eval(expression, {"__builtins__": {}}))  # the tiny model writes + and - of small numbers
+
+    def get_reward(self) -> float:
+        return float(len(self.calls))
+
+
+class EchoEnv:
+    """A TRL environment without get_reward: its reward is the reward functions' to give."""
+
+    def reset(self, **row) -> None:
+        self.row = row
+
+    def echo(self, text: str) -> str:
+        """Say it back.
+
+        Args:
+            text: What to say.
+        """
+        return text
+
+
+def marbles(i: int, **columns) -> dict:
+    return {"prompt": [{"role": "system", "content": SYSTEM},
+                       {"role": "user", "content": f"Tara has {i + 11} marbles, buys 9 more and then gives away 15. "
+                                                   "How many marbles are left?"}], "answer": str(i + 5), **columns}
+
+
+def test_an_environment_factory_plays_a_fresh_object_per_episode_with_its_tools_and_get_reward(tmp_path):
+    CalculatorEnv.made = []
+    seen = {}
+
+    def format_reward(prompts, completions, environments, **kwargs):  # TRL's way to read the episodes' objects
+        seen.update(prompts=prompts, environments=environments)
+        return [0.5] * len(completions)
+
+    rows = [marbles(i) for i in range(2)]
+    trainer = GRPOTrainer(model="tiny", reward_funcs=format_reward, environment_factory=CalculatorEnv,
+                          train_dataset=rows, args=small(tmp_path, max_new_tokens=32))
+    trainer.train()
+
+    probe, *played = CalculatorEnv.made  # the trainer checks one object, as TRL does; then one per episode
+    assert len(played) == 4 and not probe.resets
+    assert all(env.resets in ([rows[0]], [rows[1]]) for env in played)  # reset(**row): the row's columns, once
+    # Each episode's own object, in the order of the episodes.
+    assert len({id(env) for env in seen["environments"]}) == 4 and set(seen["environments"]) == set(played)
+    assert any(env.calls for env in played), "the model called no tool"
+    # reset()'s text is appended to the last message of the prompt.
+    assert all(p[-1]["content"].endswith("How many marbles are left? Use the calculator.") for p in seen["prompts"])
+    metrics = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
+    calls = sum(len(env.calls) for env in played) / 4
+    assert metrics["reward_fn/CalculatorEnv_mean"] == pytest.approx(calls)  # get_reward(), under the class name
+    assert metrics["reward/mean"] == pytest.approx(0.5 + calls)  # weight 1, beside the reward function's
+    assert trainer.args.reward_weights == [0.0, 1.0, 1.0]
+    figures = trainer.evaluate(rows[:1])
+    assert set(figures) == {"eval_reward", "eval_reward_std", "eval_rewards/format_reward/mean",
+                            "eval_rewards/CalculatorEnv/mean"}
+
+
+def test_a_dict_environment_factory_routes_each_row_to_its_environment(tmp_path):
+    from treerl.envs.prompts import PromptEnv
+
+    rows = [marbles(0, environment="calc"), marbles(1, environment="echo")]
+    factories = {"calc": CalculatorEnv, "echo": EchoEnv}
+    env = PromptEnv(dataset=rows, environment_factory=factories)
+    for index, tools in ((0, ["calculator"]), (1, ["echo"])):  # only the row's environment's tools are shown
+        _, info = env.reset(seed=0, options={"task_index": index})
+        assert [t["function"]["name"] for t in info["tools"]] == tools
+    assert env.environment.row == {k: v for k, v in rows[1].items() if k != "environment"}  # not passed to reset
+
+    seen = {}
+
+    def kinds(environments, environment, **kwargs):
+        seen.update(types=[type(e).__name__ for e in environments], names=environment)
+        return [0.0] * len(environments)
+
+    trainer = GRPOTrainer(model="tiny", reward_funcs=kinds, environment_factory=factories, train_dataset=rows,
+                          args=small(tmp_path, max_new_tokens=16))
+    trainer.train()
+    assert sorted(seen["names"]) == ["calc", "calc", "echo", "echo"]
+    assert seen["types"] == [{"calc": "CalculatorEnv", "echo": "EchoEnv"}[n] for n in seen["names"]]
+    metrics = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "reward_fn/CalculatorEnv_mean" in metrics and "reward_fn/EchoEnv_mean" not in metrics
+
+
+def test_without_train_dataset_the_environments_reset_gives_the_prompt(tmp_path):
+    class Sum:
+        resets = []
+
+        def reset(self, **row) -> str:
+            Sum.resets.append(row)
+            self.answer = None
+            return "What is 2 + 3? Answer with the submit tool."
+
+        def submit(self, answer: int) -> str:
+            """Give the answer.
+
+            Args:
+                answer: The sum.
+            """
+            self.answer = answer
+            return "ok"
+
+        def get_reward(self) -> float:
+            return float(self.answer == 5)
+
+    seen = []
+    result = GRPOTrainer(model="tiny", environment_factory=Sum, args=small(tmp_path, max_new_tokens=8),
+                         reward_funcs=lambda prompts, **kw: seen.extend(prompts) or [0.0] * len(prompts)).train()
+
+    assert result.steps == 1 and len(Sum.resets) == 4
+    assert all(row == {"prompt": [{"role": "user", "content": ""}]} for row in Sum.resets)  # TRL's placeholder row
+    assert all(p == [{"role": "user", "content": "What is 2 + 3? Answer with the submit tool."}] for p in seen)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["env"] == "GRPOTrainer.environment_factory"
+
+
+def test_environment_factory_shapes_that_cannot_be_played_are_refused(tmp_path):
+    from treerl.envs.prompts import PromptEnv
+    from treerl.errors import EnvError
+
+    def refused(match, **kwargs):
+        kwargs = {"model": "tiny", "args": small(tmp_path), "train_dataset": [marbles(0)], **kwargs}
+        with pytest.raises(ValueError, match=match):
+            GRPOTrainer(**kwargs)
+
+    refused("needs reward_funcs.*defines get_reward", environment_factory=EchoEnv)
+    refused("no reward source", environment_factory=EchoEnv, reward_funcs=[])
+    refused("has no reset", environment_factory=object)
+    refused("needs a train_dataset with an 'environment' column", environment_factory={"echo": EchoEnv},
+            reward_funcs=len, train_dataset=None)
+    refused("Row 0 has environment='calc'", environment_factory={"echo": EchoEnv}, reward_funcs=len,
+            train_dataset=[marbles(0, environment="calc")])
+    refused("branch_factor", environment_factory=CalculatorEnv, args=small(tmp_path, branch_factor=2, branch_at_turn=1))
+
+    def echo(text: str) -> str:
+        """Say it.
+
+        Args:
+            text: What.
+        """
+        return text
+
+    with pytest.raises(ValueError, match="Tool names must be unique"):
+        PromptEnv(dataset=[{"prompt": "Hi"}], tools=[echo], environment_factory=EchoEnv).reset(seed=0)
+
+    class Random:  # a task drawn at random in reset(): the generations of a row would see different prompts
+        count = 0
+
+        def reset(self, **row) -> str:
+            Random.count += 1
+            return f"Task {Random.count}."
+
+    env = PromptEnv(dataset=[{"prompt": "Hi"}], environment_factory=Random)
+    env.reset(seed=0)
+    env.fork()  # the first generation plays the object reset() made
+    with pytest.raises(EnvError, match="must return the same text for the same row"):
+        env.fork()
+
+    class Parts:
+        def reset(self, **row):
+            return [{"type": "text", "text": "Hi"}]
+
+    with pytest.raises(EnvError, match="return a string"):
+        PromptEnv(dataset=[{"prompt": "Hi"}], environment_factory=Parts).reset(seed=0)
+    env = PromptEnv(dataset=[{"prompt": "Hi"}], environment_factory=EchoEnv)
+    env.reset(seed=0)
+    env.fork().step("I am done.")
+    played = env.fork()
+    played.step('<tool_call>\n{"name": "echo", "arguments": {"text": "a"}}\n</tool_call>')
+    with pytest.raises(EnvError, match="cannot fork an episode in play"):
+        played.fork()

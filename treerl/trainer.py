@@ -22,6 +22,20 @@ What maps, and how:
   episodes lists of messages (its conversational format). The reward trained on is their weighted sum
   (``args.reward_weights``: one per function, TRL's meaning); the environment's reward, 0 here, has
   weight 0.
+- ``environment_factory`` (TRL's: a class, or a function, returning an environment object; or a dict of
+  them by name, each row's ``environment`` column picking one) plays one fresh object per episode:
+  ``reset(**row)`` is called on it with the row's columns (not ``environment``), the string it returns
+  is appended to the prompt's last message, and its public methods (all but ``reset`` and
+  ``get_reward``) are the episode's tools, beside ``tools``; one object of each factory is made at once
+  to check it, as TRL does. Reward functions get the episodes' objects as ``environments``. A class
+  with ``get_reward()`` is one more reward source, called once per episode when the step's episodes are
+  scored, named after the class (``reward_fn/NAME_mean``) and weighted 1 after ``args.reward_weights``;
+  ``reward_funcs`` may then be omitted, and so may ``train_dataset`` (one factory, whose ``reset()``
+  returns the prompt: each task is an empty user message plus that text, for ``args.max_steps``). A
+  row's generations share its prompt (GRPO's group), so ``reset()`` must return the same text for the
+  same row, which a ``reset()`` that draws a task at random does not (TRL prompts each rollout apart):
+  that is refused when it happens. Branching (``branch_factor`` > 1) is refused: an environment object
+  cannot be copied mid-episode.
 - ``peft_config`` (a peft ``LoraConfig``) sets ``lora_r``, ``lora_alpha``, ``lora_dropout`` and
   ``lora_target_modules``; any other setting of it is refused by name.
 - ``eval_dataset`` is what :meth:`GRPOTrainer.evaluate` scores (TRL evaluates during training only with
@@ -33,13 +47,14 @@ What maps, and how:
 
 What does not map is refused with what to do instead: a reward model (a model id or object in
 ``reward_funcs``), ``reward_processing_classes``, ``quantization_config``, an LR scheduler in
-``optimizers``, ``rollout_func`` and ``environment_factory``.
+``optimizers`` and ``rollout_func``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import shutil
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -47,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from treerl.envs.builtin.math_verify import load_rows
-from treerl.envs.prompts import PromptEnv
+from treerl.envs.prompts import EnvironmentInstances, PromptEnv, environment_tools
 from treerl.learners.core import TrainResult
 from treerl.learners.grpo import GRPOConfig, train
 from treerl.rollout.rewards import RewardFunc
@@ -58,6 +73,9 @@ __all__ = ["GRPOTrainer", "GRPOConfig"]
 _LORA_IGNORED = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
                  "inference_mode"}
 _LORA_MAPPED = {"r", "lora_alpha", "lora_dropout", "target_modules"}
+
+# TRL's placeholder row where an environment_factory's reset() gives the prompt: an empty user message.
+_EMPTY_PROMPT_ROW = {"prompt": [{"role": "user", "content": ""}]}
 
 
 class GRPOTrainer:
@@ -81,10 +99,7 @@ class GRPOTrainer:
                 quantization_config=(quantization_config, "quantized training is not supported; load the model in "
                                      "full precision (args.dtype, args.bf16 set the precision)"),
                 rollout_func=(rollout_func, "generation is treerl's rollout engine; a sampler of your own is a "
-                              "treerl.agents.Policy passed as treerl.learners.train(cfg, policy=...)"),
-                environment_factory=(environment_factory, "an environment of your own is a treerl ToolEnv "
-                                     "(README: 'Define your own environment'), trained with "
-                                     "treerl.learners.train(cfg, env_factory=...)"))
+                              "treerl.agents.Policy passed as treerl.learners.train(cfg, policy=...)"))
         optimizer, scheduler = optimizers
         _refuse(optimizers=(scheduler, "the learning-rate schedule is args.warmup_steps of linear warm-up, then "
                             "constant; pass optimizers=(optimizer, None)"))
@@ -93,13 +108,26 @@ class GRPOTrainer:
         if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
             raise ValueError("GRPOTrainer(model=...) is a peft model: pass its base model and the LoraConfig as "
                              "peft_config= (treerl adds the adapters itself).")
+        self.environment_factory = environment_factory
+        # TRL's extra reward source: get_reward() of each environment class that has one.
+        env_rewards = [_environment_reward(cls) for cls in _environment_classes(environment_factory)
+                       if "get_reward" in dict(inspect.getmembers(cls, inspect.isfunction))]
         if train_dataset is None:
-            raise ValueError("GRPOTrainer needs train_dataset: a datasets.Dataset or a list of dicts with a 'prompt' "
-                             "column.")
+            if environment_factory is None:
+                raise ValueError("GRPOTrainer needs train_dataset: a datasets.Dataset or a list of dicts with a "
+                                 "'prompt' column (or an environment_factory whose reset() returns the prompt).")
+            if isinstance(environment_factory, Mapping):
+                raise ValueError("A dict environment_factory (several environments) needs a train_dataset with an "
+                                 "'environment' column to route each row to its environment; give one, or pass a "
+                                 "single factory.")
+            train_dataset = [_EMPTY_PROMPT_ROW]  # every task: reset()'s text after an empty user message
+            source = "environment_factory"
+        else:
+            source = "train_dataset"
         if isinstance(eval_dataset, Mapping):
             raise ValueError("eval_dataset is a mapping of several datasets; pass one (a datasets.Dataset or a list "
                              "of rows), or call evaluate(eval_dataset=...) once per dataset.")
-        self.reward_funcs = _reward_funcs(reward_funcs)
+        self.reward_funcs = _reward_funcs(reward_funcs, has_env_reward=bool(env_rewards))
         if args is None:  # TRL's default: a directory named after the model
             name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
             args = GRPOConfig(output_dir=f"{(str(name) or 'model').rstrip('/').split('/')[-1]}-GRPO")
@@ -110,12 +138,21 @@ class GRPOTrainer:
         if len(weights) != len(self.reward_funcs):
             raise ValueError(f"args.reward_weights has {len(weights)} entries for {len(self.reward_funcs)} reward "
                              "function(s); give one per function (TRL's meaning: there is no environment reward "
-                             "here).")
+                             "here, and an environment's get_reward() comes after them with weight 1).")
+        if environment_factory is not None and args.branch_factor > 1:
+            raise ValueError(f"args.branch_factor={args.branch_factor} forks episodes mid-play, and an "
+                             "environment_factory's objects cannot be copied (TRL has no branching); set "
+                             "branch_factor=1.")
+        # As TRL's: each environment class's get_reward() comes after the reward functions, with weight 1.
+        self.reward_funcs += env_rewards
+        if not self.reward_funcs:
+            raise ValueError("GRPOTrainer has no reward source: pass reward_funcs, or an environment_factory whose "
+                             "environment defines get_reward().")
         # The environment's reward (0 here) comes first in treerl's weights; weight 0 keeps TRL's sum.
-        self.reward_weights = [0.0, *map(float, weights)]
+        self.reward_weights = [0.0, *map(float, weights), *[1.0] * len(env_rewards)]
         # config.json names what was trained on: no registered environment (a rerun from it says so).
         changes: dict[str, Any] = {"reward_weights": self.reward_weights, "eval_episodes": 0,
-                                   "env": "GRPOTrainer.train_dataset"}
+                                   "env": f"GRPOTrainer.{source}"}
         if isinstance(model, str):
             changes["model"] = model
         if peft_config is not None:
@@ -209,12 +246,16 @@ class GRPOTrainer:
     # -- pieces ----------------------------------------------------------------------------------------------
 
     def _reward_funcs_for(self, rows: Any) -> list[RewardFunc]:
-        """The reward functions, each given the format TRL would give it for ``rows``."""
+        """The reward functions, each given the format TRL would give it for ``rows``; with an
+        ``environment_factory``, the conversational one and the episodes' objects as ``environments``."""
+        if self.environment_factory is not None:
+            return [_with_environments(f) for f in self.reward_funcs]
         prompt_key = self.args.env_kwargs.get("prompt_key", "prompt")
         return [_trl_format(f, rows, self.tools, prompt_key) for f in self.reward_funcs]
 
     def _env_factory(self, rows: Any) -> Callable[[], PromptEnv]:
-        return functools.partial(PromptEnv, dataset=rows, tools=self.tools, **self.args.env_kwargs)
+        return functools.partial(PromptEnv, dataset=rows, tools=self.tools,
+                                 environment_factory=self.environment_factory, **self.args.env_kwargs)
 
     def _model_and_tokenizer(self) -> tuple[Any, Any]:
         """``(None, None)`` for a model named by a string without ``processing_class`` (``train`` loads
@@ -254,16 +295,77 @@ def _trl_format(func: RewardFunc, rows: Any, tools: Sequence[Any], prompt_key: s
     return standard
 
 
+def _environment_classes(environment_factory: Any) -> list[type]:
+    """The class of each factory's environment, from one object of each (TRL probes them so), checked for TRL's
+    contract: a ``reset`` method, and methods that make tools (type hints, docstrings)."""
+    if environment_factory is None:
+        return []
+    factories = environment_factory.values() if isinstance(environment_factory, Mapping) else [environment_factory]
+    classes = []
+    for factory in factories:
+        if not callable(factory):
+            raise ValueError(f"environment_factory: {factory!r} is not callable; give a class (or a function) that "
+                             "returns an environment object, or a dict of them by name.")
+        environment = factory()
+        if not callable(getattr(environment, "reset", None)):
+            raise ValueError(f"environment_factory: its {type(environment).__name__} object has no reset() method; "
+                             "each environment object must define reset(**row) -> str | None (TRL's contract).")
+        environment_tools(environment)  # a method that cannot be a tool is said now, not at the first step
+        if type(environment) not in classes:  # one reward source per class, as TRL's
+            classes.append(type(environment))
+    return classes
+
+
+def _environment_reward(cls: type) -> RewardFunc:
+    """TRL's reward source for an environment class with ``get_reward()``: each episode's object of that class
+    scores it (``None``, left out, for the episodes of other environments); named after the class."""
+    if inspect.iscoroutinefunction(cls.get_reward):
+        async def reward(environments: list[Any], **kwargs: Any) -> list[float | None]:
+            return [await e.get_reward() if type(e) is cls else None for e in environments]
+    else:
+        def reward(environments: list[Any], **kwargs: Any) -> list[float | None]:  # type: ignore[misc]
+            return [e.get_reward() if type(e) is cls else None for e in environments]
+    reward.__name__ = reward.__qualname__ = cls.__name__
+    return reward
+
+
+def _with_environments(func: RewardFunc) -> RewardFunc:
+    """``func`` given each episode's environment object as ``environments`` (TRL's argument)."""
+    @functools.wraps(func)  # keeps its name for the metrics and its signature for the argument check
+    def call(*, environments: Sequence[EnvironmentInstances], **kwargs: Any) -> Any:
+        return func(environments=_episode_environments(environments), **kwargs)
+
+    return call
+
+
+def _episode_environments(rows: Sequence[EnvironmentInstances]) -> list[Any]:
+    """Each episode's object: a row's episodes come together in generation order, the order in which
+    :meth:`PromptEnv.fork` handed out the objects of the row's ``environments`` column."""
+    taken: dict[int, int] = {}
+    out = []
+    for row in rows:
+        k = taken.get(id(row), 0)
+        if not isinstance(row, EnvironmentInstances) or k >= len(row.instances):
+            raise RuntimeError(f"environments: no environment object for episode {len(out)} (the row's column is "
+                               f"{row!r}); each episode should have the one its generation played.")
+        out.append(row.instances[k])
+        taken[id(row)] = k + 1
+    return out
+
+
 def _refuse(**given: tuple[Any, str]) -> None:
     for name, (value, why) in given.items():
         if value is not None:
             raise ValueError(f"GRPOTrainer({name}=...) is not supported: {why}.")
 
 
-def _reward_funcs(reward_funcs: Any) -> list[RewardFunc]:
+def _reward_funcs(reward_funcs: Any, has_env_reward: bool = False) -> list[RewardFunc]:
     if reward_funcs is None:
+        if has_env_reward:  # the environment's get_reward() is the reward source
+            return []
         raise ValueError("GRPOTrainer needs reward_funcs: a function f(prompts, completions, **kwargs) -> list of "
-                         "floats, or a list of them.")
+                         "floats, or a list of them (or an environment_factory whose environment defines "
+                         "get_reward()).")
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     for func in funcs:
         if isinstance(func, str) or hasattr(func, "config") and hasattr(func, "forward"):
