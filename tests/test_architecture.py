@@ -6,8 +6,9 @@ Every ``import`` statement of every module is read with ``ast``, those inside fu
     errors, config -> envs, agents, models (and the package root, which re-exports envs)
     -> kernels -> rollout, serve -> learners -> cli, trainer
 
-The one exception is the root's ``__getattr__``, which loads TRL's entry point
-(``from treerl import GRPOTrainer``) from the top floor on first use (``LAZY_EXPORTS``).
+The one exception is the root's ``__getattr__``, which loads TRL's entry points
+(``from treerl import GRPOTrainer``, ``SDPOTrainer``, ``AsyncGRPOTrainer``) from the top floor on first
+use (``LAZY_EXPORTS``).
 
 A module may import from its own floor or below; within a floor the imports must not form a
 cycle. A failure names the two files.
@@ -34,12 +35,12 @@ FLOORS: dict[str, int] = {
     "treerl.serve": 3,  # the OpenAI-compatible server: the rollout floor's, beside the engine it reuses
     "treerl.learners": 4,
     "treerl.cli": 5,
-    "treerl.trainer": 5,  # TRL's GRPOTrainer over the learners
+    "treerl.trainer": 5,  # TRL's GRPOTrainer, SDPOTrainer and AsyncGRPOTrainer over the learners
 }
 
 LAZY_EXPORTS = {("treerl", "treerl.trainer")}
-"""Imports in the root's ``__getattr__``: run on the first ``treerl.GRPOTrainer``, never by ``import treerl``
-or by a module below (so that TRL's import line ports), hence neither upward nor a cycle."""
+"""Imports in the root's ``__getattr__``: run on the first ``treerl.GRPOTrainer`` (or ``SDPOTrainer``, ...),
+never by ``import treerl`` or by a module below (so that TRL's import line ports), hence neither upward nor a cycle."""
 
 
 def _modules() -> dict[str, Path]:

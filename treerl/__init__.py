@@ -9,13 +9,16 @@ from treerl.envs import Env, Task, ToolEnv, check_env, make, register, registry,
 
 __version__ = "0.1.0"
 
-__all__ = ["Env", "ToolEnv", "Task", "tool", "make", "register", "registry", "check_env", "GRPOConfig", "GRPOTrainer",
+_TRAINER_API = ("GRPOConfig", "GRPOTrainer", "SDPOConfig", "SDPOTrainer", "AsyncGRPOConfig", "AsyncGRPOTrainer")
+
+__all__ = ["Env", "ToolEnv", "Task", "tool", "make", "register", "registry", "check_env", *_TRAINER_API,
            "__version__"]
 
 
 def __getattr__(name: str):
-    # TRL's entry point (`from treerl import GRPOConfig, GRPOTrainer`), imported on first use: it loads torch.
-    if name in ("GRPOConfig", "GRPOTrainer"):
+    # TRL's entry points (`from treerl import GRPOConfig, GRPOTrainer`, and SDPO's and AsyncGRPO's as TRL's
+    # experimental ones), imported on first use: they load torch.
+    if name in _TRAINER_API:
         from treerl import trainer
 
         return getattr(trainer, name)

@@ -1,5 +1,7 @@
 """``GRPOTrainer``: TRL's GRPO entry point over :func:`treerl.learners.train`, so that a TRL script ports by
-changing its import.
+changing its import; ``SDPOTrainer`` and ``AsyncGRPOTrainer`` do the same for TRL's experimental trainers of
+those names, over treerl's SDPO and AsyncGRPO learners (one base, :class:`LearnerTrainer`, with the
+learner's config class and train function).
 
 ::
 
@@ -47,7 +49,11 @@ What maps, and how:
 
 What does not map is refused with what to do instead: a reward model (a model id or object in
 ``reward_funcs``), ``reward_processing_classes``, ``quantization_config``, an LR scheduler in
-``optimizers`` and ``rollout_func``.
+``optimizers`` and ``rollout_func``; ``args`` of another learner's config class (or TRL's own).
+
+``SDPOTrainer`` takes a row's ``privileged_context`` column (TRL's) as the feedback its teacher reads.
+``AsyncGRPOTrainer`` takes TRL's argument order, needs ``tools`` that pickle (they travel to the
+generator processes) and refuses ``rollout_worker``, ``weight_transfer`` and ``environment_factory``.
 """
 
 from __future__ import annotations
@@ -55,19 +61,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import pickle
 import shutil
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from treerl.envs.builtin.math_verify import load_rows
 from treerl.envs.prompts import EnvironmentInstances, PromptEnv, environment_tools
 from treerl.learners.core import TrainResult
+from treerl.learners.async_grpo import AsyncGRPOConfig, train_async
 from treerl.learners.grpo import GRPOConfig, train
+from treerl.learners.sdpo import SDPOConfig
+from treerl.learners.sdpo import train as train_sdpo
 from treerl.rollout.rewards import RewardFunc
 
-__all__ = ["GRPOTrainer", "GRPOConfig"]
+__all__ = ["GRPOTrainer", "GRPOConfig", "SDPOTrainer", "SDPOConfig", "AsyncGRPOTrainer", "AsyncGRPOConfig",
+           "LearnerTrainer"]
 
 # LoraConfig fields that say nothing about the adapters trained (bookkeeping, or what peft fills in).
 _LORA_IGNORED = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
@@ -78,14 +89,18 @@ _LORA_MAPPED = {"r", "lora_alpha", "lora_dropout", "target_modules"}
 _EMPTY_PROMPT_ROW = {"prompt": [{"role": "user", "content": ""}]}
 
 
-class GRPOTrainer:
-    """TRL's ``GRPOTrainer(model, reward_funcs, args, train_dataset, ...)`` on treerl's GRPO learner.
-
-    ``model`` is a model directory, a cached Hub id or a shipped model name (``"tiny"``), or a loaded
-    causal LM (its tokenizer then comes from ``processing_class``, else from where the model was loaded
-    from). See the module docstring for what each argument maps to; :meth:`train` returns
-    :class:`~treerl.learners.core.TrainResult` (``output_dir``, ``steps``, ``model_dir``, ...).
+class LearnerTrainer:
+    """TRL's trainer arguments over one of treerl's learners: :attr:`config` is the learner's config class
+    (``args`` must be one), :attr:`learn` its train function, :attr:`suffix` the end of TRL's default
+    ``output_dir`` (``MODEL-SUFFIX``). :class:`GRPOTrainer`, :class:`SDPOTrainer` and
+    :class:`AsyncGRPOTrainer` are this with GRPO's, SDPO's and AsyncGRPO's.
     """
+
+    config: ClassVar[type[GRPOConfig]] = GRPOConfig
+    learn: ClassVar[Callable[..., TrainResult]] = staticmethod(train)
+    suffix: ClassVar[str] = "GRPO"
+    env_class: ClassVar[type[PromptEnv]] = PromptEnv
+    """What plays the rows."""
 
     def __init__(self, model: Any, reward_funcs: RewardFunc | Sequence[RewardFunc] | None = None,
                  args: GRPOConfig | None = None, train_dataset: Any = None, eval_dataset: Any = None,
@@ -94,19 +109,22 @@ class GRPOTrainer:
                  quantization_config: Any = None, peft_config: Any = None,
                  tools: Sequence[Callable[..., Any]] | None = None, rollout_func: Any = None,
                  environment_factory: Any = None):
-        _refuse(reward_processing_classes=(reward_processing_classes, "it tokenizes for reward models, which treerl "
+        name = type(self).__name__
+        _check_args(name, self.config, args)
+        _refuse(name,
+                reward_processing_classes=(reward_processing_classes, "it tokenizes for reward models, which treerl "
                                            "does not run; score with reward functions"),
                 quantization_config=(quantization_config, "quantized training is not supported; load the model in "
                                      "full precision (args.dtype, args.bf16 set the precision)"),
                 rollout_func=(rollout_func, "generation is treerl's rollout engine; a sampler of your own is a "
                               "treerl.agents.Policy passed as treerl.learners.train(cfg, policy=...)"))
         optimizer, scheduler = optimizers
-        _refuse(optimizers=(scheduler, "the learning-rate schedule is args.warmup_steps of linear warm-up, then "
-                            "constant; pass optimizers=(optimizer, None)"))
+        _refuse(name, optimizers=(scheduler, "the learning-rate schedule is args.warmup_steps of linear warm-up, "
+                                  "then constant; pass optimizers=(optimizer, None)"))
         if isinstance(model, str) and args is not None and args.model not in (None, model):
-            raise ValueError(f"GRPOTrainer(model={model!r}) and args.model={args.model!r} differ; keep one.")
+            raise ValueError(f"{name}(model={model!r}) and args.model={args.model!r} differ; keep one.")
         if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
-            raise ValueError("GRPOTrainer(model=...) is a peft model: pass its base model and the LoraConfig as "
+            raise ValueError(f"{name}(model=...) is a peft model: pass its base model and the LoraConfig as "
                              "peft_config= (treerl adds the adapters itself).")
         self.environment_factory = environment_factory
         # TRL's extra reward source: get_reward() of each environment class that has one.
@@ -114,7 +132,7 @@ class GRPOTrainer:
                        if "get_reward" in dict(inspect.getmembers(cls, inspect.isfunction))]
         if train_dataset is None:
             if environment_factory is None:
-                raise ValueError("GRPOTrainer needs train_dataset: a datasets.Dataset or a list of dicts with a "
+                raise ValueError(f"{name} needs train_dataset: a datasets.Dataset or a list of dicts with a "
                                  "'prompt' column (or an environment_factory whose reset() returns the prompt).")
             if isinstance(environment_factory, Mapping):
                 raise ValueError("A dict environment_factory (several environments) needs a train_dataset with an "
@@ -127,13 +145,13 @@ class GRPOTrainer:
         if isinstance(eval_dataset, Mapping):
             raise ValueError("eval_dataset is a mapping of several datasets; pass one (a datasets.Dataset or a list "
                              "of rows), or call evaluate(eval_dataset=...) once per dataset.")
-        self.reward_funcs = _reward_funcs(reward_funcs, has_env_reward=bool(env_rewards))
+        self.reward_funcs = _reward_funcs(name, reward_funcs, has_env_reward=bool(env_rewards))
         if args is None:  # TRL's default: a directory named after the model
-            name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
-            args = GRPOConfig(output_dir=f"{(str(name) or 'model').rstrip('/').split('/')[-1]}-GRPO")
+            path = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
+            args = self.config(output_dir=f"{(str(path) or 'model').rstrip('/').split('/')[-1]}-{self.suffix}")
         if args.reward_funcs:
             raise ValueError(f"args.reward_funcs={args.reward_funcs!r} names functions for the command line; pass the "
-                             "functions themselves as GRPOTrainer(reward_funcs=...).")
+                             f"functions themselves as {name}(reward_funcs=...).")
         weights = [1.0] * len(self.reward_funcs) if args.reward_weights is None else list(args.reward_weights)
         if len(weights) != len(self.reward_funcs):
             raise ValueError(f"args.reward_weights has {len(weights)} entries for {len(self.reward_funcs)} reward "
@@ -146,13 +164,13 @@ class GRPOTrainer:
         # As TRL's: each environment class's get_reward() comes after the reward functions, with weight 1.
         self.reward_funcs += env_rewards
         if not self.reward_funcs:
-            raise ValueError("GRPOTrainer has no reward source: pass reward_funcs, or an environment_factory whose "
+            raise ValueError(f"{name} has no reward source: pass reward_funcs, or an environment_factory whose "
                              "environment defines get_reward().")
         # The environment's reward (0 here) comes first in treerl's weights; weight 0 keeps TRL's sum.
         self.reward_weights = [0.0, *map(float, weights), *[1.0] * len(env_rewards)]
         # config.json names what was trained on: no registered environment (a rerun from it says so).
         changes: dict[str, Any] = {"reward_weights": self.reward_weights, "eval_episodes": 0,
-                                   "env": f"GRPOTrainer.{source}"}
+                                   "env": f"{name}.{source}"}
         if isinstance(model, str):
             changes["model"] = model
         if peft_config is not None:
@@ -186,9 +204,10 @@ class GRPOTrainer:
         if trainer_callbacks:
             callbacks.append(_TrainerCallbacks(trainer_callbacks, cfg))
             callbacks[-1].event("on_train_begin")
-        self.result = train(cfg, model=model, tokenizer=tokenizer, env_factory=self._env_factory(self.train_dataset),
-                            reward_funcs=self._reward_funcs_for(self.train_dataset),
-                            reward_weights=self.reward_weights, optimizer=self.optimizer, callbacks=callbacks)
+        self.result = self.learn(cfg, model=model, tokenizer=tokenizer,
+                                 env_factory=self._env_factory(self.train_dataset),
+                                 reward_funcs=self._reward_funcs_for(self.train_dataset),
+                                 reward_weights=self.reward_weights, optimizer=self.optimizer, callbacks=callbacks)
         if trainer_callbacks:
             callbacks[-1].event("on_train_end")
         return self.result
@@ -203,7 +222,7 @@ class GRPOTrainer:
 
         rows = self.eval_dataset if eval_dataset is None else load_rows(None, eval_dataset, "")
         if rows is None:
-            raise ValueError("evaluate() needs rows: pass eval_dataset= here or to GRPOTrainer.")
+            raise ValueError(f"evaluate() needs rows: pass eval_dataset= here or to {type(self).__name__}.")
         if self.result is not None:
             from treerl.models import load_model
 
@@ -217,7 +236,7 @@ class GRPOTrainer:
         policy = TransformersPolicy(model, tokenizer, device=self.args.device, continuous_batching=False)
         try:
             report = evaluate_with(self.args, policy, tokenizer, num_episodes=len(rows), seed=self.args.eval_seed,
-                                   env_factory=self._env_factory(rows), env_id="GRPOTrainer.eval_dataset",
+                                   env_factory=self._env_factory(rows), env_id=f"{type(self).__name__}.eval_dataset",
                                    reward_funcs=self._reward_funcs_for(rows),
                                    reward_weights=self.reward_weights, temperature=self.args.eval_temperature)
         finally:
@@ -254,7 +273,7 @@ class GRPOTrainer:
         return [_trl_format(f, rows, self.tools, prompt_key) for f in self.reward_funcs]
 
     def _env_factory(self, rows: Any) -> Callable[[], PromptEnv]:
-        return functools.partial(PromptEnv, dataset=rows, tools=self.tools,
+        return functools.partial(self.env_class, dataset=rows, tools=self.tools,
                                  environment_factory=self.environment_factory, **self.args.env_kwargs)
 
     def _model_and_tokenizer(self) -> tuple[Any, Any]:
@@ -274,11 +293,89 @@ class GRPOTrainer:
 
             name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
             if not name:
-                raise ValueError("GRPOTrainer(model=...) was not loaded from a directory or Hub id, so its "
+                raise ValueError(f"{type(self).__name__}(model=...) was not loaded from a directory or Hub id, so its "
                                  "tokenizer is unknown: pass processing_class=tokenizer.")
             tokenizer = AutoTokenizer.from_pretrained(model_directory(name), local_files_only=True)
         return model, tokenizer
 
+
+
+class _PrivilegedContextEnv(PromptEnv):
+    """TRL's SDPO feedback: a row's ``privileged_context`` column (text) is the verdict on each of its episodes'
+    answers, which :meth:`~treerl.envs.Env.feedback` hands to SDPO's teacher."""
+
+    def answer_feedback(self, task: Any, completion: str, reward: float) -> str | None:
+        context = task.info.get("row", {}).get("privileged_context")
+        return context if isinstance(context, str) and context.strip() else None
+
+
+class GRPOTrainer(LearnerTrainer):
+    """TRL's ``GRPOTrainer(model, reward_funcs, args, train_dataset, ...)`` on treerl's GRPO learner.
+
+    ``model`` is a model directory, a cached Hub id or a shipped model name (``"tiny"``), or a loaded
+    causal LM (its tokenizer then comes from ``processing_class``, else from where the model was loaded
+    from). See the module docstring for what each argument maps to; :meth:`train` returns
+    :class:`~treerl.learners.core.TrainResult` (``output_dir``, ``steps``, ``model_dir``, ...).
+    """
+
+
+class SDPOTrainer(LearnerTrainer):
+    """TRL's experimental ``SDPOTrainer(model, reward_funcs, args, train_dataset, ...)`` on treerl's SDPO
+    learner (:mod:`treerl.learners.sdpo`): ``args`` is :class:`~treerl.learners.sdpo.SDPOConfig`, which
+    takes TRL's names of its options. The arguments map as :class:`GRPOTrainer`'s; ``tools`` and
+    ``environment_factory``, which TRL's SDPOTrainer lacks, are taken too. As in TRL, a row's
+    ``privileged_context`` column is the feedback SDPO's teacher reads on each of the row's episodes
+    (with ``args.include_environment_feedback``, treerl's ``use_feedback``).
+    """
+
+    config = SDPOConfig
+    learn = staticmethod(train_sdpo)
+    suffix = "SDPO"
+    env_class = _PrivilegedContextEnv
+
+
+class AsyncGRPOTrainer(LearnerTrainer):
+    """TRL's experimental ``AsyncGRPOTrainer(model, reward_funcs, args, train_dataset, ...)`` on treerl's
+    AsyncGRPO learner (:mod:`treerl.learners.async_grpo`): ``args`` is
+    :class:`~treerl.learners.async_grpo.AsyncGRPOConfig`, which takes TRL's names of its options.
+
+    The arguments map as :class:`GRPOTrainer`'s, in TRL's order (``processing_class`` fifth;
+    ``eval_dataset``, which TRL's AsyncGRPOTrainer lacks, by keyword). The episodes are played by
+    treerl's generator processes, which run no vLLM server of their own to plug into: ``rollout_worker``
+    and ``weight_transfer`` are refused. ``tools`` travel to those processes, so they must pickle
+    (module-level functions, as TRL requires); the reward functions run in the trainer and need not.
+    ``environment_factory`` is refused: its objects would live in the generators, out of the reward
+    functions' reach.
+    """
+
+    config = AsyncGRPOConfig
+    learn = staticmethod(train_async)
+    suffix = "AsyncGRPO"
+
+    def __init__(self, model: Any, reward_funcs: RewardFunc | Sequence[RewardFunc] | None = None,
+                 args: AsyncGRPOConfig | None = None, train_dataset: Any = None, processing_class: Any = None,
+                 callbacks: Sequence[Any] | None = None, optimizers: tuple[Any, Any] = (None, None),
+                 peft_config: Any = None, tools: Sequence[Callable[..., Any]] | None = None,
+                 environment_factory: Any = None, rollout_worker: Any = None, weight_transfer: Any = None, *,
+                 eval_dataset: Any = None):
+        name = type(self).__name__
+        _refuse(name, rollout_worker=(rollout_worker, "episodes are played by treerl's generator processes "
+                                      "(args.num_generators, args.generator_policy); a sampler of your own is a "
+                                      "treerl.agents.Policy passed as treerl.learners.train(cfg, policy=...)"),
+                weight_transfer=(weight_transfer, "the trainer publishes each step's weights to its generators "
+                                 "itself (args.weight_transport: file or broadcast)"),
+                environment_factory=(environment_factory, "its objects would live in the generator processes, "
+                                     "out of reach of the reward functions and get_reward(), which run in the "
+                                     "trainer; use treerl.GRPOTrainer (or SDPOTrainer) for environment_factory, or "
+                                     "tools=[...] here"))
+        for tool in tools or []:
+            try:
+                pickle.dumps(tool)
+            except Exception:  # noqa: BLE001 - any pickling failure has the same fix
+                raise ValueError(f"{name}(tools=...): {tool!r} cannot be pickled, so it cannot reach the generator "
+                                 "processes; define it at module level (as TRL's AsyncGRPOTrainer requires).") from None
+        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+                         callbacks=callbacks, optimizers=optimizers, peft_config=peft_config, tools=tools)
 
 def _trl_format(func: RewardFunc, rows: Any, tools: Sequence[Any], prompt_key: str = "prompt") -> RewardFunc:
     """``func`` given text prompts and completions where TRL gives them: rows whose prompts (``prompt_key``)
@@ -353,17 +450,29 @@ def _episode_environments(rows: Sequence[EnvironmentInstances]) -> list[Any]:
     return out
 
 
-def _refuse(**given: tuple[Any, str]) -> None:
+def _check_args(trainer: str, config: type[GRPOConfig], args: Any) -> None:
+    """``args`` is ``config`` (or a subclass of it), not another learner's config nor TRL's own."""
+    if args is None:
+        return
+    learner = next((c for c in (SDPOConfig, AsyncGRPOConfig) if isinstance(args, c)), config)
+    if not isinstance(args, config) or learner is not config and issubclass(learner, config):
+        kind = type(args)
+        shown = kind.__name__ if isinstance(args, GRPOConfig) else f"{kind.__module__}.{kind.__name__}"
+        raise TypeError(f"{trainer}(args=...) takes a treerl.{config.__name__} (it takes TRL's option names), not "
+                        f"a {shown}.")
+
+
+def _refuse(trainer: str, **given: tuple[Any, str]) -> None:
     for name, (value, why) in given.items():
         if value is not None:
-            raise ValueError(f"GRPOTrainer({name}=...) is not supported: {why}.")
+            raise ValueError(f"{trainer}({name}=...) is not supported: {why}.")
 
 
-def _reward_funcs(reward_funcs: Any, has_env_reward: bool = False) -> list[RewardFunc]:
+def _reward_funcs(trainer: str, reward_funcs: Any, has_env_reward: bool = False) -> list[RewardFunc]:
     if reward_funcs is None:
         if has_env_reward:  # the environment's get_reward() is the reward source
             return []
-        raise ValueError("GRPOTrainer needs reward_funcs: a function f(prompts, completions, **kwargs) -> list of "
+        raise ValueError(f"{trainer} needs reward_funcs: a function f(prompts, completions, **kwargs) -> list of "
                          "floats, or a list of them (or an environment_factory whose environment defines "
                          "get_reward()).")
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]

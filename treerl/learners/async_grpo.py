@@ -42,7 +42,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -85,6 +85,29 @@ ASYNC_CHECKS: tuple[Check, ...] = (
 @dataclass
 class AsyncGRPOConfig(GRPOConfig):
     """Options of ``treerl learn --learner async_grpo`` (GRPO's, plus the asynchronous pipeline's)."""
+
+    # TRL's experimental AsyncGRPOConfig names where the meaning is the same (its max_staleness is this one's).
+    ALIASES: ClassVar[dict[str, str]] = {**GRPOConfig.ALIASES, "heartbeat_stale_after_s": "heartbeat_timeout"}
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        **GRPOConfig.UNSUPPORTED,
+        **dict.fromkeys(("vllm_server_base_url", "vllm_server_timeout", "request_timeout", "weight_sync_timeout"),
+                        "there is no vLLM server to connect to: the generators are treerl's own processes "
+                        "(--num-generators), each sampling with transformers or its own vLLM engine "
+                        "(--generator-policy vllm), to which the trainer publishes each step's weights"),
+        "queue_maxsize": "--buffer-size bounds the groups (not completions) in flight or waiting",
+        "max_inflight_tasks": "--max-concurrency sets the episodes in flight in each generator, --buffer-size the "
+                              "groups in flight or waiting",
+        "fork_threshold_tokens": "the rollout engine records the tokens as they were sampled and never re-tokenizes "
+                                 "a conversation, so there is no drift to reconcile; drop it",
+        "router_aux_loss_coef": "not supported: the loss has no Mixture-of-Experts load-balancing term",
+        "num_completions_to_print": "--sample-groups and --sample-every keep trajectories for `treerl view`",
+    }
+    TRANSLATED: ClassVar[dict[str, tuple[type, str]]] = {
+        **GRPOConfig.TRANSLATED,
+        "token_budget": (int, "TRL's: the token budget of one packed row (shared prefixes counted once), "
+                              "max_tokens_per_row here; unset: treerl's default; <= 0 (no budget) is refused."),
+        "weight_sync_steps": (int, "TRL's: 1 only (the generators get the weights after every step)."),
+    }
 
     max_staleness: int = field_help(2, "Most policy versions a trained group's oldest span may lag the trainer; "
                                        "older groups are dropped whole. 0: synchronous GRPO's updates.")
@@ -163,6 +186,30 @@ class AsyncGRPOConfig(GRPOConfig):
         if self.backend == "ray" and self.weight_transport != "file":
             raise ValueError(f"weight_transport={self.weight_transport!r} is for generator processes; Ray actors get "
                              "weights through Ray's object store: drop --weight-transport or use --backend process.")
+
+    @classmethod
+    def translate_options(cls, given: dict[str, Any]) -> dict[str, Any]:
+        """GRPO's translations, and TRL's ``token_budget`` (``max_tokens_per_row``) and ``weight_sync_steps``.
+
+        >>> AsyncGRPOConfig.translate_options({"token_budget": 2048, "weight_sync_steps": 1})
+        {'max_tokens_per_row': 2048}
+        """
+        values = dict(given)
+        if values.pop("weight_sync_steps", 1) != 1:
+            raise TypeError(f"{cls.__name__}() has no option weight_sync_steps other than 1: the generators get the "
+                            "trainer's weights after every step (--max-staleness bounds how old the weights of a "
+                            "trained group may be).")
+        if "token_budget" in values:
+            budget = values.pop("token_budget")
+            if "max_tokens_per_row" in values:
+                raise TypeError(f"{cls.__name__}(): token_budget and max_tokens_per_row name the same option; keep "
+                                "one.")
+            if budget is not None and budget <= 0:
+                raise TypeError(f"{cls.__name__}(): token_budget={budget} turns token budgeting off, which has no "
+                                "counterpart here: rows are always packed to --max-tokens-per-row tokens.")
+            if budget is not None:  # TRL's None is the server's context length; here treerl's default
+                values["max_tokens_per_row"] = budget
+        return super().translate_options(values)
 
     @property
     def capacity(self) -> int:

@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -111,6 +111,34 @@ SDPO_CHECKS: tuple[Check, ...] = (
 class SDPOConfig(GRPOConfig):
     """Options of ``treerl learn --learner sdpo`` (GRPO's, plus the distillation, the teacher and its prompts)."""
 
+    # TRL's experimental SDPOConfig names where the meaning is the same (its teacher_model_kind="base" and
+    # distillation_mode="topk_logits"/"full_logits" are taken as the values of their own names here).
+    ALIASES: ClassVar[dict[str, str]] = {
+        **GRPOConfig.ALIASES, "teacher_model_kind": "teacher", "success_reward_threshold": "success_threshold",
+        "include_environment_feedback": "use_feedback",
+        "environment_feedback_only_without_solution": "feedback_only_without_solution",
+        "max_reprompt_len": "max_teacher_prompt_tokens",
+    }
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        **GRPOConfig.UNSUPPORTED,
+        **dict.fromkeys(("diagnostics_warning_interval", "diagnostics_flat_tolerance"),
+                        "SDPO's diagnostics (sdpo_no_teacher, sdpo_teacher_gated) are checked after every step and "
+                        "written to output_dir/diagnostics.jsonl with their fix; they take no options"),
+    }
+    # TRL's options taken at the one value that is what this learner does, refused at any other.
+    FIXED: ClassVar[dict[str, tuple[Any, str]]] = {
+        "dont_reprompt_on_self_success": (True, "an episode is never its own demonstration: a successful one is "
+                                                "taught by another successful sibling"),
+        "teacher_sync_steps": (1, "the EMA teacher (teacher='ema') follows the student after every step, at "
+                                  "teacher_update_rate"),
+        "use_teacher_server": (False, "the teacher is scored in the learner (a copy of the initial weights, an EMA "
+                                      "or the live student), never by a vLLM server"),
+    }
+    TRANSLATED: ClassVar[dict[str, tuple[type, str]]] = {
+        **GRPOConfig.TRANSLATED,
+        **{name: (type(value), f"TRL's: {value} only ({why}).") for name, (value, why) in FIXED.items()},
+    }
+
     distillation_weight: float = field_help(0.5, "Loss = (1 - w) * GRPO loss + w * distillation loss; 1 is SDPO "
                                                  "alone (the paper's), 0 is GRPO. The default blends: where the "
                                                  "gate finds the teacher uninformative, GRPO still learns.")
@@ -119,7 +147,8 @@ class SDPOConfig(GRPOConfig):
              "tokens a mean log-prob at least the student's plus this margin (per demonstration; feedback-only "
              "episodes by the step's pooled probe). Unset (none): always distill.")
     distillation_mode: str = field_help("topk", "sampled_token (reverse KL at the sampled token), topk (over the "
-                                                "student's top-k) or full (the whole vocabulary).")
+                                                "student's top-k; TRL's topk_logits) or full (the whole vocabulary; "
+                                                "TRL's full_logits).")
     distillation_alpha: float = field_help(0.5, "0 forward KL(teacher||student), 1 reverse KL, between: generalized "
                                                 "JSD (sampled_token needs 1).")
     distillation_topk: int = field_help(100, "Tokens of the student's top-k support (topk mode).")
@@ -130,10 +159,10 @@ class SDPOConfig(GRPOConfig):
     distillation_aggregation: str = field_help("token_mean", "Over the terms that have a teacher: token_mean or "
                                                              "sequence_mean.")
     distillation_chunk_tokens: int = field_help(256, "Rows of logits built at once for topk/full (memory bound).")
-    teacher: str = field_help("initial", "The teacher's weights: initial (the frozen start, the default), ema "
-                                         "(of the student, the paper's) or live (the student). The start keeps the "
-                                         "reading of its context it began with; an EMA teacher follows the student "
-                                         "and can lose it (BENCHMARKS.md, SDPO vs GRPO).")
+    teacher: str = field_help("initial", "The teacher's weights: initial (the frozen start, the default; TRL's "
+                                         "base), ema (of the student, the paper's) or live (the student). The start "
+                                         "keeps the reading of its context it began with; an EMA teacher follows the "
+                                         "student and can lose it (BENCHMARKS.md, SDPO vs GRPO).")
     teacher_update_rate: float = field_help(0.05, "EMA teacher: teacher <- (1 - rate) teacher + rate student, "
                                                   "each step.")
     success_threshold: float = field_help(1.0, "An episode whose reward reaches this can demonstrate for its "
@@ -152,7 +181,24 @@ class SDPOConfig(GRPOConfig):
     feedback_template: str = field_help(TeacherContextConfig.feedback_template,
                                         "The {feedback} part, around {feedback_raw}.")
 
+    @classmethod
+    def translate_options(cls, given: dict[str, Any]) -> dict[str, Any]:
+        """GRPO's translations, and TRL's options of :attr:`FIXED` taken at their value only.
+
+        >>> SDPOConfig.translate_options({"teacher_sync_steps": 1, "teacher": "ema"})
+        {'teacher': 'ema'}
+        """
+        values = dict(given)
+        for name, (value, why) in cls.FIXED.items():
+            if name in values and values.pop(name) != value:
+                raise TypeError(f"{cls.__name__}() has no option {name} other than {value}: {why}.")
+        return super().translate_options(values)
+
     def __post_init__(self) -> None:
+        # TRL's values of teacher_model_kind and distillation_mode, read as their names here.
+        self.teacher = {"base": "initial"}.get(self.teacher, self.teacher)
+        self.distillation_mode = {"topk_logits": "topk", "full_logits": "full"}.get(self.distillation_mode,
+                                                                                    self.distillation_mode)
         super().__post_init__()
         if self.num_iterations != 1:
             raise ValueError(f"num_iterations={self.num_iterations}: SDPO takes one update per step (its teacher's "
