@@ -249,7 +249,8 @@ def test_trls_max_steps_and_save_steps_count_optimizer_steps(tmp_path):
 
     cfg = GRPOConfig(output_dir="x", max_steps=8, save_steps=4, num_iterations=2)
     assert (cfg.steps, cfg.save_every, cfg.num_iterations) == (4, 2, 2)
-    assert (GRPOConfig(output_dir="x", max_steps=5, save_steps=2).steps, cfg.save_every) == (5, 2)
+    other = GRPOConfig(output_dir="x", max_steps=5, save_steps=2)
+    assert (other.steps, other.save_every) == (5, 2)
     with pytest.raises(ValueError, match="max_steps=5 counts optimizer steps .* num_iterations=2 of them per step"):
         GRPOConfig(output_dir="x", max_steps=5, num_iterations=2)
     with pytest.raises(TypeError, match="max_steps and steps name the same option; keep one"):
@@ -259,6 +260,27 @@ def test_trls_max_steps_and_save_steps_count_optimizer_steps(tmp_path):
     (tmp_path / "c.yaml").write_text("max_steps: 6\nsave_steps: 3\nnum_iterations: 3\n")
     args = build_parser().parse_args(["learn", "--output-dir", "x", "--config", str(tmp_path / "c.yaml")])
     assert (config_from_args(GRPOConfig, args).steps, config_from_args(GRPOConfig, args).save_every) == (2, 1)
+
+
+def test_trls_save_steps_below_1_is_a_fraction_of_the_run(tmp_path):
+    """TRL's save_steps < 1 is a fraction of the run's optimizer steps (rounded up); every other value is a
+    whole number of them. A fraction kept as save_every never saved: (step + 1) % 0.25 is never 0."""
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+
+    assert GRPOConfig(output_dir="x", max_steps=10, save_steps=0.25).save_every == 3  # TRL: ceil(10 x 0.25)
+    assert GRPOConfig(output_dir="x", steps=8, num_iterations=2, save_steps=0.5).save_every == 4  # 8 of 16
+    assert GRPOConfig(output_dir="x", save_steps=0.1).save_every == 6  # of the 60 steps by default
+    assert GRPOConfig(output_dir="x", save_steps=4.0).save_every == 4
+    with pytest.raises(ValueError, match=r"save_steps=0.1 is 1 optimizer step\(s\) of max_steps=10, not a multiple "
+                                         "of num_iterations=2"):
+        GRPOConfig(output_dir="x", max_steps=10, num_iterations=2, save_steps=0.1)
+    with pytest.raises(ValueError, match="save_steps=2.5: a whole number of optimizer steps, or a fraction"):
+        GRPOConfig(output_dir="x", save_steps=2.5)
+    with pytest.raises(ValueError, match="max_steps=2.5: a whole number of optimizer steps"):
+        GRPOConfig(output_dir="x", max_steps=2.5)
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--max-steps", "20", "--save-steps", "0.5"])
+    assert config_from_args(GRPOConfig, args).save_every == 10
 
 
 def test_trls_report_to_list_of_one_tracker(tmp_path):

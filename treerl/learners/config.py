@@ -18,6 +18,7 @@ ValueError: report_to='mlflow': use none, tensorboard, wandb or trackio.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -106,7 +107,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     TRANSLATED: ClassVar[dict[str, tuple[type, str]]] = {
         "max_steps": (int, "TRL's: optimizer steps; steps = max_steps / num_iterations (a step takes num_iterations "
                            "optimizer steps on its episodes)."),
-        "save_steps": (int, "TRL's: optimizer steps; save_every = save_steps / num_iterations."),
+        "save_steps": (int | float, "TRL's: optimizer steps (below 1: that fraction of the run's, rounded up); "
+                                    "save_every = save_steps / num_iterations."),
         "per_device_train_batch_size": (int, "TRL's: tasks_per_step = per_device_train_batch_size x "
                                              "gradient_accumulation_steps x processes / group_size, the completions "
                                              "of TRL's optimizer step (TRL's defaults: 8 and 1)."),
@@ -334,7 +336,22 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                 continue
             if name in values:
                 raise TypeError(f"{cls.__name__}(): {trl_name} and {name} name the same option; keep one.")
-            value = values.pop(trl_name)
+            value = given_as = values.pop(trl_name)
+            if trl_name == "save_steps" and isinstance(value, float) and 0 < value < 1:
+                # TRL's fraction of the run's optimizer steps, rounded up (as transformers' Trainer does)
+                steps = values.get("steps", cls.__dataclass_fields__["steps"].default)
+                if isinstance(steps, int) and isinstance(iterations, int):
+                    value = math.ceil(steps * iterations * value)
+                    if iterations > 1 and value % iterations:
+                        raise ValueError(f"save_steps={given_as} is {value} optimizer step(s) of max_steps="
+                                         f"{steps * iterations}, not a multiple of num_iterations={iterations} (the "
+                                         f"optimizer steps of a step here): give save_steps in optimizer steps, a "
+                                         f"multiple of {iterations}.")
+            if isinstance(value, float) and not isinstance(value, bool):
+                if not value.is_integer():
+                    raise ValueError(f"{trl_name}={value}: a whole number of optimizer steps"
+                                     f"{', or a fraction < 1 of the run (TRL)' if trl_name == 'save_steps' else ''}.")
+                value = int(value)
             if isinstance(iterations, int) and iterations > 1 and isinstance(value, int) and value > 0:
                 if value % iterations:
                     raise ValueError(f"{trl_name}={value} counts optimizer steps (TRL's), and num_iterations="
