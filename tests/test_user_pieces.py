@@ -283,6 +283,28 @@ def test_trls_save_steps_below_1_is_a_fraction_of_the_run(tmp_path):
     assert config_from_args(GRPOConfig, args).save_every == 10
 
 
+def test_a_flag_overrides_the_config_files_trl_option_of_another_name(tmp_path):
+    """--config's rule, flags override the file, holds across TRL's names and treerl's: --steps over the file's
+    max_steps (as when max_steps was an alias), --tasks-per-step over its batch sizes, and the other way round."""
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+
+    def cfg(text, *flags):
+        (tmp_path / "c.yaml").write_text(text)
+        args = build_parser().parse_args(["learn", "--output-dir", "x", "--config", str(tmp_path / "c.yaml"), *flags])
+        return config_from_args(GRPOConfig, args)
+
+    c = cfg("max_steps: 10\nsave_steps: 4\n", "--steps", "3", "--save-every", "1")
+    assert (c.steps, c.save_every) == (3, 1)
+    assert cfg("steps: 10\n", "--max-steps", "4", "--num-iterations", "2").steps == 2
+    batch = "per_device_train_batch_size: 16\ngradient_accumulation_steps: 2\nnum_generations: 4\n"
+    assert cfg(batch, "--tasks-per-step", "3").tasks_per_step == 3
+    assert cfg(batch, "--per-device-train-batch-size", "4").tasks_per_step == 2  # with the file's accumulation
+    assert cfg("tasks_per_step: 5\nnum_generations: 4\n", "--per-device-train-batch-size", "8").tasks_per_step == 2
+    with pytest.raises(ConfigError, match="max_steps and steps name the same option"):  # one file: keep one
+        cfg("max_steps: 10\nsteps: 3\n")
+
+
 def test_trls_report_to_list_of_one_tracker(tmp_path):
     """TRL's report_to is a list (open-r1's YAML: report_to: [wandb]); one tracker, or none, maps as it is."""
     from treerl.cli import build_parser

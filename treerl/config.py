@@ -160,6 +160,17 @@ def _translated(cls: type) -> dict[str, tuple[type, str]]:
     return dict(getattr(cls, "TRANSLATED", {}))
 
 
+def _overridden(cls: type, from_file: dict[str, Any], flags: set[str]) -> dict[str, Any]:
+    """``from_file`` without the options that a flag of another name sets (``cls.TRANSLATED_INTO``): flags
+    override the file, ``--steps`` its TRL ``max_steps`` as ``--max-steps`` its ``steps``."""
+    into = getattr(cls, "TRANSLATED_INTO", {})
+
+    def overridden(key: str) -> bool:  # a field against a translated option only: TRL's batch sizes combine
+        return any(into.get(f, f) == into.get(key, key) and (f in into) != (key in into) for f in flags)
+
+    return {k: v for k, v in from_file.items() if not overridden(k)}
+
+
 def _named_twice(aliases: Mapping[str, str], given: Mapping[str, Any]) -> list[str]:
     """``"alias and field"`` for each option ``given`` under both its names (which would win is not for
     a dict's order to say)."""
@@ -260,7 +271,7 @@ def config_from_args(cls: type[T], args: argparse.Namespace, *, extra_keys: Sequ
                            else "" for k in unknown)
             raise ConfigError(f"--config {config_path}: unknown option(s) {unknown}{said}; valid ones: "
                               f"{sorted(names)}.")
-        values.update(from_file)
+        values.update(_overridden(cls, from_file, {k for k in vars(args) if k in names}))
     values.update({k: v for k, v in vars(args).items() if k in names})
     values = check_types(cls, values)
     for name in set(values) & set(translated):  # typed here as fields are, for translate_options to read

@@ -120,6 +120,11 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
            for name, tp in (("logging_steps", int | float), ("logging_first_step", bool), ("logging_strategy", str))},
         "remove_unused_columns": (bool, "TRL's: false only, as every column reaches the reward functions."),
     }
+    # The field each of TRANSLATED's options sets: a flag of one overrides the other in a --config file.
+    TRANSLATED_INTO: ClassVar[dict[str, str]] = {
+        "max_steps": "steps", "save_steps": "save_every", "per_device_train_batch_size": "tasks_per_step",
+        "gradient_accumulation_steps": "tasks_per_step",
+    }
     # TRL's epsilon_high defaults to epsilon; treerl's stays 0.28 (DAPO's clip-higher): pass both to match TRL.
 
     output_dir: str | None = field_help(None, "Where metrics, checkpoints and the final model go (required).")
