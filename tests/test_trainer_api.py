@@ -146,6 +146,23 @@ def test_peft_config_a_loaded_model_and_trl_callbacks(tmp_path):
     assert default.args.lora_target_modules == ["q_proj", "v_proj"] and default.args.lora_r == 2
 
 
+def test_trl_callbacks_count_optimizer_steps_as_trl_does(tmp_path):
+    from transformers import TrainerCallback
+
+    from treerl.trainer import _TrainerCallbacks
+
+    class Steps(TrainerCallback):
+        seen: list = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.seen.append((state.global_step, state.max_steps))
+
+    callbacks = _TrainerCallbacks([Steps()], small(tmp_path, max_steps=4, num_iterations=2))  # 2 steps of 2 updates
+    callbacks(1, {})
+    callbacks(2, {})
+    assert Steps.seen == [(2, 4), (4, 4)]
+
+
 def test_unsupported_arguments_are_refused_by_name(tmp_path):
     from peft import LoraConfig
 
@@ -251,7 +268,7 @@ def test_an_environment_factory_plays_a_fresh_object_per_episode_with_its_tools_
     seen = {}
 
     def format_reward(prompts, completions, environments, **kwargs):  # TRL's way to read the episodes' objects
-        seen.update(prompts=prompts, environments=environments)
+        seen.update(prompts=prompts, environments=environments, completions=completions)
         return [0.5] * len(completions)
 
     rows = [marbles(i) for i in range(2)]
@@ -264,6 +281,8 @@ def test_an_environment_factory_plays_a_fresh_object_per_episode_with_its_tools_
     assert all(env.resets in ([rows[0]], [rows[1]]) for env in played)  # reset(**row): the row's columns, once
     # Each episode's own object, in the order of the episodes.
     assert len({id(env) for env in seen["environments"]}) == 4 and set(seen["environments"]) == set(played)
+    results = [[m["content"] for m in c if m["role"] == "tool"] for c in seen["completions"]]
+    assert results == [[str(eval(e, {"__builtins__": {}})) for e in env.calls] for env in seen["environments"]]
     assert any(env.calls for env in played), "the model called no tool"
     # reset()'s text is appended to the last message of the prompt.
     assert all(p[-1]["content"].endswith("How many marbles are left? Use the calculator.") for p in seen["prompts"])

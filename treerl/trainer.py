@@ -33,7 +33,8 @@ What maps, and how:
   with ``get_reward()`` is one more reward source, called once per episode when the step's episodes are
   scored, named after the class (``reward_fn/NAME_mean``) and weighted 1 after ``args.reward_weights``;
   ``reward_funcs`` may then be omitted, and so may ``train_dataset`` (one factory, whose ``reset()``
-  returns the prompt: each task is an empty user message plus that text, for ``args.max_steps``). A
+  returns the prompt: each task is an empty user message plus that text, for ``max_steps`` as given
+  (``steps``; 60 when neither is)). A
   row's generations share its prompt (GRPO's group), so ``reset()`` must return the same text for the
   same row, which a ``reset()`` that draws a task at random does not (TRL prompts each rollout apart):
   that is refused when it happens. Branching (``branch_factor`` > 1) is refused: an environment object
@@ -536,13 +537,15 @@ def _model_type(model: Any, model_name: str | None) -> str | None:
 
 class _TrainerCallbacks:
     """TRL ``TrainerCallback`` objects called as a treerl step callback: ``on_step_end``, then ``on_log`` with
-    the step's metrics, after each step (``control`` is passed but not read)."""
+    the step's metrics, after each step (``control`` is passed but not read). The state counts optimizer
+    steps, as TRL's: a step with ``num_iterations`` N counts N."""
 
     def __init__(self, callbacks: Sequence[Any], cfg: GRPOConfig):
         from transformers import TrainerControl, TrainerState
 
         self.callbacks, self.cfg = list(callbacks), cfg
-        self.state, self.control = TrainerState(max_steps=cfg.steps), TrainerControl()
+        self.per_step = getattr(cfg, "num_iterations", 1)
+        self.state, self.control = TrainerState(max_steps=cfg.steps * self.per_step), TrainerControl()
 
     def event(self, name: str, **kwargs: Any) -> None:
         for callback in self.callbacks:
@@ -550,7 +553,7 @@ class _TrainerCallbacks:
                 getattr(callback, name)(self.cfg, self.state, self.control, **kwargs)
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        self.state.global_step = step
-        self.state.log_history.append({**metrics, "step": step})
+        self.state.global_step = step * self.per_step
+        self.state.log_history.append({**metrics, "step": self.state.global_step})
         self.event("on_step_end")
         self.event("on_log", logs=dict(metrics))
