@@ -337,6 +337,35 @@ def test_trls_run_name_names_the_tracker_run(tmp_path, monkeypatch):
     assert inits[0]["name"] == "qwen3-calc" and "name" not in inits[1]
 
 
+def test_trls_lr_scheduler_types_decay_over_the_runs_optimizer_steps():
+    import torch
+
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+    from treerl.learners.core import make_scheduler
+
+    def lrs(**kwargs):
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        sched = make_scheduler(opt, GRPOConfig(output_dir="x", **kwargs))
+        out = [sched.get_last_lr()[0]]
+        for _ in range(4):
+            opt.step()
+            sched.step()
+            out.append(round(sched.get_last_lr()[0], 3))
+        return out
+
+    assert lrs(steps=4) == [1.0, 1.0, 1.0, 1.0, 1.0]  # treerl's default: constant
+    assert lrs(steps=4, lr_scheduler_type="linear") == [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert lrs(steps=4, lr_scheduler_type="cosine") == [1.0, 0.854, 0.5, 0.146, 0.0]
+    # TRL's max_steps counts optimizer steps: 2 steps of 2 updates decay over 4.
+    assert lrs(max_steps=4, num_iterations=2, lr_scheduler_type="linear") == [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert lrs(steps=4, warmup_steps=2, lr_scheduler_type="linear")[:3] == [0.0, 0.5, 1.0]
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--lr-scheduler-type", "cosine"])
+    assert config_from_args(GRPOConfig, args).lr_scheduler_type == "cosine"
+    with pytest.raises(ValueError, match="lr_scheduler_type='polynomial': use one of constant, linear, cosine"):
+        GRPOConfig(output_dir="x", lr_scheduler_type="polynomial")
+
+
 @pytest.mark.parametrize("option", ["adam_beta1", "optim", "push_to_hub", "save_strategy", "do_eval",
                                     "gradient_checkpointing_kwargs", "torch_dtype"])
 def test_trainingarguments_options_a_trl_script_sets_are_refused_with_what_to_do(option):

@@ -35,9 +35,12 @@ from treerl.learners.precision import DTYPES, resolve_precision
 from treerl.rollout.options import EpisodeOptions
 from treerl.rollout.rewards import RewardOptions
 
-__all__ = ["LearnerConfig", "REPORT_TO"]
+__all__ = ["LearnerConfig", "REPORT_TO", "LR_SCHEDULERS"]
 
 REPORT_TO = ("none", "tensorboard", "wandb", "trackio")
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+"""``lr_scheduler_type`` choices, each after ``warmup_steps`` of linear warm-up: ``linear`` (TRL's default)
+and ``cosine`` decay to 0 at the run's last optimizer step."""
 
 
 @dataclass
@@ -65,8 +68,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "remove_unused_columns": "every column of the dataset reaches the reward functions (TRL's GRPO default, "
                                  "remove_unused_columns=False); drop the columns you do not want from the dataset",
         "warmup_ratio": "use --warmup-steps",
-        "lr_scheduler_type": "the schedule is a linear warm-up (--warmup-steps), then constant (TRL's default "
-                             "decays linearly to 0)",
         **dict.fromkeys(("eval_strategy", "eval_steps"),
                         "held-out evaluation runs at the start and the end of a run (--eval-episodes, "
                         "--eval-env-kwargs); treerl.GRPOTrainer.evaluate() scores an eval_dataset with the reward "
@@ -137,7 +138,9 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                                    "shipped tiny model, 1e-6 to fine-tune all weights of a model of "
                                                    "100M+ parameters, 1e-5 with LoRA).")
     weight_decay: float = field_help(0.0, "AdamW weight decay.")
-    warmup_steps: int = field_help(0, "Linear warm-up steps, then constant.")
+    warmup_steps: int = field_help(0, "Linear warm-up steps, then lr_scheduler_type's schedule.")
+    lr_scheduler_type: str = field_help("constant", "After the warm-up: constant, linear or cosine (decay to 0 at the "
+                                                    "run's last optimizer step; TRL's default is linear).")
     max_grad_norm: float = field_help(1.0, "Gradient clipping norm (0 disables).")
     max_new_tokens: int = field_help(64, "Token limit of each assistant turn (shorter than eval's: faster steps).")
     max_episode_tokens: int = field_help(1024, "Context limit of one episode.")
@@ -260,6 +263,9 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                 raise ValueError(f"report_to={list(self.report_to)!r}: treerl logs to one tracker; keep one of "
                                  "tensorboard, wandb or trackio.")
             self.report_to = trackers[0] if trackers else "none"
+        if self.lr_scheduler_type not in LR_SCHEDULERS:
+            raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r}: use one of {', '.join(LR_SCHEDULERS)} "
+                             "(each after warmup_steps of linear warm-up).")
         if self.report_to not in REPORT_TO:
             raise ValueError(f"report_to={self.report_to!r}: use none, tensorboard, wandb or trackio.")
         if not isinstance(self.eval_env_kwargs, dict):

@@ -94,7 +94,8 @@ from treerl.rollout.sources import GroupSource
 from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group
 
-__all__ = ["Run", "TrainResult", "build", "finish", "OptimizerSpec", "StepCallback", "LearnerSpec", "LEARNERS", "register_learner"]
+__all__ = ["Run", "TrainResult", "build", "finish", "make_scheduler", "OptimizerSpec", "StepCallback", "LearnerSpec",
+           "LEARNERS", "register_learner"]
 
 logger = logging.getLogger(__name__)
 
@@ -288,6 +289,27 @@ class Run:
 # -- build ---------------------------------------------------------------------------------------
 
 
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: LearnerConfig) -> Any:
+    """The learning-rate schedule of ``cfg``: ``warmup_steps`` of linear warm-up, then ``lr_scheduler_type``'s
+    (``linear`` and ``cosine`` reach 0 at the run's last optimizer step: ``steps`` x ``num_iterations``,
+    the optimizer steps TRL's ``max_steps`` counts). Stepped once per optimizer step.
+
+    >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    >>> from treerl.learners.grpo import GRPOConfig
+    >>> sched = make_scheduler(opt, GRPOConfig(output_dir="x", steps=4, lr_scheduler_type="linear"))
+    >>> lrs = []
+    >>> for _ in range(4):
+    ...     opt.step(); sched.step(); lrs.append(round(sched.get_last_lr()[0], 2))
+    >>> lrs
+    [0.75, 0.5, 0.25, 0.0]
+    """
+    from transformers import get_scheduler
+
+    name = "constant_with_warmup" if cfg.lr_scheduler_type == "constant" else cfg.lr_scheduler_type
+    total = cfg.steps * getattr(cfg, "num_iterations", 1)
+    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total)
+
+
 def check_sampling_temperature(groups: Sequence[Group], temperature: float) -> None:
     """Refuse groups whose tokens were sampled at another temperature than the trainer's.
 
@@ -335,8 +357,6 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     replaces the engine in :meth:`Run.rollout`. ``callbacks`` are called after each step's metrics
     are logged (:data:`StepCallback`).
     """
-    from transformers import get_scheduler
-
     from treerl.agents.transformers_policy import TransformersPolicy
 
     if cfg.num_threads:
@@ -414,7 +434,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     elif not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params)
-    scheduler = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=cfg.warmup_steps)
+    scheduler = make_scheduler(optimizer, cfg)
     engine = cfg.engine(policy, tokenizer, seed=cfg.seed, branch_at_turn=cfg.branch_at_turn,
                         branch_factor=cfg.branch_factor)
     if env_factory is not None and cfg.eval_env_kwargs:
