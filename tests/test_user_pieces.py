@@ -360,6 +360,13 @@ def test_trls_lr_scheduler_types_decay_over_the_runs_optimizer_steps():
     # TRL's max_steps counts optimizer steps: 2 steps of 2 updates decay over 4.
     assert lrs(max_steps=4, num_iterations=2, lr_scheduler_type="linear") == [1.0, 0.75, 0.5, 0.25, 0.0]
     assert lrs(steps=4, warmup_steps=2, lr_scheduler_type="linear")[:3] == [0.0, 0.5, 1.0]
+    # TRL's warmup_ratio: that fraction of the run's optimizer steps, rounded up.
+    assert GRPOConfig(output_dir="x", max_steps=10, warmup_ratio=0.1).warmup_steps == 1
+    assert GRPOConfig(output_dir="x", max_steps=8, num_iterations=2, warmup_ratio=0.3).warmup_steps == 3
+    with pytest.raises(TypeError, match="warmup_ratio and warmup_steps set the same thing"):
+        GRPOConfig(output_dir="x", warmup_ratio=0.1, warmup_steps=2)
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--max-steps", "20", "--warmup-ratio", "0.1"])
+    assert config_from_args(GRPOConfig, args).warmup_steps == 2
     args = build_parser().parse_args(["learn", "--output-dir", "x", "--lr-scheduler-type", "cosine"])
     assert config_from_args(GRPOConfig, args).lr_scheduler_type == "cosine"
     with pytest.raises(ValueError, match="lr_scheduler_type='polynomial': use one of constant, linear, cosine"):

@@ -67,7 +67,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                             "about E x N / tasks-per-step steps",
         "remove_unused_columns": "every column of the dataset reaches the reward functions (TRL's GRPO default, "
                                  "remove_unused_columns=False); drop the columns you do not want from the dataset",
-        "warmup_ratio": "use --warmup-steps",
         **dict.fromkeys(("eval_strategy", "eval_steps"),
                         "held-out evaluation runs at the start and the end of a run (--eval-episodes, "
                         "--eval-env-kwargs); treerl.GRPOTrainer.evaluate() scores an eval_dataset with the reward "
@@ -110,6 +109,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                            "optimizer steps on its episodes)."),
         "save_steps": (int | float, "TRL's: optimizer steps (below 1: that fraction of the run's, rounded up); "
                                     "save_every = save_steps / num_iterations."),
+        "warmup_ratio": (float, "TRL's: warmup_steps = that fraction of the run's optimizer steps (steps x "
+                                "num_iterations), rounded up."),
         "per_device_train_batch_size": (int, "TRL's: tasks_per_step = per_device_train_batch_size x "
                                              "gradient_accumulation_steps x processes / group_size, the completions "
                                              "of TRL's optimizer step (TRL's defaults: 8 and 1)."),
@@ -124,7 +125,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     # The field each of TRANSLATED's options sets: a flag of one overrides the other in a --config file.
     TRANSLATED_INTO: ClassVar[dict[str, str]] = {
         "max_steps": "steps", "save_steps": "save_every", "per_device_train_batch_size": "tasks_per_step",
-        "gradient_accumulation_steps": "tasks_per_step",
+        "gradient_accumulation_steps": "tasks_per_step", "warmup_ratio": "warmup_steps",
     }
     # TRL's epsilon_high defaults to epsilon; treerl's stays 0.28 (DAPO's clip-higher): pass both to match TRL.
 
@@ -370,6 +371,15 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                      f"{name}={-(-value // iterations)} in steps.")
                 value //= iterations
             values[name] = value
+        if "warmup_ratio" in values:
+            ratio = values.pop("warmup_ratio")
+            if "warmup_steps" in values:
+                raise TypeError(f"{cls.__name__}(): warmup_ratio and warmup_steps set the same thing; keep one.")
+            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+                raise ValueError(f"warmup_ratio={ratio!r} must be a fraction of the run, between 0 and 1.")
+            steps = values.get("steps", cls.__dataclass_fields__["steps"].default)
+            if isinstance(steps, int) and isinstance(iterations, int):  # else the fields' own checks say what is wrong
+                values["warmup_steps"] = math.ceil(steps * iterations * ratio)  # as transformers' get_warmup_steps
         ignored = {k: values.pop(k) for k in ("logging_steps", "logging_first_step", "logging_strategy") if k in values}
         for name, value in ignored.items():
             warnings.warn(f"{name}={value!r} changes nothing here: every step is logged (metrics.jsonl, and "
