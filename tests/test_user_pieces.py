@@ -363,6 +363,8 @@ def test_trls_lr_scheduler_types_decay_over_the_runs_optimizer_steps():
     # TRL's warmup_ratio: that fraction of the run's optimizer steps, rounded up.
     assert GRPOConfig(output_dir="x", max_steps=10, warmup_ratio=0.1).warmup_steps == 1
     assert GRPOConfig(output_dir="x", max_steps=8, num_iterations=2, warmup_ratio=0.3).warmup_steps == 3
+    with pytest.raises(ValueError, match="max_steps=-1 is TRL's 'run by num_train_epochs'"):
+        GRPOConfig(output_dir="x", max_steps=-1)
     with pytest.raises(TypeError, match="warmup_ratio and warmup_steps set the same thing"):
         GRPOConfig(output_dir="x", warmup_ratio=0.1, warmup_steps=2)
     args = build_parser().parse_args(["learn", "--output-dir", "x", "--max-steps", "20", "--warmup-ratio", "0.1"])

@@ -349,6 +349,9 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
             if name in values:
                 raise TypeError(f"{cls.__name__}(): {trl_name} and {name} name the same option; keep one.")
             value = given_as = values.pop(trl_name)
+            if trl_name == "max_steps" and value == -1 and "num_train_epochs" not in values:
+                raise ValueError("max_steps=-1 is TRL's 'run by num_train_epochs', which has no counterpart here: "
+                                 "give max_steps, the run's optimizer steps (each step draws tasks_per_step tasks).")
             if trl_name == "save_steps" and isinstance(value, float) and 0 < value < 1:
                 # TRL's fraction of the run's optimizer steps, rounded up (as transformers' Trainer does)
                 steps = values.get("steps", cls.__dataclass_fields__["steps"].default)
