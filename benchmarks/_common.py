@@ -24,6 +24,15 @@ def write_section(section: str, body: str, path: Path = BENCHMARKS_MD) -> None:
     path.write_text(text)
 
 
+def publish(section: str, body: str, *, no_write: bool) -> None:
+    """Print the section; write it to BENCHMARKS.md too unless ``no_write`` (``--no-write``)."""
+    if no_write:
+        print(section + "\n\n" + body)
+    else:
+        write_section(section, body)
+        print(body)
+
+
 def command_line(script: str, argv: list[str] | None = None) -> str:
     """The command that measured a section, as it was typed (``--no-write`` aside): ``python benchmarks/SCRIPT ARGS``.
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import command_line, write_section
+from _common import command_line, publish
 
 SECTION = "## Code tests: stdin/stdout cases vs asserts"
 FUNCTION = "def add(a, b):\n    return a + b\n"
@@ -124,12 +124,7 @@ def main() -> None:
         "The cases of a call run one after another, so a program that times out on every case takes "
         "the sum of their limits.",
     ]
-    body = "\n".join(lines)
-    if args.no_write:
-        print(SECTION + "\n\n" + body)
-    else:
-        write_section(SECTION, body)
-        print(body)
+    publish(SECTION, "\n".join(lines), no_write=args.no_write)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_section
+from _common import publish
 
 SECTION = "## Sandbox: cost per call"
 CODE = "def add(a, b):\n    return a + b\n"
@@ -156,12 +156,7 @@ def main() -> None:
     # The interpreter's path names this machine's checkout: keep only what it is.
     lines += [f"- `{key}`: {value.replace(sys.executable, 'the project venv python') if isinstance(value, str) else value}"
               for key, value in caps.items()]
-    body = "\n".join(lines)
-    if args.no_write:
-        print(SECTION + "\n\n" + body)
-    else:
-        write_section(SECTION, body)
-        print(body)
+    publish(SECTION, "\n".join(lines), no_write=args.no_write)
 
 
 if __name__ == "__main__":
