@@ -135,3 +135,19 @@ def test_sdpo_teacher_reads_a_rows_privileged_context_as_feedback_as_in_trl(tmp_
 
     metrics = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
     assert metrics["sdpo/feedback_available_frac"] == 1.0 and metrics["sdpo/demonstration_frac"] == 0.0
+
+
+def test_a_flag_overrides_the_config_files_token_budget_and_back(tmp_path):
+    """--config's rule, flags override the file, holds for AsyncGRPO's TRL token_budget as for max_steps:
+    the file's token_budget under --max-tokens-per-row, and the file's max_tokens_per_row under --token-budget."""
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+
+    def cfg(text, *flags):
+        (tmp_path / "c.yaml").write_text(text)
+        args = build_parser("async_grpo").parse_args(["learn", "--learner", "async_grpo", "--output-dir", "x",
+                                                      "--config", str(tmp_path / "c.yaml"), *flags])
+        return config_from_args(AsyncGRPOConfig, args)
+
+    assert cfg("token_budget: 2048\n", "--max-tokens-per-row", "3072").max_tokens_per_row == 3072
+    assert cfg("max_tokens_per_row: 2048\n", "--token-budget", "3072").max_tokens_per_row == 3072

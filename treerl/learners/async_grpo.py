@@ -108,6 +108,7 @@ class AsyncGRPOConfig(GRPOConfig):
                               "max_tokens_per_row here; unset: treerl's default; <= 0 (no budget) is refused."),
         "weight_sync_steps": (int, "TRL's: 1 only (the generators get the weights after every step)."),
     }
+    TRANSLATED_INTO: ClassVar[dict[str, str]] = {**GRPOConfig.TRANSLATED_INTO, "token_budget": "max_tokens_per_row"}
 
     max_staleness: int = field_help(2, "Most policy versions a trained group's oldest span may lag the trainer; "
                                        "older groups are dropped whole. 0: synchronous GRPO's updates.")
