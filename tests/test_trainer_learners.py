@@ -151,3 +151,26 @@ def test_a_flag_overrides_the_config_files_token_budget_and_back(tmp_path):
 
     assert cfg("token_budget: 2048\n", "--max-tokens-per-row", "3072").max_tokens_per_row == 3072
     assert cfg("max_tokens_per_row: 2048\n", "--token-budget", "3072").max_tokens_per_row == 3072
+
+
+def test_an_async_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+    """TRL's AsyncGRPOTrainer example trains at the script's top level (its rollouts run in a thread); here the
+    generators are spawned processes that import the script again, so that is refused before any starts, with
+    the fix, rather than each generator dying of multiprocessing's bootstrapping error."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "from treerl import AsyncGRPOConfig, AsyncGRPOTrainer\n\n"
+        "def reward_len(completions, **kwargs):\n"
+        "    return [0.0 for completion in completions]\n\n"
+        f"args = AsyncGRPOConfig(output_dir={str(tmp_path / 'out')!r}, max_steps=1, num_generations=2, "
+        "per_device_train_batch_size=2, max_new_tokens=4, progress=False)\n"
+        "AsyncGRPOTrainer('tiny', reward_len, args, [{'prompt': 'Hi'}]).train()\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert 'outside `if __name__ == "__main__":`' in run.stderr and "bootstrapping" not in run.stderr
+    from treerl.learners.async_pool import unguarded_script
+
+    assert unguarded_script() is None  # pytest's own entry point is guarded

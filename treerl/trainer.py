@@ -344,7 +344,8 @@ class AsyncGRPOTrainer(LearnerTrainer):
     ``eval_dataset``, which TRL's AsyncGRPOTrainer lacks, by keyword). The episodes are played by
     treerl's generator processes, which run no vLLM server of their own to plug into: ``rollout_worker``
     and ``weight_transfer`` are refused. ``tools`` travel to those processes, so they must pickle
-    (module-level functions, as TRL requires); the reward functions run in the trainer and need not.
+    (module-level functions, as TRL requires); the reward functions run in the trainer and need not. Those
+    processes import the script again, so its training must sit under ``if __name__ == "__main__":``.
     ``environment_factory`` is refused: its objects would live in the generators, out of the reward
     functions' reach.
     """

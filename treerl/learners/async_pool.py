@@ -21,12 +21,15 @@ Weights reach the generators by one of two transports (``weight_transport``):
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import inspect
 import logging
 import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -49,6 +52,35 @@ __all__ = ["ProcessPool", "GeneratorFailed", "weights_dir", "WEIGHT_TRANSPORTS"]
 logger = logging.getLogger(__name__)
 
 WEIGHT_TRANSPORTS = ("file", "broadcast")
+
+
+def unguarded_script() -> str | None:
+    """The path of the script run as ``__main__`` when this call comes from its top level outside an ``if
+    __name__ == "__main__":`` block, else None. A process started with ``spawn`` runs that script again, so
+    such a script would start training in each generator (Python refuses it there, and the generator dies).
+    No script (an interactive session, ``python -c``) or no source to read: None."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    frame = inspect.currentframe()
+    while frame is not None and (frame.f_code.co_name, frame.f_globals.get("__name__")) != ("<module>", "__main__"):
+        frame = frame.f_back
+    if path is None or frame is None:
+        return None
+    try:
+        tree = ast.parse(Path(path).read_text(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    line = frame.f_lineno
+    guarded = any(isinstance(node, ast.If) and _is_main_test(node.test)
+                  and node.lineno <= line <= (node.end_lineno or node.lineno) for node in ast.walk(tree))
+    return None if guarded else path
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    """``__name__ == "__main__"`` (either way round)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = {ast.dump(test.left), ast.dump(test.comparators[0])}
+    return sides == {ast.dump(ast.Name("__name__", ast.Load())), ast.dump(ast.Constant("__main__"))}
 
 
 def weights_dir() -> Path:
@@ -103,6 +135,12 @@ class ProcessPool(GeneratorPool):
                  weight_transport: str = "file", bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         if weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(f"weight_transport={weight_transport!r}: use one of {', '.join(WEIGHT_TRANSPORTS)}.")
+        script = unguarded_script()
+        if script is not None:
+            raise RuntimeError(f"{script} starts training at its top level, outside `if __name__ == \"__main__\":`. "
+                               "The generators are processes started with `spawn`, which import the script again "
+                               "and would start training again in each generator; put the training under "
+                               "`if __name__ == \"__main__\":` (the reward and tool functions stay at module level).")
         super().__init__(spec, num_generators=num_generators, heartbeat_timeout=heartbeat_timeout,
                          startup_timeout=startup_timeout, on_report=on_report)
         self._ctx = multiprocessing.get_context("spawn")
