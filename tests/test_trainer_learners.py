@@ -79,6 +79,9 @@ def test_trl_sdpo_options_without_a_counterpart_are_refused_by_name(tmp_path):
     refused("use_teacher_server other than False: .* never by a vLLM server", use_teacher_server=True)
     refused("diagnostics_warning_interval: SDPO's diagnostics", diagnostics_warning_interval=5)
     refused("teacher_model_kind and teacher name the same option", teacher_model_kind="ema", teacher="ema")
+    with pytest.raises(ValueError, match="distillation_topk=None: .* drop it or give one"):  # TRL's default value
+        SDPOConfig(output_dir=str(tmp_path), distillation_mode="sampled_token", distillation_alpha=1.0,
+                   distillation_topk=None)
     assert SDPOConfig(output_dir=str(tmp_path), distillation_mode="full_logits").distillation_mode == "full"
     assert SDPOConfig(output_dir=str(tmp_path), use_teacher_server=False).teacher == "initial"
     assert SDPOConfig(output_dir=str(tmp_path), environment_feedback_only_without_solution=True,

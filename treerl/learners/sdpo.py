@@ -215,6 +215,9 @@ class SDPOConfig(GRPOConfig):
             raise ValueError(f"distillation_alpha={self.distillation_alpha} with distillation_mode=sampled_token: "
                              "the sampled-token form estimates the reverse KL only; pass --distillation-alpha 1, "
                              "or --distillation-mode topk for other divergences.")
+        if self.distillation_topk is None:  # TRL's default (unset outside its topk_logits mode)
+            raise ValueError("distillation_topk=None: here it is always a number, the top-k of topk mode (default "
+                             "100, unused by the other modes); drop it or give one.")
         if self.distillation_topk < 1:
             raise ValueError(f"distillation_topk={self.distillation_topk} must be >= 1 (the authors use 100).")
         if self.distillation_is_clip is not None and not self.distillation_is_clip > 0:
