@@ -337,6 +337,10 @@ def test_trls_run_name_names_the_tracker_run(tmp_path, monkeypatch):
     assert inits[0]["name"] == "qwen3-calc" and "name" not in inits[1]
 
 
+def test_trls_vllm_server_base_url_is_the_server_url():
+    assert GRPOConfig(output_dir="x", vllm_server_base_url="http://gpu:8000").vllm_server_url == "http://gpu:8000"
+
+
 def test_trls_lr_scheduler_types_decay_over_the_runs_optimizer_steps():
     import torch
 
@@ -376,7 +380,8 @@ def test_trls_lr_scheduler_types_decay_over_the_runs_optimizer_steps():
 
 
 @pytest.mark.parametrize("option", ["adam_beta1", "optim", "push_to_hub", "save_strategy", "do_eval",
-                                    "gradient_checkpointing_kwargs", "torch_dtype"])
+                                    "gradient_checkpointing_kwargs", "torch_dtype", "shuffle_dataset",
+                                    "vllm_server_port", "disable_dropout", "trust_remote_code", "generation_kwargs"])
 def test_trainingarguments_options_a_trl_script_sets_are_refused_with_what_to_do(option):
     with pytest.raises(TypeError, match=f"GRPOConfig\\(\\) has no option {option}: "):
         GRPOConfig(output_dir="x", **{option: 1})

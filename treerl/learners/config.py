@@ -50,7 +50,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     ALIASES: ClassVar[dict[str, str]] = {  # TRL's names where the meaning is the same (flags, YAML keys, Python)
         "num_generations": "group_size", "loss_type": "loss",
         "model_name_or_path": "model", "epsilon": "epsilon_low", "use_bias_correction_kl": "kl_bias_correction",
-        "scale_rewards": "advantage_scale",
+        "scale_rewards": "advantage_scale", "vllm_server_base_url": "vllm_server_url",
     }
     # TRL's options with no field here, and what to use instead: a flag, YAML key or keyword argument of
     # one of these names is refused with this hint, not with a "did you mean" for a look-alike name.
@@ -101,6 +101,16 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "top_entropy_quantile": "not supported",
         "sync_ref_model": "not supported: the reference model of --beta is the starting weights",
         "delta": "not supported (the two-sided clip of --loss dppo is --dppo-delta-low/--dppo-delta-high)",
+        "shuffle_dataset": "tasks are the dataset's rows in order (step s plays the next tasks_per_step of them); "
+                           "shuffle the dataset beforehand (datasets' dataset.shuffle(seed=...)), as TRL does by "
+                           "default",
+        **dict.fromkeys(("vllm_server_host", "vllm_server_port"),
+                        "the server of --vllm-mode server is --vllm-server-url http://HOST:PORT"),
+        "disable_dropout": "dropout stays as the model's config sets it (0 in Qwen3 and Llama checkpoints); set "
+                           "--lora-dropout for LoRA's own",
+        "trust_remote_code": "not supported: --model loads architectures transformers ships",
+        "cache_implementation": "not supported: generation uses the policy's own KV cache",
+        "generation_kwargs": "sampling takes --temperature, --top-k, --top-p, --min-p and --max-new-tokens",
     }
     # TRL's options that translate_options turns into fields, or takes with a note where they change nothing
     # here; each (type, help) is also a flag and a YAML key.
