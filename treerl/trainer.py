@@ -18,7 +18,8 @@ What maps, and how:
 
 - ``train_dataset`` (a ``datasets.Dataset`` or a list of dicts with a ``prompt`` column) becomes a
   :class:`~treerl.envs.prompts.PromptEnv`: each row one task, its other columns keyword arguments of
-  the reward functions. With ``tools=[...]`` the episodes are multi-turn tool use over the same rows.
+  the reward functions; the rows are played in the order TRL's sampler draws its first pass
+  (``shuffle_dataset``, TRL's default: a permutation seeded with ``args.seed``). With ``tools=[...]`` the episodes are multi-turn tool use over the same rows.
 - ``reward_funcs`` are called with TRL's arguments. Text prompts give them text ``prompts`` and
   ``completions`` (TRL's standard format: the prompt, the reply's text), message prompts and tool
   episodes lists of messages (its conversational format). The reward trained on is their weighted sum
@@ -68,6 +69,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
+
+import torch
 
 from treerl.envs.builtin.math_verify import load_rows
 from treerl.envs.prompts import EnvironmentInstances, PromptEnv, environment_tools
@@ -181,8 +184,9 @@ class LearnerTrainer:
         self.model, self.processing_class = model, processing_class
         self.optimizer = optimizer
         self.tools = list(tools or [])
-        # Read once (a streamed dataset into a list), shared by every episode's environment.
-        self.train_dataset = load_rows(None, train_dataset, "")
+        # Read once (a streamed dataset into a list), shared by every episode's environment, in the order TRL's
+        # sampler draws its first pass (shuffle_dataset, on by default there: a permutation seeded with args.seed).
+        self.train_dataset = _shuffled(load_rows(None, train_dataset, ""), self.args.seed)
         self.eval_dataset = None if eval_dataset is None else load_rows(None, eval_dataset, "")
         self.callbacks = list(callbacks or [])
         for rows in (self.train_dataset, self.eval_dataset):  # a row without a prompt is said now, not at a step
@@ -378,6 +382,13 @@ class AsyncGRPOTrainer(LearnerTrainer):
                                  "processes; define it at module level (as TRL's AsyncGRPOTrainer requires).") from None
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                          callbacks=callbacks, optimizers=optimizers, peft_config=peft_config, tools=tools)
+
+def _shuffled(rows: Any, seed: int) -> Any:
+    """``rows`` in the order of TRL's ``RepeatSampler`` with ``shuffle=True`` and ``seed``: ``torch.randperm``
+    drawn from a generator seeded with it (a ``datasets.Dataset`` stays one, through ``select``)."""
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    return rows.select(order) if hasattr(rows, "select") else [rows[i] for i in order]
+
 
 def _trl_format(func: RewardFunc, rows: Any, tools: Sequence[Any], prompt_key: str = "prompt") -> RewardFunc:
     """``func`` given text prompts and completions where TRL gives them: rows whose prompts (``prompt_key``)

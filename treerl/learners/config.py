@@ -101,9 +101,9 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "top_entropy_quantile": "not supported",
         "sync_ref_model": "not supported: the reference model of --beta is the starting weights",
         "delta": "not supported (the two-sided clip of --loss dppo is --dppo-delta-low/--dppo-delta-high)",
-        "shuffle_dataset": "tasks are the dataset's rows in order (step s plays the next tasks_per_step of them); "
-                           "shuffle the dataset beforehand (datasets' dataset.shuffle(seed=...)), as TRL does by "
-                           "default",
+        "shuffle_dataset": "treerl.GRPOTrainer plays its train_dataset shuffled, as TRL's default does (the "
+                           "permutation TRL's sampler draws with --seed); an environment's own rows play in order "
+                           "(step s plays the next tasks_per_step of them): shuffle the file beforehand",
         **dict.fromkeys(("vllm_server_host", "vllm_server_port"),
                         "the server of --vllm-mode server is --vllm-server-url http://HOST:PORT"),
         "disable_dropout": "dropout stays as the model's config sets it (0 in Qwen3 and Llama checkpoints); set "
