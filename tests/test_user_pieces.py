@@ -337,8 +337,14 @@ def test_trls_run_name_names_the_tracker_run(tmp_path, monkeypatch):
     assert inits[0]["name"] == "qwen3-calc" and "name" not in inits[1]
 
 
-def test_trls_vllm_server_base_url_is_the_server_url():
+def test_trls_vllm_server_base_url_is_the_server_url_and_top_k_0_is_none():
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+
     assert GRPOConfig(output_dir="x", vllm_server_base_url="http://gpu:8000").vllm_server_url == "http://gpu:8000"
+    assert GRPOConfig(output_dir="x", top_k=0).top_k is None  # TRL's default, 0: top-k off
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--top-k", "0"])
+    assert config_from_args(GRPOConfig, args).top_k is None
 
 
 def test_trls_lr_scheduler_types_decay_over_the_runs_optimizer_steps():

@@ -384,6 +384,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                      f"{name}={-(-value // iterations)} in steps.")
                 value //= iterations
             values[name] = value
+        if values.get("top_k") == 0 and not isinstance(values["top_k"], bool):
+            values["top_k"] = None  # TRL's and vLLM's 0: no top-k, the whole vocabulary (treerl's None)
         if "warmup_ratio" in values:
             ratio = values.pop("warmup_ratio")
             if "warmup_steps" in values:
