@@ -347,6 +347,17 @@ def test_trls_vllm_server_base_url_is_the_server_url_and_top_k_0_is_none():
     assert config_from_args(GRPOConfig, args).top_k is None
 
 
+def test_the_logged_lr_is_the_one_each_step_trained_with(tmp_path):
+    # As transformers' Trainer logs learning_rate (read before the scheduler steps): a linear decay over
+    # 2 steps trains at 1e-3, then 5e-4; the rate after the step (5e-4, then 0) is the next step's.
+    out = tmp_path / "run"
+    assert main(["learn", "--env", "treerl/Calculator-v0", "--output-dir", str(out), "--max-steps", "2",
+                 "--lr-scheduler-type", "linear", "--learning-rate", "1e-3", "--tasks-per-step", "1",
+                 "--group-size", "2", "--max-new-tokens", "8", "--eval-episodes", "0", "--num-threads", "1"]) == 0
+    lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lrs == pytest.approx([1e-3, 5e-4])
+
+
 def test_trls_lr_scheduler_types_decay_over_the_runs_optimizer_steps():
     import torch
 

@@ -260,10 +260,10 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     precision.unscale(optimizer)
     if cfg.max_grad_norm > 0:
         metrics["grad/norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+    metrics["lr"] = scheduler.get_last_lr()[0]  # the rate this update takes (as transformers' Trainer logs it)
     precision.step(optimizer)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    metrics["lr"] = scheduler.get_last_lr()[0]
 
 
 @dataclass
