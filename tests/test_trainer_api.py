@@ -192,7 +192,7 @@ def test_unsupported_arguments_are_refused_by_name(tmp_path):
     refused("quantization_config", quantization_config=object())
     refused("reward_processing_classes", reward_processing_classes=object())
     refused("rollout_func", rollout_func=lambda prompts, trainer: {})
-    refused("optimizers=.*warm-up", optimizers=(None, object()))
+    refused("optimizers=.*warm-up, then args.lr_scheduler_type's", optimizers=(None, object()))
     refused("use_dora", peft_config=LoraConfig(r=2, use_dora=True))
     refused("regular expression", peft_config=LoraConfig(r=2, target_modules=".*proj"))
     refused("one per function", args=small(tmp_path, reward_weights=[1.0, 0.5]))

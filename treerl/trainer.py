@@ -123,8 +123,9 @@ class LearnerTrainer:
                 rollout_func=(rollout_func, "generation is treerl's rollout engine; a sampler of your own is a "
                               "treerl.agents.Policy passed as treerl.learners.train(cfg, policy=...)"))
         optimizer, scheduler = optimizers
-        _refuse(name, optimizers=(scheduler, "the learning-rate schedule is args.warmup_steps of linear warm-up, "
-                                  "then constant; pass optimizers=(optimizer, None)"))
+        _refuse(name, optimizers=(scheduler, "the learning-rate schedule is args.warmup_steps (or warmup_ratio) of "
+                                  "linear warm-up, then args.lr_scheduler_type's (constant, linear or cosine); pass "
+                                  "optimizers=(optimizer, None)"))
         if isinstance(model, str) and args is not None and args.model not in (None, model):
             raise ValueError(f"{name}(model={model!r}) and args.model={args.model!r} differ; keep one.")
         if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
