@@ -534,6 +534,13 @@ def test_io_tests_stop_at_the_first_failure_as_results_arrive():
     assert report.errors == ["expected '1', got 'no\\n'"] + ["not run"] * 4
 
 
+def test_the_io_harness_finds_the_bootstrap_under_the_name_it_registers():
+    import treerl.envs.io_test_harness as harness
+    import treerl.envs.sandbox_bootstrap as bootstrap
+
+    assert harness.BOOTSTRAP_MODULE == bootstrap.MODULE_NAME  # else every case would fail with a KeyError
+
+
 def test_the_unit_test_harness_can_be_fooled_and_io_tests_cannot():
     """Why CodeSandbox reads stdin/stdout cases: assert tests run beside the candidate, which can
     reach their runner; this pins that known weakness, so that a fix to it shows up here."""

@@ -6,8 +6,8 @@ byte length of a JSON header, the header ``{"code": str, "timeout_s": float, "ca
 [[input_bytes, keep_bytes], ...]}``, then the cases' inputs (UTF-8), one after another.
 The job holds the code and the inputs only: the expected outputs never enter the sandbox.
 
-For each case, in order, the harness forks; the child runs the code as ``__main__`` (as
-the sandbox's bootstrap does: same file name, same handling of its end) with the case's
+For each case, in order, the harness forks; the child runs the code as ``__main__`` with
+the bootstrap's own :func:`~treerl.envs.sandbox_bootstrap.run_as_main`, with the case's
 input as stdin (an unnamed in-memory file, as a judge gives a file), and the harness
 writes one line of JSON (ASCII) to its own stdout::
 
@@ -46,16 +46,13 @@ Invariants:
   Importing this module does nothing; the work happens only when it runs as ``__main__``.
 """
 
-import builtins
 import errno
 import json
-import linecache
 import os
 import select
 import signal
 import sys
 import time
-import types
 
 __all__ = ["main", "STDERR_TAIL"]
 
@@ -65,6 +62,8 @@ _MAX_RECORD_BYTES = 1 << 16
 _DRAIN_S = 1.0
 _KNOWN_EVENTS = ("network", "process_limit", "memory_limit", "disk_limit")
 PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
+BOOTSTRAP_MODULE = "treerl_sandbox_bootstrap"
+"""Where the sandbox's bootstrap, which runs this harness, is in ``sys.modules`` (its ``MODULE_NAME``)."""
 
 
 class _Job:
@@ -386,40 +385,8 @@ def _child(code, stdin_fd, out_w, err_w, rec_w, hook_fds):
         stream = open(fd, mode, buffering=1 if fd == 2 else -1, encoding="utf-8", errors=errors, closefd=False)
         setattr(sys, name, stream)
         setattr(sys, "__%s__" % name, stream)
-    main = types.ModuleType("__main__")
-    main.__builtins__ = builtins
-    sys.modules["__main__"] = main
-    sys.argv = ["<sandbox>"]
-    linecache.cache["<sandbox>"] = (len(code), None, code.splitlines(True), "<sandbox>")
-    try:
-        # Compiled here, under the case's time limit, as the bootstrap does: compiling can be slow.
-        exec(compile(code, "<sandbox>", "exec"), main.__dict__)
-        status = 0
-    except SystemExit as e:
-        status = e.code
-        if status is None:
-            status = 0
-        elif not isinstance(status, int):
-            print(status, file=sys.stderr)
-            status = 1
-        record(event="exit", kind="exit", code=status)
-    except BaseException as e:
-        if isinstance(e, MemoryError):
-            kind = "memory"
-        elif (isinstance(e, OSError) and e.errno == errno.EAGAIN) or (
-                isinstance(e, RuntimeError) and "can't start new thread" in str(e)):
-            kind = "process_limit"
-        elif isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            kind = "disk"
-        else:
-            kind = "exception"
-        record(event="exit", kind=kind, exc_type=type(e).__name__)
-        if e.__traceback__ is not None:
-            e.__traceback__ = e.__traceback__.tb_next  # hide the harness's own frame
-        sys.excepthook(type(e), e, e.__traceback__)
-        status = 1
-    else:
-        record(event="exit", kind="ok", code=0)
+    # The bootstrap's own way to run a program and record its end (this harness runs under it).
+    status = sys.modules[BOOTSTRAP_MODULE].run_as_main(code, record)
     return _finish(status)
 
 

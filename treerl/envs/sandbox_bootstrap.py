@@ -50,7 +50,11 @@ import signal  # the private uid may not read the interpreter's files)
 import sys
 import types
 
-__all__ = ["main"]
+__all__ = ["main", "run_as_main", "MODULE_NAME"]
+
+MODULE_NAME = "treerl_sandbox_bootstrap"
+"""The name this module is also known by in ``sys.modules`` once it runs (as ``__main__``): user code it
+runs, such as :mod:`treerl.envs.io_test_harness`, reaches :func:`run_as_main` through it."""
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = (
     0x00020000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
@@ -282,12 +286,23 @@ def _inner(libc, cfg, ctl, source, events_fd, setup_w, enforced, pid_ns):
             setattr(os, name, tracked(getattr(os, name), "os." + name))
     _posixsubprocess.fork_exec = tracked(_posixsubprocess.fork_exec, "subprocess")
 
+    del cfg
+    return run_as_main(source, record)
+
+
+def run_as_main(source, record):
+    """Run ``source`` as the script ``__main__`` (file ``<sandbox>``, its own ``argv`` and tracebacks),
+    ``record`` how it ended (``event="exit"`` with ``kind``: ``ok``, ``exit``, ``memory``,
+    ``process_limit``, ``disk`` or ``exception``) and return its exit status.
+
+    The user code's way in, and :mod:`treerl.envs.io_test_harness`'s for each case's program: that
+    harness runs as user code under this bootstrap, which it finds in ``sys.modules[MODULE_NAME]``.
+    """
     main = types.ModuleType("__main__")
     main.__builtins__ = builtins
     sys.modules["__main__"] = main
     sys.argv = ["<sandbox>"]
     linecache.cache["<sandbox>"] = (len(source), None, source.splitlines(True), "<sandbox>")
-    del cfg
     try:
         exec(compile(source, "<sandbox>", "exec"), main.__dict__)
     except SystemExit as e:
@@ -311,7 +326,7 @@ def _inner(libc, cfg, ctl, source, events_fd, setup_w, enforced, pid_ns):
             kind = "exception"
         record(event="exit", kind=kind, exc_type=type(e).__name__)
         if e.__traceback__ is not None:
-            e.__traceback__ = e.__traceback__.tb_next  # hide the bootstrap's own frame
+            e.__traceback__ = e.__traceback__.tb_next  # hide this function's own frame
         sys.excepthook(type(e), e, e.__traceback__)
         return 1
     record(event="exit", kind="ok", code=0)
@@ -417,4 +432,5 @@ def _drop_capabilities(libc):
 
 
 if __name__ == "__main__":
+    sys.modules[MODULE_NAME] = sys.modules[__name__]
     sys.exit(main())
