@@ -204,6 +204,62 @@ def test_trl_names_are_aliases_in_python_too():
         GRPOConfig(output_dir="x", generation_batch_size=16)
 
 
+def test_trls_defaults_written_out_are_taken(tmp_path):
+    """A TRL script or YAML file that writes out TRL's defaults runs: an option refused here is taken at the
+    value that means what happens here anyway, TRL's None is "off" (min_p) or "the other option" (epsilon_high
+    follows epsilon); any other value is still refused. min_p=None and epsilon_high=None crashed comparing None."""
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+    from treerl.learners.async_grpo import AsyncGRPOConfig
+    from treerl.learners.sdpo import SDPOConfig
+
+    trl_defaults = dict(min_p=None, epsilon_high=None, chat_template_kwargs=None, repetition_penalty=1.0,
+                        log_completions=False, push_to_hub=False, hub_model_id=None, hub_strategy="every_save",
+                        sync_ref_model=False, generation_batch_size=None, steps_per_generation=None,
+                        generation_kwargs=None, importance_sampling_level="token", save_strategy="steps",
+                        gradient_checkpointing_kwargs={"use_reentrant": False}, top_entropy_quantile=1.0,
+                        multi_objective_aggregation="sum_then_normalize", disable_dropout=False)
+    for config in (GRPOConfig, SDPOConfig, AsyncGRPOConfig):
+        cfg = config(output_dir="x", epsilon=0.1, **trl_defaults)
+        assert (cfg.min_p, cfg.epsilon_low, cfg.epsilon_high, cfg.chat_template_kwargs) == (0.0, 0.1, 0.1, {})
+    assert GRPOConfig(output_dir="x", epsilon_high=None).epsilon_high == 0.2  # TRL's epsilon, 0.2
+    assert GRPOConfig(output_dir="x").epsilon_high == 0.28  # treerl's own default is unchanged
+    assert GRPOConfig(output_dir="x", sapo_temperature_neg=1.2).sapo_tau_neg == 1.2  # TRL's name of the same
+    for name, value, said in (("repetition_penalty", 1.1, "sampling takes"), ("log_completions", True, "--sample"),
+                              ("push_to_hub", True, "hf upload"), ("disable_dropout", 0, "dropout stays"),
+                              ("multi_objective_aggregation", "normalize_then_sum", "normalize_then_sum is not")):
+        with pytest.raises(TypeError, match=f"no option {name}: .*{said}"):
+            GRPOConfig(output_dir="x", **{name: value})
+    text = "".join(f"{k}: {'null' if v is None else str(v).lower() if isinstance(v, bool) else v}\n"
+                   for k, v in trl_defaults.items() if k != "gradient_checkpointing_kwargs")
+    (tmp_path / "trl.yaml").write_text(text + "epsilon: 0.1\ngradient_checkpointing_kwargs:\n  use_reentrant: false\n")
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--config", str(tmp_path / "trl.yaml")])
+    cfg = config_from_args(GRPOConfig, args)
+    assert (cfg.min_p, cfg.epsilon_high, cfg.chat_template_kwargs) == (0.0, 0.1, {})
+    (tmp_path / "bad.yaml").write_text("repetition_penalty: 1.2\n")
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--config", str(tmp_path / "bad.yaml")])
+    with pytest.raises(ConfigError, match="repetition_penalty: not supported"):
+        config_from_args(GRPOConfig, args)
+
+
+def test_each_of_trls_grpo_options_at_its_default_is_taken_or_refused_by_name():
+    """Every option of TRL's own GRPOConfig (not the TrainingArguments it extends), at TRL's default: taken,
+    or refused with a message that names it, never a crash that names nothing (min_p=None compared None)."""
+    import dataclasses
+
+    trl = pytest.importorskip("trl")
+    transformers = pytest.importorskip("transformers")
+    inherited = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    for option in dataclasses.fields(trl.GRPOConfig):
+        if option.name in inherited or option.name == "output_dir":
+            continue
+        default = option.default_factory() if option.default_factory is not dataclasses.MISSING else option.default
+        try:
+            GRPOConfig(output_dir="x", **{option.name: default})
+        except (TypeError, ValueError) as exc:
+            assert option.name in str(exc), (option.name, default, str(exc))
+
+
 def test_trl_batch_sizes_set_the_tasks_of_a_step(tmp_path, monkeypatch):
     """TRL's optimizer step takes per_device_train_batch_size x gradient_accumulation_steps x processes
     completions, num_generations per prompt: tasks_per_step here, in Python, YAML and flags alike."""

@@ -180,7 +180,8 @@ def _named_twice(aliases: Mapping[str, str], given: Mapping[str, Any]) -> list[s
 class AcceptsAliases(type):
     """The metaclass of a config dataclass with ``ALIASES``: its keyword arguments in Python take the
     same other names as its flags and YAML keys (TRL's ``num_generations`` for ``group_size``), and a
-    name in its ``UNSUPPORTED`` is refused with what to use instead.
+    name in its ``UNSUPPORTED`` is refused with what to use instead, unless ``NEUTRAL`` lists its value as
+    one that means what the config already does (see :func:`without_neutral`).
 
     >>> from dataclasses import dataclass
     >>> @dataclass
@@ -201,6 +202,7 @@ class AcceptsAliases(type):
     """
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        kwargs = without_neutral(cls, kwargs)
         aliases = _aliases(cls)
         if both := _named_twice(aliases, kwargs):
             raise TypeError(f"{cls.__name__}(): {'; '.join(both)} name the same option; keep one.")
@@ -213,6 +215,32 @@ class AcceptsAliases(type):
         if _translated(cls):
             kwargs = cls.translate_options(kwargs)
         return super().__call__(*args, **kwargs)
+
+
+def without_neutral(cls: type, given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` without the options that ``cls.NEUTRAL`` lists at their value: another toolkit's option at a
+    value that means what ``cls`` does anyway (TRL's ``repetition_penalty=1.0``), or ``None`` where that
+    toolkit's ``None`` means "off" or "the default" (TRL's ``min_p=None``). A script or a YAML file that
+    writes out the other toolkit's defaults runs; any other value is refused or taken as before.
+
+    >>> class Demo:
+    ...     NEUTRAL = {"repetition_penalty": (1.0,), "min_p": (None,)}
+    >>> without_neutral(Demo, {"repetition_penalty": 1, "min_p": None, "top_p": 0.9})
+    {'top_p': 0.9}
+    >>> without_neutral(Demo, {"repetition_penalty": 1.1, "min_p": 0.0})
+    {'repetition_penalty': 1.1, 'min_p': 0.0}
+    """
+    neutral = getattr(cls, "NEUTRAL", {})
+    return {k: v for k, v in given.items() if not any(_same_value(v, n) for n in neutral.get(k, ()))}
+
+
+def _same_value(value: Any, neutral: Any) -> bool:
+    """``value`` is ``neutral``: identical for ``None`` and booleans (``0`` is not ``False``), equal otherwise."""
+    if neutral is None or isinstance(neutral, bool) or isinstance(value, bool):
+        return value is neutral
+    if isinstance(neutral, (int, float)):
+        return isinstance(value, (int, float)) and value == neutral
+    return type(value) is type(neutral) and value == neutral
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -254,7 +282,7 @@ def config_from_args(cls: type[T], args: argparse.Namespace, *, extra_keys: Sequ
     names = {f.name for f in dataclasses.fields(cls) if f.init} | set(translated)
     if config_path:
         aliases = _aliases(cls)
-        raw = {k: v for k, v in load_config_file(config_path).items() if k not in extra_keys}
+        raw = without_neutral(cls, {k: v for k, v in load_config_file(config_path).items() if k not in extra_keys})
         if both := _named_twice(aliases, raw):
             raise ConfigError(f"--config {config_path}: {'; '.join(both)} name the same option; keep one.")
         # A YAML boolean under another toolkit's name is passed on as its word, for the config to read as

@@ -51,6 +51,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "num_generations": "group_size", "loss_type": "loss",
         "model_name_or_path": "model", "epsilon": "epsilon_low", "use_bias_correction_kl": "kl_bias_correction",
         "scale_rewards": "advantage_scale", "vllm_server_base_url": "vllm_server_url",
+        "sapo_temperature_pos": "sapo_tau_pos", "sapo_temperature_neg": "sapo_tau_neg",
     }
     # TRL's options with no field here, and what to use instead: a flag, YAML key or keyword argument of
     # one of these names is refused with this hint, not with a "did you mean" for a look-alike name.
@@ -99,6 +100,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         **dict.fromkeys(("model_init_kwargs", "torch_dtype"),
                         "--dtype sets the dtype the weights are loaded and trained in (auto: the checkpoint's)"),
         "top_entropy_quantile": "not supported",
+        "multi_objective_aggregation": "rewards are summed with --reward-weights, then centred (and scaled) in "
+                                       "their group: TRL's sum_then_normalize; normalize_then_sum is not supported",
         "sync_ref_model": "not supported: the reference model of --beta is the starting weights",
         "delta": "not supported (the two-sided clip of --loss dppo is --dppo-delta-low/--dppo-delta-high)",
         "shuffle_dataset": "treerl.GRPOTrainer plays its train_dataset shuffled, as TRL's default does (the "
@@ -111,6 +114,28 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "trust_remote_code": "not supported: --model loads architectures transformers ships",
         "cache_implementation": "not supported: generation uses the policy's own KV cache",
         "generation_kwargs": "sampling takes --temperature, --top-k, --top-p, --min-p and --max-new-tokens",
+    }
+    # TRL's options at the values that mean what happens here anyway, mostly TRL's defaults: taken and dropped
+    # (treerl.config.without_neutral), so that a script or YAML file writing them out runs; other values of
+    # those in UNSUPPORTED are refused with its hint. TRL's None is "off" for min_p, generation_kwargs and the
+    # like, and "the other option decides" for generation_batch_size and steps_per_generation.
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **dict.fromkeys(("min_p", "chat_template_kwargs", "vllm_server_base_url", "generation_batch_size",
+                         "steps_per_generation", "cache_implementation", "delta", "model_init_kwargs",
+                         "hub_model_id"), (None,)),
+        "generation_kwargs": (None, {}),
+        **dict.fromkeys(("repetition_penalty", "top_entropy_quantile"), (1.0,)),
+        **dict.fromkeys(("sync_ref_model", "log_completions", "disable_dropout", "trust_remote_code", "push_to_hub",
+                         "log_unique_prompts"), (False,)),
+        # read only beside log_completions=True and sync_ref_model=True: taken at TRL's defaults
+        **dict.fromkeys(("num_completions_to_print", "log_completions_hub_repo"), (None,)),
+        "log_multimodal": (True,), "ref_model_mixup_alpha": (0.6,), "ref_model_sync_steps": (512,),
+        "vllm_importance_sampling_correction": (True,),
+        "importance_sampling_level": ("token",),  # token-level ratios, as every --loss but gspo
+        "multi_objective_aggregation": ("sum_then_normalize",),  # weighted sum, then the group's advantages
+        "hub_strategy": ("every_save",),  # TRL's default, which only push_to_hub=True reads
+        "save_strategy": ("steps",),  # every --save-every (TRL's save_steps) steps
+        "gradient_checkpointing_kwargs": (None, {}, {"use_reentrant": False}),  # what --gradient-checkpointing does
     }
     # TRL's options that translate_options turns into fields, or takes with a note where they change nothing
     # here; each (type, help) is also a flag and a YAML key.

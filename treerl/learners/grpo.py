@@ -83,6 +83,8 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.epsilon_high is None:  # TRL's default: epsilon_low's value (config.json then says which)
+            self.epsilon_high = self.epsilon_low
         # TRL's older boolean scale_rewards: True is the group's std, False none (as TRL maps it).
         scale = {"true": "group", "false": "none"}.get(str(self.advantage_scale).lower())
         if scale is not None:

@@ -226,8 +226,9 @@ class LossCoefficients:
                                                "or constant.")
     epsilon_low: float = field_help(0.2, "PPO clip: ratios below 1 - epsilon_low stop pushing down (grpo, dapo, "
                                          "dr_grpo).")
-    epsilon_high: float = field_help(0.28, "PPO clip: ratios above 1 + epsilon_high stop pushing up; 0.28 is DAPO's "
-                                           "clip-higher (TRL's --epsilon sets epsilon_low only: pass both).")
+    epsilon_high: float | None = field_help(0.28, "PPO clip: ratios above 1 + epsilon_high stop pushing up; 0.28 is "
+                                                  "DAPO's clip-higher (TRL's --epsilon sets epsilon_low only: pass "
+                                                  "both); None: epsilon_low's value (TRL's default).")
     beta: float = field_help(0.0, "Weight of the k3 KL to a reference model (the starting weights); 0 keeps none.")
     kl_bias_correction: bool = field_help(True, "Multiply the k3 KL by the differentiable ratio to the old policy "
                                                 "(value 1 on-policy) so that its gradient is the unbiased reverse-KL "
@@ -263,7 +264,10 @@ class LossCoefficients:
         return {f.name: getattr(self, f.name) for f in fields(LossCoefficients)}
 
     def check_coefficients(self) -> None:
-        """Raise ``ValueError`` naming the coefficient, why it cannot work, and a usual value."""
+        """Raise ``ValueError`` naming the coefficient, why it cannot work, and a usual value; an
+        ``epsilon_high`` of None becomes ``epsilon_low``'s value, as TRL reads it."""
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon_low
         if self.aggregation is not None and self.aggregation not in AGGREGATIONS:
             raise ValueError(
                 f"LossConfig.aggregation is {self.aggregation!r}; choose one of "
