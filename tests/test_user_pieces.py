@@ -225,8 +225,7 @@ def test_trls_defaults_written_out_are_taken(tmp_path):
     assert GRPOConfig(output_dir="x", epsilon_high=None).epsilon_high == 0.2  # TRL's epsilon, 0.2
     assert GRPOConfig(output_dir="x").epsilon_high == 0.28  # treerl's own default is unchanged
     assert GRPOConfig(output_dir="x", sapo_temperature_neg=1.2).sapo_tau_neg == 1.2  # TRL's name of the same
-    for name, value, said in (("repetition_penalty", 1.1, "sampling takes"), ("log_completions", True, "--sample"),
-                              ("push_to_hub", True, "hf upload"), ("disable_dropout", 0, "dropout stays"),
+    for name, value, said in (("repetition_penalty", 1.1, "sampling takes"), ("push_to_hub", True, "hf upload"), ("disable_dropout", 0, "dropout stays"),
                               ("multi_objective_aggregation", "normalize_then_sum", "normalize_then_sum is not")):
         with pytest.raises(TypeError, match=f"no option {name}: .*{said}"):
             GRPOConfig(output_dir="x", **{name: value})
@@ -391,6 +390,47 @@ def test_trls_run_name_names_the_tracker_run(tmp_path, monkeypatch):
     MetricsLog(tmp_path, report_to="wandb", config=dataclasses.asdict(cfg), total_steps=1, progress=False)
     MetricsLog(tmp_path, report_to="wandb", config={"run_name": None}, total_steps=1, progress=False)
     assert inits[0]["name"] == "qwen3-calc" and "name" not in inits[1]
+
+
+def test_log_completions_prints_and_logs_each_steps_completions(tmp_path, monkeypatch, capsys):
+    """TRL's log_completions: each step's completions on stderr (prompt without the system message, the
+    conversation after it) and as a ``completions`` table in the tracker, with each reward column and the
+    advantage the episode was trained with; num_completions_to_print keeps the first N."""
+    import importlib.machinery
+    import types
+
+    from treerl.learners.grpo import train
+    from treerl.rollout.trajectory import read_groups
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+    logged = []
+    fake = types.SimpleNamespace(init=lambda **kwargs: None, log=lambda data, step: logged.append((step, data)),
+                                 finish=lambda: None, Table=Table,
+                                 __spec__=importlib.machinery.ModuleSpec("wandb", None))  # transformers looks
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+
+    def brevity(completions, **kwargs):
+        return [-len(c[-1]["content"]) / 100 for c in completions]
+
+    cfg = GRPOConfig(output_dir=str(tmp_path / "run"), steps=2, tasks_per_step=1, group_size=2, eval_episodes=0,
+                     log_completions=True, num_completions_to_print=1, report_to="wandb", max_new_tokens=24)
+    train(cfg, reward_funcs=[brevity], reward_weights=[1.0, 1.0])
+    tables = [(step, data["completions"]) for step, data in logged if "completions" in data]
+    assert [step for step, _ in tables] == [1, 2]
+    assert all(t.columns == ["prompt", "completion", "env", "brevity", "advantage"] and len(t.data) == 1
+               for _, t in tables)
+    first = next(iter(read_groups(tmp_path / "run" / "trajectories" / "step-000001.jsonl"))).episodes[0]
+    prompt, completion, env, short, advantage = tables[0][1].data[0]
+    assert (env, short) == pytest.approx(first.rewards) and advantage == pytest.approx(first.advantage)
+    assert prompt.startswith("user: ") and "system" not in prompt and completion.startswith("assistant: ")
+    err = capsys.readouterr().err
+    assert "step 1: 1 of 2 completions" in err and "step 2: 1 of 2 completions" in err
+    assert f"advantage {advantage:.3f}" in err and "completion:\n    assistant: " in err
+    with pytest.raises(ValueError, match="num_completions_to_print=0 must be >= 1"):
+        GRPOConfig(output_dir="x", num_completions_to_print=0)
 
 
 def test_trls_vllm_server_base_url_is_the_server_url_and_top_k_0_is_none():

@@ -102,7 +102,6 @@ class AsyncGRPOConfig(GRPOConfig):
         "fork_threshold_tokens": "the rollout engine records the tokens as they were sampled and never re-tokenizes "
                                  "a conversation, so there is no drift to reconcile; drop it",
         "router_aux_loss_coef": "not supported: the loss has no Mixture-of-Experts load-balancing term",
-        "num_completions_to_print": "--sample-groups and --sample-every keep trajectories for `treerl view`",
     }
     TRANSLATED: ClassVar[dict[str, tuple[type, str]]] = {
         **GRPOConfig.TRANSLATED,

@@ -72,7 +72,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                         "held-out evaluation runs at the start and the end of a run (--eval-episodes, "
                         "--eval-env-kwargs); treerl.GRPOTrainer.evaluate() scores an eval_dataset with the reward "
                         "functions at any time"),
-        "log_completions": "--sample-groups and --sample-every keep trajectories for `treerl view`",
         "importance_sampling_level": "sequence-level ratios are --loss gspo; --is-level sets the level of the "
                                      "sampler/trainer importance weights (TRL's vllm_importance_sampling_mode)",
         **dict.fromkeys(("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
@@ -125,10 +124,10 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                          "hub_model_id"), (None,)),
         "generation_kwargs": (None, {}),
         **dict.fromkeys(("repetition_penalty", "top_entropy_quantile"), (1.0,)),
-        **dict.fromkeys(("sync_ref_model", "log_completions", "disable_dropout", "trust_remote_code", "push_to_hub",
+        **dict.fromkeys(("sync_ref_model", "disable_dropout", "trust_remote_code", "push_to_hub",
                          "log_unique_prompts"), (False,)),
         # read only beside log_completions=True and sync_ref_model=True: taken at TRL's defaults
-        **dict.fromkeys(("num_completions_to_print", "log_completions_hub_repo"), (None,)),
+        "log_completions_hub_repo": (None,),
         "log_multimodal": (True,), "ref_model_mixup_alpha": (0.6,), "ref_model_sync_steps": (512,),
         "vllm_importance_sampling_correction": (True,),
         "importance_sampling_level": ("token",),  # token-level ratios, as every --loss but gspo
@@ -257,6 +256,11 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     sample_groups: int = field_help(4, "Groups of a sampled step kept in output_dir/trajectories for `treerl view` "
                                        "(0 keeps none).")
     sample_every: int = field_help(10, "Keep a trajectory sample every N steps (and at the first and last step).")
+    log_completions: bool = field_help(False, "Print each step's completions to stderr with their rewards and "
+                                              "advantages (TRL's; the prompt without its system message), and log "
+                                              "them as a completions table to --report-to's tracker.")
+    num_completions_to_print: int | None = field_help(None, "How many of a step's completions --log-completions "
+                                                            "shows (default: all, as TRL).")
     sample_trainer_logprobs: bool = field_help(True, "Store the trainer's log-probs in the samples too (one "
                                                      "forward of the kept groups): the viewer's sampler/trainer "
                                                      "ratio colouring.")
@@ -339,6 +343,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         resolve_precision(self.dtype, self.bf16, self.fp16, "cpu")  # its own messages (float16 weights with fp16)
         if self.lora_r < 0:
             raise ValueError(f"lora_r={self.lora_r} must be >= 0 (0 trains all weights).")
+        if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
+            raise ValueError(f"num_completions_to_print={self.num_completions_to_print} must be >= 1 (unset: all).")
         if self.sample_groups < 0 or self.sample_every < 1:
             raise ValueError(f"sample_groups={self.sample_groups}, sample_every={self.sample_every}: keep >= 0 groups "
                              "every >= 1 steps (--sample-groups 0 keeps no trajectory samples).")

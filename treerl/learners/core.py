@@ -86,8 +86,9 @@ from treerl.learners.precision import (
     model_size,
     resolve_precision,
 )
-from treerl.rollout.rewards import RewardFunc, check_reward_weights, load_reward_funcs
-from treerl.learners.samples import add_trainer_logprobs, annotate_sample, keeps_sample, sample_path, write_groups
+from treerl.rollout.rewards import RewardFunc, check_reward_weights, load_reward_funcs, reward_func_name
+from treerl.learners.samples import (add_trainer_logprobs, annotate_sample, completion_rows, format_completions,
+                                     keeps_sample, sample_path, write_groups)
 from treerl.learners.weight_sync import WeightSync
 from treerl.rollout.engine import RolloutEngine
 from treerl.rollout.sources import GroupSource
@@ -220,11 +221,17 @@ class Run:
 
     def keep_sample(self, step: int, groups: Sequence[Group], adv: torch.Tensor | Sequence[float]) -> Path | None:
         """On a sampled step, write the first ``cfg.sample_groups`` groups with their advantages
-        ``adv`` (E,) to ``output_dir/trajectories`` (see :mod:`~treerl.learners.samples`).
+        ``adv`` (E,) to ``output_dir/trajectories`` (see :mod:`~treerl.learners.samples`); on every
+        step with ``cfg.log_completions``, print and log the step's completions.
 
         Call it before the optimizer step, so that the trainer log-probs it stores are the ones
         the step's importance weights compare with the sampler's. Returns the file, if written.
         """
+        if self.ranks.is_main and self.cfg.log_completions and self.log is not None:
+            names = ["env", *(reward_func_name(f) for f in self.reward_funcs)]
+            rows = completion_rows(groups, adv, names, self.cfg.num_completions_to_print)
+            total = sum(len(g.episodes) for g in groups)
+            self.log.log_completions(step + 1, rows, format_completions(step + 1, rows, total))
         if not (self.ranks.is_main and keeps_sample(step + 1, self.cfg)):
             return None
         sample = annotate_sample(groups, adv, self.cfg.sample_groups)

@@ -17,6 +17,7 @@ install.
 
 from __future__ import annotations
 
+import html
 import json
 import sys
 from collections.abc import Sequence
@@ -117,6 +118,23 @@ class MetricsLog:
                 shown["step_s"] = f"{metrics['perf/step_s']:.1f}"
             self.bar.set_postfix(shown)
             self.bar.update(1)
+
+    def log_completions(self, step: int, rows: Sequence[dict[str, Any]], text: str) -> None:
+        """Print a step's completions table (``text``, without breaking the progress bar) and send its
+        ``rows`` to the tracker: a ``completions`` table in wandb or trackio, text in TensorBoard."""
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr)
+        if self.tracker is None or not rows:
+            return
+        kind, t = self.tracker
+        if kind == "tensorboard":
+            t.add_text("completions", "<pre>" + html.escape(text) + "</pre>", step)
+        elif getattr(t, "Table", None) is not None:  # wandb.Table, trackio.Table
+            columns = list(rows[0])
+            t.log({"completions": t.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])},
+                  step=step)
 
     def close(self) -> None:
         if self.bar is not None:

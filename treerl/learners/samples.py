@@ -33,7 +33,8 @@ from treerl.learners.forward import packed_logprobs
 from treerl.learners.packing import PackingConfig, pack_groups
 from treerl.rollout.trajectory import Episode, Group, sample_path
 
-__all__ = ["keeps_sample", "sample_path", "annotate_sample", "add_trainer_logprobs", "write_groups"]
+__all__ = ["keeps_sample", "sample_path", "annotate_sample", "add_trainer_logprobs", "write_groups", "completion_rows",
+           "format_completions"]
 
 
 def keeps_sample(step: int, cfg: Any) -> bool:
@@ -119,3 +120,48 @@ def write_groups(path: str | os.PathLike, groups: Sequence[Group]) -> Path:
     tmp.write_text("".join(g.to_json() + "\n" for g in groups), encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+def completion_rows(groups: Sequence[Group], adv: torch.Tensor | Sequence[float], reward_names: Sequence[str],
+                    limit: int | None = None) -> list[dict[str, Any]]:
+    """The rows of ``--log-completions``' table (TRL's): one per episode, groups in order, at most ``limit``:
+    ``prompt``, the opening messages but the system prompt (whose tool schemas would fill the screen);
+    ``completion``, every message after them, tool results included; each reward column under its name
+    in ``reward_names`` (the environment's first); and ``advantage``.
+
+    >>> from treerl.rollout.trajectory import Segment
+    >>> g = Group(task_key="t", env_id="e", segments=[Segment(kind="prompt", token_ids=[1])])
+    >>> g.episodes = [Episode(leaf=0, reward=1.0, rewards=[0.0, 1.0], group=g, messages=[
+    ...     {"role": "system", "content": "tools..."}, {"role": "user", "content": "2+2?"},
+    ...     {"role": "assistant", "content": "4"}])]
+    >>> completion_rows([g], [0.5], ["env", "correct"])
+    [{'prompt': 'user: 2+2?', 'completion': 'assistant: 4', 'env': 0.0, 'correct': 1.0, 'advantage': 0.5}]
+    """
+    adv = torch.as_tensor(adv, dtype=torch.float32).reshape(-1).tolist()
+    episodes = [e for group in groups for e in group.episodes]
+    rows = []
+    for episode, advantage in list(zip(episodes, adv))[:limit]:
+        messages = [m for m in episode.messages if m.get("role") != "system"]
+        opening = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+        rewards = episode.rewards or [episode.reward]
+        rows.append({"prompt": _conversation(messages[:opening]), "completion": _conversation(messages[opening:]),
+                     **{name: float(r) for name, r in zip(reward_names, rewards)}, "advantage": advantage})
+    return rows
+
+
+def format_completions(step: int, rows: Sequence[dict[str, Any]], total: int) -> str:
+    """``rows`` (see :func:`completion_rows`) as text for the terminal, each episode's rewards on its header line."""
+    lines = [f"step {step}: {len(rows)} of {total} completions"]
+    for i, row in enumerate(rows, 1):
+        figures = " · ".join(f"{k} {v:.3f}" for k, v in row.items() if k not in ("prompt", "completion"))
+        lines += [f"-- {i} · {figures}", "prompt:", _indented(row["prompt"]), "completion:",
+                  _indented(row["completion"])]
+    return "\n".join(lines)
+
+
+def _conversation(messages: Sequence[dict[str, Any]]) -> str:
+    return "\n".join(f"{m.get('role')}: {m.get('content') or ''}" for m in messages)
+
+
+def _indented(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines() or [""])
