@@ -124,6 +124,10 @@ def test_conversational_prompts_and_tools_play_multi_turn_episodes(tmp_path):
     turns = [[m["role"] for m in c] for c in seen["completions"]]
     assert ["assistant", "tool", "assistant"] in turns, turns
     assert sorted(set(seen["answer"])) == ["5", "6"]
+    # TRL's max_tool_calling_iterations: N rounds of tool calls, each followed by a turn (N + 1 turns in all)
+    limited = GRPOTrainer(model="tiny", reward_funcs=[boxed], tools=[calculator], train_dataset=rows,
+                          args=small(tmp_path, max_tool_calling_iterations=2))
+    assert limited._env_factory(limited.train_dataset)().max_turns == 3
 
 
 def test_peft_config_a_loaded_model_and_trl_callbacks(tmp_path):
@@ -204,8 +208,6 @@ def test_unsupported_arguments_are_refused_by_name(tmp_path):
     refused("one per function", args=small(tmp_path, reward_weights=[1.0, 0.5]))
     refused("no 'prompt' column", train_dataset=[{"question": "Hi"}])
     refused("mapping of several datasets", eval_dataset={"a": rows, "b": rows})
-    with pytest.raises(TypeError, match="max_tool_calling_iterations: .*max_turns"):
-        small(tmp_path, max_tool_calling_iterations=3)
     with pytest.raises(TypeError, match="eval_strategy: held-out evaluation runs at the start and the end.*evaluate()"):
         small(tmp_path, eval_strategy="steps")
 

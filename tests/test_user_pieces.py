@@ -225,6 +225,14 @@ def test_trls_defaults_written_out_are_taken(tmp_path):
     assert GRPOConfig(output_dir="x", epsilon_high=None).epsilon_high == 0.2  # TRL's epsilon, 0.2
     assert GRPOConfig(output_dir="x").epsilon_high == 0.28  # treerl's own default is unchanged
     assert GRPOConfig(output_dir="x", sapo_temperature_neg=1.2).sapo_tau_neg == 1.2  # TRL's name of the same
+    # TRL's max_tool_calling_iterations: N rounds of tools, each followed by another turn (None: no limit of TRL's)
+    assert GRPOConfig(output_dir="x", max_tool_calling_iterations=2, env_kwargs={"data_path": "d"}).env_kwargs == \
+        {"data_path": "d", "max_turns": 3}
+    assert GRPOConfig(output_dir="x", max_tool_calling_iterations=None).env_kwargs == {}
+    with pytest.raises(TypeError, match="max_tool_calling_iterations=2 .max_turns=3. and env_kwargs' max_turns=5"):
+        GRPOConfig(output_dir="x", max_tool_calling_iterations=2, env_kwargs={"max_turns": 5})
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--max-tool-calling-iterations", "0"])
+    assert config_from_args(GRPOConfig, args).env_kwargs == {"max_turns": 1}
     for name, value, said in (("repetition_penalty", 1.1, "sampling takes"), ("push_to_hub", True, "hf upload"), ("disable_dropout", 0, "dropout stays"),
                               ("multi_objective_aggregation", "normalize_then_sum", "normalize_then_sum is not")):
         with pytest.raises(TypeError, match=f"no option {name}: .*{said}"):

@@ -80,8 +80,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                         "--is-level token|sequence, --is-ratio-high"),
         "mask_truncated_completions": "not supported: episodes cut at --max-new-tokens or --max-episode-tokens are "
                                       "trained on (reward functions get each episode's termination)",
-        "max_tool_calling_iterations": "tool-calling turns are the environment's max_turns: --env-kwargs "
-                                       "'{\"max_turns\": N}' (env_kwargs={\"max_turns\": N} in Python)",
         "repetition_penalty": "not supported: sampling takes --temperature, --top-k, --top-p and --min-p",
         **dict.fromkeys(("optim", "adam_beta1", "adam_beta2", "adam_epsilon"),
                         "the optimizer is torch's AdamW with its defaults (--learning-rate, --weight-decay); another "
@@ -122,6 +120,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         **dict.fromkeys(("min_p", "chat_template_kwargs", "vllm_server_base_url", "generation_batch_size",
                          "steps_per_generation", "cache_implementation", "delta", "model_init_kwargs",
                          "hub_model_id"), (None,)),
+        "max_tool_calling_iterations": (None,),  # TRL's "no limit of its own": the environment's max_turns limits
         "generation_kwargs": (None, {}),
         **dict.fromkeys(("repetition_penalty", "top_entropy_quantile"), (1.0,)),
         **dict.fromkeys(("sync_ref_model", "disable_dropout", "trust_remote_code", "push_to_hub",
@@ -155,6 +154,9 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         **{name: (tp, "TRL's: changes nothing, every step is logged.")
            for name, tp in (("logging_steps", int | float), ("logging_first_step", bool), ("logging_strategy", str))},
         "remove_unused_columns": (bool, "TRL's: false only, as every column reaches the reward functions."),
+        "max_tool_calling_iterations": (int, "TRL's: rounds of tool calls and another assistant turn after the "
+                                             "first; the environment's max_turns = N + 1 (--env-kwargs' max_turns). "
+                                             "Unset: the environment's own limit."),
     }
     # The field each of TRANSLATED's options sets: a flag of one overrides the other in a --config file.
     TRANSLATED_INTO: ClassVar[dict[str, str]] = {
@@ -436,6 +438,16 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                 raise TypeError(f"{cls.__name__}() has no option num_train_epochs: "
                                 f"{cls.UNSUPPORTED['num_train_epochs']}.")
             warnings.warn(f"num_train_epochs={epochs!r} changes nothing beside max_steps, as in TRL.", stacklevel=3)
+        if "max_tool_calling_iterations" in values:  # N rounds of tools, each then a turn: N + 1 assistant turns
+            rounds = values.pop("max_tool_calling_iterations")
+            if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+                raise ValueError(f"max_tool_calling_iterations={rounds!r} must be a whole number >= 0.")
+            env_kwargs = values.get("env_kwargs", {})
+            if isinstance(env_kwargs, Mapping):
+                if env_kwargs.get("max_turns", rounds + 1) != rounds + 1:
+                    raise TypeError(f"{cls.__name__}(): max_tool_calling_iterations={rounds} (max_turns={rounds + 1}) "
+                                    f"and env_kwargs' max_turns={env_kwargs['max_turns']} set the same limit; keep one.")
+                values["env_kwargs"] = {**env_kwargs, "max_turns": rounds + 1}
         if "remove_unused_columns" in values:
             if values.pop("remove_unused_columns") is not False:
                 raise TypeError(f"{cls.__name__}(): remove_unused_columns=True: "
