@@ -57,6 +57,37 @@ def test_a_dataset_member_plays_its_rows_in_order():
     assert info["task_id"] == "1" and info["answer"] == "2"
 
 
+def test_shuffle_dataset_plays_each_pass_over_the_rows_in_an_order_of_its_own():
+    """TRL's shuffle_dataset: each pass over a dataset's rows is a permutation of its own, TRL's sampler's
+    (torch.randperm passes from one generator seeded with the run's seed); a group shuffles each member's rows,
+    and a mixed dataset's rows (which set the mix) as one; without a seed the rows play as written."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from treerl.learners.grpo import GRPOConfig
+    from treerl.models import default_model_path
+    from treerl.rollout.engine import task_options
+
+    generator = torch.Generator().manual_seed(3)
+    passes = [torch.randperm(5, generator=generator).tolist() for _ in range(2)]
+    rows = [{"question": f"{i} + 1 = ?", "answer": str(i + 1)} for i in range(5)]
+    env = treerl.make("treerl/MathVerify-v0", dataset=rows)
+    assert [task_options(env, k, 3)["task_index"] for k in range(10)] == passes[0] + passes[1]
+    assert [task_options(env, k)["task_index"] for k in range(10)] == list(range(5)) * 2
+    group = EnvGroup({"calc": treerl.make("treerl/Calculator-v0"), "math": env})
+    math = [o["task_index"] for o in (task_options(group, k, 3) for k in range(20)) if o["env"] == "math"]
+    assert math == passes[0] + passes[1]  # the member's own passes; calc's tasks are drawn by seed
+    mixed = make_group("calc=treerl/Calculator-v0,math=treerl/MathVerify-v0", dataset=_mixed_rows() * 2)
+    as_written = [tuple(task_options(mixed, k).values()) for k in range(6)]
+    shuffled = [[tuple(task_options(mixed, k, 3).values()) for k in range(6 * p, 6 * p + 6)] for p in range(2)]
+    assert all(sorted(s) == sorted(as_written) for s in shuffled) and as_written not in shuffled
+    assert shuffled[0] != shuffled[1]
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    assert GRPOConfig(output_dir="x", seed=3, shuffle_dataset=True).engine(None, tokenizer, seed=3).shuffle_seed == 3
+    # treerl learn's default plays the rows as written
+    assert GRPOConfig(output_dir="x", seed=3).engine(None, tokenizer, seed=3).shuffle_seed is None
+
+
 def test_the_group_passes_check_env_and_its_forks_are_independent():
     env = treerl.make(MIX)
     check_env(env)

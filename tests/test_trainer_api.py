@@ -63,21 +63,34 @@ def test_a_trl_script_trains_with_only_its_import_changed(tmp_path):
 
 
 def test_rows_play_in_the_order_trls_sampler_draws_them(tmp_path):
-    """TRL's RepeatSampler (shuffle_dataset, its default) draws torch.randperm from a generator seeded with
-    args.seed; the same order here, checked against TRL itself where it is installed."""
+    """TRL's RepeatSampler (shuffle_dataset, its default) draws each pass over the rows as a torch.randperm from
+    one generator seeded with args.seed; the same passes here (checked against TRL itself where installed), and
+    the rows as written with shuffle_dataset=False."""
     from datasets import Dataset
 
-    rows = [{"prompt": f"Row {i}"} for i in range(10)]
-    order = torch.randperm(10, generator=torch.Generator().manual_seed(7)).tolist()
-    for dataset in (rows, Dataset.from_list(rows)):
-        trainer = GRPOTrainer(model="tiny", reward_funcs=len, args=small(tmp_path, seed=7), train_dataset=dataset)
-        assert [row["prompt"] for row in trainer.train_dataset] == [rows[i]["prompt"] for i in order] != \
-            [row["prompt"] for row in rows]
+    rows = [{"prompt": f"Row {i}"} for i in range(4)]
+    generator = torch.Generator().manual_seed(7)
+    passes = [torch.randperm(4, generator=generator).tolist() for _ in range(2)]
+
+    def played(dataset, **options):
+        seen = []
+
+        def reward(prompts, **kwargs):
+            seen.extend(prompts[::2])  # a group's two generations share their prompt
+            return [0.0] * len(prompts)
+
+        GRPOTrainer(model="tiny", reward_funcs=reward, train_dataset=dataset,
+                    args=small(tmp_path, max_steps=4, max_new_tokens=2, overwrite_output_dir=True, **options)).train()
+        return [int(p.split()[1]) for p in seen]
+
+    assert played(rows, seed=7) == passes[0] + passes[1] != list(range(4)) * 2
+    assert played(Dataset.from_list(rows), seed=7, shuffle_dataset=False) == list(range(4)) * 2
     try:
         from trl.trainer.grpo_trainer import RepeatSampler
     except ImportError:  # not in the test extra
         return
-    assert list(RepeatSampler(rows, mini_repeat_count=1, shuffle=True, seed=7)) == order
+    sampler = RepeatSampler(rows, mini_repeat_count=1, shuffle=True, seed=7)
+    assert [list(sampler), list(sampler)] == passes
 
 
 def test_text_prompts_under_another_column_give_reward_functions_text():

@@ -501,7 +501,7 @@ def test_trls_lr_scheduler_types_decay_over_the_runs_optimizer_steps():
 
 
 @pytest.mark.parametrize("option", ["adam_beta1", "optim", "push_to_hub", "save_strategy", "do_eval",
-                                    "gradient_checkpointing_kwargs", "torch_dtype", "shuffle_dataset",
+                                    "gradient_checkpointing_kwargs", "torch_dtype",
                                     "vllm_server_port", "disable_dropout", "trust_remote_code", "generation_kwargs"])
 def test_trainingarguments_options_a_trl_script_sets_are_refused_with_what_to_do(option):
     with pytest.raises(TypeError, match=f"GRPOConfig\\(\\) has no option {option}: "):

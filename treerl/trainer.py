@@ -18,8 +18,9 @@ What maps, and how:
 
 - ``train_dataset`` (a ``datasets.Dataset`` or a list of dicts with a ``prompt`` column) becomes a
   :class:`~treerl.envs.prompts.PromptEnv`: each row one task, its other columns keyword arguments of
-  the reward functions; the rows are played in the order TRL's sampler draws its first pass
-  (``shuffle_dataset``, TRL's default: a permutation seeded with ``args.seed``). With ``tools=[...]`` the episodes are multi-turn tool use over the same rows.
+  the reward functions; the rows are played in the order TRL's sampler draws them (``shuffle_dataset``,
+  TRL's default: each pass a permutation, drawn from a generator seeded with ``args.seed``; False: as
+  written). With ``tools=[...]`` the episodes are multi-turn tool use over the same rows.
 - ``reward_funcs`` are called with TRL's arguments. Text prompts give them text ``prompts`` and
   ``completions`` (TRL's standard format: the prompt, the reply's text), message prompts and tool
   episodes lists of messages (its conversational format). The reward trained on is their weighted sum
@@ -174,8 +175,9 @@ class LearnerTrainer:
         # The environment's reward (0 here) comes first in treerl's weights; weight 0 keeps TRL's sum.
         self.reward_weights = [0.0, *map(float, weights), *[1.0] * len(env_rewards)]
         # config.json names what was trained on: no registered environment (a rerun from it says so).
+        # TRL shuffles its rows by default (shuffle_dataset): the permutations its sampler draws with args.seed.
         changes: dict[str, Any] = {"reward_weights": self.reward_weights, "eval_episodes": 0,
-                                   "env": f"{name}.{source}"}
+                                   "env": f"{name}.{source}", "shuffle_dataset": args.shuffle_dataset is not False}
         if isinstance(model, str):
             changes["model"] = model
         if peft_config is not None:
@@ -185,9 +187,8 @@ class LearnerTrainer:
         self.model, self.processing_class = model, processing_class
         self.optimizer = optimizer
         self.tools = list(tools or [])
-        # Read once (a streamed dataset into a list), shared by every episode's environment, in the order TRL's
-        # sampler draws its first pass (shuffle_dataset, on by default there: a permutation seeded with args.seed).
-        self.train_dataset = _shuffled(load_rows(None, train_dataset, ""), self.args.seed)
+        # Read once (a streamed dataset into a list), shared by every episode's environment.
+        self.train_dataset = load_rows(None, train_dataset, "")
         self.eval_dataset = None if eval_dataset is None else load_rows(None, eval_dataset, "")
         self.callbacks = list(callbacks or [])
         for rows in (self.train_dataset, self.eval_dataset):  # a row without a prompt is said now, not at a step
@@ -383,13 +384,6 @@ class AsyncGRPOTrainer(LearnerTrainer):
                                  "processes; define it at module level (as TRL's AsyncGRPOTrainer requires).") from None
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                          callbacks=callbacks, optimizers=optimizers, peft_config=peft_config, tools=tools)
-
-def _shuffled(rows: Any, seed: int) -> Any:
-    """``rows`` in the order of TRL's ``RepeatSampler`` with ``shuffle=True`` and ``seed``: ``torch.randperm``
-    drawn from a generator seeded with it (a ``datasets.Dataset`` stays one, through ``select``)."""
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
-    return rows.select(order) if hasattr(rows, "select") else [rows[i] for i in order]
-
 
 def _trl_format(func: RewardFunc, rows: Any, tools: Sequence[Any], prompt_key: str = "prompt") -> RewardFunc:
     """``func`` given text prompts and completions where TRL gives them: rows whose prompts (``prompt_key``)

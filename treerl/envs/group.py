@@ -35,12 +35,14 @@ then maps each name to its environment's keyword arguments, and ``weights`` to t
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from treerl.envs.core import Env, ValidationReport
+from treerl.envs.task_order import shuffled_index
 from treerl.envs.tools import Tool
 from treerl.errors import EnvError
 
@@ -112,6 +114,7 @@ class EnvGroup(Env):
         self.envs: dict[str, Env] = members
         """The members, by name."""
         self.member_kwargs = {name: dict((member_kwargs or {}).get(name) or {}) for name in members}
+        self._mixed = order is not None
         if order is None:
             self.weights = _weights(weights, list(members))
             self._schedule, self._counts = _schedule(list(self.weights.values()))
@@ -130,20 +133,27 @@ class EnvGroup(Env):
         """The member that task (or seed) ``k`` plays, along the weighted schedule."""
         return list(self.envs)[self._schedule[k % len(self._schedule)]]
 
-    def task_options(self, index: int) -> dict[str, Any]:
+    def task_options(self, index: int, shuffle_seed: int | None = None) -> dict[str, Any]:
         """Reset options of task ``index``: its member, and for a dataset-backed member the next of its rows
-        (the member's own ``task_options`` where it has one)."""
+        (the member's own ``task_options`` where it has one). With ``shuffle_seed`` (see
+        :mod:`~treerl.envs.task_order`) a mixed dataset's rows (``order``) play in a new order each pass over
+        them, and each member's own rows likewise over the member's passes."""
+        period = len(self._schedule)
+        mixed = self._mixed and shuffle_seed is not None
+        if mixed:  # the rows set the mix: shuffle the tasks, each a row
+            index = shuffled_index(index, period, shuffle_seed)
         name = self.route(index)
         member = self.envs[name]
         j = list(self.envs).index(name)
-        period = len(self._schedule)
         local = (index // period) * self._counts[j] + self._ordinal[index % period]  # how many earlier tasks it had
         hook = getattr(member, "task_options", None)
         dataset = getattr(member, "dataset", None)
         if callable(hook):
-            own = hook(local) or {}
+            nested = shuffle_seed is not None and not mixed and "shuffle_seed" in inspect.signature(hook).parameters
+            own = (hook(local, shuffle_seed=shuffle_seed) if nested else hook(local)) or {}
         elif dataset is not None:
-            own = {"task_index": local % len(dataset)}
+            row = local if mixed or shuffle_seed is None else shuffled_index(local, len(dataset), shuffle_seed)
+            own = {"task_index": row % len(dataset)}
         else:
             own = {}
         return {"env": name, **own}

@@ -101,9 +101,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                        "their group: TRL's sum_then_normalize; normalize_then_sum is not supported",
         "sync_ref_model": "not supported: the reference model of --beta is the starting weights",
         "delta": "not supported (the two-sided clip of --loss dppo is --dppo-delta-low/--dppo-delta-high)",
-        "shuffle_dataset": "treerl.GRPOTrainer plays its train_dataset shuffled, as TRL's default does (the "
-                           "permutation TRL's sampler draws with --seed); an environment's own rows play in order "
-                           "(step s plays the next tasks_per_step of them): shuffle the file beforehand",
         **dict.fromkeys(("vllm_server_host", "vllm_server_port"),
                         "the server of --vllm-mode server is --vllm-server-url http://HOST:PORT"),
         "disable_dropout": "dropout stays as the model's config sets it (0 in Qwen3 and Llama checkpoints); set "
@@ -267,6 +264,11 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                                      "forward of the kept groups): the viewer's sampler/trainer "
                                                      "ratio colouring.")
     seed: int = field_help(0, "Seeds tasks, sampling and initialization.")
+    shuffle_dataset: bool | None = field_help(None, "Play a dataset's rows (an environment's data_path or dataset, "
+                                                    "a group's) in a new order each pass, the permutations TRL's "
+                                                    "sampler draws with --seed (TRL's shuffle_dataset). Default: "
+                                                    "on in treerl.GRPOTrainer, as TRL's; off in treerl learn, whose "
+                                                    "step s plays the next tasks_per_step rows as written.")
     num_threads: int | None = field_help(None, "torch CPU threads (default: torch's choice).")
     ddp_timeout: int = field_help(1800, "Under several processes, seconds a collective may wait (TrainingArguments' "
                                         "name and default): the other ranks wait while rank 0 alone evaluates, "
@@ -477,6 +479,11 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                              f"per_device_train_batch_size={group_size}.")
         values["tasks_per_step"] = completions // group_size
         return values
+
+    def engine(self, policy: Any, tokenizer: Any, **kwargs: Any) -> Any:
+        """The training episodes' :class:`~treerl.rollout.engine.RolloutEngine`: the episode options', with a
+        dataset's rows shuffled each pass where ``shuffle_dataset`` says so."""
+        return super().engine(policy, tokenizer, shuffle_seed=self.seed if self.shuffle_dataset else None, **kwargs)
 
     def train_env_factory(self, env_factory: Callable[[], Any] | None = None) -> Callable[[], Any]:
         """The training episodes' environments: ``env_factory`` (default: ``make(env, **env_kwargs)``) with

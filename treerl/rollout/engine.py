@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import inspect
 import logging
 import math
 import time
@@ -38,6 +39,7 @@ import numpy as np
 from treerl.agents.chat import ChatRenderer, RenderError
 from treerl.agents.policy import Policy, SamplingParams
 from treerl.envs.loops import run_with_limit
+from treerl.envs.task_order import shuffled_index
 from treerl.errors import EnvError
 from treerl.rollout.episode import (
     EpisodeState,
@@ -57,14 +59,21 @@ __all__ = ["RolloutEngine", "task_options"]
 logger = logging.getLogger(__name__)
 
 
-def task_options(env: Any, index: int) -> dict[str, Any] | None:
+def task_options(env: Any, index: int, shuffle_seed: int | None = None) -> dict[str, Any] | None:
     """Reset options that pick task ``index``: the environment's own ``task_options(index)`` where it has
-    one (an :class:`~treerl.envs.group.EnvGroup` names the member), else a dataset-backed one's row by index."""
+    one (an :class:`~treerl.envs.group.EnvGroup` names the member), else a dataset-backed one's row by index.
+    With ``shuffle_seed``, each pass over a dataset plays its rows in an order of its own
+    (:mod:`~treerl.envs.task_order`); a hook of one's own shuffles only if it takes ``shuffle_seed``."""
     hook = getattr(env, "task_options", None)
     if callable(hook):
+        if shuffle_seed is not None and "shuffle_seed" in inspect.signature(hook).parameters:
+            return hook(index, shuffle_seed=shuffle_seed)
         return hook(index)
     dataset = getattr(env, "dataset", None)
-    return {"task_index": index % len(dataset)} if dataset is not None else None
+    if dataset is None:
+        return None
+    return {"task_index": (shuffled_index(index, len(dataset), shuffle_seed) if shuffle_seed is not None
+                           else index) % len(dataset)}
 
 
 def request_seed(*parts: int) -> int:
@@ -90,6 +99,8 @@ class RolloutEngine:
             (:class:`~treerl.rollout.lockstep.Lockstep`), so the policy's batches, and with them
             every float, repeat from run to run. Every episode of a call is then in play at once
             (``max_concurrency`` does not apply); the policy's own batch size still bounds a batch.
+        shuffle_seed: Play a dataset's rows in a new order each pass, seeded with it (see
+            :func:`task_options`); None plays them as written.
     """
 
     def __init__(
@@ -106,6 +117,7 @@ class RolloutEngine:
         seed: int = 0,
         chat_template: str | None = None,
         lockstep: bool = False,
+        shuffle_seed: int | None = None,
     ):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency} must be >= 1.")
@@ -124,6 +136,7 @@ class RolloutEngine:
         self.seed = seed
         self.chat_template = chat_template
         self.lockstep = lockstep
+        self.shuffle_seed = shuffle_seed
         self._slots: asyncio.Semaphore | contextlib.nullcontext | None = None
         self._slots_loop: asyncio.AbstractEventLoop | None = None
         self._gate: Lockstep | None = None
@@ -349,7 +362,8 @@ class RolloutEngine:
             async with group_slots:
                 env = env_factory()
                 try:
-                    group = await self.run_group(env, env_id, self.seed + index, group_size, task_options(env, index))
+                    group = await self.run_group(env, env_id, self.seed + index, group_size,
+                                                 task_options(env, index, self.shuffle_seed))
                 finally:
                     _close(env, env_id)
             if writer is not None:

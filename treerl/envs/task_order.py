@@ -1,0 +1,55 @@
+"""The order a dataset's rows play in: as written, or shuffled anew each pass (TRL's ``shuffle_dataset``).
+
+Task ``k`` of a run plays row ``k mod N`` of an ``N``-row dataset. Shuffled, pass ``e`` (tasks
+``e N`` to ``e N + N - 1``) plays the rows in the order of a permutation of its own: the ``e``-th
+``torch.randperm(N)`` drawn from one generator seeded with the run's seed, which is the order TRL's
+``RepeatSampler`` draws its passes in (``shuffle=True``, one process). It depends on ``k`` alone, so a
+resumed run or a generator process picks the same rows as an uninterrupted one.
+
+>>> [shuffled_index(k, 4, seed=0) for k in range(8)]  # two passes, each a permutation of its own
+[0, 1, 3, 2, 4, 6, 7, 5]
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+__all__ = ["shuffled_index"]
+
+_passes: dict[tuple[int, int], _Passes] = {}
+_lock = threading.Lock()
+
+
+def shuffled_index(k: int, period: int, seed: int) -> int:
+    """The task that position ``k`` plays when each pass of ``period`` tasks is shuffled with ``seed``:
+    ``k``'s pass times ``period`` plus that pass's permutation at ``k``'s place in it."""
+    if period <= 1:
+        return k
+    epoch, place = divmod(k, period)
+    with _lock:
+        passes = _passes.get((period, seed)) or _passes.setdefault((period, seed), _Passes(period, seed))
+        return epoch * period + int(passes.permutation(epoch)[place])
+
+
+class _Passes:
+    """The permutations of one (period, seed): the generator's state before each pass (a few KB each), and the
+    latest two permutations, so a long run over a large dataset does not hold every pass's."""
+
+    def __init__(self, period: int, seed: int):
+        self.period = period
+        self.generator = torch.Generator().manual_seed(seed)
+        self.states = [self.generator.get_state()]
+        self.recent: dict[int, torch.Tensor] = {}
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        if epoch not in self.recent:
+            while len(self.states) <= epoch:  # passes are drawn in order from one generator, as TRL's sampler does
+                torch.randperm(self.period, generator=self.generator)
+                self.states.append(self.generator.get_state())
+            generator = torch.Generator()
+            generator.set_state(self.states[epoch])
+            self.recent = {e: p for e, p in self.recent.items() if e == max(self.recent, default=-1)}
+            self.recent[epoch] = torch.randperm(self.period, generator=generator)
+        return self.recent[epoch]
