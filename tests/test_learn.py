@@ -621,3 +621,54 @@ def test_the_held_out_lines_count_the_episodes_played_when_the_data_has_fewer_ro
     # Each of the 2 rows is played once: "over 4" claimed episodes that never ran.
     assert "over 2 held-out episodes" in err
     assert "over 2 episodes" in out
+
+
+def test_eval_every_evaluates_during_training_and_a_resumed_run_continues_the_schedule(tmp_path, capsys):
+    """TRL's eval_strategy="steps": the held-out figures every N steps in that step's metrics (under eval/, the names
+    of summary.json's), step 0 the start's; a run resumed from a checkpoint neither repeats nor skips one."""
+    import shutil
+
+    from treerl.cli import main
+
+    out = tmp_path / "run"
+    small = ["--output-dir", str(out), "--tasks-per-step", "1", "--group-size", "2", "--max-new-tokens", "8",
+             "--eval-episodes", "2", "--eval-every", "2", "--save-every", "1", "--progress", "false",
+             "--num-threads", "1"]
+
+    def evaluated():
+        lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [m["step"] for m in lines], {m["step"]: m for m in lines if "eval/success_rate" in m}
+
+    assert main(["learn", "--steps", "3", *small]) == 0
+    steps, evals = evaluated()
+    assert steps == [0, 1, 2, 3] and sorted(evals) == [0, 2]
+    summary = json.loads((out / "summary.json").read_text())
+    assert evals[0]["eval/success_rate"] == summary["eval_start"]["success_rate"]  # step 0: the start's figures
+    assert evals[2]["eval/episodes"] == 2 and {"eval/reward/mean", "eval/reward/std"} <= set(evals[2])
+    assert "eval at step 2: success rate" in capsys.readouterr().err
+    shutil.rmtree(out / "checkpoints" / "step-3")  # as a run killed after step 3, before its checkpoint
+    assert main(["learn", "--steps", "4", "--resume", "true", *small]) == 0
+    steps, evals = evaluated()
+    assert steps == [0, 1, 2, 3, 4] and sorted(evals) == [0, 2, 4]
+    # An evaluation at the last step is the one at the end: the same weights are not evaluated twice.
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_end"]["wall_s"] == evals[4]["eval/wall_s"]
+    err = capsys.readouterr().err
+    assert "warning: resuming with settings" not in err and "eval at step 2" not in err
+
+
+def test_eval_on_start_false_and_eval_every_without_episodes(tmp_path):
+    from treerl.cli import main
+    from treerl.errors import ConfigError
+
+    small = ["--tasks-per-step", "1", "--group-size", "2", "--max-new-tokens", "8", "--steps", "1", "--progress",
+             "false", "--num-threads", "1"]
+    out = tmp_path / "run"
+    assert main(["learn", "--eval-episodes", "2", "--eval-every", "1", "--eval-on-start", "false", "--output-dir",
+                 str(out), *small]) == 0
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_start"] is None and summary["eval_end"]["episodes"] == 2
+    with pytest.raises(ConfigError, match="eval_every=1 evaluates the held-out episodes every N steps, but "
+                                          "eval_episodes=0 plays none"):
+        train(GRPOConfig(output_dir=str(tmp_path / "none"), **{**SMALL, "eval_every": 1}))

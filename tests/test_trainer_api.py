@@ -198,6 +198,37 @@ def test_trl_callbacks_count_optimizer_steps_as_trl_does(tmp_path):
     assert Steps.seen == [(2, 4), (4, 4)]
 
 
+def test_eval_strategy_steps_scores_the_eval_dataset_during_training_as_evaluate_does(tmp_path):
+    """TRL's eval_strategy="steps": the eval_dataset scored with the reward functions every eval_steps optimizer
+    steps (and before the first, eval_on_start), under TRL's names in the logged metrics and to on_evaluate."""
+    from transformers import TrainerCallback
+
+    class Evaluations(TrainerCallback):
+        def __init__(self):
+            self.seen = []
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            self.seen.append((state.global_step, sorted(metrics)))
+
+    def reward_len(completions, **kwargs):
+        return [-abs(20 - len(completion)) for completion in completions]
+
+    calls = Evaluations()
+    rows = [{"prompt": f"What is {i} + {i}?"} for i in range(4)]
+    trainer = GRPOTrainer(model="tiny", reward_funcs=reward_len, train_dataset=rows, eval_dataset=rows[:2],
+                          args=small(tmp_path, max_steps=4, num_iterations=2, eval_strategy="steps", eval_steps=2),
+                          callbacks=[calls])
+    trainer.train()
+
+    names = ["eval_reward", "eval_reward_std", "eval_rewards/reward_len/mean"]
+    lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2]  # 2 steps of 2 optimizer steps, evaluated after each
+    for m in lines:
+        assert set(names) <= set(m) and m["eval_reward"] <= 0  # -|20 - length|
+    assert calls.seen == [(0, names), (2, names), (4, names)]  # TRL's optimizer steps
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["eval_end"] is None  # no held-out episodes
+
+
 def test_unsupported_arguments_are_refused_by_name(tmp_path):
     from peft import LoraConfig
 
@@ -221,8 +252,8 @@ def test_unsupported_arguments_are_refused_by_name(tmp_path):
     refused("one per function", args=small(tmp_path, reward_weights=[1.0, 0.5]))
     refused("no 'prompt' column", train_dataset=[{"question": "Hi"}])
     refused("mapping of several datasets", eval_dataset={"a": rows, "b": rows})
-    with pytest.raises(TypeError, match="eval_strategy: held-out evaluation runs at the start and the end.*evaluate()"):
-        small(tmp_path, eval_strategy="steps")
+    refused(r"args.eval_every=1 \(eval_strategy='steps'\) scores an eval_dataset during training: pass "
+            r"GRPOTrainer\(eval_dataset=...\)", args=small(tmp_path, eval_strategy="steps", eval_steps=1))
 
 
 def test_a_trl_script_with_its_batch_sizes_and_logging_options(tmp_path):

@@ -36,8 +36,10 @@ def test_a_trl_sdpo_script_trains_with_only_its_import_changed(tmp_path):
                       teacher_model_kind="base", distillation_mode="topk_logits", distillation_topk=20,
                       success_reward_threshold=0.5, include_environment_feedback=False, max_reprompt_len=512,
                       dont_reprompt_on_self_success=True, teacher_sync_steps=1,
-                      distillation_gate_margin=None, **FAST)  # the tiny model's gate would close: distill anyway
-    trainer = SDPOTrainer(model="tiny", reward_funcs=odd_length, args=args, train_dataset=Dataset.from_list(ROWS))
+                      distillation_gate_margin=None, eval_strategy="steps", eval_steps=1, eval_on_start=False,
+                      **FAST)  # the tiny model's gate would close: distill anyway
+    trainer = SDPOTrainer(model="tiny", reward_funcs=odd_length, args=args, train_dataset=Dataset.from_list(ROWS),
+                          eval_dataset=ROWS[:2])
     result = trainer.train()
 
     assert result.steps == 1 and changed(result.model_dir)
@@ -49,14 +51,16 @@ def test_a_trl_sdpo_script_trains_with_only_its_import_changed(tmp_path):
     metrics = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
     assert metrics["reward/mean"] == pytest.approx(metrics["reward_fn/odd_length_mean"])
     assert any(k.startswith("sdpo/") for k in metrics)  # the SDPO learner ran, not GRPO's
+    assert metrics["eval_rewards/odd_length/mean"] == metrics["eval_reward"]  # eval_strategy="steps": eval_dataset's
 
 
 def test_a_trl_async_grpo_script_trains_with_only_its_import_changed(tmp_path):
     args = AsyncGRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, num_generations=2,
                            per_device_train_batch_size=4, max_staleness=0, heartbeat_stale_after_s=120.0,
-                           token_budget=2048, weight_sync_steps=1, num_threads=1, generator_threads=1, **FAST)
+                           token_budget=2048, weight_sync_steps=1, num_threads=1, generator_threads=1,
+                           eval_strategy="steps", eval_steps=1, eval_on_start=False, **FAST)
     # TRL's argument order: processing_class is the fifth
-    trainer = AsyncGRPOTrainer("tiny", odd_length, args, ROWS, None)
+    trainer = AsyncGRPOTrainer("tiny", odd_length, args, ROWS, None, eval_dataset=ROWS[:2])
     result = trainer.train()
 
     assert result.steps == 1 and changed(result.model_dir)
@@ -66,6 +70,7 @@ def test_a_trl_async_grpo_script_trains_with_only_its_import_changed(tmp_path):
     metrics = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
     assert metrics["reward/mean"] == pytest.approx(metrics["reward_fn/odd_length_mean"])
     assert "async/staleness_mean" in metrics  # the AsyncGRPO learner ran
+    assert metrics["eval_rewards/odd_length/mean"] == metrics["eval_reward"]  # eval_strategy="steps": eval_dataset's
 
 
 def test_trl_sdpo_options_without_a_counterpart_are_refused_by_name(tmp_path):

@@ -346,6 +346,48 @@ def test_trls_save_steps_below_1_is_a_fraction_of_the_run(tmp_path):
     assert config_from_args(GRPOConfig, args).save_every == 10
 
 
+def test_trls_eval_strategy_steps_sets_eval_every_as_save_steps_sets_save_every(tmp_path):
+    """TRL's eval_strategy="steps" evaluates every eval_steps optimizer steps (a fraction < 1 of the run's, rounded
+    up; unset: logging_steps, GRPOConfig's 10): eval_every is that divided by num_iterations. "no", TRL's default,
+    and the evaluation options TRL scripts pass at their defaults are taken; "epoch" is refused with what to do."""
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+
+    assert GRPOConfig(output_dir="x", eval_strategy="steps", eval_steps=4).eval_every == 4
+    assert GRPOConfig(output_dir="x", max_steps=8, num_iterations=2, eval_strategy="steps", eval_steps=4).eval_every == 2
+    assert GRPOConfig(output_dir="x", max_steps=10, eval_strategy="steps", eval_steps=0.25).eval_every == 3
+    assert GRPOConfig(output_dir="x", steps=8, num_iterations=2, eval_strategy="steps", eval_steps=0.5).eval_every == 4
+    assert GRPOConfig(output_dir="x", eval_strategy="steps").eval_every == 10  # logging_steps' default, as in TRL
+    assert GRPOConfig(output_dir="x", eval_strategy="steps", eval_steps=None).eval_every == 10  # TRL's None: the same
+    with pytest.warns(UserWarning, match="logging_steps=5 changes nothing"):
+        assert GRPOConfig(output_dir="x", eval_strategy="steps", logging_steps=5).eval_every == 5
+    assert GRPOConfig(output_dir="x", eval_strategy="no", eval_steps=3, do_eval=False,
+                      per_device_eval_batch_size=8).eval_every == 0  # TRL's defaults, as a TRL script passes them
+    with pytest.warns(UserWarning, match="eval_steps=3 changes nothing without eval_strategy='steps'"):
+        assert GRPOConfig(output_dir="x", eval_steps=3).eval_every == 0
+    with pytest.warns(UserWarning, match="per_device_eval_batch_size=4 changes nothing here"):
+        GRPOConfig(output_dir="x", per_device_eval_batch_size=4)
+    with pytest.raises(ValueError, match="eval_strategy='epoch': a run here is --steps long, not epochs"):
+        GRPOConfig(output_dir="x", eval_strategy="epoch")
+    with pytest.raises(ValueError, match="eval_steps=3 counts optimizer steps .* num_iterations=2"):
+        GRPOConfig(output_dir="x", num_iterations=2, eval_strategy="steps", eval_steps=3)
+    with pytest.raises(ValueError, match="eval_steps=2.5: a whole number of optimizer steps, or a fraction"):
+        GRPOConfig(output_dir="x", eval_strategy="steps", eval_steps=2.5)
+    with pytest.raises(TypeError, match="eval_strategy and eval_every set the same thing; keep one"):
+        GRPOConfig(output_dir="x", eval_strategy="steps", eval_every=2)
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--max-steps", "20", "--eval-strategy", "steps",
+                                      "--eval-steps", "0.5"])
+    assert config_from_args(GRPOConfig, args).eval_every == 10
+    (tmp_path / "c.yaml").write_text("max_steps: 6\neval_strategy: steps\neval_steps: 3\nnum_iterations: 3\n"
+                                     "eval_on_start: false\n")
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--config", str(tmp_path / "c.yaml")])
+    cfg = config_from_args(GRPOConfig, args)
+    assert (cfg.steps, cfg.eval_every, cfg.eval_on_start) == (2, 1, False)
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--config", str(tmp_path / "c.yaml"),
+                                      "--eval-every", "2"])
+    assert config_from_args(GRPOConfig, args).eval_every == 2  # the flag over the file's TRL options
+
+
 def test_a_flag_overrides_the_config_files_trl_option_of_another_name(tmp_path):
     """--config's rule, flags override the file, holds across TRL's names and treerl's: --steps over the file's
     max_steps (as when max_steps was an alias), --tasks-per-step over its batch sizes, and the other way round."""
@@ -500,7 +542,7 @@ def test_trls_lr_scheduler_types_decay_over_the_runs_optimizer_steps():
         GRPOConfig(output_dir="x", lr_scheduler_type="polynomial")
 
 
-@pytest.mark.parametrize("option", ["adam_beta1", "optim", "push_to_hub", "save_strategy", "do_eval",
+@pytest.mark.parametrize("option", ["adam_beta1", "optim", "push_to_hub", "save_strategy",
                                     "gradient_checkpointing_kwargs", "torch_dtype",
                                     "vllm_server_port", "disable_dropout", "trust_remote_code", "generation_kwargs"])
 def test_trainingarguments_options_a_trl_script_sets_are_refused_with_what_to_do(option):

@@ -43,12 +43,14 @@ What maps, and how:
   cannot be copied mid-episode.
 - ``peft_config`` (a peft ``LoraConfig``) sets ``lora_r``, ``lora_alpha``, ``lora_dropout`` and
   ``lora_target_modules``; any other setting of it is refused by name.
-- ``eval_dataset`` is what :meth:`GRPOTrainer.evaluate` scores (TRL evaluates during training only with
-  ``eval_strategy``, which has no counterpart here); the run itself evaluates nothing
-  (``eval_episodes`` is set to 0: its held-out figures score the environment's reward, which is 0).
+- ``eval_dataset`` is what :meth:`GRPOTrainer.evaluate` scores, with the reward functions, and what
+  ``args.eval_strategy="steps"`` (``eval_every``) scores during training: every ``eval_steps`` optimizer
+  steps, and before the first with ``args.eval_on_start`` (treerl's default; TRL's is False), logged in
+  the step's metrics under TRL's names (``eval_reward``, ...). The run's own held-out episodes are off
+  (``eval_episodes`` is set to 0: they score the environment's reward, which is 0).
 - ``callbacks``: functions ``(step, metrics)``, or TRL ``TrainerCallback`` objects, whose
-  ``on_train_begin``, ``on_step_end``, ``on_log`` and ``on_train_end`` are called (``control`` is not
-  read: a callback cannot stop the run).
+  ``on_train_begin``, ``on_step_end``, ``on_log``, ``on_evaluate`` and ``on_train_end`` are called
+  (``control`` is not read: a callback cannot stop the run).
 
 What does not map is refused with what to do instead: a reward model (a model id or object in
 ``reward_funcs``), ``reward_processing_classes``, ``quantization_config``, an LR scheduler in
@@ -151,6 +153,9 @@ class LearnerTrainer:
         if isinstance(eval_dataset, Mapping):
             raise ValueError("eval_dataset is a mapping of several datasets; pass one (a datasets.Dataset or a list "
                              "of rows), or call evaluate(eval_dataset=...) once per dataset.")
+        if eval_dataset is None and args is not None and args.eval_every:
+            raise ValueError(f"args.eval_every={args.eval_every} (eval_strategy='steps') scores an eval_dataset during "
+                             f"training: pass {name}(eval_dataset=...), or eval_strategy='no'.")
         self.reward_funcs = _reward_funcs(name, reward_funcs, has_env_reward=bool(env_rewards))
         if args is None:  # TRL's default: a directory named after the model
             path = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
@@ -211,10 +216,13 @@ class LearnerTrainer:
         if trainer_callbacks:
             callbacks.append(_TrainerCallbacks(trainer_callbacks, cfg))
             callbacks[-1].event("on_train_begin")
+        # eval_strategy="steps": the eval_dataset scored as evaluate() scores it, with the policy's weights then.
+        evaluate = functools.partial(self._score, self.eval_dataset) if cfg.eval_every else None
         self.result = self.learn(cfg, model=model, tokenizer=tokenizer,
                                  env_factory=self._env_factory(self.train_dataset),
                                  reward_funcs=self._reward_funcs_for(self.train_dataset),
-                                 reward_weights=self.reward_weights, optimizer=self.optimizer, callbacks=callbacks)
+                                 reward_weights=self.reward_weights, optimizer=self.optimizer, callbacks=callbacks,
+                                 evaluate=evaluate)
         if trainer_callbacks:
             callbacks[-1].event("on_train_end")
         return self.result
@@ -224,8 +232,6 @@ class LearnerTrainer:
         trained one after :meth:`train`) and score the episodes with the reward functions: TRL's
         ``eval_reward``, ``eval_reward_std`` and ``eval_rewards/NAME/mean``."""
         from treerl.agents.transformers_policy import TransformersPolicy
-        from treerl.rollout.evaluate import evaluate_with
-        from treerl.rollout.rewards import reward_func_name
 
         rows = self.eval_dataset if eval_dataset is None else load_rows(None, eval_dataset, "")
         if rows is None:
@@ -242,12 +248,19 @@ class LearnerTrainer:
                 self.args.apply_chat_template(tokenizer)
         policy = TransformersPolicy(model, tokenizer, device=self.args.device, continuous_batching=False)
         try:
-            report = evaluate_with(self.args, policy, tokenizer, num_episodes=len(rows), seed=self.args.eval_seed,
-                                   env_factory=self._env_factory(rows), env_id=f"{type(self).__name__}.eval_dataset",
-                                   reward_funcs=self._reward_funcs_for(rows),
-                                   reward_weights=self.reward_weights, temperature=self.args.eval_temperature)
+            return self._score(rows, policy, tokenizer)
         finally:
             policy.close()
+
+    def _score(self, rows: Any, policy: Any, tokenizer: Any) -> dict[str, float]:
+        """Each of ``rows`` played once by ``policy``, scored with the reward functions: TRL's figures."""
+        from treerl.rollout.evaluate import evaluate_with
+        from treerl.rollout.rewards import reward_func_name
+
+        report = evaluate_with(self.args, policy, tokenizer, num_episodes=len(rows), seed=self.args.eval_seed,
+                               env_factory=self._env_factory(rows), env_id=f"{type(self).__name__}.eval_dataset",
+                               reward_funcs=self._reward_funcs_for(rows),
+                               reward_weights=self.reward_weights, temperature=self.args.eval_temperature)
         figures = report.summary()
         out = {"eval_reward": figures["reward/mean"], "eval_reward_std": figures["reward/std"]}
         for func in self.reward_funcs:
@@ -543,9 +556,10 @@ def _model_type(model: Any, model_name: str | None) -> str | None:
 
 
 class _TrainerCallbacks:
-    """TRL ``TrainerCallback`` objects called as a treerl step callback: ``on_step_end``, then ``on_log`` with
-    the step's metrics, after each step (``control`` is passed but not read). The state counts optimizer
-    steps, as TRL's: a step with ``num_iterations`` N counts N."""
+    """TRL ``TrainerCallback`` objects called as a treerl step callback: ``on_step_end``, then ``on_evaluate``
+    with the evaluation's figures when the step evaluated (step 0: the evaluation before the first), then
+    ``on_log`` with the step's metrics, after each step (``control`` is passed but not read). The state counts
+    optimizer steps, as TRL's: a step with ``num_iterations`` N counts N."""
 
     def __init__(self, callbacks: Sequence[Any], cfg: GRPOConfig):
         from transformers import TrainerControl, TrainerState
@@ -562,5 +576,8 @@ class _TrainerCallbacks:
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
         self.state.global_step = step * self.per_step
         self.state.log_history.append({**metrics, "step": self.state.global_step})
-        self.event("on_step_end")
+        if step > 0:
+            self.event("on_step_end")
+        if evaluated := {k: v for k, v in metrics.items() if k.startswith(("eval_", "eval/"))}:
+            self.event("on_evaluate", metrics=evaluated)
         self.event("on_log", logs=dict(metrics))

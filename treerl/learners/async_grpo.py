@@ -51,7 +51,16 @@ from treerl.envs.sandbox import usable_cpus
 from treerl.learners.async_buffer import GroupBuffer
 from treerl.learners.async_generator import GeneratorSpec
 from treerl.learners.async_pool import WEIGHT_TRANSPORTS, ProcessPool
-from treerl.learners.core import OptimizerSpec, Run, StepCallback, TrainResult, build, finish, register_learner
+from treerl.learners.core import (
+    Evaluator,
+    OptimizerSpec,
+    Run,
+    StepCallback,
+    TrainResult,
+    build,
+    finish,
+    register_learner,
+)
 from treerl.learners.diagnostics import CHECKS, Check
 from treerl.learners.grpo import GRPOConfig, update
 from treerl.learners.importance import ImportanceConfig
@@ -370,7 +379,7 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
                 env_factory: Callable[[], Any] | None = None, reward_funcs: Sequence[RewardFunc] = (),
                 reward_weights: Sequence[float] | None = None, optimizer: OptimizerSpec | None = None,
                 on_step: Callable[[int, dict[str, float], Any], None] | None = None,
-                callbacks: Sequence[StepCallback] = ()) -> TrainResult:
+                callbacks: Sequence[StepCallback] = (), evaluate: Evaluator | None = None) -> TrainResult:
     """Train with AsyncGRPO on ``cfg.env``; the arguments are :func:`~treerl.learners.grpo.train`'s.
 
     ``model`` (a copy of it, made before training changes it) and ``env_factory`` travel to
@@ -405,7 +414,8 @@ def train_async(cfg: AsyncGRPOConfig, *, model: torch.nn.Module | None = None, t
     try:
         _set_threads(whole)
         run = build(cfg, model=model, tokenizer=tokenizer, env_factory=env_factory, reward_funcs=reward_funcs,
-                    reward_weights=reward_weights, optimizer=optimizer, reference=cfg.beta > 0, callbacks=callbacks)
+                    reward_weights=reward_weights, optimizer=optimizer, reference=cfg.beta > 0, callbacks=callbacks,
+                    evaluate=evaluate)
         _set_threads(threads[0])
         # A resumed run continues its checkpoint's totals; one written without them, from where it resumed.
         earlier = run.state.extra.get("async") or {"counted_from_step": run.state.step}

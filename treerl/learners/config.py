@@ -68,10 +68,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                             "about E x N / tasks-per-step steps",
         "remove_unused_columns": "every column of the dataset reaches the reward functions (TRL's GRPO default, "
                                  "remove_unused_columns=False); drop the columns you do not want from the dataset",
-        **dict.fromkeys(("eval_strategy", "eval_steps"),
-                        "held-out evaluation runs at the start and the end of a run (--eval-episodes, "
-                        "--eval-env-kwargs); treerl.GRPOTrainer.evaluate() scores an eval_dataset with the reward "
-                        "functions at any time"),
         "importance_sampling_level": "sequence-level ratios are --loss gspo; --is-level sets the level of the "
                                      "sampler/trainer importance weights (TRL's vllm_importance_sampling_mode)",
         **dict.fromkeys(("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
@@ -90,8 +86,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                         "with `hf upload REPO OUTPUT_DIR/model`"),
         "save_strategy": "checkpoints are written every --save-every steps (TRL's save_steps; 0: only the final "
                          "model), keeping --save-total-limit of them",
-        **dict.fromkeys(("do_eval", "per_device_eval_batch_size"),
-                        "held-out evaluation plays --eval-episodes episodes at the start and the end of a run"),
         "gradient_checkpointing_kwargs": "--gradient-checkpointing recomputes each decoder layer without "
                                          "reentrancy; it takes no other options",
         **dict.fromkeys(("model_init_kwargs", "torch_dtype"),
@@ -154,11 +148,21 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "max_tool_calling_iterations": (int, "TRL's: rounds of tool calls and another assistant turn after the "
                                              "first; the environment's max_turns = N + 1 (--env-kwargs' max_turns). "
                                              "Unset: the environment's own limit."),
+        "eval_strategy": (str, "TRL's: steps evaluates every eval_steps optimizer steps (eval_every); no, TRL's "
+                               "default, only at the start and the end; epoch is refused (a run is --steps long)."),
+        "eval_steps": (int | float, "TRL's, with --eval-strategy steps: optimizer steps (below 1: that fraction of "
+                                    "the run's, rounded up; default: logging_steps, TRL's 10); eval_every = "
+                                    "eval_steps / num_iterations."),
+        "do_eval": (bool, "TRL's: changes nothing (transformers' Trainer does not read it either); evaluation "
+                          "during training is --eval-strategy steps."),
+        "per_device_eval_batch_size": (int, "TRL's: changes nothing; the held-out episodes play --max-concurrency at "
+                                            "a time."),
     }
     # The field each of TRANSLATED's options sets: a flag of one overrides the other in a --config file.
     TRANSLATED_INTO: ClassVar[dict[str, str]] = {
         "max_steps": "steps", "save_steps": "save_every", "per_device_train_batch_size": "tasks_per_step",
         "gradient_accumulation_steps": "tasks_per_step", "warmup_ratio": "warmup_steps",
+        "eval_strategy": "eval_every", "eval_steps": "eval_every",
     }
     # TRL's epsilon_high defaults to epsilon; treerl's stays 0.28 (DAPO's clip-higher): pass both to match TRL.
 
@@ -237,7 +241,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                                "reward (ToolEnv environments; success is unchanged): a reply of "
                                                "many broken calls costs more than one. The held-out evaluation "
                                                "keeps the environment's own setting; a value in env_kwargs wins.")
-    eval_episodes: int = field_help(64, "Held-out episodes evaluated at the start and the end (0 skips).")
+    eval_episodes: int = field_help(64, "Held-out episodes evaluated at the start and the end, and every eval_every "
+                                        "steps (0 skips).")
     eval_seed: int = field_help(10_000, "First seed of the held-out tasks (training uses seed + i).")
     eval_env_kwargs: dict[str, Any] = field_help(
         help='The held-out evaluation\'s environment keyword arguments, merged over env_kwargs (a group\'s: each '
@@ -245,6 +250,11 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
              'whose rows the evaluation would then draw).',
         default_factory=dict)
     eval_temperature: float = field_help(1.0, "Sampling temperature of the evaluation.")
+    eval_every: int = field_help(0, "Also evaluate every N steps during training, logged in that step's metrics "
+                                    "as eval/success_rate, eval/reward/mean, ... (TRL's eval_strategy steps with "
+                                    "eval_steps; 0: only at the start and the end).")
+    eval_on_start: bool = field_help(True, "Evaluate before the first step (TRL's eval_on_start, whose default is "
+                                           "False); with eval_every, also logged as step 0 of metrics.jsonl.")
     save_every: int = field_help(0, "Checkpoint every N steps (0: only at the end).")
     save_total_limit: int | None = field_help(None, "Keep only the N latest checkpoints, removing older ones as "
                                                     "new ones are written (default: keep all).")
@@ -361,9 +371,9 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ValueError(f"save_total_limit={self.save_total_limit} must be >= 1 (the latest checkpoint is what "
                              "--resume continues from); leave it unset to keep all.")
-        if self.eval_episodes < 0 or self.save_every < 0:
-            raise ValueError("eval_episodes and save_every must be >= 0 (0 skips evaluation / intermediate "
-                             "checkpoints).")
+        if self.eval_episodes < 0 or self.save_every < 0 or self.eval_every < 0:
+            raise ValueError("eval_episodes, eval_every and save_every must be >= 0 (0 skips evaluation / "
+                             "evaluation during training / intermediate checkpoints).")
         self.sampling(temperature=self.eval_temperature)
         self.packing_config()
         if self.from_rollouts and self.from_server:
@@ -388,7 +398,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         # TRL's optimizer steps; a step here takes num_iterations of them (one generation, as TRL's
         # generation every num_iterations optimizer steps).
         iterations = values.get("num_iterations", 1)
-        for trl_name, name in (("max_steps", "steps"), ("save_steps", "save_every")):
+        cls._translate_eval_strategy(values)
+        for trl_name, name in (("max_steps", "steps"), ("save_steps", "save_every"), ("eval_steps", "eval_every")):
             if trl_name not in values:
                 continue
             if name in values:
@@ -397,7 +408,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
             if trl_name == "max_steps" and value == -1 and "num_train_epochs" not in values:
                 raise ValueError("max_steps=-1 is TRL's 'run by num_train_epochs', which has no counterpart here: "
                                  "give max_steps, the run's optimizer steps (each step draws tasks_per_step tasks).")
-            if trl_name == "save_steps" and isinstance(value, float) and 0 < value < 1:
+            if trl_name in ("save_steps", "eval_steps") and isinstance(value, float) and 0 < value < 1:
                 # TRL's fraction of the run's optimizer steps, rounded up (as transformers' Trainer does)
                 steps = values.get("steps", cls.__dataclass_fields__["steps"].default)
                 if isinstance(steps, int) and isinstance(iterations, int):
@@ -410,7 +421,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
             if isinstance(value, float) and not isinstance(value, bool):
                 if not value.is_integer():
                     raise ValueError(f"{trl_name}={value}: a whole number of optimizer steps"
-                                     f"{', or a fraction < 1 of the run (TRL)' if trl_name == 'save_steps' else ''}.")
+                                     f"{', or a fraction < 1 of the run (TRL)' if trl_name != 'max_steps' else ''}.")
                 value = int(value)
             if isinstance(iterations, int) and iterations > 1 and isinstance(value, int) and value > 0:
                 if value % iterations:
@@ -484,6 +495,37 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         """The training episodes' :class:`~treerl.rollout.engine.RolloutEngine`: the episode options', with a
         dataset's rows shuffled each pass where ``shuffle_dataset`` says so."""
         return super().engine(policy, tokenizer, shuffle_seed=self.seed if self.shuffle_dataset else None, **kwargs)
+
+    @classmethod
+    def _translate_eval_strategy(cls, values: dict[str, Any]) -> None:
+        """TRL's evaluation options in ``values``, in place: ``eval_strategy="steps"`` keeps ``eval_steps`` (default:
+        ``logging_steps``, as transformers' Trainer) for :meth:`translate_options` to turn into ``eval_every``;
+        ``"no"`` drops it, as TRL ignores it then; ``do_eval`` and ``per_device_eval_batch_size`` change nothing."""
+        values.pop("do_eval", None)  # transformers' Trainer does not read it either
+        if "eval_steps" in values and values["eval_steps"] is None:  # TRL's default: logging_steps decides
+            del values["eval_steps"]
+        if values.get("per_device_eval_batch_size", 8) != 8:  # TRL's default is said nothing about
+            warnings.warn(f"per_device_eval_batch_size={values['per_device_eval_batch_size']!r} changes nothing here: "
+                          "the held-out episodes play --max-concurrency at a time.", stacklevel=4)
+        values.pop("per_device_eval_batch_size", None)
+        if "eval_strategy" not in values:
+            if "eval_steps" in values:
+                warnings.warn(f"eval_steps={values.pop('eval_steps')!r} changes nothing without eval_strategy='steps' "
+                              "(TRL's default is 'no'), as in TRL.", stacklevel=4)
+            return
+        strategy = values.pop("eval_strategy")
+        strategy = getattr(strategy, "value", strategy)  # transformers' IntervalStrategy
+        if "eval_every" in values:
+            raise TypeError(f"{cls.__name__}(): eval_strategy and eval_every set the same thing; keep one.")
+        if strategy == "steps":
+            values.setdefault("eval_steps", values.get("logging_steps", 10))  # GRPOConfig's logging_steps: 10
+        elif strategy == "epoch":
+            raise ValueError("eval_strategy='epoch': a run here is --steps long, not epochs; evaluate every N "
+                             "optimizer steps with eval_strategy='steps' and eval_steps=N (or --eval-every N steps).")
+        elif strategy == "no":
+            values.pop("eval_steps", None)  # as TRL ignores it
+        else:
+            raise ValueError(f"eval_strategy={strategy!r}: use steps (with eval_steps=N) or no.")
 
     def train_env_factory(self, env_factory: Callable[[], Any] | None = None) -> Callable[[], Any]:
         """The training episodes' environments: ``env_factory`` (default: ``make(env, **env_kwargs)``) with

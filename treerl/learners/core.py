@@ -11,7 +11,7 @@ A learner is the loop of its own stages on these parts::
             run.keep_sample(step, groups, adv)            # a few groups for `treerl view` (every N steps)
             ...                                           # the algorithm: loss, optimizer step
             run.publish_weights(metrics)                  # the policy samples the new weights
-            run.end_step(step, metrics, stats, ...)       # summary, diagnostics, log, checkpoint
+            run.end_step(step, metrics, stats, ...)       # summary, diagnostics, eval every N, log, checkpoint
     return finish(run)                    # final checkpoint, model, eval at end, summary.json, plots
 
 :func:`build` loads the model (or takes the caller's), keeps the sampler's own copy in a
@@ -72,7 +72,7 @@ from treerl.learners.checkpoints import (
 from treerl.learners.config import LearnerConfig
 from treerl.learners.diagnostics import RECORDED_ACTIONS, Diagnostics
 from treerl.learners.distributed import Ranks
-from treerl.learners.evaluation import evaluate_at_start, evaluate_policy
+from treerl.learners.evaluation import eval_metrics, evaluate_at_start, evaluate_policy
 from treerl.learners.losses.base import DEFAULT_AGGREGATIONS, same_definition
 from treerl.learners.metrics import MetricsLog, tracker_for, truncate_metrics
 from treerl.learners.packing import PackedBatch, packing_metrics
@@ -95,14 +95,20 @@ from treerl.rollout.sources import GroupSource
 from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group
 
-__all__ = ["Run", "TrainResult", "build", "finish", "make_scheduler", "OptimizerSpec", "StepCallback", "LearnerSpec",
-           "LEARNERS", "register_learner"]
+__all__ = ["Run", "TrainResult", "build", "finish", "make_scheduler", "OptimizerSpec", "StepCallback", "Evaluator",
+           "LearnerSpec", "LEARNERS", "register_learner"]
 
 logger = logging.getLogger(__name__)
 
 StepCallback = Callable[[int, dict[str, float]], Any]
 """Called after each step on the main process with the step number (from 1) and a copy of the
-metrics it logged (TRL's ``TrainerCallback.on_log``, in one function)."""
+metrics it logged (TRL's ``TrainerCallback.on_log``, in one function); with ``eval_every`` and
+``eval_on_start``, also with step 0 and the evaluation before the first step."""
+
+Evaluator = Callable[[Policy, Any], dict[str, float]]
+"""What ``eval_every`` measures instead of the held-out episodes: called on the main process with the
+policy (sampling the weights as they are now) and the tokenizer, it returns the metrics to log with the
+step (``treerl.GRPOTrainer``: its ``eval_dataset`` scored with the reward functions, TRL's ``eval_reward``)."""
 
 OptimizerSpec = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 """An optimizer over the trained parameters, or a function that makes one from them (the
@@ -187,6 +193,11 @@ class Run:
     env_id: str = ""
     """What groups and figures call the environment: ``cfg.env``, or the id of what a given ``env_factory`` builds."""
     callbacks: Sequence[StepCallback] = ()
+    evaluator: Evaluator | None = None
+    """What :meth:`evaluate` runs instead of the held-out episodes."""
+    eval_end: dict[str, Any] | None = None
+    """The held-out figures of an evaluation at the last step, which :func:`finish` reports instead of
+    evaluating the same weights again."""
     _step_started: float = 0.0
 
     def __enter__(self) -> Run:
@@ -280,12 +291,30 @@ class Run:
         self.state = replace(self.state, step=step + 1, policy_version=self.sync.version, next_task=next_task)
         if self.ranks.is_main:
             metrics.update(self.diagnostics.check(step + 1, metrics))
+            if self.cfg.eval_every and (step + 1) % self.cfg.eval_every == 0:  # before the checkpoint: a resumed
+                metrics.update(self.evaluate(step + 1))                         # run continues after it
             self.log.log(step + 1, metrics)
             for callback in self.callbacks:
                 callback(step + 1, dict(metrics))
             if self.cfg.save_every and (step + 1) % self.cfg.save_every == 0 and step + 1 < self.cfg.steps:
                 self.save_checkpoint()
         return metrics
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The evaluation of ``eval_every`` after step ``step`` (0: before the first), as metrics of that step:
+        the :attr:`evaluator`'s, or the held-out episodes' figures under ``eval/`` (:func:`eval_metrics`)."""
+        if self.evaluator is not None:
+            return dict(self.evaluator(self.policy, self.tokenizer))
+        if step == 0 and self.eval_start is not None:
+            figures = self.eval_start
+        else:
+            figures = evaluate_policy(self.cfg, self.policy, self.tokenizer, self.eval_env_factory or self.env_factory,
+                                      env_id=self.env_id)
+            print(f"eval at step {step}: success rate {figures['success_rate']:.1%} over {figures['episodes']} "
+                  "held-out episodes", file=sys.stderr)
+        if step == self.cfg.steps:
+            self.eval_end = figures
+        return eval_metrics(figures)
 
     def save_checkpoint(self) -> None:
         save_checkpoint(checkpoint_path(self.out_dir, self.state.step), self.model, self.optimizer, self.scheduler,
@@ -352,7 +381,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
           policy: Policy | None = None, env_factory: Callable[[], Any] | None = None,
           reward_funcs: Sequence[RewardFunc] = (), reward_weights: Sequence[float] | None = None,
           optimizer: OptimizerSpec | None = None, reference: bool = False, source: GroupSource | None = None,
-          callbacks: Sequence[StepCallback] = ()) -> Run:
+          callbacks: Sequence[StepCallback] = (), evaluate: Evaluator | None = None) -> Run:
     """Everything a learner's loop needs, resumed and evaluated at the start (see the module docstring).
 
     ``model``/``tokenizer`` default to ``cfg.model`` (the shipped tiny model when unset);
@@ -362,7 +391,8 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     ``cfg.learning_rate`` and ``cfg.weight_decay``. ``reference=True`` keeps a frozen copy of
     the starting weights (a KL term's reference). ``source`` (default: ``cfg.group_source()``)
     replaces the engine in :meth:`Run.rollout`. ``callbacks`` are called after each step's metrics
-    are logged (:data:`StepCallback`).
+    are logged (:data:`StepCallback`). ``evaluate`` replaces the held-out episodes of ``eval_every``
+    (:data:`Evaluator`); without it ``eval_every`` needs ``eval_episodes``.
     """
     from treerl.agents.transformers_policy import TransformersPolicy
 
@@ -373,6 +403,9 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     if reward_weights is None and cfg.reward_weights is not None:
         reward_weights = cfg.reward_weights
     weights = check_reward_weights(reward_funcs, reward_weights)
+    if cfg.eval_every and not cfg.eval_episodes and evaluate is None:
+        raise ConfigError(f"eval_every={cfg.eval_every} evaluates the held-out episodes every N steps, but "
+                          "eval_episodes=0 plays none; set --eval-episodes (e.g. 32) or --eval-every 0.")
     tracker_for(cfg.report_to)  # a tracker that is not installed is said now, not after the model loads
     ranks = Ranks.from_env(cfg.device, timeout_s=cfg.ddp_timeout)
     if cfg.tasks_per_step < ranks.world_size:
@@ -494,7 +527,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
               optimizer=optimizer, scheduler=scheduler, engine=engine, env_factory=env_factory, sync=sync,
               state=state, reward_funcs=tuple(reward_funcs), reward_weights=weights, reference=ref_model,
               attention=attention, policy_model=policy_model, source=source, precision=precision,
-              eval_env_factory=eval_env_factory, env_id=env_id, callbacks=tuple(callbacks))
+              eval_env_factory=eval_env_factory, env_id=env_id, callbacks=tuple(callbacks), evaluator=evaluate)
     if ranks.is_main:
         # The other ranks write nothing and wait for rank 0 at the first step's collectives.
         print(f"precision: {precision.describe(checkpoint=loaded, weights=checkpoint_dtype(model))}", file=sys.stderr)
@@ -512,12 +545,20 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
             # The episodes played, not cfg.eval_episodes: a dataset smaller than that plays each row once.
             print(f"eval at start: success rate {run.eval_start['success_rate']:.1%} over "
                   f"{run.eval_start['episodes']} held-out episodes", file=sys.stderr)
+        started = run.eval_start is not None or evaluate is not None and cfg.eval_on_start
+        if cfg.eval_every and state.step == 0 and started:
+            # Step 0 of the curve eval_every draws (TRL's eval_on_start); a resumed run kept its line.
+            start = run.evaluate(0)
+            run.log.log(0, start)
+            for callback in run.callbacks:
+                callback(0, dict(start))
     return run
 
 
 # Settings a resumed run may change without changing what its earlier steps were.
 _RESUMABLE_CHANGES = frozenset({"steps", "resume", "progress", "save_every", "save_total_limit", "num_threads",
-                                "report_to", "sample_every", "sample_groups", "eval_episodes", "overwrite_output_dir"})
+                                "report_to", "sample_every", "sample_groups", "eval_episodes", "overwrite_output_dir",
+                                "eval_every", "eval_on_start"})
 
 
 def _warn_if_settings_changed(saved: Path, cfg: LearnerConfig) -> None:
@@ -656,9 +697,10 @@ def finish(run: Run) -> TrainResult:
         run.tokenizer.save_pretrained(model_dir)
         if cfg.lora_r > 0:  # the adapter alone too (a few MB), loadable with peft.PeftModel.from_pretrained
             run.model.save_pretrained(run.out_dir / "adapter")
-        eval_end = (evaluate_policy(cfg, run.policy, run.tokenizer, run.eval_env_factory or run.env_factory,
-                                    env_id=run.env_id)
-                    if cfg.eval_episodes > 0 else None)
+        eval_end = run.eval_end  # eval_every's at the last step: the same weights
+        if eval_end is None and cfg.eval_episodes > 0:
+            eval_end = evaluate_policy(cfg, run.policy, run.tokenizer, run.eval_env_factory or run.env_factory,
+                                       env_id=run.env_id)
         result = {"steps": cfg.steps, "policy_version": run.sync.version, "eval_start": run.eval_start,
                   "eval_end": eval_end, "model_dir": str(model_dir)}
         (run.out_dir / "summary.json").write_text(json.dumps(result, indent=2))

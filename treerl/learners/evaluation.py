@@ -1,9 +1,10 @@
-"""Held-out evaluation at the start and the end of a run, through the rollout engine.
+"""Held-out evaluation at the start and the end of a run, and every ``eval_every`` steps, through the rollout engine.
 
 ``eval_episodes`` tasks from seed ``eval_seed`` on (kept apart from the training tasks),
 each played once at ``eval_temperature`` with the run's environment and limits; the figures
 are :meth:`~treerl.rollout.summary.RolloutStats.summary`'s. The start is written to
-``eval_start.json`` so that a resumed run reports it without evaluating again.
+``eval_start.json`` so that a resumed run reports it without evaluating again; the evaluations
+of ``eval_every`` are logged with their step as :func:`eval_metrics`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from treerl.agents.policy import Policy
 from treerl.learners.config import LearnerConfig
 from treerl.rollout.evaluate import evaluate_with
 
-__all__ = ["evaluate_policy", "evaluate_at_start"]
+__all__ = ["evaluate_policy", "evaluate_at_start", "eval_metrics"]
 
 
 def evaluate_policy(cfg: LearnerConfig, policy: Policy, tokenizer: Any, env_factory: Callable[[], Any],
@@ -34,8 +35,26 @@ def evaluate_at_start(cfg: LearnerConfig, policy: Policy, tokenizer: Any, env_fa
     path = Path(out_dir) / "eval_start.json"
     if resumed:
         return json.loads(path.read_text()) if path.exists() else None
-    if cfg.eval_episodes == 0:
+    if cfg.eval_episodes == 0 or not cfg.eval_on_start:
         return None
     figures = evaluate_policy(cfg, policy, tokenizer, env_factory, env_id)
     path.write_text(json.dumps(figures, indent=2))
     return figures
+
+
+def eval_metrics(figures: dict[str, Any]) -> dict[str, float]:
+    """Held-out ``figures`` as a step's metrics: each number under ``eval/`` and its name in ``summary.json``
+    (``eval/success_rate``, ``eval/reward/mean``), each entry of a table under ``eval/TABLE/KEY``
+    (``eval/tool_calls/ok``), the environments' own numbers as ``eval/env/KEY``.
+
+    >>> eval_metrics({"success_rate": 0.5, "reward/mean": 0.5, "tool_calls": {"ok": 3}, "env_metrics": {"env/x": 1.0}})
+    {'eval/success_rate': 0.5, 'eval/reward/mean': 0.5, 'eval/tool_calls/ok': 3.0, 'eval/env/x': 1.0}
+    """
+    out: dict[str, float] = {}
+    for key, value in figures.items():
+        if isinstance(value, dict):
+            prefix = "eval/" if key == "env_metrics" else f"eval/{key}/"  # env_metrics' keys are env/KEY already
+            out.update({prefix + k: float(v) for k, v in value.items() if isinstance(v, (int, float))})
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[f"eval/{key}"] = float(value)
+    return out

@@ -47,7 +47,16 @@ from treerl.config import field_help
 from treerl.learners.advantages import AdvantageConfig, compute_advantages
 from treerl.learners.centering import batch_centering
 from treerl.learners.config import LearnerConfig
-from treerl.learners.core import OptimizerSpec, Run, StepCallback, TrainResult, build, finish, register_learner
+from treerl.learners.core import (
+    Evaluator,
+    OptimizerSpec,
+    Run,
+    StepCallback,
+    TrainResult,
+    build,
+    finish,
+    register_learner,
+)
 from treerl.learners.distributed import Ranks
 from treerl.learners.forward import PackedLogprobs, loss_inputs, packed_logprobs
 from treerl.learners.importance import ImportanceConfig, importance_weights
@@ -336,7 +345,8 @@ def update(run: Run, step: int, groups: Sequence[Group], stats: RolloutStats, me
 def train(cfg: GRPOConfig, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
           policy: Policy | None = None, env_factory: Callable[[], Any] | None = None,
           reward_funcs: Sequence[RewardFunc] = (), reward_weights: Sequence[float] | None = None,
-          optimizer: OptimizerSpec | None = None, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
+          optimizer: OptimizerSpec | None = None, callbacks: Sequence[StepCallback] = (),
+          evaluate: Evaluator | None = None) -> TrainResult:
     """Train with GRPO on ``cfg.env``; see the module docstring for the loop.
 
     Every argument after ``cfg`` is optional: ``model`` and ``tokenizer`` (default: loaded
@@ -348,7 +358,8 @@ def train(cfg: GRPOConfig, *, model: torch.nn.Module | None = None, tokenizer: A
     ``reward_weights`` (one for the environment's reward, then one per function);
     ``optimizer``, a torch optimizer or a function of the trained parameters that makes one
     (default: AdamW); ``callbacks``, functions ``(step, metrics)`` called after each step's
-    metrics are logged, on the main process.
+    metrics are logged, on the main process; ``evaluate``, what ``cfg.eval_every`` measures instead
+    of the held-out episodes (:data:`~treerl.learners.core.Evaluator`).
 
     Under ``accelerate launch --multi_gpu --num_processes R -m treerl.cli learn ...`` (or
     ``torchrun``), or in processes that initialized a ``torch.distributed`` group, the ``R``
@@ -358,7 +369,7 @@ def train(cfg: GRPOConfig, *, model: torch.nn.Module | None = None, tokenizer: A
     """
     run = build(cfg, model=model, tokenizer=tokenizer, policy=policy, env_factory=env_factory,
                 reward_funcs=reward_funcs, reward_weights=reward_weights, optimizer=optimizer, reference=cfg.beta > 0,
-                callbacks=callbacks)
+                callbacks=callbacks, evaluate=evaluate)
     with run:
         for step in run.steps():
             grpo_step(run, step)

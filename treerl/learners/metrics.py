@@ -99,7 +99,7 @@ class MetricsLog:
                             dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Write one step's metrics (and advance the progress bar)."""
+        """Write one step's metrics (and advance the progress bar); step 0 is the evaluation before the first."""
         self.file.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
         self.file.flush()
         if self.tracker is not None:
@@ -110,7 +110,7 @@ class MetricsLog:
                     t.add_scalar(k, v, step)
             else:
                 t.log(scalars, step=step)
-        if self.bar is not None:
+        if self.bar is not None and step > 0:
             shown = {}
             if "reward/mean" in metrics:
                 shown["reward"] = f"{metrics['reward/mean']:.3f}"

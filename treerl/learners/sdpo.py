@@ -60,7 +60,16 @@ import torch
 from treerl.agents.policy import Policy
 from treerl.config import field_help
 from treerl.learners.checkpoints import checkpoint_path, latest_checkpoint
-from treerl.learners.core import OptimizerSpec, Run, StepCallback, TrainResult, build, finish, register_learner
+from treerl.learners.core import (
+    Evaluator,
+    OptimizerSpec,
+    Run,
+    StepCallback,
+    TrainResult,
+    build,
+    finish,
+    register_learner,
+)
 from treerl.learners.diagnostics import Check
 from treerl.learners.distributed import Ranks
 from treerl.learners.divergences import (
@@ -487,11 +496,12 @@ def _resume_teacher(run: Run, teacher: torch.nn.Module) -> None:
 def train(cfg: SDPOConfig, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
           policy: Policy | None = None, env_factory: Callable[[], Any] | None = None,
           reward_funcs: Sequence[RewardFunc] = (), reward_weights: Sequence[float] | None = None,
-          optimizer: OptimizerSpec | None = None, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
+          optimizer: OptimizerSpec | None = None, callbacks: Sequence[StepCallback] = (),
+          evaluate: Evaluator | None = None) -> TrainResult:
     """Train with SDPO on ``cfg.env``; the arguments are those of :func:`treerl.learners.grpo.train`."""
     run = build(cfg, model=model, tokenizer=tokenizer, policy=policy, env_factory=env_factory,
                 reward_funcs=reward_funcs, reward_weights=reward_weights, optimizer=optimizer,
-                reference=cfg.beta > 0 or cfg.teacher == "initial", callbacks=callbacks)
+                reference=cfg.beta > 0 or cfg.teacher == "initial", callbacks=callbacks, evaluate=evaluate)
     teacher = make_teacher(cfg.teacher, run.model, run.reference)
     if cfg.teacher == "ema":
         _resume_teacher(run, teacher)
