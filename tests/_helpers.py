@@ -125,3 +125,47 @@ def sandbox_package() -> dict[str, str]:
                 [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
             todo += [m.split(".")[2] for m in modules if m.startswith("treerl.envs.")]
     return files
+
+
+class FakeHub:
+    """``huggingface_hub.HfApi`` without a network: :meth:`install` puts a stand-in in its place that
+    records each call (``tokens``, ``repos``: ``(repo_id, private)``, ``uploads``: the repository, the
+    folder's files and model card at that moment, the commit message). ``before_upload(upload)`` runs
+    inside each upload (in the pusher's thread for a background push): it may block or raise."""
+
+    def __init__(self, owner: str = "me") -> None:
+        self.owner, self.tokens, self.repos, self.uploads = owner, [], [], []
+        self.before_upload = None
+        self.create_error: Exception | None = None
+
+    def install(self, monkeypatch) -> FakeHub:
+        import huggingface_hub
+
+        hub = self
+
+        class Api:
+            def __init__(self, token=None, **kwargs):
+                hub.tokens.append(token)
+
+            def create_repo(self, repo_id, *, private=None, exist_ok=False, **kwargs):
+                assert exist_ok, "an existing repository (a resumed run's) must be reused"
+                if hub.create_error is not None:
+                    raise hub.create_error
+                hub.repos.append((repo_id, private))
+                return type("RepoUrl", (), {"repo_id": repo_id if "/" in repo_id else f"{hub.owner}/{repo_id}"})()
+
+            def upload_folder(self, *, repo_id, folder_path, commit_message=None, revision=None, run_as_future=False,
+                              **kwargs):
+                folder = Path(folder_path)
+                card = folder / "README.md"
+                upload = {"repo_id": repo_id, "files": sorted(p.name for p in folder.iterdir()),
+                          "message": commit_message, "card": card.read_text() if card.exists() else None,
+                          "revision": revision}
+                hub.uploads.append(upload)
+                if hub.before_upload is not None:
+                    hub.before_upload(upload)
+                upload["done"] = True
+                return f"commit of {commit_message}"
+
+        monkeypatch.setattr(huggingface_hub, "HfApi", Api)
+        return self

@@ -233,7 +233,8 @@ def test_trls_defaults_written_out_are_taken(tmp_path):
         GRPOConfig(output_dir="x", max_tool_calling_iterations=2, env_kwargs={"max_turns": 5})
     args = build_parser().parse_args(["learn", "--output-dir", "x", "--max-tool-calling-iterations", "0"])
     assert config_from_args(GRPOConfig, args).env_kwargs == {"max_turns": 1}
-    for name, value, said in (("repetition_penalty", 1.1, "sampling takes"), ("push_to_hub", True, "hf upload"), ("disable_dropout", 0, "dropout stays"),
+    for name, value, said in (("repetition_penalty", 1.1, "sampling takes"), ("hub_always_push", True, "skipped while"),
+                              ("disable_dropout", 0, "dropout stays"),
                               ("multi_objective_aggregation", "normalize_then_sum", "normalize_then_sum is not")):
         with pytest.raises(TypeError, match=f"no option {name}: .*{said}"):
             GRPOConfig(output_dir="x", **{name: value})
@@ -542,12 +543,139 @@ def test_trls_lr_scheduler_types_decay_over_the_runs_optimizer_steps():
         GRPOConfig(output_dir="x", lr_scheduler_type="polynomial")
 
 
-@pytest.mark.parametrize("option", ["adam_beta1", "optim", "push_to_hub", "save_strategy",
+@pytest.mark.parametrize("option", ["adam_beta1", "optim", "hub_always_push", "save_strategy",
                                     "gradient_checkpointing_kwargs", "torch_dtype",
                                     "vllm_server_port", "disable_dropout", "trust_remote_code", "generation_kwargs"])
 def test_trainingarguments_options_a_trl_script_sets_are_refused_with_what_to_do(option):
     with pytest.raises(TypeError, match=f"GRPOConfig\\(\\) has no option {option}: "):
         GRPOConfig(output_dir="x", **{option: 1})
+
+
+HUB_RUN = dict(tasks_per_step=2, group_size=2, max_new_tokens=8, eval_episodes=0, progress=False, num_threads=1,
+               sample_groups=0, save_every=1, push_to_hub=True)
+
+
+def test_push_to_hub_pushes_the_model_after_each_checkpoint_and_at_the_end(tmp_path, monkeypatch):
+    """TRL's push_to_hub, hub_strategy every_save (its default), hub_private_repo and hub_token: the repository
+    (named after the output directory, as transformers does) is created at the start; the model a user loads
+    with from_pretrained, with its tokenizer and a model card, is pushed after each checkpoint and at the end;
+    the token reaches the Hub client, not config.json."""
+    from _helpers import FakeHub
+
+    from treerl.learners.grpo import train
+
+    hub = FakeHub(owner="me").install(monkeypatch)
+    out = tmp_path / "calc-grpo"
+    cfg = GRPOConfig(output_dir=str(out), steps=3, hub_private_repo=True, hub_token="hf_secret", **HUB_RUN)
+    assert "hf_secret" not in repr(cfg)
+    train(cfg)
+
+    assert hub.repos == [("calc-grpo", True)]
+    assert [(u["repo_id"], u["message"]) for u in hub.uploads] == [
+        ("me/calc-grpo", "Training in progress, step 1"), ("me/calc-grpo", "Training in progress, step 2"),
+        ("me/calc-grpo", "End of training, step 3")]
+    for upload in hub.uploads:
+        assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                "README.md"} <= set(upload["files"])
+        assert not {"optimizer.pt", "trainer_state.json"} & set(upload["files"])  # checkpoints stay local
+    card = hub.uploads[-1]["card"]
+    assert "- treerl\n- grpo\n" in card and "for 3 steps" in card and 'from_pretrained("me/calc-grpo")' in card
+    assert "base_model" not in card  # the shipped model has no Hub id (and a local path is never shown)
+    assert set(hub.tokens) == {"hf_secret"}
+    assert "hf_secret" not in (out / "config.json").read_text()
+    assert "hub_token" not in json.loads((out / "config.json").read_text())
+
+    hub.uploads.clear()
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(_hub_cache(tmp_path)))
+    train(GRPOConfig(output_dir=str(tmp_path / "end"), model="acme/tiny-chat", steps=2, hub_strategy="end",
+                     hub_model_id="acme/calc", **HUB_RUN))
+    assert hub.repos[-1] == ("acme/calc", None) and [u["message"] for u in hub.uploads] == ["End of training, step 2"]
+    assert "base_model: acme/tiny-chat\n" in hub.uploads[0]["card"]  # a Hub id: the Hub links the base model
+    assert set(hub.tokens) == {"hf_secret", None}  # without hub_token: huggingface_hub's own (HF_TOKEN, hf auth login)
+
+
+def test_a_failed_or_slow_push_warns_and_the_run_waits_for_it_at_the_end(tmp_path, monkeypatch, capsys):
+    """every_save uploads in the background: a checkpoint whose predecessor still uploads is not pushed (as
+    transformers does), the end of the run waits for the upload in flight before it rewrites the model and
+    pushes, and a failed push is a warning, not the end of the run."""
+    import threading
+
+    from _helpers import FakeHub
+
+    from treerl.learners.grpo import train
+
+    hub = FakeHub().install(monkeypatch)
+    out = tmp_path / "run"
+    release = threading.Event()
+
+    def upload(u):
+        if u["message"] == "Training in progress, step 1":
+            # Held until released after the last step; the run's end must not get past its wait before that.
+            while not release.wait(0.05):
+                if (out / "summary.json").exists():
+                    u["ended_by"] = "the run's end, which did not wait"
+                    break
+            u.setdefault("ended_by", "release")
+            raise OSError("503 Service Unavailable")
+
+    hub.before_upload = upload
+
+    def after_step(step, metrics):
+        if step == 3:
+            threading.Timer(2.0, release.set).start()
+
+    result = train(GRPOConfig(output_dir=str(out), steps=3, **HUB_RUN), callbacks=[after_step])
+
+    assert result.steps == 3 and (out / "summary.json").exists()
+    assert [u["message"] for u in hub.uploads] == ["Training in progress, step 1", "End of training, step 3"]
+    assert hub.uploads[0]["ended_by"] == "release" and "done" not in hub.uploads[0] and hub.uploads[1]["done"]
+    err = capsys.readouterr().err
+    assert "Training in progress, step 2: not pushed, the previous push is still uploading" in err
+    assert ("warning: push to the Hub failed (Training in progress, step 1): OSError: 503 Service Unavailable; the "
+            f"model is in {out / 'model'}: upload it later with `hf upload me/run {out / 'model'}`") in err
+
+
+def test_push_to_hub_creates_the_repository_before_training(tmp_path, monkeypatch):
+    """A missing or refused token is said at the start, not after the run."""
+    from _helpers import FakeHub
+
+    from treerl.learners.grpo import train
+
+    hub = FakeHub().install(monkeypatch)
+    hub.create_error = OSError("401 Client Error: Unauthorized")
+    with pytest.raises(ConfigError, match="push_to_hub: the Hub repository 'run' could not be created \\(401 Client "
+                                          "Error: Unauthorized\\); log in with `hf auth login`"):
+        train(GRPOConfig(output_dir=str(tmp_path / "run"), steps=1, **HUB_RUN))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_trls_hub_options_as_flags_and_yaml_keys(tmp_path):
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--push-to-hub", "--hub-model-id", "me/calc",
+                                      "--hub-strategy", "end", "--hub-private-repo", "true"])
+    cfg = config_from_args(GRPOConfig, args)
+    assert (cfg.push_to_hub, cfg.hub_repo_id(), cfg.hub_strategy, cfg.hub_private_repo) == \
+        (True, "me/calc", "end", True)
+    (tmp_path / "trl.yaml").write_text("push_to_hub: true\nhub_model_id: me/calc\nhub_strategy: every_save\n"
+                                       "hub_token: hf_secret\n")
+    cfg = config_from_args(GRPOConfig, build_parser().parse_args(["learn", "--output-dir", "runs/calc", "--config",
+                                                                  str(tmp_path / "trl.yaml")]))
+    assert (cfg.push_to_hub, cfg.hub_model_id, cfg.hub_token) == (True, "me/calc", "hf_secret")
+    assert "hub_token" not in cfg.recorded() and cfg.recorded()["hub_model_id"] == "me/calc"
+    assert GRPOConfig(output_dir="runs/calc-grpo", push_to_hub=True).hub_repo_id() == "calc-grpo"  # transformers'
+    for strategy in ("checkpoint", "all_checkpoints"):
+        with pytest.raises(ValueError, match=f"hub_strategy='{strategy}': checkpoints here are the trainer's resume "
+                                             "state"):
+            GRPOConfig(output_dir="x", push_to_hub=True, hub_strategy=strategy)
+    with pytest.raises(ValueError, match="hub_model_id 'me/calc/v2' is not a Hub repository name"):
+        GRPOConfig(output_dir="x", push_to_hub=True, hub_model_id="me/calc/v2")
+    with pytest.raises(ValueError, match="the output directory's name 'my run' is not a Hub repository name: .* Give "
+                                         "--hub-model-id USER/NAME"):
+        GRPOConfig(output_dir="runs/my run", push_to_hub=True)
 
 
 def test_trl_options_that_change_nothing_here_are_taken_with_a_note(tmp_path, capsys):

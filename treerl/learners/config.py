@@ -22,7 +22,8 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from treerl.config import AcceptsAliases, field_help
@@ -35,12 +36,14 @@ from treerl.learners.precision import DTYPES, resolve_precision
 from treerl.rollout.options import EpisodeOptions
 from treerl.rollout.rewards import RewardOptions
 
-__all__ = ["LearnerConfig", "REPORT_TO", "LR_SCHEDULERS"]
+__all__ = ["LearnerConfig", "REPORT_TO", "LR_SCHEDULERS", "HUB_STRATEGIES"]
 
 REPORT_TO = ("none", "tensorboard", "wandb", "trackio")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 """``lr_scheduler_type`` choices, each after ``warmup_steps`` of linear warm-up: ``linear`` (TRL's default)
 and ``cosine`` decay to 0 at the run's last optimizer step."""
+HUB_STRATEGIES = ("every_save", "end")
+"""``hub_strategy`` choices (see :mod:`treerl.learners.hub`)."""
 
 
 @dataclass
@@ -81,9 +84,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                         "the optimizer is torch's AdamW with its defaults (--learning-rate, --weight-decay); another "
                         "one, or other betas, is a torch optimizer passed from Python: treerl.learners.train(cfg, "
                         "optimizer=...) or GRPOTrainer(optimizers=(optimizer, None))"),
-        **dict.fromkeys(("push_to_hub", "hub_model_id", "hub_strategy"),
-                        "not supported: the trained model is OUTPUT_DIR/model, in transformers format; upload it "
-                        "with `hf upload REPO OUTPUT_DIR/model`"),
+        "hub_always_push": "not supported: a checkpoint's push is skipped while the previous one still uploads, as "
+                           "transformers' default does (the next one, or the end of the run, pushes newer weights)",
         "save_strategy": "checkpoints are written every --save-every steps (TRL's save_steps; 0: only the final "
                          "model), keeping --save-total-limit of them",
         "gradient_checkpointing_kwargs": "--gradient-checkpointing recomputes each decoder layer without "
@@ -109,20 +111,18 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     # like, and "the other option decides" for generation_batch_size and steps_per_generation.
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         **dict.fromkeys(("min_p", "chat_template_kwargs", "vllm_server_base_url", "generation_batch_size",
-                         "steps_per_generation", "cache_implementation", "delta", "model_init_kwargs",
-                         "hub_model_id"), (None,)),
+                         "steps_per_generation", "cache_implementation", "delta", "model_init_kwargs"), (None,)),
         "max_tool_calling_iterations": (None,),  # TRL's "no limit of its own": the environment's max_turns limits
         "generation_kwargs": (None, {}),
         **dict.fromkeys(("repetition_penalty", "top_entropy_quantile"), (1.0,)),
-        **dict.fromkeys(("sync_ref_model", "disable_dropout", "trust_remote_code", "push_to_hub",
-                         "log_unique_prompts"), (False,)),
+        **dict.fromkeys(("sync_ref_model", "disable_dropout", "trust_remote_code", "log_unique_prompts",
+                         "hub_always_push"), (False,)),
         # read only beside log_completions=True and sync_ref_model=True: taken at TRL's defaults
         "log_completions_hub_repo": (None,),
         "log_multimodal": (True,), "ref_model_mixup_alpha": (0.6,), "ref_model_sync_steps": (512,),
         "vllm_importance_sampling_correction": (True,),
         "importance_sampling_level": ("token",),  # token-level ratios, as every --loss but gspo
         "multi_objective_aggregation": ("sum_then_normalize",),  # weighted sum, then the group's advantages
-        "hub_strategy": ("every_save",),  # TRL's default, which only push_to_hub=True reads
         "save_strategy": ("steps",),  # every --save-every (TRL's save_steps) steps
         "gradient_checkpointing_kwargs": (None, {}, {"use_reentrant": False}),  # what --gradient-checkpointing does
     }
@@ -262,6 +262,20 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     overwrite_output_dir: bool = field_help(False, "Start over in an output_dir that holds an earlier run: its "
                                                    "metrics, checkpoints, samples and model are removed first "
                                                    "(without it or --resume such a directory is refused).")
+    push_to_hub: bool = field_help(False, "Push the trained model (output_dir/model, with a model card) to the Hugging "
+                                          "Face Hub at the end of the run (and after each checkpoint with "
+                                          "--hub-strategy every_save); the repository is created at the start.")
+    hub_model_id: str | None = field_help(None, "The Hub repository, USER/NAME or ORG/NAME (default: the output "
+                                                "directory's name, under the token's user, as transformers does).")
+    hub_strategy: str = field_help("every_save", "With --push-to-hub: every_save (also after each --save-every "
+                                                 "checkpoint, in the background; one still uploading makes the next "
+                                                 "skip) or end (the final model only). Checkpoints themselves stay "
+                                                 "local: TRL's checkpoint and all_checkpoints are refused.")
+    hub_private_repo: bool | None = field_help(None, "Create the repository private (default: the Hub's default for "
+                                                     "the user or organization).")
+    hub_token: str | None = field_help(None, "The Hugging Face token pushing (default: $HF_TOKEN or `hf auth login`'s, "
+                                             "which keep it off the command line); never written to config.json.",
+                                       repr=False)
     sample_groups: int = field_help(4, "Groups of a sampled step kept in output_dir/trajectories for `treerl view` "
                                        "(0 keeps none).")
     sample_every: int = field_help(10, "Keep a trajectory sample every N steps (and at the first and last step).")
@@ -295,6 +309,9 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                                "(e.g. http://127.0.0.1:8000), in order; each new weights version "
                                                "is published to it (with the token in $TREERL_SERVE_TOKEN).")
     server_timeout_s: float = field_help(600.0, "How long one step waits for the server's groups before failing.")
+
+    # Options not written where the run's settings are recorded (config.json, the tracker's config).
+    SECRETS: ClassVar[tuple[str, ...]] = ("hub_token",)
 
     def __post_init__(self) -> None:
         if not self.output_dir:
@@ -383,6 +400,39 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
             raise ValueError(f"from_server={self.from_server!r} must be an http(s) URL, e.g. http://127.0.0.1:8000.")
         if not self.server_timeout_s > 0:
             raise ValueError(f"server_timeout_s={self.server_timeout_s} must be > 0 (seconds).")
+        self._check_hub_options()
+
+    def _check_hub_options(self) -> None:
+        if self.hub_strategy in ("checkpoint", "all_checkpoints"):
+            raise ValueError(f"hub_strategy={self.hub_strategy!r}: checkpoints here are the trainer's resume state "
+                             "(weights as it holds them, optimizer, random generators), not a model to load, and "
+                             "stay in output_dir/checkpoints for --resume; use every_save (the model pushed at each "
+                             "checkpoint and at the end) or end.")
+        if self.hub_strategy not in HUB_STRATEGIES:
+            raise ValueError(f"hub_strategy={self.hub_strategy!r}: use every_save (the model pushed at each "
+                             "checkpoint and at the end) or end (at the end only).")
+        if self.push_to_hub or self.hub_model_id is not None:
+            from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+            try:
+                validate_repo_id(self.hub_repo_id())
+            except HFValidationError as exc:
+                source = "hub_model_id" if self.hub_model_id is not None else "the output directory's name"
+                raise ValueError(f"{source} {self.hub_repo_id()!r} is not a Hub repository name: {exc} Give "
+                                 "--hub-model-id USER/NAME.") from None
+
+    def hub_repo_id(self) -> str:
+        """The Hub repository the model is pushed to: ``hub_model_id``, or the output directory's name (under
+        the token's user), as transformers names it.
+
+        >>> LearnerConfig(output_dir="runs/calc-grpo").hub_repo_id()
+        'calc-grpo'
+        """
+        return self.hub_model_id or Path(self.output_dir).absolute().name
+
+    def recorded(self) -> dict[str, Any]:
+        """The options as config.json and the tracker record them: all but :attr:`SECRETS`."""
+        return {k: v for k, v in asdict(self).items() if k not in self.SECRETS}
 
     @classmethod
     def translate_options(cls, given: dict[str, Any]) -> dict[str, Any]:

@@ -41,7 +41,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,7 @@ from treerl.learners.config import LearnerConfig
 from treerl.learners.diagnostics import RECORDED_ACTIONS, Diagnostics
 from treerl.learners.distributed import Ranks
 from treerl.learners.evaluation import eval_metrics, evaluate_at_start, evaluate_policy
+from treerl.learners.hub import HubPusher
 from treerl.learners.losses.base import DEFAULT_AGGREGATIONS, same_definition
 from treerl.learners.metrics import MetricsLog, tracker_for, truncate_metrics
 from treerl.learners.packing import PackedBatch, packing_metrics
@@ -198,6 +199,8 @@ class Run:
     eval_end: dict[str, Any] | None = None
     """The held-out figures of an evaluation at the last step, which :func:`finish` reports instead of
     evaluating the same weights again."""
+    hub: HubPusher | None = None
+    """Where the model is pushed on rank 0 (``cfg.push_to_hub``; see :mod:`~treerl.learners.hub`)."""
     _step_started: float = 0.0
 
     def __enter__(self) -> Run:
@@ -320,6 +323,11 @@ class Run:
         save_checkpoint(checkpoint_path(self.out_dir, self.state.step), self.model, self.optimizer, self.scheduler,
                         self.state)
         prune_checkpoints(self.out_dir, self.cfg.save_total_limit)
+        if self.hub is not None and self.cfg.hub_strategy == "every_save" and self.state.step < self.cfg.steps:
+            # The model as it is now, uploaded while training goes on; the final one is finish's to push.
+            model_dir = self.out_dir / "model"
+            self.hub.push(model_dir, f"Training in progress, step {self.state.step}", steps=self.state.step,
+                          write=lambda: _write_model(self, model_dir))
 
 
 # -- build ---------------------------------------------------------------------------------------
@@ -533,8 +541,11 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
         print(f"precision: {precision.describe(checkpoint=loaded, weights=checkpoint_dtype(model))}", file=sys.stderr)
         learner = next((name for name, spec in LEARNERS.items() if type(cfg) is spec.config), None)
         # Which learner too (treerl compare lists it among the differences of runs).
-        (out_dir / "config.json").write_text(json.dumps({"learner": learner, **asdict(cfg)}, indent=2))
-        run.log = MetricsLog(out_dir, report_to=cfg.report_to, config=asdict(cfg), total_steps=cfg.steps,
+        (out_dir / "config.json").write_text(json.dumps({"learner": learner, **cfg.recorded()}, indent=2))
+        if cfg.push_to_hub:  # the repository is created now: a missing token fails before training, not after
+            base = cfg.model or getattr(getattr(model, "config", None), "_name_or_path", None)  # (given: its id)
+            run.hub = HubPusher.create(cfg, learner=learner, base_model=base)
+        run.log = MetricsLog(out_dir, report_to=cfg.report_to, config=cfg.recorded(), total_steps=cfg.steps,
                              start_step=state.step, progress=cfg.progress)
         # Groups from a source were sampled elsewhere, under limits the run's flags do not set.
         run.diagnostics = Diagnostics(out_dir / "diagnostics.jsonl",
@@ -558,7 +569,8 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
 # Settings a resumed run may change without changing what its earlier steps were.
 _RESUMABLE_CHANGES = frozenset({"steps", "resume", "progress", "save_every", "save_total_limit", "num_threads",
                                 "report_to", "sample_every", "sample_groups", "eval_episodes", "overwrite_output_dir",
-                                "eval_every", "eval_on_start"})
+                                "eval_every", "eval_on_start", "push_to_hub", "hub_model_id", "hub_strategy",
+                                "hub_private_repo"})
 
 
 def _warn_if_settings_changed(saved: Path, cfg: LearnerConfig) -> None:
@@ -567,7 +579,7 @@ def _warn_if_settings_changed(saved: Path, cfg: LearnerConfig) -> None:
         before = json.loads(saved.read_text())
     except (OSError, ValueError):
         return
-    now = json.loads(json.dumps(asdict(cfg), default=str))
+    now = json.loads(json.dumps(cfg.recorded(), default=str))
     changed = [f"{k} {before[k]!r} -> {v!r}" for k, v in now.items()
                if k in before and k not in _RESUMABLE_CHANGES and before[k] != v]
     if changed:
@@ -686,15 +698,17 @@ class AdaptersOff(torch.nn.Module):
 
 
 def finish(run: Run) -> TrainResult:
-    """Final checkpoint, the trained model in transformers format, evaluation at the end, ``summary.json``.
+    """Final checkpoint, the trained model in transformers format, evaluation at the end, ``summary.json``,
+    and with ``push_to_hub`` the model pushed to the Hub.
 
-    Only rank 0 writes and evaluates; every rank returns once the model is saved.
+    Only rank 0 writes, evaluates and pushes; every rank returns once the model is saved.
     """
     cfg, model_dir, eval_end = run.cfg, run.out_dir / "model", None
     if run.ranks.is_main:
         run.save_checkpoint()
-        _export_model(run).save_pretrained(model_dir, safe_serialization=True)
-        run.tokenizer.save_pretrained(model_dir)
+        if run.hub is not None:
+            run.hub.wait()  # a checkpoint's push may still be reading model_dir
+        _write_model(run, model_dir)
         if cfg.lora_r > 0:  # the adapter alone too (a few MB), loadable with peft.PeftModel.from_pretrained
             run.model.save_pretrained(run.out_dir / "adapter")
         eval_end = run.eval_end  # eval_every's at the last step: the same weights
@@ -705,6 +719,9 @@ def finish(run: Run) -> TrainResult:
                   "eval_end": eval_end, "model_dir": str(model_dir)}
         (run.out_dir / "summary.json").write_text(json.dumps(result, indent=2))
         _write_plots(run.out_dir)
+        if run.hub is not None:
+            run.hub.push(model_dir, f"End of training, step {run.state.step}", steps=run.state.step, blocking=True)
+            run.hub.close()
     run.ranks.barrier()
     run.policy.close()
     return TrainResult(run.out_dir, cfg.steps, run.sync.version, run.eval_start, eval_end, model_dir)
@@ -719,6 +736,12 @@ def _write_plots(out_dir: Path) -> None:
         print(f"no plots: {exc}", file=sys.stderr)
         return
     logger.info("plots: %s", ", ".join(str(p) for p in paths))
+
+
+def _write_model(run: Run, model_dir: Path) -> None:
+    """The trained model as it is now, with its tokenizer, in transformers format in ``model_dir``."""
+    _export_model(run).save_pretrained(model_dir, safe_serialization=True)
+    run.tokenizer.save_pretrained(model_dir)
 
 
 def _export_model(run: Run) -> torch.nn.Module:
