@@ -62,6 +62,36 @@ def test_a_trl_script_trains_with_only_its_import_changed(tmp_path):
     assert (tmp_path / "out" / "config.json").read_text() == run_config
 
 
+def test_push_to_hub_pushes_what_save_model_writes_with_a_model_card(tmp_path, monkeypatch):
+    """TRL's trainer.push_to_hub(): the trained model (what save_model copies) with a model card, to
+    args.hub_model_id with args.hub_private_repo and args.hub_token; open-r1's model card arguments taken."""
+    from _helpers import FakeHub
+
+    hub = FakeHub(owner="me").install(monkeypatch)
+    def reward_len(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    trainer = GRPOTrainer(model="tiny", reward_funcs=reward_len, train_dataset=[{"prompt": "Say hi"}] * 2,
+                          args=small(tmp_path, hub_model_id="acme/tiny-grpo", hub_private_repo=False,
+                                     hub_token="hf_secret"))
+    with pytest.raises(ValueError, match="push_to_hub\\(\\) pushes the trained model: call train\\(\\) first"):
+        trainer.push_to_hub()
+    trainer.train()
+    assert hub.uploads == []  # args.push_to_hub is off: the run pushed nothing
+    commit = trainer.push_to_hub(dataset_name="open-r1/OpenR1-Math-220k", tags=["open-r1"])
+
+    assert commit == "commit of End of training"  # TRL's default message
+    assert hub.repos == [("acme/tiny-grpo", False)] and set(hub.tokens) == {"hf_secret"}
+    (upload,) = hub.uploads
+    assert upload["repo_id"] == "acme/tiny-grpo"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= set(upload["files"])
+    assert set(upload["files"]) - {"README.md"} == {p.name for p in trainer.result.model_dir.iterdir()} - {"README.md"}
+    assert "datasets:\n- open-r1/OpenR1-Math-220k" in upload["card"] and "- open-r1\n" in upload["card"]
+    assert "`grpo` learner" in upload["card"] and "hf_secret" not in (tmp_path / "out" / "config.json").read_text()
+    trainer.push_to_hub(commit_message="Second version", token="hf_other")
+    assert hub.uploads[-1]["message"] == "Second version" and hub.tokens[-1] == "hf_other"
+
+
 def test_rows_play_in_the_order_trls_sampler_draws_them(tmp_path):
     """TRL's RepeatSampler (shuffle_dataset, its default) draws each pass over the rows as a torch.randperm from
     one generator seeded with args.seed; the same passes here (checked against TRL itself where installed), and

@@ -77,7 +77,7 @@ import torch
 
 from treerl.envs.builtin.math_verify import load_rows
 from treerl.envs.prompts import EnvironmentInstances, PromptEnv, environment_tools
-from treerl.learners.core import TrainResult
+from treerl.learners.core import LEARNERS, TrainResult
 from treerl.learners.async_grpo import AsyncGRPOConfig, train_async
 from treerl.learners.grpo import GRPOConfig, train
 from treerl.learners.sdpo import SDPOConfig
@@ -281,6 +281,33 @@ class LearnerTrainer:
                   "config.json, which a model's would replace).", file=sys.stderr)
             return
         shutil.copytree(self.result.model_dir, target, dirs_exist_ok=True)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, *, model_name: str | None = None,
+                    dataset_name: str | None = None, tags: str | Sequence[str] | None = None) -> Any:
+        """Push the trained model (what :meth:`save_model` copies, ``model/`` of the run) with a model card
+        (``model_name``, ``dataset_name`` and ``tags`` go into it, as TRL's) to ``args.hub_model_id`` (default:
+        the output directory's name), as TRL's ``push_to_hub``; ``args.hub_private_repo`` and ``args.hub_token``
+        (else ``$HF_TOKEN`` or ``hf auth login``'s) apply. Only the main process pushes; returns the
+        ``CommitInfo`` (a ``Future`` of it when not ``blocking``), None on the other processes. With
+        ``args.push_to_hub`` the run has pushed it already."""
+        from treerl.learners.distributed import is_main_process
+        from treerl.learners.hub import create_repo, upload_model, write_model_card
+
+        if self.result is None:
+            raise ValueError("push_to_hub() pushes the trained model: call train() first.")
+        if not is_main_process():
+            return None
+        token = token or self.args.hub_token
+        repo_id = create_repo(self.args.hub_repo_id(), token=token, private=self.args.hub_private_repo)
+        base = self.model if isinstance(self.model, str) else getattr(getattr(self.model, "config", None),
+                                                                      "_name_or_path", None)
+        learner = next((name for name, spec in LEARNERS.items() if spec.config is self.config), None)
+        write_model_card(self.result.model_dir, repo_id, base_model=base, learner=learner, steps=self.result.steps,
+                         model_name=model_name, dataset_name=dataset_name,
+                         tags=[tags] if isinstance(tags, str) else list(tags or ()))
+        return upload_model(self.result.model_dir, repo_id, commit_message=commit_message or "End of training",
+                            token=token, revision=revision, blocking=blocking)
 
     # -- pieces ----------------------------------------------------------------------------------------------
 
