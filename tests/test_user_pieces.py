@@ -543,7 +543,75 @@ def test_trls_lr_scheduler_types_decay_over_the_runs_optimizer_steps():
         GRPOConfig(output_dir="x", lr_scheduler_type="polynomial")
 
 
-@pytest.mark.parametrize("option", ["adam_beta1", "optim", "hub_always_push", "save_strategy",
+def test_trls_adamw_options_reach_the_optimizer_and_a_resumed_run_keeps_them(tmp_path):
+    """adam_beta1, adam_beta2, adam_epsilon and optim (TRL's names, flags and YAML keys) build the AdamW;
+    its checkpoint restores the same optimizer on --resume."""
+    import torch
+
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+    from treerl.learners.core import build
+    from treerl.learners.grpo import train
+
+    (tmp_path / "c.yaml").write_text("adam_beta1: 0.8\nadam_epsilon: 1.0e-6\n")
+    args = build_parser().parse_args(["learn", "--output-dir", str(tmp_path / "out"), "--config",
+                                      str(tmp_path / "c.yaml"), "--adam-beta2", "0.95", "--optim",
+                                      "adamw_torch_fused", "--steps", "1", "--tasks-per-step", "1", "--group-size",
+                                      "2", "--max-new-tokens", "8", "--eval-episodes", "0", "--progress", "false",
+                                      "--num-threads", "1", "--sample-groups", "0"])
+    cfg = config_from_args(GRPOConfig, args)
+    assert (cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.optim) == (0.8, 0.95, 1e-6, "adamw_torch_fused")
+    train(cfg)
+    saved = torch.load(tmp_path / "out" / "checkpoints" / "step-1" / "optimizer.pt", weights_only=False)
+    [group] = saved["optimizer"]["param_groups"]
+    assert (group["betas"], group["eps"], group["fused"]) == ((0.8, 0.95), 1e-6, True)
+    run = build(dataclasses.replace(cfg, resume=True, steps=2))
+    [group] = run.optimizer.param_groups
+    assert (group["betas"], group["eps"], group["fused"]) == ((0.8, 0.95), 1e-6, True)
+    assert {int(state["step"]) for state in run.optimizer.state.values()} == {1}  # its moments came back too
+    default = GRPOConfig(output_dir="x")
+    assert (default.adam_beta1, default.adam_beta2, default.adam_epsilon) == (0.9, 0.999, 1e-8)  # TRL's
+
+
+def test_optim_takes_trls_names_of_torchs_adamw_and_refuses_other_optimizers_by_name():
+    for name in ("adamw_torch", "adamw_torch_fused"):
+        assert GRPOConfig(output_dir="x", optim=name).optim == name
+    for name in ("adamw_8bit", "adafactor", "sgd", "paged_adamw_32bit"):
+        with pytest.raises(ValueError, match=f"optim='{name}' is not supported: the optimizer is torch's AdamW .*"
+                                             r"GRPOTrainer\(optimizers=\(optimizer, None\)\)"):
+            GRPOConfig(output_dir="x", optim=name)
+    for bad in ({"adam_beta1": 1.0}, {"adam_beta2": -0.1}, {"adam_beta1": float("nan")}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}=.* must be in \\[0, 1\\)"):
+            GRPOConfig(output_dir="x", **bad)
+    for eps in (0.0, -1e-8, float("inf")):
+        with pytest.raises(ValueError, match="adam_epsilon=.* must be > 0"):
+            GRPOConfig(output_dir="x", adam_epsilon=eps)
+
+
+def test_a_passed_optimizer_with_adamw_options_set_is_refused_not_ignored(tmp_path):
+    """The optimizer passed trains with its own settings, so AdamW options set in the config would change
+    nothing: refused before the model loads (GRPOTrainer's optimizers= alike); at their defaults, taken."""
+    import torch
+
+    from treerl import GRPOTrainer
+    from treerl.learners.grpo import train
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1)
+
+    with pytest.raises(ConfigError, match="adam_beta2=0.95, weight_decay=0.1: these configure the AdamW treerl "
+                                          "makes, but an optimizer was passed"):
+        train(GRPOConfig(output_dir=str(tmp_path / "a"), adam_beta2=0.95, weight_decay=0.1), optimizer=sgd)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    trainer = GRPOTrainer(model="tiny", reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=GRPOConfig(output_dir=str(tmp_path / "b"), optim="adamw_torch_fused"),
+                          train_dataset=[{"prompt": "Hi"}], optimizers=(opt, None))
+    with pytest.raises(ConfigError, match="optim='adamw_torch_fused': these configure the AdamW"):
+        trainer.train()
+    assert not (tmp_path / "b").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("option", ["hub_always_push", "save_strategy",
                                     "gradient_checkpointing_kwargs", "torch_dtype",
                                     "vllm_server_port", "disable_dropout", "trust_remote_code", "generation_kwargs"])
 def test_trainingarguments_options_a_trl_script_sets_are_refused_with_what_to_do(option):

@@ -36,7 +36,7 @@ from treerl.learners.precision import DTYPES, resolve_precision
 from treerl.rollout.options import EpisodeOptions
 from treerl.rollout.rewards import RewardOptions
 
-__all__ = ["LearnerConfig", "REPORT_TO", "LR_SCHEDULERS", "HUB_STRATEGIES"]
+__all__ = ["LearnerConfig", "REPORT_TO", "LR_SCHEDULERS", "HUB_STRATEGIES", "OPTIMIZERS"]
 
 REPORT_TO = ("none", "tensorboard", "wandb", "trackio")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -44,6 +44,8 @@ LR_SCHEDULERS = ("constant", "linear", "cosine")
 and ``cosine`` decay to 0 at the run's last optimizer step."""
 HUB_STRATEGIES = ("every_save", "end")
 """``hub_strategy`` choices (see :mod:`treerl.learners.hub`)."""
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+"""``optim`` choices, TRL's names of torch's AdamW: ``adamw_torch_fused`` (TRL's default) runs its fused kernel."""
 
 
 @dataclass
@@ -80,10 +82,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "mask_truncated_completions": "not supported: episodes cut at --max-new-tokens or --max-episode-tokens are "
                                       "trained on (reward functions get each episode's termination)",
         "repetition_penalty": "not supported: sampling takes --temperature, --top-k, --top-p and --min-p",
-        **dict.fromkeys(("optim", "adam_beta1", "adam_beta2", "adam_epsilon"),
-                        "the optimizer is torch's AdamW with its defaults (--learning-rate, --weight-decay); another "
-                        "one, or other betas, is a torch optimizer passed from Python: treerl.learners.train(cfg, "
-                        "optimizer=...) or GRPOTrainer(optimizers=(optimizer, None))"),
         "hub_always_push": "not supported: a checkpoint's push is skipped while the previous one still uploads, as "
                            "transformers' default does (the next one, or the end of the run, pushes newer weights)",
         "save_strategy": "checkpoints are written every --save-every steps (TRL's save_steps; 0: only the final "
@@ -176,6 +174,15 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                                    "shipped tiny model, 1e-6 to fine-tune all weights of a model of "
                                                    "100M+ parameters, 1e-5 with LoRA).")
     weight_decay: float = field_help(0.0, "AdamW weight decay.")
+    adam_beta1: float = field_help(0.9, "AdamW's beta1: the decay rate of its gradient average (TRL's name and "
+                                        "default).")
+    adam_beta2: float = field_help(0.999, "AdamW's beta2: the decay rate of its squared-gradient average (TRL's "
+                                          "name and default).")
+    adam_epsilon: float = field_help(1e-8, "AdamW's epsilon, added to the denominator of its update (TRL's name and "
+                                           "default).")
+    optim: str = field_help("adamw_torch", "torch's AdamW, adamw_torch, or adamw_torch_fused: the same update in one "
+                                           "fused kernel (TRL's default; faster on a GPU). Another optimizer is "
+                                           "passed from Python (treerl.learners.train(cfg, optimizer=...)).")
     warmup_steps: int = field_help(0, "Linear warm-up steps, then lr_scheduler_type's schedule.")
     lr_scheduler_type: str = field_help("constant", "After the warm-up: constant, linear or cosine (decay to 0 at the "
                                                     "run's last optimizer step; TRL's default is linear).")
@@ -325,6 +332,20 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
             raise ValueError("branch_factor > 1 needs branch_at_turn K (K >= 1): the turn after which to fork.")
         if self.learning_rate is not None and self.learning_rate <= 0:
             raise ValueError(f"learning_rate={self.learning_rate} must be > 0 (e.g. 2e-4).")
+        self.optim = str(getattr(self.optim, "value", self.optim))  # transformers' OptimizerNames member too
+        if self.optim not in OPTIMIZERS:
+            raise ValueError(f"optim={self.optim!r} is not supported: the optimizer is torch's AdamW (optim "
+                             "adamw_torch, or adamw_torch_fused: its fused kernel); another one is a torch optimizer "
+                             "passed from Python: treerl.learners.train(cfg, optimizer=...) or "
+                             "GRPOTrainer(optimizers=(optimizer, None)).")
+        for name, usual in (("adam_beta1", 0.9), ("adam_beta2", 0.999)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not 0 <= value < 1:
+                raise ValueError(f"{name}={value!r} must be in [0, 1): the decay rate of one of AdamW's averages "
+                                 f"(TRL's default: {usual}).")
+        if isinstance(self.adam_epsilon, bool) or not 0 < self.adam_epsilon < float("inf"):
+            raise ValueError(f"adam_epsilon={self.adam_epsilon!r} must be > 0: it keeps AdamW's update finite where "
+                             "the squared-gradient average is 0 (TRL's default: 1e-8).")
         if self.attention_impl != "auto" and self.attention_impl not in BACKENDS:
             raise ValueError(f"attention_impl={self.attention_impl!r} is not a tree-attention backend: use auto or one "
                              f"of {', '.join(sorted(BACKENDS))} (--attention-impl auto).")

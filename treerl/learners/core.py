@@ -96,8 +96,8 @@ from treerl.rollout.sources import GroupSource
 from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group
 
-__all__ = ["Run", "TrainResult", "build", "finish", "make_scheduler", "OptimizerSpec", "StepCallback", "Evaluator",
-           "LearnerSpec", "LEARNERS", "register_learner"]
+__all__ = ["Run", "TrainResult", "build", "finish", "make_optimizer", "make_scheduler", "OptimizerSpec",
+           "StepCallback", "Evaluator", "LearnerSpec", "LEARNERS", "register_learner"]
 
 logger = logging.getLogger(__name__)
 
@@ -333,6 +333,39 @@ class Run:
 # -- build ---------------------------------------------------------------------------------------
 
 
+ADAMW_OPTIONS = ("optim", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay")
+"""The fields :func:`make_optimizer` reads besides ``learning_rate``: an optimizer passed in takes none of them."""
+
+
+def make_optimizer(params: list[torch.nn.Parameter], cfg: LearnerConfig) -> torch.optim.Optimizer:
+    """The optimizer of ``cfg``: torch's AdamW with ``learning_rate``, betas ``(adam_beta1, adam_beta2)``,
+    ``adam_epsilon`` and ``weight_decay``; with ``optim="adamw_torch_fused"`` its fused kernel (as transformers
+    builds TRL's default, on every device torch has it for).
+
+    >>> from treerl.learners.grpo import GRPOConfig
+    >>> cfg = GRPOConfig(output_dir="x", learning_rate=1e-3, adam_beta2=0.95, optim="adamw_torch_fused")
+    >>> group = make_optimizer([torch.zeros(1, requires_grad=True)], cfg).param_groups[0]
+    >>> group["betas"], group["eps"], group["fused"]
+    ((0.9, 0.95), 1e-08, True)
+    """
+    return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                             eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay,
+                             fused=True if cfg.optim == "adamw_torch_fused" else None)
+
+
+def _refuse_unused_adamw_options(cfg: LearnerConfig) -> None:
+    """A given optimizer trains with its own settings: ``cfg``'s AdamW options set away from their defaults
+    would change nothing, so they are refused rather than ignored."""
+    fields = type(cfg).__dataclass_fields__
+    changed = [f"{name}={getattr(cfg, name)!r}" for name in ADAMW_OPTIONS
+               if getattr(cfg, name) != fields[name].default]
+    if changed:
+        raise ConfigError(f"{', '.join(changed)}: these configure the AdamW treerl makes, but an optimizer was "
+                          "passed (optimizer= or GRPOTrainer's optimizers=), which trains with its own settings: set "
+                          "them on that optimizer (e.g. torch.optim.AdamW(params, betas=(0.9, 0.95), eps=1e-6)), or "
+                          "leave them at their defaults.")
+
+
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: LearnerConfig) -> Any:
     """The learning-rate schedule of ``cfg``: ``warmup_steps`` of linear warm-up, then ``lr_scheduler_type``'s
     (``linear`` and ``cosine`` reach 0 at the run's last optimizer step: ``steps`` x ``num_iterations``,
@@ -395,8 +428,8 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     ``model``/``tokenizer`` default to ``cfg.model`` (the shipped tiny model when unset);
     ``policy`` to a :class:`TransformersPolicy` on the learner's own copy of the model;
     ``env_factory`` to ``make(cfg.env, **cfg.env_kwargs)`` (training plays it through
-    ``cfg.train_env_factory``); ``optimizer`` to AdamW with
-    ``cfg.learning_rate`` and ``cfg.weight_decay``. ``reference=True`` keeps a frozen copy of
+    ``cfg.train_env_factory``); ``optimizer`` to :func:`make_optimizer`'s AdamW (a given one
+    with AdamW options of ``cfg`` set is refused: they would change nothing). ``reference=True`` keeps a frozen copy of
     the starting weights (a KL term's reference). ``source`` (default: ``cfg.group_source()``)
     replaces the engine in :meth:`Run.rollout`. ``callbacks`` are called after each step's metrics
     are logged (:data:`StepCallback`). ``evaluate`` replaces the held-out episodes of ``eval_every``
@@ -404,6 +437,8 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     """
     from treerl.agents.transformers_policy import TransformersPolicy
 
+    if optimizer is not None:
+        _refuse_unused_adamw_options(cfg)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     if not reward_funcs and cfg.reward_funcs:  # named on the command line
@@ -479,7 +514,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     params = [p for p in model.parameters() if p.requires_grad]
     _check_size_defaults(cfg, model, ranks.is_main)
     if optimizer is None:
-        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        optimizer = make_optimizer(params, cfg)
     elif not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params)
     scheduler = make_scheduler(optimizer, cfg)
