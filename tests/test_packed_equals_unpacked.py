@@ -334,3 +334,78 @@ def test_reference_under_lora_is_the_base_with_its_adapters_off_not_a_copy():
     assert torch.allclose(got, expected, atol=1e-5)
     assert not torch.allclose(trained, expected, atol=1e-2)
     assert not got.requires_grad and lora.training  # no graph, and the trained model is back in train mode
+
+
+def cut_episodes(groups) -> list[int]:
+    """Mark three episodes as cut by a token limit, as the rollout engine records it: one whose last turn
+    stopped at max_new_tokens (it shares its first turn with a sibling), one that reached max_episode_tokens
+    (it has an extra leaf), one of the group split over rows."""
+    episodes = episodes_of(groups)
+    episodes[1].path()[-1].finish_reason = "length"
+    episodes[4].termination = "max_tokens"
+    episodes[10].path()[-1].finish_reason = "length"
+    assert [i for i, e in enumerate(episodes) if e.cut_by_token_limit] == [1, 4, 10]
+    return [1, 4, 10]
+
+
+@pytest.mark.parametrize(("mode", "name"), [*(("tree", name) for name in sorted(POLICY_LOSSES)),
+                                            ("flat", "dapo"), ("padded", "grpo")])
+def test_mask_truncated_completions_drops_the_cut_episodes_terms_and_tokens_but_not_their_count(mode, name):
+    """TRL's mask_truncated_completions zeroes a truncated completion's mask: none of its tokens adds to the
+    loss or to the token count (DAPO's denominator), but a sequence mean still divides by every completion.
+    The packed step's loss and gradients are those of the unpacked terms of the other episodes with those
+    counts, in every loss (KL and entropy terms included); the advantages are not touched."""
+    from treerl.learners.distributed import Ranks
+    from treerl.learners.grpo import GRPOConfig, pack_step
+
+    model = tiny_model("qwen3")
+    groups = build_groups()
+    calibrate(model, groups)
+    masked = cut_episodes(groups)
+    num_episodes = len(episodes_of(groups))
+
+    model.zero_grad()
+    terms = unpacked_terms(model, groups)
+    keep = torch.tensor([e not in masked for e in terms["episode"].tolist()])
+    old, ref, is_weight = policies(terms["logp"][keep], terms["sampler_logp"][keep])
+    inputs = LossInputs(
+        logp=terms["logp"][keep], old_logp=old, sampler_logp=terms["sampler_logp"][keep],
+        adv=advantages(groups)[terms["episode"][keep]], episode=terms["episode"][keep], num_episodes=num_episodes,
+        ref_logp=ref, entropy=terms["entropy"][keep], is_weight=is_weight,
+    )
+    every = reference_normalizer(terms["episode"], num_episodes)
+    kept = reference_normalizer(terms["episode"][keep], num_episodes)
+    want_norm = LossNormalizer(num_tokens=kept.num_tokens, num_sequences=every.num_sequences,
+                               episode_num_tokens=kept.episode_num_tokens)
+    want_loss = compute_loss(inputs, loss_config(name), want_norm).loss
+    want_loss.backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    packed_model = copy.deepcopy(model)
+    packed_model.zero_grad()
+    if mode != "padded":
+        enable_tree_attention(packed_model, impl="segment")
+    cfg = GRPOConfig(output_dir="unused", loss=name, max_tokens_per_row=48, pack_mode=mode,
+                     mask_truncated_completions=True)
+    metrics: dict = {}
+    adv = advantages(groups)
+    batches, normalizer = pack_step(groups, adv, cfg, Ranks(), metrics, skip_zero_advantage=False)
+    assert torch.equal(adv, advantages(groups))
+    assert not set(torch.cat([b.term_episode for b in batches]).tolist()) & set(masked)
+    assert normalizer.num_tokens == want_norm.num_tokens < every.num_tokens
+    assert normalizer.num_sequences == every.num_sequences == 14  # every episode with a sampled token
+    assert torch.equal(normalizer.episode_num_tokens, want_norm.episode_num_tokens)
+    assert metrics["train/masked_episodes_frac"] == pytest.approx(3 / num_episodes)
+    got_loss = torch.zeros(())
+    for batch in batches:
+        out = packed_logprobs(packed_model, batch, temperature=TEMPERATURE)
+        old, ref, is_weight = policies(out.logp, batch.term_sampler_logp)
+        loss = compute_loss(loss_inputs(batch, out, old_logp=old, ref_logp=ref, is_weight=is_weight),
+                            loss_config(name), normalizer).loss
+        loss.backward()
+        got_loss = got_loss + loss.detach()
+    torch.testing.assert_close(got_loss, want_loss.detach(), atol=1e-5, rtol=0)
+    for param, want_grad in want_grads.items():
+        got = packed_model.get_parameter(param).grad
+        torch.testing.assert_close(got, want_grad, atol=1e-5, rtol=0, msg=lambda m, param=param: f"{param}: {m}")
+    assert sum(float(g.abs().sum()) for g in want_grads.values()) > 1e-3

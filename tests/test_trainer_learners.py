@@ -73,6 +73,32 @@ def test_a_trl_async_grpo_script_trains_with_only_its_import_changed(tmp_path):
     assert metrics["eval_rewards/odd_length/mean"] == metrics["eval_reward"]  # eval_strategy="steps": eval_dataset's
 
 
+@pytest.mark.parametrize("trainer", [GRPOTrainer, SDPOTrainer, AsyncGRPOTrainer])
+def test_mask_truncated_completions_trains_on_no_episode_a_token_limit_cut(tmp_path, trainer):
+    """TRL's mask_truncated_completions, in the three learners (they share GRPO's packing): FAST's 8-token
+    replies are all cut at max_new_tokens, so neither the policy loss nor SDPO's distillation trains on anything
+    and the weights stay as they were; the rewards and advantages are those of the run without it."""
+    learner = {GRPOTrainer: dict(skip_zero_advantage=False), SDPOTrainer: dict(distillation_gate_margin=None),
+               AsyncGRPOTrainer: dict(max_staleness=0, num_threads=1, generator_threads=1)}[trainer]
+    runs = {}
+    for mask in (True, False) if trainer is GRPOTrainer else (True,):
+        args = trainer.config(output_dir=str(tmp_path / str(mask)), max_steps=1, num_generations=2,
+                              per_device_train_batch_size=4, mask_truncated_completions=mask, **learner, **FAST)
+        result = trainer(model="tiny", reward_funcs=odd_length, args=args, train_dataset=ROWS).train()
+        assert result.steps == 1
+        runs[mask] = json.loads((tmp_path / str(mask) / "metrics.jsonl").read_text().splitlines()[0])
+        runs[mask]["changed"] = changed(result.model_dir)
+
+    masked = runs[True]
+    assert masked["train/masked_episodes_frac"] == masked["episode/length_limit_frac"] == 1.0
+    assert masked["loss/policy"] == 0.0 and masked.get("loss/distill", 0.0) == 0.0 and not masked["changed"]
+    if trainer is GRPOTrainer:
+        plain = runs[False]
+        assert "train/masked_episodes_frac" not in plain and plain["adv/abs_mean"] > 0 and plain["changed"]
+        for key in ("reward/mean", "adv/mean", "adv/std", "adv/abs_mean"):
+            assert masked[key] == plain[key], key
+
+
 def test_trl_sdpo_options_without_a_counterpart_are_refused_by_name(tmp_path):
     def refused(match, **kwargs):
         with pytest.raises(TypeError, match=match):

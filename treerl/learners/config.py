@@ -79,8 +79,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                          "vllm_importance_sampling_cap"),
                         "sampler/trainer importance weights are always on here: --is-mode truncate|mask|off, "
                         "--is-level token|sequence, --is-ratio-high"),
-        "mask_truncated_completions": "not supported: episodes cut at --max-new-tokens or --max-episode-tokens are "
-                                      "trained on (reward functions get each episode's termination)",
         "repetition_penalty": "not supported: sampling takes --temperature, --top-k, --top-p and --min-p",
         "hub_always_push": "not supported: a checkpoint's push is skipped while the previous one still uploads, as "
                            "transformers' default does (the next one, or the end of the run, pushes newer weights)",

@@ -66,7 +66,7 @@ from treerl.learners.packing import PackedBatch, pack_groups
 from treerl.learners.precision import Precision
 from treerl.rollout.rewards import RewardFunc, StepState, reward_func_name, score, write_extras
 from treerl.rollout.summary import RolloutStats
-from treerl.rollout.trajectory import Group
+from treerl.rollout.trajectory import Episode, Group
 
 __all__ = ["GRPOConfig", "TrainResult", "train", "RewardFunc"]
 
@@ -85,6 +85,11 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
     is_ratio_high: float = field_help(2.0, "Upper bound of the sampler/trainer ratio.")
     skip_zero_advantage: bool = field_help(True, "Leave groups whose advantages are all 0 out of the forward pass "
                                                  "(the same update when beta and entropy_coef are 0; one process).")
+    mask_truncated_completions: bool = field_help(
+        False, "TRL's (DAPO's overlong filtering): an episode a token limit cut (its last turn stopped at "
+               "--max-new-tokens, or it reached --max-episode-tokens) adds no loss: none of its tokens, in every "
+               "turn, is trained on or counted in the loss's token count; it still counts in its group's "
+               "advantages and, as in TRL, among the episodes a sequence-mean loss averages over.")
     num_iterations: int = field_help(1, "Optimizer steps on each step's episodes (GRPO's mu, TRL's num_iterations). "
                                         "The old policy of the clipped losses is the weights before the first, so "
                                         "above 1 the ratio moves and --epsilon-low/--epsilon-high clip; 1 (the "
@@ -183,7 +188,11 @@ def pack_step(groups: Sequence[Group], adv: torch.Tensor, cfg: GRPOConfig, ranks
         starts = np.cumsum([0] + [len(g.episodes) for g in groups])
         skip = [i for i in range(len(groups)) if not bool((adv[starts[i]:starts[i + 1]] != 0).any())]
         metrics["train/skipped_groups_frac"] = 1.0 - (len(groups) - len(skip)) / max(len(groups), 1)
-    batches = pack_groups(groups, adv, cfg.packing_config(), skip=skip)
+    episodes = [e for g in groups for e in g.episodes]
+    mask = [i for i, e in enumerate(episodes) if e.cut_by_token_limit] if cfg.mask_truncated_completions else []
+    batches = pack_groups(groups, adv, cfg.packing_config(), skip=skip, mask=mask)
+    if cfg.mask_truncated_completions:
+        return batches, _masked_normalizer(batches, [episodes[i] for i in mask], len(episodes), ranks, metrics)
     if not skip:
         return batches, ranks.normalizer(batches)
     if not batches:
@@ -192,6 +201,22 @@ def pack_step(groups: Sequence[Group], adv: torch.Tensor, cfg: GRPOConfig, ranks
     # One process (skipping is off with several ranks): nothing to sum over ranks.
     return batches, LossNormalizer(num_tokens=int(counts.sum()), num_sequences=int((counts > 0).sum()),
                                    episode_num_tokens=counts)
+
+
+def _masked_normalizer(batches: Sequence[PackedBatch], masked: Sequence[Episode], num_episodes: int, ranks: Ranks,
+                       metrics: dict[str, float]) -> LossNormalizer | None:
+    """The step's normalizer when ``masked`` episodes were left out of the terms (``mask_truncated_completions``),
+    over every rank: their tokens leave the token count, as TRL's zeroed completion mask takes them out of its
+    denominator, but they stay among the sequences (TRL's sequence mean divides by every completion). None when
+    no rank has a term left. Logs ``train/masked_episodes_frac``."""
+    counts = batches[0].episode_num_tokens if batches else torch.zeros(num_episodes, dtype=torch.long)  # (E,)
+    num_tokens, num_sequences, num_masked, total = ranks.sum([
+        int(counts.sum()), int((counts > 0).sum()) + sum(e.num_sampled_tokens > 0 for e in masked), len(masked),
+        num_episodes])
+    metrics["train/masked_episodes_frac"] = num_masked / max(total, 1)
+    if num_tokens == 0:  # every episode of the step was cut: nothing to train on
+        return None
+    return LossNormalizer(num_tokens=num_tokens, num_sequences=num_sequences, episode_num_tokens=counts)
 
 
 ExtraLoss = Callable[[PackedBatch, PackedLogprobs], torch.Tensor]
@@ -218,7 +243,7 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     """
     precision = precision or Precision(weights=None, autocast=None)
     loss_cfg, is_cfg = cfg.loss_config(), cfg.importance_config()
-    if normalizer is None and (batches or ranks.enabled):  # one process without batches (every group skipped) needs none
+    if normalizer is None and batches:  # none without batches: every group skipped or every episode masked
         normalizer = ranks.normalizer(batches)
     # Each micro-batch's metrics stay tensors until the window ends, then are read back at once:
     # on an accelerator a read per metric and micro-batch would wait for its backward each time.

@@ -317,12 +317,15 @@ def _head(seg: Segment, off: int) -> SamplerHead | None:
     return SamplerHead(seg.top_ids[off], seg.top_logprobs[off], exact=False)
 
 
-def _group_units(group: Group, g: int, first_episode: int, cfg: PackingConfig) -> list[_Unit]:
-    """The units of one group: the whole tree, or (tree mode, too big) episode chunks; one per episode otherwise."""
+def _group_units(group: Group, g: int, first_episode: int, cfg: PackingConfig, episodes: Sequence[int]) -> list[_Unit]:
+    """The units of ``episodes`` (local indices) of one group: their whole tree, or (tree mode, too big) episode
+    chunks; one per episode otherwise."""
     budget = cfg.max_tokens_per_row
+    if not episodes:
+        return []
     if cfg.mode != "tree":
-        units = [_unit(group, [i], first_episode, cfg.mode) for i in range(len(group.episodes))]
-        for i, unit in enumerate(units):
+        units = [_unit(group, [i], first_episode, cfg.mode) for i in episodes]
+        for i, unit in zip(episodes, units):
             longest = max((len(p.token_ids) for p in unit.pieces), default=0)
             if longest > budget:
                 raise PackingError(
@@ -330,13 +333,13 @@ def _group_units(group: Group, g: int, first_episode: int, cfg: PackingConfig) -
                     f"PackingConfig.max_tokens_per_row is {budget}; raise max_tokens_per_row to at least {longest}."
                 )
         return units
-    everything = _unit(group, range(len(group.episodes)), first_episode, "tree")
+    everything = _unit(group, episodes, first_episode, "tree")
     if everything.num_tokens <= budget:
         return [everything]
     # Too big for one row: split by episodes, in depth-first order of their leaves so that
     # neighbours share prefixes; each chunk repeats the prefixes it needs.
-    _, where = _tree_piece(group, _episode_leaves(group, range(len(group.episodes))))
-    order = sorted(range(len(group.episodes)), key=lambda i: _leaf_rank(group, i, where))
+    _, where = _tree_piece(group, _episode_leaves(group, episodes))
+    order = sorted(episodes, key=lambda i: _leaf_rank(group, i, where))
     chunks: list[list[int]] = []
     needed: set[int] = set()
     for i in order:
@@ -408,6 +411,7 @@ def pack_groups(
     cfg: PackingConfig,
     *,
     skip: Collection[int] = (),
+    mask: Collection[int] = (),
 ) -> list[PackedBatch]:
     """Pack groups into micro-batches of rows, with their loss terms.
 
@@ -420,6 +424,9 @@ def pack_groups(
         skip: indices of groups left out of the rows (GRPO leaves out those whose
             advantages are all 0). Their episodes still count in ``num_episodes`` and
             ``episode_num_tokens``, so a normalizer built from those is the whole call's.
+        mask: indices of episodes (in ``advantages``' order) left out of the rows and the terms,
+            so out of ``episode_num_tokens`` too (``mask_truncated_completions``); they still
+            count in ``num_episodes``.
 
     Returns:
         Micro-batches, longest rows first. Every episode's terms are in one micro-batch,
@@ -438,11 +445,12 @@ def pack_groups(
         )
     units: list[_Unit] = []
     skipped: list[_Unit] = []  # counted in episode_num_tokens, laid in no row
-    skip_set = set(skip)
+    skip_set, mask_set = set(skip), set(mask)
     first = 0
     for g, group in enumerate(groups):
         _check_group(group, g)
-        (skipped if g in skip_set else units).extend(_group_units(group, g, first, cfg))
+        kept = [i for i in range(len(group.episodes)) if first + i not in mask_set]
+        (skipped if g in skip_set else units).extend(_group_units(group, g, first, cfg, kept))
         first += len(group.episodes)
     units = [u for u in units if u.num_tokens > 0]
 

@@ -179,6 +179,14 @@ class Episode:
         return list(dict.fromkeys([self.leaf, *self.extra_leaves]))
 
     @property
+    def cut_by_token_limit(self) -> bool:
+        """Whether a token limit ended the episode: its last turn stopped at ``max_new_tokens`` (finish reason
+        ``"length"``) or it reached ``max_episode_tokens`` (termination ``"max_tokens"``): TRL's truncated
+        completion, which ``mask_truncated_completions`` leaves out of the loss."""
+        last = self.path()[-1]
+        return self.termination == "max_tokens" or (last.kind == "sampled" and last.finish_reason == "length")
+
+    @property
     def num_sampled_tokens(self) -> int:
         """Sampled tokens over all of the episode's contexts, each segment counted once."""
         assert self.group is not None, "an Episode must belong to a Group"
