@@ -573,6 +573,25 @@ def test_trls_adamw_options_reach_the_optimizer_and_a_resumed_run_keeps_them(tmp
     assert (default.adam_beta1, default.adam_beta2, default.adam_epsilon) == (0.9, 0.999, 1e-8)  # TRL's
 
 
+def test_resuming_with_other_optimizer_settings_says_the_checkpoints_optimizer_keeps_its_own(tmp_path, capsys):
+    """The checkpoint's optimizer comes back with its learning rate and AdamW settings (as transformers' does), so
+    changing them on --resume changes nothing: the warning says so, not that config.json records them."""
+    from treerl.learners.core import build
+    from treerl.learners.grpo import train
+
+    cfg = GRPOConfig(output_dir=str(tmp_path / "out"), steps=1, tasks_per_step=1, group_size=2, max_new_tokens=8,
+                     eval_episodes=0, progress=False, sample_groups=0, learning_rate=1e-3)
+    train(cfg)
+    capsys.readouterr()
+    run = build(dataclasses.replace(cfg, resume=True, steps=2, learning_rate=5e-4, adam_beta1=0.8))
+    [group] = run.optimizer.param_groups
+    assert (group["lr"], group["betas"]) == (1e-3, (0.9, 0.999))
+    err = capsys.readouterr().err
+    assert "optimizer settings that differ from the run's: learning_rate 0.001 -> 0.0005; adam_beta1 0.9 -> 0.8: " \
+           "they change nothing, the checkpoint's optimizer keeps its own" in err
+    assert "config.json will record" not in err
+
+
 def test_optim_takes_trls_names_of_torchs_adamw_and_refuses_other_optimizers_by_name():
     for name in ("adamw_torch", "adamw_torch_fused"):
         assert GRPOConfig(output_dir="x", optim=name).optim == name

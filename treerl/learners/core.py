@@ -615,11 +615,18 @@ def _warn_if_settings_changed(saved: Path, cfg: LearnerConfig) -> None:
     except (OSError, ValueError):
         return
     now = json.loads(json.dumps(cfg.recorded(), default=str))
-    changed = [f"{k} {before[k]!r} -> {v!r}" for k, v in now.items()
-               if k in before and k not in _RESUMABLE_CHANGES and before[k] != v]
-    if changed:
-        print(f"warning: resuming with settings that differ from the run's: {'; '.join(changed)} (config.json "
+    changed = [k for k, v in now.items() if k in before and k not in _RESUMABLE_CHANGES and before[k] != v]
+    said = {k: f"{k} {before[k]!r} -> {now[k]!r}" for k in changed}
+    # The checkpoint's optimizer comes back with its own learning rate and AdamW settings (as transformers' does).
+    held = [said[k] for k in changed if k in ("learning_rate", *ADAMW_OPTIONS)]
+    others = [said[k] for k in changed if k not in ("learning_rate", *ADAMW_OPTIONS)]
+    if others:
+        print(f"warning: resuming with settings that differ from the run's: {'; '.join(others)} (config.json "
               "will record the new ones)", file=sys.stderr)
+    if held:
+        print(f"warning: resuming with optimizer settings that differ from the run's: {'; '.join(held)}: they "
+              "change nothing, the checkpoint's optimizer keeps its own (start a new run to change them)",
+              file=sys.stderr)
 
 
 def _check_size_defaults(cfg: LearnerConfig, model: torch.nn.Module, is_main: bool) -> None:
