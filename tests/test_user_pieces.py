@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 
 import pytest
+import torch
 
 from treerl.agents.chat_templates import template_gaps
 from treerl.cli import main
@@ -471,17 +473,37 @@ def test_log_completions_prints_and_logs_each_steps_completions(tmp_path, monkey
     train(cfg, reward_funcs=[brevity], reward_weights=[1.0, 1.0])
     tables = [(step, data["completions"]) for step, data in logged if "completions" in data]
     assert [step for step, _ in tables] == [1, 2]
-    assert all(t.columns == ["prompt", "completion", "env", "brevity", "advantage"] and len(t.data) == 1
+    assert all(t.columns[:3] == ["prompt", "completion", "env"] and t.columns[-1] == "advantage" and len(t.data) == 1
                for _, t in tables)
     first = next(iter(read_groups(tmp_path / "run" / "trajectories" / "step-000001.jsonl"))).episodes[0]
-    prompt, completion, env, short, advantage = tables[0][1].data[0]
-    assert (env, short) == pytest.approx(first.rewards) and advantage == pytest.approx(first.advantage)
+    prompt, completion, env, *_, advantage = tables[0][1].data[0]
+    assert env == pytest.approx(first.reward) and advantage == pytest.approx(first.advantage)
     assert prompt.startswith("user: ") and "system" not in prompt and completion.startswith("assistant: ")
     err = capsys.readouterr().err
     assert "step 1: 1 of 2 completions" in err and "step 2: 1 of 2 completions" in err
     assert f"advantage {advantage:.3f}" in err and "completion:\n    assistant: " in err
     with pytest.raises(ValueError, match="num_completions_to_print=0 must be >= 1"):
         GRPOConfig(output_dir="x", num_completions_to_print=0)
+
+
+def test_logged_completions_show_the_environments_reward_and_each_reward_functions_column():
+    """Episode.rewards holds one reward per turn: a two-turn episode's environment column is its total, and the
+    reward functions' columns are the step's scores (a function's None: nan), not the turns' rewards."""
+    from treerl.learners.samples import completion_rows, format_completions
+    from treerl.rollout.trajectory import Episode, Group, Segment
+
+    group = Group(task_key="t", env_id="e", segments=[Segment(kind="prompt", token_ids=[1])])
+    talk = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "calc"},
+            {"role": "tool", "content": "4"}, {"role": "assistant", "content": "4"}]
+    group.episodes = [Episode(leaf=0, reward=1.0, rewards=[0.0, 1.0], group=group, messages=talk),
+                      Episode(leaf=0, reward=0.0, rewards=[0.0, 0.0], group=group, messages=talk)]
+
+    (row, _) = completion_rows([group], [0.5, -0.5], ["env"])
+    assert row["env"] == 1.0 and set(row) == {"prompt", "completion", "env", "advantage"}
+    scores = torch.tensor([[1.0, 0.25], [0.0, float("nan")]])  # (E, 1 + functions)
+    rows = completion_rows([group], [0.5, -0.5], ["env", "short"], rewards=scores)
+    assert [(r["env"], r["short"]) for r in rows[:1]] == [(1.0, 0.25)] and math.isnan(rows[1]["short"])
+    assert "env 1.000 · short 0.250 · advantage 0.500" in format_completions(1, rows, 2)
 
 
 def test_trls_vllm_server_base_url_is_the_server_url_and_top_k_0_is_none():

@@ -233,17 +233,19 @@ class Run:
         """Send the updated weights to the policy under the next version."""
         metrics["perf/sync_s"] = self.sync.publish()
 
-    def keep_sample(self, step: int, groups: Sequence[Group], adv: torch.Tensor | Sequence[float]) -> Path | None:
+    def keep_sample(self, step: int, groups: Sequence[Group], adv: torch.Tensor | Sequence[float],
+                    rewards: torch.Tensor | None = None) -> Path | None:
         """On a sampled step, write the first ``cfg.sample_groups`` groups with their advantages
         ``adv`` (E,) to ``output_dir/trajectories`` (see :mod:`~treerl.learners.samples`); on every
-        step with ``cfg.log_completions``, print and log the step's completions.
+        step with ``cfg.log_completions``, print and log the step's completions with their reward
+        columns ``rewards`` (E, 1 + reward functions), the step's scores (default: the environment's alone).
 
         Call it before the optimizer step, so that the trainer log-probs it stores are the ones
         the step's importance weights compare with the sampler's. Returns the file, if written.
         """
         if self.ranks.is_main and self.cfg.log_completions and self.log is not None:
             names = ["env", *(reward_func_name(f) for f in self.reward_funcs)]
-            rows = completion_rows(groups, adv, names, self.cfg.num_completions_to_print)
+            rows = completion_rows(groups, adv, names, self.cfg.num_completions_to_print, rewards)
             total = sum(len(g.episodes) for g in groups)
             self.log.log_completions(step + 1, rows, format_completions(step + 1, rows, total))
         if not (self.ranks.is_main and keeps_sample(step + 1, self.cfg)):

@@ -123,29 +123,31 @@ def write_groups(path: str | os.PathLike, groups: Sequence[Group]) -> Path:
 
 
 def completion_rows(groups: Sequence[Group], adv: torch.Tensor | Sequence[float], reward_names: Sequence[str],
-                    limit: int | None = None) -> list[dict[str, Any]]:
+                    limit: int | None = None, rewards: torch.Tensor | None = None) -> list[dict[str, Any]]:
     """The rows of ``--log-completions``' table (TRL's): one per episode, groups in order, at most ``limit``:
     ``prompt``, the opening messages but the system prompt (whose tool schemas would fill the screen);
     ``completion``, every message after them, tool results included; each reward column under its name
-    in ``reward_names`` (the environment's first); and ``advantage``.
+    in ``reward_names``; and ``advantage``. ``rewards`` (E, R) holds the columns, the environment's first
+    (:func:`~treerl.rollout.rewards.score`'s); without it, the environment's reward of each episode alone
+    (its turns' sum: ``Episode.rewards`` holds one reward per turn, not one per reward function).
 
     >>> from treerl.rollout.trajectory import Segment
     >>> g = Group(task_key="t", env_id="e", segments=[Segment(kind="prompt", token_ids=[1])])
     >>> g.episodes = [Episode(leaf=0, reward=1.0, rewards=[0.0, 1.0], group=g, messages=[
     ...     {"role": "system", "content": "tools..."}, {"role": "user", "content": "2+2?"},
     ...     {"role": "assistant", "content": "4"}])]
-    >>> completion_rows([g], [0.5], ["env", "correct"])
-    [{'prompt': 'user: 2+2?', 'completion': 'assistant: 4', 'env': 0.0, 'correct': 1.0, 'advantage': 0.5}]
+    >>> completion_rows([g], [0.5], ["env", "correct"], rewards=torch.tensor([[1.0, 0.75]]))
+    [{'prompt': 'user: 2+2?', 'completion': 'assistant: 4', 'env': 1.0, 'correct': 0.75, 'advantage': 0.5}]
     """
     adv = torch.as_tensor(adv, dtype=torch.float32).reshape(-1).tolist()
     episodes = [e for group in groups for e in group.episodes]
+    columns = rewards.tolist() if rewards is not None else [[e.reward] for e in episodes]  # (E, R)
     rows = []
-    for episode, advantage in list(zip(episodes, adv))[:limit]:
+    for episode, advantage, figures in list(zip(episodes, adv, columns))[:limit]:
         messages = [m for m in episode.messages if m.get("role") != "system"]
         opening = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
-        rewards = episode.rewards or [episode.reward]
         rows.append({"prompt": _conversation(messages[:opening]), "completion": _conversation(messages[opening:]),
-                     **{name: float(r) for name, r in zip(reward_names, rewards)}, "advantage": advantage})
+                     **{name: float(r) for name, r in zip(reward_names, figures)}, "advantage": advantage})
     return rows
 
 
