@@ -235,6 +235,14 @@ def test_trls_defaults_written_out_are_taken(tmp_path):
         GRPOConfig(output_dir="x", max_tool_calling_iterations=2, env_kwargs={"max_turns": 5})
     args = build_parser().parse_args(["learn", "--output-dir", "x", "--max-tool-calling-iterations", "0"])
     assert config_from_args(GRPOConfig, args).env_kwargs == {"max_turns": 1}
+    # a group's keyword arguments are keyed by member: each member gets the limit, and the group builds
+    group = GRPOConfig(output_dir="x", env="calc=treerl/Calculator-v0,guess=treerl/GuessNumber-v0",
+                       max_tool_calling_iterations=2, env_kwargs={"guess": {"high": 8}, "weights": [3, 1]})
+    assert group.env_kwargs == {"calc": {"max_turns": 3}, "guess": {"high": 8, "max_turns": 3}, "weights": [3, 1]}
+    assert {name: env.max_turns for name, env in group.train_env_factory()().envs.items()} == {"calc": 3, "guess": 3}
+    with pytest.raises(TypeError, match=r"env_kwargs\['guess'\]'s max_turns=5"):
+        GRPOConfig(output_dir="x", env="calc=treerl/Calculator-v0,guess=treerl/GuessNumber-v0",
+                   max_tool_calling_iterations=2, env_kwargs={"guess": {"max_turns": 5}})
     for name, value, said in (("repetition_penalty", 1.1, "sampling takes"), ("hub_always_push", True, "skipped while"),
                               ("disable_dropout", 0, "dropout stays"),
                               ("multi_objective_aggregation", "normalize_then_sum", "normalize_then_sum is not")):

@@ -525,11 +525,22 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
             if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
                 raise ValueError(f"max_tool_calling_iterations={rounds!r} must be a whole number >= 0.")
             env_kwargs = values.get("env_kwargs", {})
+            env = values.get("env", cls.__dataclass_fields__["env"].default)
             if isinstance(env_kwargs, Mapping):
-                if env_kwargs.get("max_turns", rounds + 1) != rounds + 1:
-                    raise TypeError(f"{cls.__name__}(): max_tool_calling_iterations={rounds} (max_turns={rounds + 1}) "
-                                    f"and env_kwargs' max_turns={env_kwargs['max_turns']} set the same limit; keep one.")
-                values["env_kwargs"] = {**env_kwargs, "max_turns": rounds + 1}
+                # A group's keyword arguments are keyed by member: each member gets the limit.
+                members = [n for n, _ in group_members(env)] if isinstance(env, str) and "," in env else [None]
+                for name in members:
+                    own = env_kwargs if name is None else env_kwargs.get(name) or {}
+                    if not isinstance(own, Mapping):
+                        continue  # the group says what is wrong with it
+                    if own.get("max_turns", rounds + 1) != rounds + 1:
+                        where = "env_kwargs'" if name is None else f"env_kwargs[{name!r}]'s"
+                        raise TypeError(f"{cls.__name__}(): max_tool_calling_iterations={rounds} (max_turns="
+                                        f"{rounds + 1}) and {where} max_turns={own['max_turns']} set the same limit; "
+                                        "keep one.")
+                    own = {**own, "max_turns": rounds + 1}
+                    env_kwargs = own if name is None else {**env_kwargs, name: own}
+                values["env_kwargs"] = env_kwargs
         if "remove_unused_columns" in values:
             if values.pop("remove_unused_columns") is not False:
                 raise TypeError(f"{cls.__name__}(): remove_unused_columns=True: "
