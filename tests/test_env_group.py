@@ -88,6 +88,40 @@ def test_shuffle_dataset_plays_each_pass_over_the_rows_in_an_order_of_its_own():
     assert GRPOConfig(output_dir="x", seed=3).engine(None, tokenizer, seed=3).shuffle_seed is None
 
 
+def test_shuffled_passes_play_whole_steps_as_trls_sampler():
+    """TRL's RepeatSampler leaves the short last batch of each pass out (its batch: a step's tasks), so with 5 rows
+    and 2 tasks a step each pass plays 4 rows of its permutation; a mixed dataset's rows likewise."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from treerl.learners.grpo import GRPOConfig
+    from treerl.models import default_model_path
+    from treerl.rollout.engine import task_options
+
+    generator = torch.Generator().manual_seed(3)
+    passes = [torch.randperm(5, generator=generator).tolist()[:4] for _ in range(3)]
+    engine = GRPOConfig(output_dir="x", seed=3, shuffle_dataset=True, tasks_per_step=2).engine(
+        None, AutoTokenizer.from_pretrained(default_model_path()), seed=3)
+    assert (engine.shuffle_seed, engine.shuffle_batch_size) == (3, 2)
+    rows = [{"question": f"{i} + 1 = ?", "answer": str(i + 1)} for i in range(5)]
+    env = treerl.make("treerl/MathVerify-v0", dataset=rows)
+    played = [task_options(env, k, engine.shuffle_seed, engine.shuffle_batch_size)["task_index"] for k in range(12)]
+    assert played == passes[0] + passes[1] + passes[2]
+    try:
+        from trl.trainer.utils import RepeatSampler
+    except ImportError:  # not in the test extra
+        pass
+    else:
+        sampler = RepeatSampler(rows, mini_repeat_count=1, batch_size=2, shuffle=True, seed=3)
+        assert [i for _ in range(3) for i in sampler] == played
+    mixed = make_group("calc=treerl/Calculator-v0,math=treerl/MathVerify-v0", dataset=_mixed_rows() * 2)  # 6 rows
+    as_written = [tuple(task_options(mixed, k).values()) for k in range(6)]
+    generator = torch.Generator().manual_seed(3)
+    orders = [torch.randperm(6, generator=generator).tolist()[:4] for _ in range(2)]  # 4 a step: 4 of 6 a pass
+    assert [tuple(task_options(mixed, k, 3, 4).values()) for k in range(8)] == \
+        [as_written[i] for order in orders for i in order]
+
+
 def test_the_group_passes_check_env_and_its_forks_are_independent():
     env = treerl.make(MIX)
     check_env(env)

@@ -133,15 +133,16 @@ class EnvGroup(Env):
         """The member that task (or seed) ``k`` plays, along the weighted schedule."""
         return list(self.envs)[self._schedule[k % len(self._schedule)]]
 
-    def task_options(self, index: int, shuffle_seed: int | None = None) -> dict[str, Any]:
+    def task_options(self, index: int, shuffle_seed: int | None = None, batch_size: int = 1) -> dict[str, Any]:
         """Reset options of task ``index``: its member, and for a dataset-backed member the next of its rows
         (the member's own ``task_options`` where it has one). With ``shuffle_seed`` (see
         :mod:`~treerl.envs.task_order`) a mixed dataset's rows (``order``) play in a new order each pass over
-        them, and each member's own rows likewise over the member's passes."""
+        them, whole batches of ``batch_size`` (a step's tasks) as TRL's sampler, and each member's own rows
+        likewise over the member's passes."""
         period = len(self._schedule)
         mixed = self._mixed and shuffle_seed is not None
         if mixed:  # the rows set the mix: shuffle the tasks, each a row
-            index = shuffled_index(index, period, shuffle_seed)
+            index = shuffled_index(index, period, shuffle_seed, batch_size)
         name = self.route(index)
         member = self.envs[name]
         j = list(self.envs).index(name)

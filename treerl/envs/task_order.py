@@ -6,8 +6,14 @@ Task ``k`` of a run plays row ``k mod N`` of an ``N``-row dataset. Shuffled, pas
 ``RepeatSampler`` draws its passes in (``shuffle=True``, one process). It depends on ``k`` alone, so a
 resumed run or a generator process picks the same rows as an uninterrupted one.
 
+With ``batch_size`` B (a step's tasks) a pass plays only whole batches, as TRL's sampler does: the
+last ``N mod B`` rows of each permutation are left out of that pass (others are in the next ones),
+so a pass is ``N - N mod B`` tasks and a step never spans two passes.
+
 >>> [shuffled_index(k, 4, seed=0) for k in range(8)]  # two passes, each a permutation of its own
 [0, 1, 3, 2, 4, 6, 7, 5]
+>>> [shuffled_index(k, 5, seed=0, batch_size=2) % 5 for k in range(8)]  # 4 of each pass's 5 rows
+[4, 0, 1, 3, 3, 4, 0, 1]
 """
 
 from __future__ import annotations
@@ -22,12 +28,14 @@ _passes: dict[tuple[int, int], _Passes] = {}
 _lock = threading.Lock()
 
 
-def shuffled_index(k: int, period: int, seed: int) -> int:
+def shuffled_index(k: int, period: int, seed: int, batch_size: int = 1) -> int:
     """The task that position ``k`` plays when each pass of ``period`` tasks is shuffled with ``seed``:
-    ``k``'s pass times ``period`` plus that pass's permutation at ``k``'s place in it."""
+    ``k``'s pass times ``period`` plus that pass's permutation at ``k``'s place in it. A pass plays only
+    whole batches of ``batch_size`` (see the module docstring; all of it where ``period < batch_size``)."""
     if period <= 1:
         return k
-    epoch, place = divmod(k, period)
+    played = period - period % batch_size if batch_size <= period else period  # TRL drops a short last batch
+    epoch, place = divmod(k, played)
     with _lock:
         passes = _passes.get((period, seed)) or _passes.setdefault((period, seed), _Passes(period, seed))
         return epoch * period + int(passes.permutation(epoch)[place])

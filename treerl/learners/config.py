@@ -573,8 +573,11 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
 
     def engine(self, policy: Any, tokenizer: Any, **kwargs: Any) -> Any:
         """The training episodes' :class:`~treerl.rollout.engine.RolloutEngine`: the episode options', with a
-        dataset's rows shuffled each pass where ``shuffle_dataset`` says so."""
-        return super().engine(policy, tokenizer, shuffle_seed=self.seed if self.shuffle_dataset else None, **kwargs)
+        dataset's rows shuffled each pass where ``shuffle_dataset`` says so, a pass playing whole steps of
+        ``tasks_per_step`` rows (TRL's sampler leaves a pass's short last batch out)."""
+        engine = super().engine(policy, tokenizer, shuffle_seed=self.seed if self.shuffle_dataset else None, **kwargs)
+        engine.shuffle_batch_size = self.tasks_per_step
+        return engine
 
     @classmethod
     def _translate_eval_strategy(cls, values: dict[str, Any]) -> None:

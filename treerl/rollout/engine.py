@@ -59,20 +59,23 @@ __all__ = ["RolloutEngine", "task_options"]
 logger = logging.getLogger(__name__)
 
 
-def task_options(env: Any, index: int, shuffle_seed: int | None = None) -> dict[str, Any] | None:
+def task_options(env: Any, index: int, shuffle_seed: int | None = None,
+                 batch_size: int = 1) -> dict[str, Any] | None:
     """Reset options that pick task ``index``: the environment's own ``task_options(index)`` where it has
     one (an :class:`~treerl.envs.group.EnvGroup` names the member), else a dataset-backed one's row by index.
-    With ``shuffle_seed``, each pass over a dataset plays its rows in an order of its own
-    (:mod:`~treerl.envs.task_order`); a hook of one's own shuffles only if it takes ``shuffle_seed``."""
+    With ``shuffle_seed``, each pass over a dataset plays its rows in an order of its own, whole batches of
+    ``batch_size`` tasks (:mod:`~treerl.envs.task_order`); a hook of one's own shuffles only if it takes
+    ``shuffle_seed`` (and gets ``batch_size`` if it takes that too)."""
     hook = getattr(env, "task_options", None)
     if callable(hook):
-        if shuffle_seed is not None and "shuffle_seed" in inspect.signature(hook).parameters:
-            return hook(index, shuffle_seed=shuffle_seed)
+        if shuffle_seed is not None and "shuffle_seed" in (takes := inspect.signature(hook).parameters):
+            return hook(index, shuffle_seed=shuffle_seed, **({"batch_size": batch_size} if "batch_size" in takes
+                                                             else {}))
         return hook(index)
     dataset = getattr(env, "dataset", None)
     if dataset is None:
         return None
-    return {"task_index": (shuffled_index(index, len(dataset), shuffle_seed) if shuffle_seed is not None
+    return {"task_index": (shuffled_index(index, len(dataset), shuffle_seed, batch_size) if shuffle_seed is not None
                            else index) % len(dataset)}
 
 
@@ -100,7 +103,8 @@ class RolloutEngine:
             every float, repeat from run to run. Every episode of a call is then in play at once
             (``max_concurrency`` does not apply); the policy's own batch size still bounds a batch.
         shuffle_seed: Play a dataset's rows in a new order each pass, seeded with it (see
-            :func:`task_options`); None plays them as written.
+            :func:`task_options`); None plays them as written. :attr:`shuffle_batch_size` (1 unless
+            set) is the tasks a pass plays whole batches of, as TRL's sampler: a learner's step.
     """
 
     def __init__(
@@ -137,6 +141,7 @@ class RolloutEngine:
         self.chat_template = chat_template
         self.lockstep = lockstep
         self.shuffle_seed = shuffle_seed
+        self.shuffle_batch_size = 1
         self._slots: asyncio.Semaphore | contextlib.nullcontext | None = None
         self._slots_loop: asyncio.AbstractEventLoop | None = None
         self._gate: Lockstep | None = None
@@ -363,7 +368,7 @@ class RolloutEngine:
                 env = env_factory()
                 try:
                     group = await self.run_group(env, env_id, self.seed + index, group_size,
-                                                 task_options(env, index, self.shuffle_seed))
+                                                 task_options(env, index, self.shuffle_seed, self.shuffle_batch_size))
                 finally:
                     _close(env, env_id)
             if writer is not None:
