@@ -481,11 +481,12 @@ def test_log_completions_prints_and_logs_each_steps_completions(tmp_path, monkey
     train(cfg, reward_funcs=[brevity], reward_weights=[1.0, 1.0])
     tables = [(step, data["completions"]) for step, data in logged if "completions" in data]
     assert [step for step, _ in tables] == [1, 2]
-    assert all(t.columns[:3] == ["prompt", "completion", "env"] and t.columns[-1] == "advantage" and len(t.data) == 1
+    assert all(t.columns == ["prompt", "completion", "env", "brevity", "advantage"] and len(t.data) == 1
                for _, t in tables)
     first = next(iter(read_groups(tmp_path / "run" / "trajectories" / "step-000001.jsonl"))).episodes[0]
-    prompt, completion, env, *_, advantage = tables[0][1].data[0]
+    prompt, completion, env, short, advantage = tables[0][1].data[0]
     assert env == pytest.approx(first.reward) and advantage == pytest.approx(first.advantage)
+    assert short == pytest.approx(-len(first.messages[-1]["content"]) / 100)  # the reward function's own column
     assert prompt.startswith("user: ") and "system" not in prompt and completion.startswith("assistant: ")
     err = capsys.readouterr().err
     assert "step 1: 1 of 2 completions" in err and "step 2: 1 of 2 completions" in err

@@ -349,7 +349,7 @@ def update(run: Run, step: int, groups: Sequence[Group], stats: RolloutStats, me
     cfg = run.cfg
     rewards = score_step(run, step, groups, metrics)
     adv = advantages(groups, rewards, run.reward_weights, cfg, metrics, run.ranks)
-    run.keep_sample(step, groups, adv)
+    run.keep_sample(step, groups, adv, rewards)
     # The normalizer counts every episode, trained or skipped.
     batches, normalizer = pack_step(groups, adv, cfg, run.ranks, metrics,
                                     skip_zero_advantage=skips_zero_advantage_groups(cfg, run.ranks))

@@ -441,7 +441,7 @@ def sdpo_step(run: Run, teacher: torch.nn.Module, prompter: TeacherPrompter, ste
     adv = advantages(groups, rewards, run.reward_weights, cfg, metrics, run.ranks)
     # Before the update, as GRPO: the stored trainer log-probs are those the step's IS weights saw.
     # The advantage shown is GRPO's (what the (1 - w) part trains with; SDPO alone ignores it).
-    run.keep_sample(step, groups, adv)
+    run.keep_sample(step, groups, adv, rewards)
     contexts: list[list[TeacherContext]] = []
     prompts = teacher_prompts(groups, rewards, run.reward_weights, prompter, metrics, contexts, run.ranks)
     if gate is not None and cfg.distillation_weight > 0:
