@@ -382,6 +382,12 @@ def test_trls_eval_strategy_steps_sets_eval_every_as_save_steps_sets_save_every(
         GRPOConfig(output_dir="x", eval_strategy="epoch")
     with pytest.raises(ValueError, match="eval_steps=3 counts optimizer steps .* num_iterations=2"):
         GRPOConfig(output_dir="x", num_iterations=2, eval_strategy="steps", eval_steps=3)
+    # The messages name what the user wrote: eval_steps (not save_steps), and logging_steps' 10 where it was unset.
+    with pytest.raises(ValueError, match=r"eval_steps=0.5 is 5 optimizer step\(s\) of max_steps=10, .* give "
+                                         "eval_steps in optimizer steps"):
+        GRPOConfig(output_dir="x", eval_strategy="steps", eval_steps=0.5, num_iterations=2, max_steps=10)
+    with pytest.raises(ValueError, match=r"eval_steps \(unset, so logging_steps=10, as in TRL\) counts optimizer"):
+        GRPOConfig(output_dir="x", eval_strategy="steps", num_iterations=4)
     with pytest.raises(ValueError, match="eval_steps=2.5: a whole number of optimizer steps, or a fraction"):
         GRPOConfig(output_dir="x", eval_strategy="steps", eval_steps=2.5)
     with pytest.raises(TypeError, match="eval_strategy and eval_every set the same thing; keep one"):

@@ -468,12 +468,15 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         # generation every num_iterations optimizer steps).
         iterations = values.get("num_iterations", 1)
         cls._translate_eval_strategy(values)
+        eval_steps_unset = "eval_steps" in values and "eval_steps" not in given  # logging_steps', as TRL's
         for trl_name, name in (("max_steps", "steps"), ("save_steps", "save_every"), ("eval_steps", "eval_every")):
             if trl_name not in values:
                 continue
             if name in values:
                 raise TypeError(f"{cls.__name__}(): {trl_name} and {name} name the same option; keep one.")
             value = given_as = values.pop(trl_name)
+            named = (f"eval_steps (unset, so logging_steps={value}, as in TRL)"
+                     if trl_name == "eval_steps" and eval_steps_unset else f"{trl_name}={value}")
             if trl_name == "max_steps" and value == -1 and "num_train_epochs" not in values:
                 raise ValueError("max_steps=-1 is TRL's 'run by num_train_epochs', which has no counterpart here: "
                                  "give max_steps, the run's optimizer steps (each step draws tasks_per_step tasks).")
@@ -483,18 +486,18 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                 if isinstance(steps, int) and isinstance(iterations, int):
                     value = math.ceil(steps * iterations * value)
                     if iterations > 1 and value % iterations:
-                        raise ValueError(f"save_steps={given_as} is {value} optimizer step(s) of max_steps="
+                        raise ValueError(f"{named} is {value} optimizer step(s) of max_steps="
                                          f"{steps * iterations}, not a multiple of num_iterations={iterations} (the "
-                                         f"optimizer steps of a step here): give save_steps in optimizer steps, a "
+                                         f"optimizer steps of a step here): give {trl_name} in optimizer steps, a "
                                          f"multiple of {iterations}.")
             if isinstance(value, float) and not isinstance(value, bool):
                 if not value.is_integer():
-                    raise ValueError(f"{trl_name}={value}: a whole number of optimizer steps"
+                    raise ValueError(f"{named}: a whole number of optimizer steps"
                                      f"{', or a fraction < 1 of the run (TRL)' if trl_name != 'max_steps' else ''}.")
                 value = int(value)
             if isinstance(iterations, int) and iterations > 1 and isinstance(value, int) and value > 0:
                 if value % iterations:
-                    raise ValueError(f"{trl_name}={value} counts optimizer steps (TRL's), and num_iterations="
+                    raise ValueError(f"{named} counts optimizer steps (TRL's), and num_iterations="
                                      f"{iterations} of them per step here: give a multiple of {iterations}, or "
                                      f"{name}={-(-value // iterations)} in steps.")
                 value //= iterations
