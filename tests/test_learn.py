@@ -657,7 +657,7 @@ def test_eval_every_evaluates_during_training_and_a_resumed_run_continues_the_sc
     assert "warning: resuming with settings" not in err and "eval at step 2" not in err
 
 
-def test_eval_on_start_false_and_eval_every_without_episodes(tmp_path):
+def test_eval_on_start_false_and_eval_every_without_episodes(tmp_path, capsys):
     from treerl.cli import main
     from treerl.errors import ConfigError
 
@@ -669,6 +669,7 @@ def test_eval_on_start_false_and_eval_every_without_episodes(tmp_path):
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_start"] is None and summary["eval_end"]["episodes"] == 2
+    assert "held-out success rate at the end: " in capsys.readouterr().out  # said without a start to compare
     with pytest.raises(ConfigError, match="eval_every=1 evaluates the held-out episodes every N steps, but "
                                           "eval_episodes=0 plays none"):
         train(GRPOConfig(output_dir=str(tmp_path / "none"), **{**SMALL, "eval_every": 1}))

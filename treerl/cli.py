@@ -233,6 +233,9 @@ def cmd_learn(args: argparse.Namespace) -> int:
         start, end = result.eval_start["success_rate"], result.eval_end["success_rate"]
         print(f"held-out success rate: start {start:.1%} -> end {end:.1%} "
               f"({(end - start) * 100:+.1f} points) over {result.eval_end['episodes']} episodes")
+    elif result.eval_end:  # --eval-on-start false: the end's alone
+        print(f"held-out success rate at the end: {result.eval_end['success_rate']:.1%} over "
+              f"{result.eval_end['episodes']} episodes")
     elif cfg.eval_episodes == 0:
         print("held-out evaluation skipped (--eval-episodes 0)")
     print(f"model saved to {result.model_dir}; metrics in {result.output_dir / 'metrics.jsonl'}")
