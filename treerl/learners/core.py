@@ -359,8 +359,10 @@ def _refuse_unused_adamw_options(cfg: LearnerConfig) -> None:
     """A given optimizer trains with its own settings: ``cfg``'s AdamW options set away from their defaults
     would change nothing, so they are refused rather than ignored."""
     fields = type(cfg).__dataclass_fields__
+    # Not optim: its every choice is a default, treerl's adamw_torch or TRL's adamw_torch_fused, which a TRL
+    # config written out names.
     changed = [f"{name}={getattr(cfg, name)!r}" for name in ADAMW_OPTIONS
-               if getattr(cfg, name) != fields[name].default]
+               if name != "optim" and getattr(cfg, name) != fields[name].default]
     if changed:
         raise ConfigError(f"{', '.join(changed)}: these configure the AdamW treerl makes, but an optimizer was "
                           "passed (optimizer= or GRPOTrainer's optimizers=), which trains with its own settings: set "
