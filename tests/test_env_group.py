@@ -122,6 +122,24 @@ def test_shuffled_passes_play_whole_steps_as_trls_sampler():
         [as_written[i] for order in orders for i in order]
 
 
+def test_shuffled_passes_keep_a_few_generator_states_and_draw_any_pass_again():
+    """A long run over a small dataset plays thousands of passes: the order keeps the generator's state every
+    64th pass (not every pass, which grew by a few KB a pass), and a pass asked for out of order is the same."""
+    import random
+
+    import torch
+
+    from treerl.envs import task_order
+
+    generator = torch.Generator().manual_seed(11)
+    expected = [p * 3 + i for p in range(700) for i in torch.randperm(3, generator=generator).tolist()]
+    assert [task_order.shuffled_index(k, 3, 11) for k in range(len(expected))] == expected
+    passes = task_order._passes[(3, 11)]
+    assert len(passes.states) == 11 and len(passes.recent) == 2  # 700 passes, a state every 64
+    random.seed(0)
+    assert all(task_order.shuffled_index(k, 3, 11) == expected[k] for k in random.sample(range(len(expected)), 200))
+
+
 def test_the_group_passes_check_env_and_its_forks_are_independent():
     env = treerl.make(MIX)
     check_env(env)

@@ -41,23 +41,39 @@ def shuffled_index(k: int, period: int, seed: int, batch_size: int = 1) -> int:
         return epoch * period + int(passes.permutation(epoch)[place])
 
 
+_KEEP_STATE_EVERY = 64
+"""Passes between the generator states kept to draw an older pass again."""
+
+
 class _Passes:
-    """The permutations of one (period, seed): the generator's state before each pass (a few KB each), and the
-    latest two permutations, so a long run over a large dataset does not hold every pass's."""
+    """The permutations of one (period, seed), drawn in order from one generator as TRL's sampler draws its
+    passes. Kept: the latest two, and the generator's state before every 64th pass (a few KB each), from which
+    an older one is drawn again; a long run over a large dataset holds neither every pass nor every state."""
 
     def __init__(self, period: int, seed: int):
         self.period = period
         self.generator = torch.Generator().manual_seed(seed)
-        self.states = [self.generator.get_state()]
+        self.drawn = 0
+        """Passes the generator has drawn."""
+        self.states: list[torch.Tensor] = []
+        """Its state before pass ``64 i``, at ``i``."""
         self.recent: dict[int, torch.Tensor] = {}
 
     def permutation(self, epoch: int) -> torch.Tensor:
-        if epoch not in self.recent:
-            while len(self.states) <= epoch:  # passes are drawn in order from one generator, as TRL's sampler does
-                torch.randperm(self.period, generator=self.generator)
-                self.states.append(self.generator.get_state())
+        if epoch in self.recent:
+            return self.recent[epoch]
+        if epoch >= self.drawn:
+            while self.drawn <= epoch:
+                if self.drawn % _KEEP_STATE_EVERY == 0:
+                    self.states.append(self.generator.get_state())
+                perm = torch.randperm(self.period, generator=self.generator)
+                self.drawn += 1
+        else:
             generator = torch.Generator()
-            generator.set_state(self.states[epoch])
-            self.recent = {e: p for e, p in self.recent.items() if e == max(self.recent, default=-1)}
-            self.recent[epoch] = torch.randperm(self.period, generator=generator)
-        return self.recent[epoch]
+            generator.set_state(self.states[epoch // _KEEP_STATE_EVERY])
+            for _ in range(epoch % _KEEP_STATE_EVERY + 1):
+                perm = torch.randperm(self.period, generator=generator)
+        latest = max(self.recent, default=None)
+        self.recent = {latest: self.recent[latest]} if latest is not None else {}
+        self.recent[epoch] = perm
+        return perm
