@@ -16,6 +16,7 @@ from treerl.agents.chat_templates import template_gaps
 from treerl.cli import main
 from treerl.errors import ConfigError
 from treerl.learners.grpo import GRPOConfig
+from treerl.learners.importance import ImportanceConfig
 from treerl.models import default_model_path, load_model, set_chat_template
 
 REWARDS = '''
@@ -803,6 +804,39 @@ def test_trls_hub_options_as_flags_and_yaml_keys(tmp_path):
     with pytest.raises(ValueError, match="the output directory's name 'my run' is not a Hub repository name: .* Give "
                                          "--hub-model-id USER/NAME"):
         GRPOConfig(output_dir="runs/my run", push_to_hub=True)
+
+
+def test_trls_importance_sampling_options_set_the_is_fields_and_off_policy_masking_trains(tmp_path):
+    """TRL's vllm_importance_sampling_* options (mode, correction, clip_max or its older cap, clip_min) set
+    --is-level/--is-mode/--is-ratio-high/--is-ratio-low, and its off_policy_mask_threshold masks as TRL's does."""
+    import math
+
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+    from treerl.learners.grpo import train
+    from treerl.learners.sdpo import SDPOConfig
+
+    for config in (GRPOConfig, SDPOConfig):
+        cfg = config(output_dir="x", vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_max=3.0,
+                     vllm_importance_sampling_clip_min=0.5, off_policy_mask_threshold=0.5)
+        assert cfg.importance_config() == ImportanceConfig(level="sequence", mode="mask", ratio_low=0.5, ratio_high=3.0,
+                                                           opsm_threshold=0.5)
+    assert GRPOConfig(output_dir="x", vllm_importance_sampling_correction=False).is_mode == "off"
+    assert GRPOConfig(output_dir="x", vllm_importance_sampling_cap=4.0).is_ratio_high == 4.0
+    assert GRPOConfig(output_dir="x", vllm_importance_sampling_clip_max=None).is_ratio_high == math.inf
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--vllm-importance-sampling-mode", "token_mask"])
+    assert (config_from_args(GRPOConfig, args).is_level, config_from_args(GRPOConfig, args).is_mode) == ("token", "mask")
+    with pytest.raises(TypeError, match="vllm_importance_sampling_.* options and is_mode set the same thing"):
+        GRPOConfig(output_dir="x", vllm_importance_sampling_mode="token_mask", is_mode="truncate")
+    with pytest.raises(ValueError, match="TRL's modes are token_truncate"):
+        GRPOConfig(output_dir="x", vllm_importance_sampling_mode="sequence")
+    with pytest.raises(ValueError, match="opsm_threshold is -1.0; it bounds a mean KL"):
+        GRPOConfig(output_dir="x", off_policy_mask_threshold=-1.0)
+    logged = []  # skip_zero_advantage=False: the tiny model's groups tie, and the step must still forward them
+    train(GRPOConfig(output_dir=str(tmp_path / "run"), steps=1, tasks_per_step=2, group_size=2, max_new_tokens=8,
+                     eval_episodes=0, progress=False, sample_groups=0, off_policy_mask_threshold=0.0, is_ratio_low=0.5,
+                     skip_zero_advantage=False), callbacks=[lambda step, metrics: logged.append(metrics)])
+    assert "is/opsm_masked_frac" in logged[0]
 
 
 def test_trl_options_that_change_nothing_here_are_taken_with_a_note(tmp_path, capsys):

@@ -75,10 +75,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                  "remove_unused_columns=False); drop the columns you do not want from the dataset",
         "importance_sampling_level": "sequence-level ratios are --loss gspo; --is-level sets the level of the "
                                      "sampler/trainer importance weights (TRL's vllm_importance_sampling_mode)",
-        **dict.fromkeys(("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-                         "vllm_importance_sampling_cap"),
-                        "sampler/trainer importance weights are always on here: --is-mode truncate|mask|off, "
-                        "--is-level token|sequence, --is-ratio-high"),
         "repetition_penalty": "not supported: sampling takes --temperature, --top-k, --top-p and --min-p",
         "hub_always_push": "not supported: a checkpoint's push is skipped while the previous one still uploads, as "
                            "transformers' default does (the next one, or the end of the run, pushes newer weights)",
@@ -116,7 +112,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         # read only beside log_completions=True and sync_ref_model=True: taken at TRL's defaults
         "log_completions_hub_repo": (None,),
         "log_multimodal": (True,), "ref_model_mixup_alpha": (0.6,), "ref_model_sync_steps": (512,),
-        "vllm_importance_sampling_correction": (True,),
         "importance_sampling_level": ("token",),  # token-level ratios, as every --loss but gspo
         "multi_objective_aggregation": ("sum_then_normalize",),  # weighted sum, then the group's advantages
         "save_strategy": ("steps",),  # every --save-every (TRL's save_steps) steps

@@ -37,7 +37,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -75,6 +75,18 @@ __all__ = ["GRPOConfig", "TrainResult", "train", "RewardFunc"]
 class GRPOConfig(LossCoefficients, LearnerConfig):
     """Options of ``treerl learn`` (GRPO and its loss variants on trajectory trees)."""
 
+    # TRL's importance-sampling options (its vLLM correction), translated into the is_* fields below.
+    TRANSLATED: ClassVar[dict[str, tuple[type, str]]] = {
+        **LearnerConfig.TRANSLATED,
+        "vllm_importance_sampling_correction": (bool, "TRL's: false is --is-mode off; true (TRL's default) keeps the "
+                                                      "--is-* settings (treerl's: token-level, truncated at 2)."),
+        "vllm_importance_sampling_mode": (str, "TRL's token_truncate, token_mask, sequence_truncate or "
+                                               "sequence_mask: --is-level and --is-mode."),
+        **dict.fromkeys(("vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap"),
+                        (float | None, "TRL's: --is-ratio-high (none: no upper bound).")),
+        "vllm_importance_sampling_clip_min": (float | None, "TRL's: --is-ratio-low (none: 0)."),
+    }
+
     loss: str = field_help("dapo", "Policy loss: grpo, dapo, dr_grpo, gspo, cispo, sapo, vespo, dppo, or one added "
                                    "with register_loss (--import your module).")
     max_completion_length: int | None = field_help(None, "dr_grpo's constant normalizer (default: max_episode_tokens).")
@@ -83,6 +95,10 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
     is_level: str = field_help("token", "Importance sampling between sampler and trainer: token or sequence.")
     is_mode: str = field_help("truncate", "truncate, mask or off.")
     is_ratio_high: float = field_help(2.0, "Upper bound of the sampler/trainer ratio.")
+    is_ratio_low: float = field_help(0.0, "Lower bound of the sampler/trainer ratio (0: none).")
+    off_policy_mask_threshold: float | None = field_help(
+        None, "Off-policy sequence masking (DeepSeek-V3.2, TRL's): an episode with a negative advantage whose mean "
+              "log(sampler / trainer) over its tokens exceeds this adds no policy loss (e.g. 0.5); unset: off.")
     skip_zero_advantage: bool = field_help(True, "Leave groups whose advantages are all 0 out of the forward pass "
                                                  "(the same update when beta and entropy_coef are 0; one process).")
     mask_truncated_completions: bool = field_help(
@@ -124,7 +140,46 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
         return AdvantageConfig(estimator=self.advantage_estimator, scale=self.advantage_scale)
 
     def importance_config(self) -> ImportanceConfig:
-        return ImportanceConfig(level=self.is_level, mode=self.is_mode, ratio_high=self.is_ratio_high)
+        return ImportanceConfig(level=self.is_level, mode=self.is_mode, ratio_low=self.is_ratio_low,
+                                ratio_high=self.is_ratio_high, opsm_threshold=self.off_policy_mask_threshold)
+
+    @classmethod
+    def translate_options(cls, given: dict[str, Any]) -> dict[str, Any]:
+        """The learner's translations, and TRL's importance-sampling options into the ``is_*`` fields.
+
+        >>> GRPOConfig.translate_options({"vllm_importance_sampling_mode": "sequence_mask",
+        ...                                "vllm_importance_sampling_clip_max": 3.0})
+        {'is_level': 'sequence', 'is_mode': 'mask', 'is_ratio_high': 3.0}
+        """
+        values = dict(given)
+        cap = "vllm_importance_sampling_cap"  # TRL's older name of clip_max
+        trl = {k: values.pop(k) for k in ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                                          "vllm_importance_sampling_clip_max", cap,
+                                          "vllm_importance_sampling_clip_min") if k in values}
+        if cap in trl:
+            if "vllm_importance_sampling_clip_max" in trl:
+                raise TypeError(f"{cls.__name__}(): {cap} and vllm_importance_sampling_clip_max name the same option; "
+                                "keep one.")
+            trl["vllm_importance_sampling_clip_max"] = trl.pop(cap)
+        fields: dict[str, Any] = {}
+        mode = trl.get("vllm_importance_sampling_mode")
+        if mode is not None:
+            level, _, kind = str(mode).partition("_")
+            if level not in ("token", "sequence") or kind not in ("truncate", "mask"):
+                raise ValueError(f"vllm_importance_sampling_mode={mode!r}: TRL's modes are token_truncate, "
+                                 "token_mask, sequence_truncate and sequence_mask.")
+            fields.update(is_level=level, is_mode=kind)
+        if trl.get("vllm_importance_sampling_correction", True) is False:
+            fields["is_mode"] = "off"
+        if "vllm_importance_sampling_clip_max" in trl:
+            high = trl["vllm_importance_sampling_clip_max"]
+            fields["is_ratio_high"] = math.inf if high is None else high
+        if "vllm_importance_sampling_clip_min" in trl:
+            fields["is_ratio_low"] = trl["vllm_importance_sampling_clip_min"] or 0.0
+        if both := sorted(set(fields) & set(values)):
+            raise TypeError(f"{cls.__name__}(): TRL's vllm_importance_sampling_* options and {', '.join(both)} set "
+                            "the same thing; keep one.")
+        return super().translate_options({**values, **fields})
 
 
 # -- the stages -----------------------------------------------------------------------------------

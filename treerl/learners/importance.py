@@ -104,6 +104,9 @@ class ImportanceConfig:
             raise ValueError(
                 f"ImportanceConfig.geo_mask_low ({low}) must be below geo_mask_high ({high})."
             )
+        if self.opsm_threshold is not None and not (self.opsm_threshold >= 0.0 and math.isfinite(self.opsm_threshold)):
+            raise ValueError(f"ImportanceConfig.opsm_threshold is {self.opsm_threshold}; it bounds a mean KL, so use a "
+                             "finite value >= 0 (e.g. 0.5), or None.")
         if self.centering and self.level != "token":
             raise ValueError(
                 "ImportanceConfig.centering needs level='token': each token's score is centered with its own "
