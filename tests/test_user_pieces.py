@@ -817,15 +817,17 @@ def test_trls_importance_sampling_options_set_the_is_fields_and_off_policy_maski
     from treerl.learners.sdpo import SDPOConfig
 
     for config in (GRPOConfig, SDPOConfig):
-        cfg = config(output_dir="x", vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_max=3.0,
-                     vllm_importance_sampling_clip_min=0.5, off_policy_mask_threshold=0.5)
-        assert cfg.importance_config() == ImportanceConfig(level="sequence", mode="mask", ratio_low=0.5, ratio_high=3.0,
-                                                           opsm_threshold=0.5)
+        cfg = config(output_dir="x", vllm_importance_sampling_mode="sequence_mask",
+                     vllm_importance_sampling_clip_max=3.0, vllm_importance_sampling_clip_min=0.5,
+                     off_policy_mask_threshold=0.5)
+        assert cfg.importance_config() == ImportanceConfig(level="sequence", mode="mask", ratio_low=0.5,
+                                                           ratio_high=3.0, opsm_threshold=0.5)
     assert GRPOConfig(output_dir="x", vllm_importance_sampling_correction=False).is_mode == "off"
     assert GRPOConfig(output_dir="x", vllm_importance_sampling_cap=4.0).is_ratio_high == 4.0
     assert GRPOConfig(output_dir="x", vllm_importance_sampling_clip_max=None).is_ratio_high == math.inf
     args = build_parser().parse_args(["learn", "--output-dir", "x", "--vllm-importance-sampling-mode", "token_mask"])
-    assert (config_from_args(GRPOConfig, args).is_level, config_from_args(GRPOConfig, args).is_mode) == ("token", "mask")
+    cfg = config_from_args(GRPOConfig, args)
+    assert (cfg.is_level, cfg.is_mode) == ("token", "mask")
     with pytest.raises(TypeError, match="vllm_importance_sampling_.* options and is_mode set the same thing"):
         GRPOConfig(output_dir="x", vllm_importance_sampling_mode="token_mask", is_mode="truncate")
     with pytest.raises(ValueError, match="TRL's modes are token_truncate"):
