@@ -51,16 +51,8 @@ from treerl.envs.sandbox import usable_cpus
 from treerl.learners.async_buffer import GroupBuffer
 from treerl.learners.async_generator import GeneratorSpec
 from treerl.learners.async_pool import WEIGHT_TRANSPORTS, ProcessPool
-from treerl.learners.core import (
-    Evaluator,
-    OptimizerSpec,
-    Run,
-    StepCallback,
-    TrainResult,
-    build,
-    finish,
-    register_learner,
-)
+from treerl.learners.core import (Evaluator, OptimizerSpec, Run, StepCallback, TrainResult, build, finish,
+                                  register_learner)
 from treerl.learners.diagnostics import CHECKS, Check
 from treerl.learners.grpo import GRPOConfig, update
 from treerl.learners.importance import ImportanceConfig

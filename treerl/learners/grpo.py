@@ -47,16 +47,8 @@ from treerl.config import field_help
 from treerl.learners.advantages import AdvantageConfig, compute_advantages
 from treerl.learners.centering import batch_centering
 from treerl.learners.config import LearnerConfig
-from treerl.learners.core import (
-    Evaluator,
-    OptimizerSpec,
-    Run,
-    StepCallback,
-    TrainResult,
-    build,
-    finish,
-    register_learner,
-)
+from treerl.learners.core import (Evaluator, OptimizerSpec, Run, StepCallback, TrainResult, build, finish,
+                                  register_learner)
 from treerl.learners.distributed import Ranks
 from treerl.learners.forward import PackedLogprobs, loss_inputs, packed_logprobs
 from treerl.learners.importance import ImportanceConfig, importance_weights

@@ -60,16 +60,8 @@ import torch
 from treerl.agents.policy import Policy
 from treerl.config import field_help
 from treerl.learners.checkpoints import checkpoint_path, latest_checkpoint
-from treerl.learners.core import (
-    Evaluator,
-    OptimizerSpec,
-    Run,
-    StepCallback,
-    TrainResult,
-    build,
-    finish,
-    register_learner,
-)
+from treerl.learners.core import (Evaluator, OptimizerSpec, Run, StepCallback, TrainResult, build, finish,
+                                  register_learner)
 from treerl.learners.diagnostics import Check
 from treerl.learners.distributed import Ranks
 from treerl.learners.divergences import (
