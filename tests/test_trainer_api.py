@@ -502,3 +502,27 @@ def test_environment_factory_shapes_that_cannot_be_played_are_refused(tmp_path):
     played.step('<tool_call>\n{"name": "echo", "arguments": {"text": "a"}}\n</tool_call>')
     with pytest.raises(EnvError, match="cannot fork an episode in play"):
         played.fork()
+
+
+def test_evaluate_samples_at_the_training_temperature_as_trl_does(tmp_path, monkeypatch):
+    """TRL generates its evaluation with args.temperature; treerl's eval_temperature, set, still wins."""
+    import treerl.rollout.evaluate as evaluate_module
+
+    temperatures = []
+    real = evaluate_module.evaluate_with
+
+    def recording(*args, **kwargs):
+        temperatures.append(kwargs["temperature"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate_module, "evaluate_with", recording)
+    rows = [{"prompt": "What is 1 + 1?"}]
+
+    def reward_len(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    GRPOTrainer(model="tiny", reward_funcs=reward_len, args=small(tmp_path, temperature=0.7),
+                eval_dataset=rows, train_dataset=rows).evaluate()
+    GRPOTrainer(model="tiny", reward_funcs=reward_len, args=small(tmp_path, temperature=0.7, eval_temperature=0.3),
+                eval_dataset=rows, train_dataset=rows).evaluate()
+    assert temperatures == [0.7, 0.3]

@@ -43,7 +43,8 @@ What maps, and how:
   cannot be copied mid-episode.
 - ``peft_config`` (a peft ``LoraConfig``) sets ``lora_r``, ``lora_alpha``, ``lora_dropout`` and
   ``lora_target_modules``; any other setting of it is refused by name.
-- ``eval_dataset`` is what :meth:`GRPOTrainer.evaluate` scores, with the reward functions, and what
+- ``eval_dataset`` is what :meth:`GRPOTrainer.evaluate` scores, with the reward functions, sampling at
+  ``args.temperature`` as TRL does (``eval_temperature``, when set, wins), and what
   ``args.eval_strategy="steps"`` (``eval_every``) scores during training: every ``eval_steps`` optimizer
   steps, and before the first with ``args.eval_on_start`` (treerl's default; TRL's is False), logged in
   the step's metrics under TRL's names (``eval_reward``, ...). The run's own held-out episodes are off
@@ -185,6 +186,8 @@ class LearnerTrainer:
                                    "env": f"{name}.{source}", "shuffle_dataset": args.shuffle_dataset is not False}
         if isinstance(model, str):
             changes["model"] = model
+        if args.eval_temperature == self.config.__dataclass_fields__["eval_temperature"].default:
+            changes["eval_temperature"] = args.temperature  # TRL samples its evaluation as its training
         if peft_config is not None:
             changes.update(_lora_fields(peft_config, model if not isinstance(model, str) else None,
                                         model if isinstance(model, str) else args.model))
