@@ -882,11 +882,15 @@ def test_options_that_are_not_here_say_what_to_use_instead(tmp_path, capsys):
             main(["learn", "--output-dir", "x", flag, value])
         err = capsys.readouterr().err
         assert f"{flag}: {expected}" in err and "did you mean" not in err, err
-    (tmp_path / "c.yaml").write_text("max_prompt_length: 128\nmax_staleness: 2\n")
+    # an open-r1 recipe's log_level: info and TRL's use_peft: true were told "did you mean is_level?" or nothing
+    (tmp_path / "c.yaml").write_text("max_prompt_length: 128\nmax_staleness: 2\nlog_level: info\nuse_peft: true\n")
     assert main(["learn", "--output-dir", "x", "--config", str(tmp_path / "c.yaml")]) == 2
     err = capsys.readouterr().err
     assert "(max_prompt_length: prompts are never cut here" in err
     assert "(max_staleness: an option of treerl learn --learner async_grpo" in err
+    assert "(log_level: not supported: treerl prints its progress" in err and "did you mean is_level" not in err
+    assert "(use_peft: LoRA is on when --lora-r is set" in err
+    assert GRPOConfig(output_dir="x", log_level="passive").steps == 60  # transformers' default is taken
 
 
 def test_learning_rate_default_and_warning_follow_the_model_size():

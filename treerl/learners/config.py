@@ -96,6 +96,10 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "trust_remote_code": "not supported: --model loads architectures transformers ships",
         "cache_implementation": "not supported: generation uses the policy's own KV cache",
         "generation_kwargs": "sampling takes --temperature, --top-k, --top-p, --min-p and --max-new-tokens",
+        "log_level": "not supported: treerl prints its progress and warnings to stderr and every step to "
+                     "metrics.jsonl; transformers' own logging follows $TRANSFORMERS_VERBOSITY",
+        "use_peft": "LoRA is on when --lora-r is set (TRL's lora_r, lora_alpha, lora_dropout and "
+                    "lora_target_modules are options here)",
     }
     # TRL's options at the values that mean what happens here anyway, mostly TRL's defaults: taken and dropped
     # (treerl.config.without_neutral), so that a script or YAML file writing them out runs; other values of
@@ -116,6 +120,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "multi_objective_aggregation": ("sum_then_normalize",),  # weighted sum, then the group's advantages
         "save_strategy": ("steps",),  # every --save-every (TRL's save_steps) steps
         "gradient_checkpointing_kwargs": (None, {}, {"use_reentrant": False}),  # what --gradient-checkpointing does
+        "log_level": ("passive",),  # transformers' default: its logging as it is set
     }
     # TRL's options that translate_options turns into fields, or takes with a note where they change nothing
     # here; each (type, help) is also a flag and a YAML key.
