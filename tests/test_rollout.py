@@ -112,6 +112,24 @@ def test_episode_limits_are_recorded(tiny):
             assert e.termination in {"max_tokens", "correct", "max_turns"}
 
 
+def test_a_completion_budget_bounds_every_token_after_the_prompt(tiny):
+    """TRL's max_completion_length: an episode's completion (turns, tool results and the template's tokens
+    between them) ends at max_completion_tokens, each turn sampling at most what is left of it."""
+    model, tok = tiny
+    engine = RolloutEngine(TransformersPolicy(model, tok), tok, params=SamplingParams(max_new_tokens=64),
+                           max_completion_tokens=40, seed=0)
+    groups, _ = run(engine, "treerl/GuessNumber-v0", num_tasks=2, group_size=2, max_turns=20)
+    assert groups
+    for g in groups:
+        prompt = len(g.segments[0].token_ids)
+        for e in g.episodes:
+            assert len(e.token_ids) - prompt <= 40
+            assert e.termination in {"max_tokens", "correct"}
+    assert any(e.termination == "max_tokens" and len(e.path()) > 2 for g in groups for e in g.episodes)  # multi-turn
+    with pytest.raises(ValueError, match="max_completion_tokens=0 must be >= 1"):
+        RolloutEngine(TransformersPolicy(model, tok), tok, max_completion_tokens=0)
+
+
 class _BrokenEnv(ToolEnv):
     system_prompt = "Say anything."
 

@@ -904,21 +904,22 @@ def test_learning_rate_default_and_warning_follow_the_model_size():
     assert check_learning_rate(3e-6, 1_200_000_000, lora=False)[1] is None
 
 
-def test_trls_max_completion_length_where_it_changes_nothing_is_said(tmp_path, capsys):
-    """TRL's max_completion_length is its generation limit too; here it is only dr_grpo's normalizer."""
-    import torch
+def test_trls_max_completion_length_bounds_generation(tmp_path):
+    """TRL's max_completion_length is its generation limit (and dr_grpo's normalizer): each episode's completion
+    ends there, and a turn may use all of it (max_new_tokens, unless given); it was only the normalizer."""
+    from transformers import AutoTokenizer
 
-    from treerl.learners.core import _check_size_defaults
-    from treerl.learners.grpo import GRPOConfig
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+    from treerl.models import default_model_path
 
-    model = torch.nn.Linear(4, 4)
-    _check_size_defaults(GRPOConfig(output_dir=str(tmp_path), max_completion_length=1024), model, True)
-    err = capsys.readouterr().err
-    assert "max_completion_length=1024" in err and "--max-new-tokens" in err and "changes nothing" in err, err
-    for cfg in (GRPOConfig(output_dir=str(tmp_path), max_completion_length=1024, loss="dr_grpo"),
-                GRPOConfig(output_dir=str(tmp_path))):
-        _check_size_defaults(cfg, model, True)
-        assert "max_completion_length" not in capsys.readouterr().err
+    cfg = GRPOConfig(output_dir=str(tmp_path / "run"), max_completion_length=12)
+    assert (cfg.max_new_tokens, cfg.loss_config().max_completion_length) == (12, 12)
+    assert GRPOConfig(output_dir="x", max_completion_length=12, max_new_tokens=5).max_new_tokens == 5
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--max-completion-length", "12"])
+    assert config_from_args(GRPOConfig, args).max_new_tokens == 12
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    assert cfg.engine(None, tokenizer, seed=0).max_completion_tokens == 12  # the budget: tests/test_rollout.py
 
 
 def test_isolated_tool_defined_in_an_imported_file(tmp_path):
@@ -1111,10 +1112,10 @@ def test_a_warning_is_printed_once(tmp_path):
 
     code = ("import torch\nfrom treerl.learners.core import _check_size_defaults\n"
             "from treerl.learners.grpo import GRPOConfig\n"
-            f"_check_size_defaults(GRPOConfig(output_dir={str(tmp_path)!r}, max_completion_length=512), "
+            f"_check_size_defaults(GRPOConfig(output_dir={str(tmp_path)!r}, learning_rate=1.0), "
             "torch.nn.Linear(2, 2), True)\n")
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
-    assert err.count("max_completion_length=512") == 1, err
+    assert err.count("learning_rate=1 is far above") == 1, err
 
 
 def test_a_hub_id_model_is_named_by_its_id_so_its_lora_adapter_names_the_base(tmp_path, monkeypatch):

@@ -74,7 +74,7 @@ from treerl.learners.diagnostics import RECORDED_ACTIONS, Diagnostics
 from treerl.learners.distributed import Ranks
 from treerl.learners.evaluation import eval_metrics, evaluate_at_start, evaluate_policy
 from treerl.learners.hub import HubPusher
-from treerl.learners.losses.base import DEFAULT_AGGREGATIONS, same_definition
+from treerl.learners.losses.base import same_definition
 from treerl.learners.metrics import MetricsLog, tracker_for, truncate_metrics
 from treerl.learners.packing import PackedBatch, packing_metrics
 from treerl.learners.plots import MatplotlibMissing, write_plots
@@ -643,14 +643,6 @@ def _check_size_defaults(cfg: LearnerConfig, model: torch.nn.Module, is_main: bo
         notes.append(f"max_new_tokens={cfg.max_new_tokens} is the shipped tiny model's limit; a "
                      f"{model_size(num_params)}-parameter model's answers (and its thinking) are usually longer, so "
                      "most turns would be cut off: pass e.g. --max-new-tokens 1024.")
-    if getattr(cfg, "max_completion_length", None) is not None and hasattr(cfg, "loss_config"):
-        loss = cfg.loss_config()
-        if (loss.aggregation or DEFAULT_AGGREGATIONS[loss.policy_loss]) != "constant":
-            # TRL's max_completion_length is also the generation limit; here only dr_grpo's normalizer.
-            notes.append(f"max_completion_length={cfg.max_completion_length} is only dr_grpo's normalizer (the "
-                         f"'constant' aggregation), which --loss {loss.policy_loss} does not use: it changes "
-                         f"nothing. Generation is limited by --max-new-tokens (each turn, now {cfg.max_new_tokens}) "
-                         f"and --max-episode-tokens (the whole episode, now {cfg.max_episode_tokens}).")
     for message in notes if is_main else ():
         logger.info(message)  # printed below: at warning level Python's last-resort handler printed it twice
         print(f"warning: {message}", file=sys.stderr)

@@ -81,7 +81,10 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
 
     loss: str = field_help("dapo", "Policy loss: grpo, dapo, dr_grpo, gspo, cispo, sapo, vespo, dppo, or one added "
                                    "with register_loss (--import your module).")
-    max_completion_length: int | None = field_help(None, "dr_grpo's constant normalizer (default: max_episode_tokens).")
+    max_completion_length: int | None = field_help(None, "TRL's: the most tokens an episode's completion (its turns, "
+                                                         "tool results between them) may have; it ends there, and "
+                                                         "--max-new-tokens is this unless given. Also dr_grpo's "
+                                                         "constant normalizer (default: max_episode_tokens).")
     advantage_estimator: str = field_help("grpo", "Baseline: grpo (group mean) or rloo (leave-one-out).")
     advantage_scale: str = field_help("group", "Divide advantages by the std of the group, the batch, or none.")
     is_level: str = field_help("token", "Importance sampling between sampler and trainer: token or sequence.")
@@ -135,15 +138,22 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
         return ImportanceConfig(level=self.is_level, mode=self.is_mode, ratio_low=self.is_ratio_low,
                                 ratio_high=self.is_ratio_high, opsm_threshold=self.off_policy_mask_threshold)
 
+    def engine(self, policy: Any, tokenizer: Any, **kwargs: Any) -> Any:
+        """The learner's engine, each episode's completion bounded by ``max_completion_length`` (TRL's)."""
+        return super().engine(policy, tokenizer, max_completion_tokens=self.max_completion_length, **kwargs)
+
     @classmethod
     def translate_options(cls, given: dict[str, Any]) -> dict[str, Any]:
-        """The learner's translations, and TRL's importance-sampling options into the ``is_*`` fields.
+        """The learner's translations, TRL's ``max_completion_length`` as ``max_new_tokens`` too where that is
+        not given, and TRL's importance-sampling options into the ``is_*`` fields.
 
         >>> GRPOConfig.translate_options({"vllm_importance_sampling_mode": "sequence_mask",
         ...                                "vllm_importance_sampling_clip_max": 3.0})
         {'is_level': 'sequence', 'is_mode': 'mask', 'is_ratio_high': 3.0}
         """
         values = dict(given)
+        if values.get("max_completion_length") is not None and "max_new_tokens" not in values:
+            values["max_new_tokens"] = values["max_completion_length"]  # TRL's one turn may use the whole budget
         cap = "vllm_importance_sampling_cap"  # TRL's older name of clip_max
         trl = {k: values.pop(k) for k in ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
                                           "vllm_importance_sampling_clip_max", cap,

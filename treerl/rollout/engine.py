@@ -105,6 +105,9 @@ class RolloutEngine:
         shuffle_seed: Play a dataset's rows in a new order each pass, seeded with it (see
             :func:`task_options`); None plays them as written. :attr:`shuffle_batch_size` (1 unless
             set) is the tasks a pass plays whole batches of, as TRL's sampler: a learner's step.
+        max_completion_tokens: An episode whose completion (every token after the prompt: turns,
+            tool results and the template's tokens between them) reaches this many is truncated
+            (TRL's ``max_completion_length``); None: only ``max_episode_tokens`` bounds it.
     """
 
     def __init__(
@@ -122,6 +125,7 @@ class RolloutEngine:
         chat_template: str | None = None,
         lockstep: bool = False,
         shuffle_seed: int | None = None,
+        max_completion_tokens: int | None = None,
     ):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency} must be >= 1.")
@@ -142,11 +146,21 @@ class RolloutEngine:
         self.lockstep = lockstep
         self.shuffle_seed = shuffle_seed
         self.shuffle_batch_size = 1
+        if max_completion_tokens is not None and max_completion_tokens < 1:
+            raise ValueError(f"max_completion_tokens={max_completion_tokens} must be >= 1 (None: no limit of its own).")
+        self.max_completion_tokens = max_completion_tokens
         self._slots: asyncio.Semaphore | contextlib.nullcontext | None = None
         self._slots_loop: asyncio.AbstractEventLoop | None = None
         self._gate: Lockstep | None = None
         self._left_out_metrics: set[tuple[str, str]] = set()
         """(environment, name) of episode metrics that were not numbers: warned about once."""
+
+    def _max_context(self, prompt_len: int) -> int:
+        """The context limit of an episode whose prompt is ``prompt_len`` tokens: ``max_episode_tokens``, or
+        less where ``max_completion_tokens`` after the prompt comes first."""
+        if self.max_completion_tokens is None:
+            return self.max_episode_tokens
+        return min(self.max_episode_tokens, prompt_len + self.max_completion_tokens)
 
     def _ensure_slots(self) -> None:
         loop = asyncio.get_running_loop()
@@ -191,7 +205,7 @@ class RolloutEngine:
             states = []
             for g in range(group_size):
                 state = EpisodeState(env=env.fork(), messages=copy.deepcopy(messages), context_ids=list(prompt_ids),
-                                     parent=root, path=(g,))
+                                     parent=root, path=(g,), max_context=self._max_context(len(prompt_ids)))
                 state.rendered = (state.messages, prompt_text)
                 states.append(state)
             plays = [self._play(s, group, renderer, task_seed, shared=f"{group.task_key}/prompt") for s in states]
@@ -236,7 +250,7 @@ class RolloutEngine:
                      shared: str | None, session: str) -> list[EpisodeState]:
         """Play turns until the episode ends (returns []) or branches (returns the continuations)."""
         while True:
-            params = turn_params(self.params, state, self.max_episode_tokens)
+            params = turn_params(self.params, state, state.max_context or self.max_episode_tokens)
             if params is None:
                 return self._finish(state, group, state.parent, "max_tokens")
             if time.monotonic() - state.started >= self.max_episode_seconds:
@@ -283,7 +297,7 @@ class RolloutEngine:
                 state.metrics["render_error"] = str(exc)
                 return self._finish(state, group, turn.leaf, "render_error")
             # End here, at the sampled leaf, when the next turn could not start: no dangling bridge.
-            if next_context_len(state, turn, bridge) >= self.max_episode_tokens:
+            if next_context_len(state, turn, bridge) >= (state.max_context or self.max_episode_tokens):
                 return self._finish(state, group, turn.leaf, "max_tokens")
             if time.monotonic() - state.started >= self.max_episode_seconds:
                 return self._finish(state, group, turn.leaf, "timeout")

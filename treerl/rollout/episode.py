@@ -52,6 +52,8 @@ class EpisodeState:
     extra_leaves: list[int] = field(default_factory=list)
     branched: bool = False
     started: float = field(default_factory=time.monotonic)
+    max_context: int | None = None
+    """The most tokens this episode's context may reach (the engine's limits for it); None: the caller's."""
     rendered: tuple[list[dict[str, Any]], str] | None = field(default=None, repr=False)
     """``(messages, text)``: the renderer's text of that very list (with the generation prompt),
     valid while ``messages`` is still that list, so a turn renders the conversation once."""

@@ -132,12 +132,13 @@ class EpisodeOptions(ChatTemplateOptions, SamplingOptions):
         return functools.partial(make, self.env, **self.env_kwargs)
 
     def engine(self, policy: Policy, tokenizer: Any, *, seed: int, branch_at_turn: int | None = None,
-               branch_factor: int = 1, shuffle_seed: int | None = None, **sampling_overrides: Any) -> RolloutEngine:
+               branch_factor: int = 1, shuffle_seed: int | None = None, max_completion_tokens: int | None = None,
+               **sampling_overrides: Any) -> RolloutEngine:
         """A :class:`~treerl.rollout.engine.RolloutEngine` that plays ``policy`` with these options."""
         return RolloutEngine(policy, tokenizer, params=self.sampling(**sampling_overrides),
                              max_concurrency=self.max_concurrency, max_episode_tokens=self.max_episode_tokens,
                              max_episode_seconds=self.max_episode_seconds, branch_at_turn=branch_at_turn,
                              branch_factor=branch_factor, seed=seed, lockstep=self.lockstep,
                              chat_template=resolve_chat_template(self.chat_template, tokenizer),
-                             shuffle_seed=shuffle_seed)
+                             shuffle_seed=shuffle_seed, max_completion_tokens=max_completion_tokens)
 
