@@ -40,7 +40,10 @@ def test_eval_plays_in_lockstep_when_asked():
     assert len(set(policy.sessions[:3])) == 3, policy.sessions
 
 
-def test_eval_plays_each_dataset_row_at_most_once(capsys):
+def test_eval_plays_each_dataset_row_at_most_once(capsys, monkeypatch):
+    import treerl.rollout.evaluate
+
+    monkeypatch.setattr(treerl.rollout.evaluate, "_SAID", set())  # said once a process: not yet in this test
     _, tok = load_default_model()
     rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(3)]
     policy = ScriptedPolicy(tok, lambda task, g, turn: "\\boxed{1}", end_id=tok.convert_tokens_to_ids("<|im_end|>"))
@@ -49,7 +52,10 @@ def test_eval_plays_each_dataset_row_at_most_once(capsys):
     # Five episodes would play rows 0 and 1 twice and row 2 once: a success rate weighted by accident.
     assert [t["id"] for t in report.task_rows()] == ["0", "1", "2"]
     assert report.num_episodes == 3 and report.success_rate == 1 / 3
-    assert "the dataset has 3 rows" in capsys.readouterr().err
+    assert "asks for 5 tasks (--eval-episodes of learn, --num-episodes of eval) but the dataset has 3 rows" in \
+        capsys.readouterr().err
+    assert evaluate_with(cfg, policy, tok, num_episodes=5, seed=0).num_episodes == 3
+    assert "the dataset has 3 rows" not in capsys.readouterr().err  # said once: learn evaluates every few steps
     assert evaluate_with(cfg, policy, tok, num_episodes=2, seed=0).num_episodes == 2  # fewer: the first rows
 
 

@@ -287,11 +287,18 @@ def _at_most_one_per_row(env_factory: Callable[[], Any], num_episodes: int, roll
         env.close()
     if num_rows is None or num_episodes <= num_rows:
         return num_episodes
-    message = (f"num_episodes={num_episodes} but {rows}: evaluating each row once "
-               f"({num_rows * rollouts_per_task} episodes), as rows played twice would count twice")
-    logger.info(message)  # printed below: at warning level Python's last-resort handler printed it twice
-    print(f"warning: {message}", file=sys.stderr)
+    message = (f"the evaluation asks for {num_episodes} tasks (--eval-episodes of learn, --num-episodes of eval) "
+               f"but {rows}: it plays each row once ({num_rows * rollouts_per_task} episodes), as rows played "
+               "twice would count twice")
+    if message not in _SAID:  # a run evaluating every few steps says it once
+        _SAID.add(message)
+        logger.info(message)  # printed below: at warning level Python's last-resort handler printed it twice
+        print(f"warning: {message}", file=sys.stderr)
     return num_rows
+
+
+_SAID: set[str] = set()
+"""The warnings of :func:`_at_most_one_per_row` this process has printed."""
 
 
 def evaluate(env_id: str, policy: Policy, tokenizer: Any, *, env_kwargs: dict[str, Any] | None = None,
