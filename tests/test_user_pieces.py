@@ -221,7 +221,9 @@ def test_trls_defaults_written_out_are_taken(tmp_path):
                         sync_ref_model=False, generation_batch_size=None, steps_per_generation=None,
                         generation_kwargs=None, importance_sampling_level="token", save_strategy="steps",
                         gradient_checkpointing_kwargs={"use_reentrant": False}, top_entropy_quantile=1.0,
-                        multi_objective_aggregation="sum_then_normalize", disable_dropout=False)
+                        multi_objective_aggregation="sum_then_normalize", disable_dropout=False,
+                        use_liger_kernel=False, ds3_gather_for_generation=True, dataloader_num_workers=0,
+                        save_only_model=False, lr_scheduler_kwargs={}, do_train=True)
     for config in (GRPOConfig, SDPOConfig, AsyncGRPOConfig):
         cfg = config(output_dir="x", epsilon=0.1, **trl_defaults)
         assert (cfg.min_p, cfg.epsilon_low, cfg.epsilon_high, cfg.chat_template_kwargs) == (0.0, 0.1, 0.1, {})
@@ -245,7 +247,8 @@ def test_trls_defaults_written_out_are_taken(tmp_path):
         GRPOConfig(output_dir="x", env="calc=treerl/Calculator-v0,guess=treerl/GuessNumber-v0",
                    max_tool_calling_iterations=2, env_kwargs={"guess": {"max_turns": 5}})
     for name, value, said in (("repetition_penalty", 1.1, "sampling takes"), ("hub_always_push", True, "skipped while"),
-                              ("disable_dropout", 0, "dropout stays"),
+                              ("disable_dropout", 0, "dropout stays"), ("use_liger_kernel", True, "not supported"),
+                              ("dataset_name", "x/y", "a script's dataset option"),
                               ("multi_objective_aggregation", "normalize_then_sum", "normalize_then_sum is not")):
         with pytest.raises(TypeError, match=f"no option {name}: .*{said}"):
             GRPOConfig(output_dir="x", **{name: value})

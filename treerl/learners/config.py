@@ -100,6 +100,16 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                      "metrics.jsonl; transformers' own logging follows $TRANSFORMERS_VERBOSITY",
         "use_peft": "LoRA is on when --lora-r is set (TRL's lora_r, lora_alpha, lora_dropout and "
                     "lora_target_modules are options here)",
+        **dict.fromkeys(("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split"),
+                        "a script's dataset option, not TRL's GRPOConfig: here the rows are the environment's, "
+                        "--env-kwargs '{\"data_path\": \"train.jsonl\"}' (a local JSON Lines or Parquet file), or "
+                        "treerl.GRPOTrainer(train_dataset=...) in Python"),
+        **dict.fromkeys(("model_revision", "attn_implementation"),
+                        "a script's model option (TRL's ModelConfig): --model takes a directory or a cached Hub id "
+                        "as it is, and its attention is treerl's tree attention (--attention-impl)"),
+        **dict.fromkeys(("use_liger_kernel", "vllm_enable_sleep_mode", "ds3_gather_for_generation",
+                         "dataloader_num_workers", "data_seed", "save_only_model", "lr_scheduler_kwargs"),
+                        "not supported (taken at transformers' and TRL's defaults, which mean what happens here)"),
     }
     # TRL's options at the values that mean what happens here anyway, mostly TRL's defaults: taken and dropped
     # (treerl.config.without_neutral), so that a script or YAML file writing them out runs; other values of
@@ -121,6 +131,11 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "save_strategy": ("steps",),  # every --save-every (TRL's save_steps) steps
         "gradient_checkpointing_kwargs": (None, {}, {"use_reentrant": False}),  # what --gradient-checkpointing does
         "log_level": ("passive",),  # transformers' default: its logging as it is set
+        # transformers' and TRL's defaults of what has no counterpart here: no Liger kernels, no vLLM sleep, no
+        # DeepSpeed, no DataLoader, checkpoints with the optimizer (resumable), no scheduler arguments
+        **dict.fromkeys(("use_liger_kernel", "vllm_enable_sleep_mode", "save_only_model"), (False,)),
+        "ds3_gather_for_generation": (True,), "dataloader_num_workers": (0,), "data_seed": (None,),
+        "lr_scheduler_kwargs": (None, {}), "do_train": (True, False),  # transformers' Trainer does not read do_train
     }
     # TRL's options that translate_options turns into fields, or takes with a note where they change nothing
     # here; each (type, help) is also a flag and a YAML key.
