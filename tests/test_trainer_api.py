@@ -526,3 +526,68 @@ def test_evaluate_samples_at_the_training_temperature_as_trl_does(tmp_path, monk
     GRPOTrainer(model="tiny", reward_funcs=reward_len, args=small(tmp_path, temperature=0.7, eval_temperature=0.3),
                 eval_dataset=rows, train_dataset=rows).evaluate()
     assert temperatures == [0.7, 0.3]
+
+
+def test_open_r1s_post_training_calls_report_the_run(tmp_path, capsys):
+    """open-r1's grpo.py after trainer.train(): TRL's metrics, log_metrics, save_metrics, save_state and the
+    accelerator, with the run's own figures, beside treerl's run files, which they leave as they were."""
+    rows = [{"prompt": f"What is {i} + {i}?"} for i in range(3)]
+
+    def reward_len(completions, **kwargs):
+        return [-abs(20 - len(completion)) for completion in completions]
+
+    args = small(tmp_path, max_steps=4, num_iterations=2)  # 2 steps of 2 optimizer steps, 2 tasks x 2 each
+    trainer = GRPOTrainer(model="tiny", reward_funcs=reward_len, args=args, train_dataset=rows)
+    assert trainer.accelerator.is_main_process and trainer.accelerator.num_processes == 1
+    train_result = trainer.train(resume_from_checkpoint=None)
+    out = tmp_path / "out"
+    run_files = {name: (out / name).read_text() for name in ("config.json", "summary.json", "metrics.jsonl")}
+
+    assert train_result.steps == 2 and train_result.model_dir == out / "model"  # treerl's fields stay
+    assert train_result.global_step == 4  # TRL counts optimizer steps
+    metrics = train_result.metrics
+    assert set(metrics) == {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss",
+                            "epoch"}
+    lines = [json.loads(line) for line in run_files["metrics.jsonl"].splitlines()]
+    assert metrics["train_loss"] == pytest.approx(sum(m["loss/policy"] for m in lines) / 2)  # beta, entropy_coef 0
+    assert train_result.training_loss == metrics["train_loss"]
+    assert metrics["epoch"] == pytest.approx(4 / 3)  # 2 steps x 2 tasks over 3 rows
+    runtime = metrics["train_runtime"]
+    assert 0 < runtime < 600
+    assert metrics["train_steps_per_second"] == pytest.approx(4 / runtime, rel=1e-2)
+    assert metrics["train_samples_per_second"] == pytest.approx(8 / runtime, rel=1e-2)  # 2 steps x 2 tasks x 2
+
+    metrics["train_samples"] = len(rows)
+    capsys.readouterr()
+    trainer.log_metrics("train", metrics)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "***** train metrics *****" and len(printed) == 1 + len(metrics)
+    assert any(line.split() == ["train_samples", "=", "3"] for line in printed)
+    trainer.save_metrics("train", metrics)
+    trainer.save_metrics("eval", {"eval_reward": -3.0})
+    assert json.loads((out / "train_results.json").read_text()) == metrics
+    assert json.loads((out / "all_results.json").read_text()) == {**metrics, "eval_reward": -3.0}
+    trainer.save_state()
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 4 and state["max_steps"] == 4
+    history = state["log_history"]
+    assert [h["step"] for h in history] == [2, 4, 4]  # each step's line, then the run's figures, as TRL's
+    for h, m in zip(history, lines):
+        assert h["loss"] == pytest.approx(m["loss/policy"]) and h["reward"] == m["reward/mean"]
+        assert h["rewards/reward_len/mean"] == m["reward_fn/reward_len_mean"] and h["learning_rate"] == m["lr"]
+    assert history[-1]["train_loss"] == metrics["train_loss"]
+    assert {name: (out / name).read_text() for name in run_files} == run_files  # treerl's run files untouched
+    assert (out / "checkpoints" / "step-2" / "trainer_state.json").is_file()  # the checkpoint keeps its own
+
+
+def test_the_accelerator_says_which_process_this_is_under_accelerate_launch(tmp_path, monkeypatch):
+    """Before training starts the process group, the environment accelerate launch (torchrun) sets says it."""
+    from treerl.trainer import Accelerator
+
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    accelerator = Accelerator()
+    assert not accelerator.is_main_process and accelerator.is_local_main_process
+    assert (accelerator.process_index, accelerator.num_processes) == (2, 4)
+    accelerator.wait_for_everyone()  # no process group yet: nothing to wait for
