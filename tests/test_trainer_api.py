@@ -591,3 +591,28 @@ def test_the_accelerator_says_which_process_this_is_under_accelerate_launch(tmp_
     assert not accelerator.is_main_process and accelerator.is_local_main_process
     assert (accelerator.process_index, accelerator.num_processes) == (2, 4)
     accelerator.wait_for_everyone()  # no process group yet: nothing to wait for
+
+
+def test_after_training_trainer_model_is_the_trained_model_and_its_card_sits_beside_it(tmp_path):
+    """open-r1's trainer.model.config / generation_config and create_model_card(): the trained model, and the
+    card in output_dir/model (what save_model(output_dir) points to) and in a directory save_model copied to."""
+    from transformers import PreTrainedModel
+
+    trainer = GRPOTrainer(model="tiny", reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                          args=small(tmp_path), train_dataset=[{"prompt": "Say hi"}] * 2)
+    assert trainer.model == "tiny"  # a name stays a name until training loads it
+    with pytest.raises(ValueError, match="call train\\(\\) first"):
+        trainer.create_model_card()
+    trainer.train()
+    model = trainer.model
+    assert isinstance(model, PreTrainedModel) and trainer.model is model  # loaded once
+    saved = load_file(trainer.result.model_dir / "model.safetensors")
+    assert all(torch.equal(p.detach().cpu(), saved[k]) for k, p in model.state_dict().items() if k in saved)
+    assert changed(trainer.result.model_dir)  # ... and those are the trained weights
+    assert model.generation_config is not None and model.config.model_type
+    trainer.save_model(str(tmp_path / "copy"))
+    trainer.create_model_card(dataset_name="open-r1/OpenR1-Math-220k", tags=["open-r1"])
+    for folder in (trainer.result.model_dir, tmp_path / "copy"):
+        card = (folder / "README.md").read_text()
+        assert "datasets:\n- open-r1/OpenR1-Math-220k" in card and "- open-r1\n" in card and "- grpo\n" in card
+    assert not (tmp_path / "out" / "README.md").exists()

@@ -248,7 +248,9 @@ class LearnerTrainer:
             changes.update(_lora_fields(peft_config, model if not isinstance(model, str) else None,
                                         model if isinstance(model, str) else args.model))
         self.args = dataclasses.replace(args, **changes)
-        self.model, self.processing_class = model, processing_class
+        self._given_model, self.processing_class = model, processing_class
+        self._trained_model: Any = None
+        self._saved_to: Path | None = None  # where save_model() last copied the trained model
         self.optimizer = optimizer
         self.tools = list(tools or [])
         # Read once (a streamed dataset into a list), shared by every episode's environment.
@@ -295,6 +297,7 @@ class LearnerTrainer:
         runtime = time.perf_counter() - started
         self.accelerator.wait_for_everyone()  # rank 0 has written metrics.jsonl
         self.result = self._trainer_result(result, runtime, first_step)
+        self._trained_model = None  # trainer.model: this run's, loaded when read
         if trainer_callbacks:
             callbacks[-1].event("on_train_end")
         return self.result
@@ -404,6 +407,49 @@ class LearnerTrainer:
                   "config.json, which a model's would replace).", file=sys.stderr)
             return
         shutil.copytree(self.result.model_dir, target, dirs_exist_ok=True)
+        self._saved_to = target
+
+    @property
+    def model(self) -> Any:
+        """TRL's ``trainer.model``. Before :meth:`train`, the ``model`` argument as given: a loaded model, or the
+        name or directory (a string: the learner loads it when training starts, not before). After it, the
+        trained model as a transformers causal LM, loaded from ``output_dir/model`` (what :meth:`save_model`
+        copies) on ``args.device`` when first read: ``trainer.model.config`` and ``.generation_config`` are the
+        trained model's."""
+        if self.result is None:
+            return self._given_model
+        if self._trained_model is None:
+            from treerl.models import load_model
+
+            self._trained_model, _ = load_model(str(self.result.model_dir), self.args.device)
+        return self._trained_model
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        self._given_model, self._trained_model = model, None
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | Sequence[str] | None = None) -> None:
+        """Write TRL's model card, ``README.md``, beside the trained model: in ``output_dir/model`` and in the
+        directory :meth:`save_model` last copied it to (``model_name``, ``dataset_name`` and ``tags`` go into it,
+        as :meth:`push_to_hub`'s); the main process only."""
+        if self.result is None:
+            raise ValueError("create_model_card() describes the trained model: call train() first.")
+        if not self.is_world_process_zero():
+            return
+        for folder in dict.fromkeys([self.result.model_dir, *([self._saved_to] if self._saved_to else [])]):
+            self._write_card(folder, self.args.hub_repo_id(), model_name, dataset_name, tags)
+
+    def _write_card(self, folder: Path, repo_id: str, model_name: str | None, dataset_name: str | None,
+                    tags: str | Sequence[str] | None) -> None:
+        from treerl.learners.hub import write_model_card
+
+        given = self._given_model
+        base = given if isinstance(given, str) else getattr(getattr(given, "config", None), "_name_or_path", None)
+        learner = next((name for name, spec in LEARNERS.items() if spec.config is self.config), None)
+        write_model_card(folder, repo_id, base_model=base, learner=learner, steps=self.result.steps,
+                         model_name=model_name, dataset_name=dataset_name,
+                         tags=[tags] if isinstance(tags, str) else list(tags or ()))
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
                     token: str | None = None, revision: str | None = None, *, model_name: str | None = None,
@@ -415,7 +461,7 @@ class LearnerTrainer:
         ``CommitInfo`` (a ``Future`` of it when not ``blocking``), None on the other processes. With
         ``args.push_to_hub`` the run has pushed it already."""
         from treerl.learners.distributed import is_main_process
-        from treerl.learners.hub import create_repo, upload_model, write_model_card
+        from treerl.learners.hub import create_repo, upload_model
 
         if self.result is None:
             raise ValueError("push_to_hub() pushes the trained model: call train() first.")
@@ -423,12 +469,7 @@ class LearnerTrainer:
             return None
         token = token or self.args.hub_token
         repo_id = create_repo(self.args.hub_repo_id(), token=token, private=self.args.hub_private_repo)
-        base = self.model if isinstance(self.model, str) else getattr(getattr(self.model, "config", None),
-                                                                      "_name_or_path", None)
-        learner = next((name for name, spec in LEARNERS.items() if spec.config is self.config), None)
-        write_model_card(self.result.model_dir, repo_id, base_model=base, learner=learner, steps=self.result.steps,
-                         model_name=model_name, dataset_name=dataset_name,
-                         tags=[tags] if isinstance(tags, str) else list(tags or ()))
+        self._write_card(self.result.model_dir, repo_id, model_name, dataset_name, tags)
         return upload_model(self.result.model_dir, repo_id, commit_message=commit_message or "End of training",
                             token=token, revision=revision, blocking=blocking)
 
@@ -449,7 +490,7 @@ class LearnerTrainer:
     def _model_and_tokenizer(self) -> tuple[Any, Any]:
         """``(None, None)`` for a model named by a string without ``processing_class`` (``train`` loads
         ``args.model``), else the model object and its tokenizer."""
-        model, tokenizer = self.model, self.processing_class
+        model, tokenizer = self._given_model, self.processing_class
         if isinstance(model, str):
             if tokenizer is None:
                 return None, None
