@@ -616,3 +616,33 @@ def test_after_training_trainer_model_is_the_trained_model_and_its_card_sits_bes
         card = (folder / "README.md").read_text()
         assert "datasets:\n- open-r1/OpenR1-Math-220k" in card and "- open-r1\n" in card and "- grpo\n" in card
     assert not (tmp_path / "out" / "README.md").exists()
+
+
+def test_a_model_config_saved_over_the_runs_config_json_leaves_resume_and_compare_working(tmp_path, capsys):
+    """open-r1's trainer.model.config.save_pretrained(output_dir) replaces the run's config.json with the model's:
+    the run's settings stay readable (summary.json keeps them), so treerl compare lists no model fields as
+    settings and a resumed run compares its settings with the run's, not with the model's."""
+    from treerl.learners.compare import compare_runs
+
+    rows = [{"prompt": "Say hi"}] * 2
+    def reward(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    runs = []
+    for name in ("a", "b"):
+        trainer = GRPOTrainer(model="tiny", reward_funcs=reward, train_dataset=rows,
+                              args=small(tmp_path / name, save_steps=1))
+        trainer.train()
+        runs.append(tmp_path / name / "out")
+    trainer.model.config.use_cache = True
+    trainer.model.config.save_pretrained(trainer.args.output_dir)  # open-r1's last lines
+    assert "model_type" in json.loads((runs[1] / "config.json").read_text())
+
+    assert compare_runs(runs)["config_differences"].keys() == {"output_dir"}  # as before the model's config came
+    capsys.readouterr()
+    again = GRPOTrainer(model="tiny", reward_funcs=reward, train_dataset=rows,
+                        args=small(tmp_path / "b", save_steps=1, max_steps=2, temperature=0.5))
+    again.train(resume_from_checkpoint=True)
+    err = capsys.readouterr().err  # the change is compared with the run's settings (the model's have none)
+    assert "resumed from" in err and "temperature 1.0 -> 0.5" in err and "dtype" not in err
+    assert json.loads((runs[1] / "config.json").read_text())["learner"] == "grpo"  # the run's settings again

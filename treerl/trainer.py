@@ -415,7 +415,9 @@ class LearnerTrainer:
         name or directory (a string: the learner loads it when training starts, not before). After it, the
         trained model as a transformers causal LM, loaded from ``output_dir/model`` (what :meth:`save_model`
         copies) on ``args.device`` when first read: ``trainer.model.config`` and ``.generation_config`` are the
-        trained model's."""
+        trained model's. Its ``config.save_pretrained(args.output_dir)`` (open-r1's last lines) replaces the
+        run's ``config.json`` there with the model's; the finished run's settings stay in ``summary.json``, which
+        ``--resume`` and ``treerl compare`` then read (:func:`~treerl.learners.checkpoints.run_settings`)."""
         if self.result is None:
             return self._given_model
         if self._trained_model is None:

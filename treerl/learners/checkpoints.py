@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 __all__ = ["TrainerState", "save_checkpoint", "latest_checkpoint", "resume_checkpoint", "load_checkpoint",
-           "checkpoint_path", "earlier_run", "clear_run", "prune_checkpoints"]
+           "checkpoint_path", "earlier_run", "clear_run", "prune_checkpoints", "run_settings"]
 
 
 @dataclass
@@ -95,6 +95,30 @@ def prune_checkpoints(output_dir: Path, keep: int | None) -> None:
 RUN_FILES = ("metrics.jsonl", "diagnostics.jsonl", "eval_start.json", "summary.json", "reward_extras.jsonl",
              "groups.jsonl", "checkpoints", "trajectories", "plots", "model", "adapter", "tensorboard")
 """What a learner writes into its output directory (config.json aside, rewritten at every start)."""
+
+
+def run_settings(output_dir: Path) -> dict[str, Any] | None:
+    """The settings a run in ``output_dir`` was started with: its ``config.json``, or, where a model's config
+    replaced that (a TRL script's ``trainer.model.config.save_pretrained(output_dir)``), the copy the finished
+    run keeps in ``summary.json``; None when neither holds them.
+
+    >>> import json, tempfile, pathlib
+    >>> out = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (out / "summary.json").write_text(json.dumps({"steps": 2, "config": {"learner": "grpo", "steps": 2}}))
+    >>> _ = (out / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 512}))
+    >>> run_settings(out)
+    {'learner': 'grpo', 'steps': 2}
+    """
+    out = Path(output_dir)
+    for path, key in ((out / "config.json", None), (out / "summary.json", "config")):
+        try:
+            found = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        found = found.get(key) if key is not None and isinstance(found, dict) else found
+        if isinstance(found, dict) and "model_type" not in found:  # every transformers config has model_type
+            return found
+    return None
 
 
 def earlier_run(output_dir: Path) -> list[str]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from treerl.config import field_help
+from treerl.learners.checkpoints import run_settings
 from treerl.learners.plots import RunRecord, read_run, run_names
 from treerl.rollout.summary import format_table
 
@@ -54,8 +55,7 @@ def compare_runs(paths: Sequence[str | os.PathLike], last: int = 5) -> dict[str,
     out: dict[str, Any] = {"last": last, "runs": {}}
     configs = {}
     for run in runs:
-        config_file = run.path / "config.json"
-        configs[run.name] = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        configs[run.name] = run_settings(run.path) or {}  # config.json (or summary.json's copy)
         start, end = run.eval_start, run.eval_end
         out["runs"][run.name] = {
             "path": str(run.path),

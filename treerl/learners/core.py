@@ -67,6 +67,7 @@ from treerl.learners.checkpoints import (
     load_checkpoint,
     prune_checkpoints,
     resume_checkpoint,
+    run_settings,
     save_checkpoint,
 )
 from treerl.learners.config import LearnerConfig
@@ -549,7 +550,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
                               "--output-dir.") from None
         if ranks.is_main:
             print(f"resumed from {ckpt} at step {state.step}", file=sys.stderr)
-            _warn_if_settings_changed(out_dir / "config.json", cfg)
+            _warn_if_settings_changed(run_settings(out_dir), cfg)
             for name in ("metrics.jsonl", "diagnostics.jsonl"):  # the steps the resumed run replays
                 truncate_metrics(out_dir / name, state.step)
     elif cfg.resume and ranks.is_main and (found := earlier_run(out_dir)):
@@ -578,9 +579,9 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     if ranks.is_main:
         # The other ranks write nothing and wait for rank 0 at the first step's collectives.
         print(f"precision: {precision.describe(checkpoint=loaded, weights=checkpoint_dtype(model))}", file=sys.stderr)
-        learner = next((name for name, spec in LEARNERS.items() if type(cfg) is spec.config), None)
+        learner = _learner_name(cfg)
         # Which learner too (treerl compare lists it among the differences of runs).
-        (out_dir / "config.json").write_text(json.dumps({"learner": learner, **cfg.recorded()}, indent=2))
+        (out_dir / "config.json").write_text(json.dumps(_settings(cfg), indent=2))
         if cfg.push_to_hub:  # the repository is created now: a missing token fails before training, not after
             base = cfg.model or getattr(getattr(model, "config", None), "_name_or_path", None)  # (given: its id)
             run.hub = HubPusher.create(cfg, learner=learner, base_model=base)
@@ -612,11 +613,18 @@ _RESUMABLE_CHANGES = frozenset({"steps", "resume", "progress", "save_every", "sa
                                 "hub_private_repo"})
 
 
-def _warn_if_settings_changed(saved: Path, cfg: LearnerConfig) -> None:
-    """Say which settings differ from those the resumed run was started with (its config.json)."""
-    try:
-        before = json.loads(saved.read_text())
-    except (OSError, ValueError):
+def _learner_name(cfg: LearnerConfig) -> str | None:
+    return next((name for name, spec in LEARNERS.items() if type(cfg) is spec.config), None)
+
+
+def _settings(cfg: LearnerConfig) -> dict[str, Any]:
+    """The run's settings as config.json records them: which learner, and its options."""
+    return {"learner": _learner_name(cfg), **cfg.recorded()}
+
+
+def _warn_if_settings_changed(before: dict[str, Any] | None, cfg: LearnerConfig) -> None:
+    """Say which settings differ from those the resumed run was started with (``before``: its config.json)."""
+    if before is None:
         return
     now = json.loads(json.dumps(cfg.recorded(), default=str))
     changed = [k for k, v in now.items() if k in before and k not in _RESUMABLE_CHANGES and before[k] != v]
@@ -753,8 +761,9 @@ def finish(run: Run) -> TrainResult:
         if eval_end is None and cfg.eval_episodes > 0:
             eval_end = evaluate_policy(cfg, run.policy, run.tokenizer, run.eval_env_factory or run.env_factory,
                                        env_id=run.env_id)
+        # The settings too: a TRL script may save a model's config.json over the run's (see run_settings).
         result = {"steps": cfg.steps, "policy_version": run.sync.version, "eval_start": run.eval_start,
-                  "eval_end": eval_end, "model_dir": str(model_dir)}
+                  "eval_end": eval_end, "model_dir": str(model_dir), "config": _settings(cfg)}
         (run.out_dir / "summary.json").write_text(json.dumps(result, indent=2))
         _write_plots(run.out_dir)
         if run.hub is not None:
