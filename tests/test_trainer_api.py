@@ -646,3 +646,51 @@ def test_a_model_config_saved_over_the_runs_config_json_leaves_resume_and_compar
     err = capsys.readouterr().err  # the change is compared with the run's settings (the model's have none)
     assert "resumed from" in err and "temperature 1.0 -> 0.5" in err and "dtype" not in err
     assert json.loads((runs[1] / "config.json").read_text())["learner"] == "grpo"  # the run's settings again
+
+
+def test_open_r1s_grpo_script_runs_to_its_end(tmp_path, monkeypatch, capsys):
+    """The end of open-r1's grpo.py, line for line after GRPOTrainer(...), with do_eval and push_to_hub on."""
+    from _helpers import FakeHub
+
+    hub = FakeHub(owner="me").install(monkeypatch)
+    train_dataset = [{"prompt": f"What is {i} + {i}?"} for i in range(4)]
+    eval_dataset = train_dataset[:2]
+
+    def reward_len(completions, **kwargs):
+        return [-abs(20 - len(completion)) for completion in completions]
+
+    training_args = small(tmp_path, max_steps=2, do_eval=True, push_to_hub=True, hub_model_id="me/tiny-r1")
+    do_eval = True  # open-r1 reads training_args.do_eval, which GRPOConfig takes but does not keep
+    trainer = GRPOTrainer(model="tiny", reward_funcs=[reward_len], args=training_args, train_dataset=train_dataset,
+                          eval_dataset=eval_dataset)
+    checkpoint = None
+    # -- open-r1's grpo.py from here ----------------------------------------------------------------------------
+    train_result = trainer.train(resume_from_checkpoint=checkpoint)
+    metrics = train_result.metrics
+    metrics["train_samples"] = len(train_dataset)
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
+    trainer.save_model(training_args.output_dir)
+    if trainer.accelerator.is_main_process:
+        trainer.create_model_card(dataset_name="open-r1/OpenR1-Math-220k", tags=["open-r1"])
+        trainer.model.config.use_cache = True
+        trainer.model.config.save_pretrained(training_args.output_dir)
+    if do_eval:
+        metrics = trainer.evaluate()
+        metrics["eval_samples"] = len(eval_dataset)
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name="open-r1/OpenR1-Math-220k", tags=["open-r1"])
+    # -- to here ------------------------------------------------------------------------------------------------
+    out = tmp_path / "out"
+    printed = capsys.readouterr().out
+    assert "***** train metrics *****" in printed and "***** eval metrics *****" in printed
+    results = json.loads((out / "all_results.json").read_text())
+    assert results["train_samples"] == 4 and results["eval_samples"] == 2 and results["eval_reward"] <= 0
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 2
+    assert changed(out / "model") and json.loads((out / "config.json").read_text())["use_cache"] is True
+    assert json.loads((out / "summary.json").read_text())["config"]["env"] == "GRPOTrainer.train_dataset"
+    assert hub.uploads[-1]["repo_id"] == "me/tiny-r1" and "- open-r1\n" in hub.uploads[-1]["card"]
+    assert "open-r1/OpenR1-Math-220k" in (out / "model" / "README.md").read_text()

@@ -528,7 +528,10 @@ class GRPOTrainer(LearnerTrainer):
     ``model`` is a model directory, a cached Hub id or a shipped model name (``"tiny"``), or a loaded
     causal LM (its tokenizer then comes from ``processing_class``, else from where the model was loaded
     from). See the module docstring for what each argument maps to; :meth:`train` returns
-    :class:`~treerl.learners.core.TrainResult` (``output_dir``, ``steps``, ``model_dir``, ...).
+    :class:`TrainerResult`: treerl's ``output_dir``, ``steps``, ``model_dir``, ... and TRL's ``metrics``,
+    ``global_step`` and ``training_loss``. What TRL scripts call after training is here too: ``log_metrics``,
+    ``save_metrics``, ``save_state``, ``save_model``, ``create_model_card``, ``evaluate``, ``push_to_hub``,
+    ``accelerator.is_main_process`` and ``model`` (the trained model once trained).
     """
 
 
