@@ -660,7 +660,6 @@ def test_open_r1s_grpo_script_runs_to_its_end(tmp_path, monkeypatch, capsys):
         return [-abs(20 - len(completion)) for completion in completions]
 
     training_args = small(tmp_path, max_steps=2, do_eval=True, push_to_hub=True, hub_model_id="me/tiny-r1")
-    do_eval = True  # open-r1 reads training_args.do_eval, which GRPOConfig takes but does not keep
     trainer = GRPOTrainer(model="tiny", reward_funcs=[reward_len], args=training_args, train_dataset=train_dataset,
                           eval_dataset=eval_dataset)
     checkpoint = None
@@ -676,7 +675,7 @@ def test_open_r1s_grpo_script_runs_to_its_end(tmp_path, monkeypatch, capsys):
         trainer.create_model_card(dataset_name="open-r1/OpenR1-Math-220k", tags=["open-r1"])
         trainer.model.config.use_cache = True
         trainer.model.config.save_pretrained(training_args.output_dir)
-    if do_eval:
+    if training_args.do_eval:
         metrics = trainer.evaluate()
         metrics["eval_samples"] = len(eval_dataset)
         trainer.log_metrics("eval", metrics)

@@ -164,8 +164,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "eval_steps": (int | float, "TRL's, with --eval-strategy steps: optimizer steps (below 1: that fraction of "
                                     "the run's, rounded up; default: logging_steps, TRL's 10); eval_every = "
                                     "eval_steps / num_iterations."),
-        "do_eval": (bool, "TRL's: changes nothing (transformers' Trainer does not read it either); evaluation "
-                          "during training is --eval-strategy steps."),
         "per_device_eval_batch_size": (int, "TRL's: changes nothing; the held-out episodes play --max-concurrency at "
                                             "a time."),
     }
@@ -275,6 +273,9 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                     "eval_steps; 0: only at the start and the end).")
     eval_on_start: bool = field_help(True, "Evaluate before the first step (TRL's eval_on_start, whose default is "
                                            "False); with eval_every, also logged as step 0 of metrics.jsonl.")
+    do_eval: bool = field_help(False, "TRL's: changes nothing, as in transformers' Trainer, which does not read it "
+                                      "either; kept for scripts that read it (open-r1's `if training_args.do_eval:` "
+                                      "then calls trainer.evaluate()).")
     save_every: int = field_help(0, "Checkpoint every N steps (0: only at the end).")
     save_total_limit: int | None = field_help(None, "Keep only the N latest checkpoints, removing older ones as "
                                                     "new ones are written (default: keep all).")
@@ -601,8 +602,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     def _translate_eval_strategy(cls, values: dict[str, Any]) -> None:
         """TRL's evaluation options in ``values``, in place: ``eval_strategy="steps"`` keeps ``eval_steps`` (default:
         ``logging_steps``, as transformers' Trainer) for :meth:`translate_options` to turn into ``eval_every``;
-        ``"no"`` drops it, as TRL ignores it then; ``do_eval`` and ``per_device_eval_batch_size`` change nothing."""
-        values.pop("do_eval", None)  # transformers' Trainer does not read it either
+        ``"no"`` drops it, as TRL ignores it then; ``per_device_eval_batch_size`` changes nothing."""
         if "eval_steps" in values and values["eval_steps"] is None:  # TRL's default: logging_steps decides
             del values["eval_steps"]
         if values.get("per_device_eval_batch_size", 8) != 8:  # TRL's default is said nothing about
