@@ -164,7 +164,10 @@ def test_config_errors_name_the_field_and_the_fix(tmp_path):
 # -- end to end -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("transport", ["file", pytest.param("broadcast", marks=pytest.mark.slow)])
+# Two learners' runs side by side, one with generator processes: 15 s a transport (the default run keeps
+# test_async_learner_end_to_end).
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["file", "broadcast"])
 def test_max_staleness_0_with_one_generator_is_synchronous_grpo(tmp_path, transport):
     """The same groups, the same weights, so the same update as `train`: checked to 1e-5 after 3 steps
     (with the weights reaching the generator as a file, or by gloo broadcast: slow, a second run)."""

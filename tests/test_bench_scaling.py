@@ -41,6 +41,7 @@ def test_episodes_are_the_rendered_conversation():
     assert int(batch["num_items_in_batch"]) == counts["sampled_tokens"]
 
 
+@pytest.mark.slow  # a benchmark run end to end: about 8 s
 def test_one_small_point_of_each_axis_end_to_end(tmp_path, monkeypatch):
     base = _scaling.Point(prompt=256, group=2, turns=1, model="1.7M")
     monkeypatch.setattr(bench_scaling, "BASE", base)
@@ -71,6 +72,7 @@ def test_one_small_point_of_each_axis_end_to_end(tmp_path, monkeypatch):
     assert figure.stat().st_size > 10_000
 
 
+@pytest.mark.slow  # a child process training a step: about 8 s
 def test_child_process_measures_a_step_peak():
     args = argparse.Namespace(device="cpu", warmup=0, repeats=1, threads=1)
     point = _scaling.Point(prompt=256, group=4, turns=2, model="6M")

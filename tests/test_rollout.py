@@ -300,6 +300,7 @@ def _cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "treerl.cli", *args], capture_output=True, text=True, **kwargs)
 
 
+@pytest.mark.slow  # five CLI processes, each importing torch: about 14 s
 def test_rollout_cli_bad_input_exits_with_a_message(tmp_path):
     r = _cli("rollout", "--env", "treerl/Calculater-v0", "--out", str(tmp_path / "x.jsonl"))
     assert r.returncode != 0 and "Calculator-v0" in r.stderr

@@ -73,7 +73,8 @@ def test_a_trl_async_grpo_script_trains_with_only_its_import_changed(tmp_path):
     assert metrics["eval_rewards/odd_length/mean"] == metrics["eval_reward"]  # eval_strategy="steps": eval_dataset's
 
 
-@pytest.mark.parametrize("trainer", [GRPOTrainer, SDPOTrainer, AsyncGRPOTrainer])
+@pytest.mark.parametrize("trainer", [GRPOTrainer, SDPOTrainer,
+                                     pytest.param(AsyncGRPOTrainer, marks=pytest.mark.slow)])  # its processes: 9 s
 def test_mask_truncated_completions_trains_on_no_episode_a_token_limit_cut(tmp_path, trainer):
     """TRL's mask_truncated_completions, in the three learners (they share GRPO's packing): FAST's 8-token
     replies are all cut at max_new_tokens, so neither the policy loss nor SDPO's distillation trains on anything
