@@ -156,3 +156,23 @@ def test_eval_shows_its_progress(capsys):
     assert main(["eval", "--num-episodes", "2", "--max-new-tokens", "8"]) == 0
     assert "eval: 100%" in capsys.readouterr().err  # a bar of finished tasks, as rollout and learn show
     assert EvalConfig(progress=False).progress is False  # --progress false
+
+
+def test_a_learners_evaluation_keeps_its_completion_budget(tmp_path):
+    """A learner's held-out evaluation (and GRPOTrainer.evaluate) generates as its training does: TRL's
+    max_completion_length bounds each episode's completion there too, not only --max-new-tokens."""
+    from treerl.learners.grpo import GRPOConfig
+
+    _, tok = load_default_model()
+    call = get_parser("hermes").render([ToolCall("calculator", {"expression": "1 + 1"})])
+    policy = _RecordingPolicy(tok, lambda task, g, turn: call, end_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    seen = []
+    generate = policy.generate
+    policy.generate = lambda requests: seen.extend(requests) or generate(requests)
+    cfg = GRPOConfig(output_dir=str(tmp_path), max_completion_length=60, max_new_tokens=200, max_episode_tokens=2048)
+    evaluate_with(cfg, policy, tok, num_episodes=2, seed=0)
+    first = {}
+    for session, request in zip(policy.sessions, seen):
+        prompt = first.setdefault(session, len(request.prompt_ids))
+        assert len(request.prompt_ids) - prompt + request.params.max_new_tokens <= 60
+    assert any(len(r.prompt_ids) > first[s] for s, r in zip(policy.sessions, seen))  # a later turn was played

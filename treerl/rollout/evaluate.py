@@ -172,7 +172,8 @@ async def aevaluate(env_factory: Callable[[], Any], policy: Policy, tokenizer: A
                     max_concurrency: int = 32, max_episode_tokens: int = 2048, max_episode_seconds: float = 300.0,
                     success_threshold: float = 1.0, chat_template: str | None = None,
                     lockstep: bool = False, rollouts_per_task: int = 1, reward_funcs: Sequence[RewardFunc] = (),
-                    reward_weights: Sequence[float] | None = None, progress: bool = False) -> EvalReport:
+                    reward_weights: Sequence[float] | None = None, progress: bool = False,
+                    max_completion_tokens: int | None = None) -> EvalReport:
     """Play ``num_episodes`` tasks (seeds ``seed..seed+N-1``) ``rollouts_per_task`` times each, concurrently;
     see :func:`evaluate`.
 
@@ -181,14 +182,15 @@ async def aevaluate(env_factory: Callable[[], Any], policy: Policy, tokenizer: A
     ``reward_funcs`` (TRL's signature) are scored as in ``treerl learn``, weighted by
     ``reward_weights`` (the environment's first; default all 1); their ``trainer_state`` is TRL's before
     training, ``global_step`` and ``max_steps`` 0 (no step is taken here). ``progress`` shows a bar of
-    finished tasks on stderr.
+    finished tasks on stderr. ``max_completion_tokens`` bounds each episode's completion (the engine's; TRL's
+    ``max_completion_length``).
     """
     weights = check_reward_weights(reward_funcs, reward_weights)
     num_episodes = _at_most_one_per_row(env_factory, num_episodes, rollouts_per_task)
     engine = RolloutEngine(policy, tokenizer, params=params or SamplingParams(max_new_tokens=96),
                            max_concurrency=max_concurrency, max_episode_tokens=max_episode_tokens,
                            max_episode_seconds=max_episode_seconds, seed=seed, chat_template=chat_template,
-                           lockstep=lockstep)
+                           lockstep=lockstep, max_completion_tokens=max_completion_tokens)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -325,7 +327,8 @@ def evaluate_with(cfg: EpisodeOptions, policy: Policy, tokenizer: Any, *, num_ep
     ``env_factory`` replaces the one ``cfg`` describes (a learner given its own factory), and
     ``env_id`` then names it (default: ``cfg.env``). ``rollouts_per_task``, ``reward_funcs`` and
     ``reward_weights`` are :func:`aevaluate`'s (``cfg``'s own are not read: a learner's held-out
-    evaluation plays each task once, on the environment's reward).
+    evaluation plays each task once, on the environment's reward). A learner's ``max_completion_length``
+    (TRL's) bounds each episode's completion, as in its training.
     """
     return run_until_done(aevaluate(
         env_factory or cfg.env_factory(), policy, tokenizer, env_id=env_id or cfg.env, num_episodes=num_episodes, seed=seed,
@@ -334,4 +337,5 @@ def evaluate_with(cfg: EpisodeOptions, policy: Policy, tokenizer: Any, *, num_ep
         success_threshold=success_threshold, chat_template=resolve_chat_template(cfg.chat_template, tokenizer),
         lockstep=cfg.lockstep, rollouts_per_task=rollouts_per_task, reward_funcs=reward_funcs,
         reward_weights=reward_weights, progress=progress,
+        max_completion_tokens=getattr(cfg, "max_completion_length", None),
     ))
