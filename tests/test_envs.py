@@ -699,6 +699,7 @@ def test_check_env_catches_episode_metrics_that_raise_on_an_episode_without_a_fi
         check_env(Counting(tools=[ping]), gymnasium_checks=False)  # with a tool, call markup can be malformed
 
 
+@pytest.mark.slow  # a treerl envs process: about 6 s
 def test_example_custom_env_is_listed_by_treerl_envs():
     out = subprocess.run(
         [sys.executable, "-m", "treerl.cli", "envs", "--json", "--import", EXAMPLE],

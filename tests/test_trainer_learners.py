@@ -54,6 +54,7 @@ def test_a_trl_sdpo_script_trains_with_only_its_import_changed(tmp_path):
     assert metrics["eval_rewards/odd_length/mean"] == metrics["eval_reward"]  # eval_strategy="steps": eval_dataset's
 
 
+@pytest.mark.slow  # generator processes: about 9 s
 def test_a_trl_async_grpo_script_trains_with_only_its_import_changed(tmp_path):
     args = AsyncGRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, num_generations=2,
                            per_device_train_batch_size=4, max_staleness=0, heartbeat_stale_after_s=120.0,
@@ -188,6 +189,7 @@ def test_a_flag_overrides_the_config_files_token_budget_and_back(tmp_path):
     assert cfg("max_tokens_per_row: 2048\n", "--token-budget", "3072").max_tokens_per_row == 3072
 
 
+@pytest.mark.slow  # a script run in a child process: about 7 s
 def test_an_async_script_without_a_main_guard_is_told_to_add_one(tmp_path):
     """TRL's AsyncGRPOTrainer example trains at the script's top level (its rollouts run in a thread); here the
     generators are spawned processes that import the script again, so that is refused before any starts, with
