@@ -83,7 +83,7 @@ import torch.distributed as dist
 
 from treerl.envs.builtin.math_verify import load_rows
 from treerl.envs.prompts import EnvironmentInstances, PromptEnv, environment_tools
-from treerl.learners.checkpoints import latest_checkpoint
+from treerl.learners.checkpoints import checkpoint_step, latest_checkpoint
 from treerl.learners.core import LEARNERS, TrainResult
 from treerl.learners.async_grpo import AsyncGRPOConfig, train_async
 from treerl.learners.grpo import GRPOConfig, train
@@ -279,7 +279,7 @@ class LearnerTrainer:
         cfg = dataclasses.replace(self.args, resume=True) if resume_from_checkpoint else self.args
         # The step this call starts from: a resumed run's checkpoint (its earlier steps are not this call's).
         ckpt = latest_checkpoint(Path(cfg.output_dir)) if cfg.resume else None
-        first_step = int(ckpt.name.split("-", 1)[1]) if ckpt is not None else 0
+        first_step = checkpoint_step(ckpt) if ckpt is not None else 0
         model, tokenizer = self._model_and_tokenizer()
         callbacks = [c for c in self.callbacks if not hasattr(c, "on_log")]
         trainer_callbacks = [c for c in self.callbacks if hasattr(c, "on_log")]

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["TrainerState", "save_checkpoint", "latest_checkpoint", "resume_checkpoint", "load_checkpoint",
-           "checkpoint_path", "earlier_run", "clear_run", "prune_checkpoints", "run_settings"]
+__all__ = ["TrainerState", "save_checkpoint", "checkpoint_step", "latest_checkpoint", "resume_checkpoint",
+           "load_checkpoint", "checkpoint_path", "earlier_run", "clear_run", "prune_checkpoints", "run_settings"]
 
 
 @dataclass
@@ -66,11 +66,22 @@ def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     tmp.rename(path)  # a checkpoint directory either exists whole or not at all
 
 
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    """The checkpoint of the highest step in ``output_dir``, or None (unfinished ``.tmp`` ones are ignored)."""
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint directory (``step-N``, :func:`checkpoint_path`) was written after."""
+    return int(Path(path).name.split("-", 1)[1])
+
+
+def _checkpoints(output_dir: Path) -> list[Path]:
+    """``output_dir``'s checkpoints by step, lowest first (unfinished ``.tmp`` ones are ignored)."""
     ckpts = [p for p in (Path(output_dir) / "checkpoints").glob("step-*")
              if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
-    return max(ckpts, key=lambda p: int(p.name.split("-", 1)[1])) if ckpts else None
+    return sorted(ckpts, key=checkpoint_step)
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    """The checkpoint of the highest step in ``output_dir``, or None (unfinished ``.tmp`` ones are ignored)."""
+    ckpts = _checkpoints(output_dir)
+    return ckpts[-1] if ckpts else None
 
 
 def prune_checkpoints(output_dir: Path, keep: int | None) -> None:
@@ -86,8 +97,7 @@ def prune_checkpoints(output_dir: Path, keep: int | None) -> None:
     """
     if keep is None:
         return
-    ckpts = sorted((p for p in (Path(output_dir) / "checkpoints").glob("step-*")
-                    if p.is_dir() and p.name.split("-", 1)[1].isdigit()), key=lambda p: int(p.name.split("-", 1)[1]))
+    ckpts = _checkpoints(output_dir)
     for path in ckpts[:max(len(ckpts) - keep, 0)]:
         shutil.rmtree(path)
 
