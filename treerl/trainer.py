@@ -84,7 +84,7 @@ import torch.distributed as dist
 from treerl.envs.builtin.math_verify import load_rows
 from treerl.envs.prompts import EnvironmentInstances, PromptEnv, environment_tools
 from treerl.learners.checkpoints import checkpoint_step, latest_checkpoint
-from treerl.learners.core import LEARNERS, TrainResult
+from treerl.learners.core import TrainResult, learner_name
 from treerl.learners.async_grpo import AsyncGRPOConfig, train_async
 from treerl.learners.grpo import GRPOConfig, train
 from treerl.learners.sdpo import SDPOConfig
@@ -448,8 +448,7 @@ class LearnerTrainer:
 
         given = self._given_model
         base = given if isinstance(given, str) else getattr(getattr(given, "config", None), "_name_or_path", None)
-        learner = next((name for name, spec in LEARNERS.items() if spec.config is self.config), None)
-        write_model_card(folder, repo_id, base_model=base, learner=learner, steps=self.result.steps,
+        write_model_card(folder, repo_id, base_model=base, learner=learner_name(self.args), steps=self.result.steps,
                          model_name=model_name, dataset_name=dataset_name,
                          tags=[tags] if isinstance(tags, str) else list(tags or ()))
 

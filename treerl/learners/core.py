@@ -98,7 +98,7 @@ from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group
 
 __all__ = ["Run", "TrainResult", "build", "finish", "make_optimizer", "make_scheduler", "OptimizerSpec",
-           "StepCallback", "Evaluator", "LearnerSpec", "LEARNERS", "register_learner"]
+           "StepCallback", "Evaluator", "LearnerSpec", "LEARNERS", "register_learner", "learner_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -579,7 +579,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     if ranks.is_main:
         # The other ranks write nothing and wait for rank 0 at the first step's collectives.
         print(f"precision: {precision.describe(checkpoint=loaded, weights=checkpoint_dtype(model))}", file=sys.stderr)
-        learner = _learner_name(cfg)
+        learner = learner_name(cfg)
         # Which learner too (treerl compare lists it among the differences of runs).
         (out_dir / "config.json").write_text(json.dumps(_settings(cfg), indent=2))
         if cfg.push_to_hub:  # the repository is created now: a missing token fails before training, not after
@@ -613,13 +613,14 @@ _RESUMABLE_CHANGES = frozenset({"steps", "resume", "progress", "save_every", "sa
                                 "hub_private_repo"})
 
 
-def _learner_name(cfg: LearnerConfig) -> str | None:
+def learner_name(cfg: LearnerConfig) -> str | None:
+    """The registered name of the learner whose config ``cfg`` is (``grpo``, ``sdpo``, ...), or None."""
     return next((name for name, spec in LEARNERS.items() if type(cfg) is spec.config), None)
 
 
 def _settings(cfg: LearnerConfig) -> dict[str, Any]:
     """The run's settings as config.json records them: which learner, and its options."""
-    return {"learner": _learner_name(cfg), **cfg.recorded()}
+    return {"learner": learner_name(cfg), **cfg.recorded()}
 
 
 def _warn_if_settings_changed(before: dict[str, Any] | None, cfg: LearnerConfig) -> None:
@@ -630,8 +631,9 @@ def _warn_if_settings_changed(before: dict[str, Any] | None, cfg: LearnerConfig)
     changed = [k for k, v in now.items() if k in before and k not in _RESUMABLE_CHANGES and before[k] != v]
     said = {k: f"{k} {before[k]!r} -> {now[k]!r}" for k in changed}
     # The checkpoint's optimizer comes back with its own learning rate and AdamW settings (as transformers' does).
-    held = [said[k] for k in changed if k in ("learning_rate", *ADAMW_OPTIONS)]
-    others = [said[k] for k in changed if k not in ("learning_rate", *ADAMW_OPTIONS)]
+    optimizer = {"learning_rate", *ADAMW_OPTIONS}
+    held = [said[k] for k in changed if k in optimizer]
+    others = [said[k] for k in changed if k not in optimizer]
     if others:
         print(f"warning: resuming with settings that differ from the run's: {'; '.join(others)} (config.json "
               "will record the new ones)", file=sys.stderr)
