@@ -35,14 +35,13 @@ then maps each name to its environment's keyword arguments, and ``weights`` to t
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from treerl.envs.core import Env, ValidationReport
-from treerl.envs.task_order import shuffled_index
+from treerl.envs.task_order import shuffled_index, task_options
 from treerl.envs.tools import Tool
 from treerl.errors import EnvError
 
@@ -147,16 +146,8 @@ class EnvGroup(Env):
         member = self.envs[name]
         j = list(self.envs).index(name)
         local = (index // period) * self._counts[j] + self._ordinal[index % period]  # how many earlier tasks it had
-        hook = getattr(member, "task_options", None)
-        dataset = getattr(member, "dataset", None)
-        if callable(hook):
-            nested = shuffle_seed is not None and not mixed and "shuffle_seed" in inspect.signature(hook).parameters
-            own = (hook(local, shuffle_seed=shuffle_seed) if nested else hook(local)) or {}
-        elif dataset is not None:
-            row = local if mixed or shuffle_seed is None else shuffled_index(local, len(dataset), shuffle_seed)
-            own = {"task_index": row % len(dataset)}
-        else:
-            own = {}
+        # The member's task ``local``: a mixed dataset's rows are shuffled above, a member's own over its passes.
+        own = task_options(member, local, None if mixed else shuffle_seed) or {}
         return {"env": name, **own}
 
     def num_distinct_tasks(self) -> int | None:

@@ -18,11 +18,13 @@ so a pass is ``N - N mod B`` tasks and a step never spans two passes.
 
 from __future__ import annotations
 
+import inspect
 import threading
+from typing import Any
 
 import torch
 
-__all__ = ["shuffled_index"]
+__all__ = ["shuffled_index", "task_options"]
 
 _passes: dict[tuple[int, int], _Passes] = {}
 _lock = threading.Lock()
@@ -77,3 +79,23 @@ class _Passes:
         self.recent = {latest: self.recent[latest]} if latest is not None else {}
         self.recent[epoch] = perm
         return perm
+
+
+def task_options(env: Any, index: int, shuffle_seed: int | None = None,
+                 batch_size: int = 1) -> dict[str, Any] | None:
+    """Reset options that pick task ``index``: the environment's own ``task_options(index)`` where it has
+    one (an :class:`~treerl.envs.group.EnvGroup` names the member), else a dataset-backed one's row by index.
+    With ``shuffle_seed``, each pass over a dataset plays its rows in an order of its own, whole batches of
+    ``batch_size`` tasks (:func:`shuffled_index`); a hook of one's own shuffles only if it takes
+    ``shuffle_seed`` (and gets ``batch_size`` if it takes that too)."""
+    hook = getattr(env, "task_options", None)
+    if callable(hook):
+        if shuffle_seed is not None and "shuffle_seed" in (takes := inspect.signature(hook).parameters):
+            return hook(index, shuffle_seed=shuffle_seed, **({"batch_size": batch_size} if "batch_size" in takes
+                                                             else {}))
+        return hook(index)
+    dataset = getattr(env, "dataset", None)
+    if dataset is None:
+        return None
+    return {"task_index": (shuffled_index(index, len(dataset), shuffle_seed, batch_size) if shuffle_seed is not None
+                           else index) % len(dataset)}

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import inspect
 import logging
 import math
 import time
@@ -39,7 +38,7 @@ import numpy as np
 from treerl.agents.chat import ChatRenderer, RenderError
 from treerl.agents.policy import Policy, SamplingParams
 from treerl.envs.loops import run_with_limit
-from treerl.envs.task_order import shuffled_index
+from treerl.envs.task_order import task_options
 from treerl.errors import EnvError
 from treerl.rollout.episode import (
     EpisodeState,
@@ -57,26 +56,6 @@ from treerl.rollout.trajectory import Group, GroupWriter
 __all__ = ["RolloutEngine", "task_options"]
 
 logger = logging.getLogger(__name__)
-
-
-def task_options(env: Any, index: int, shuffle_seed: int | None = None,
-                 batch_size: int = 1) -> dict[str, Any] | None:
-    """Reset options that pick task ``index``: the environment's own ``task_options(index)`` where it has
-    one (an :class:`~treerl.envs.group.EnvGroup` names the member), else a dataset-backed one's row by index.
-    With ``shuffle_seed``, each pass over a dataset plays its rows in an order of its own, whole batches of
-    ``batch_size`` tasks (:mod:`~treerl.envs.task_order`); a hook of one's own shuffles only if it takes
-    ``shuffle_seed`` (and gets ``batch_size`` if it takes that too)."""
-    hook = getattr(env, "task_options", None)
-    if callable(hook):
-        if shuffle_seed is not None and "shuffle_seed" in (takes := inspect.signature(hook).parameters):
-            return hook(index, shuffle_seed=shuffle_seed, **({"batch_size": batch_size} if "batch_size" in takes
-                                                             else {}))
-        return hook(index)
-    dataset = getattr(env, "dataset", None)
-    if dataset is None:
-        return None
-    return {"task_index": (shuffled_index(index, len(dataset), shuffle_seed, batch_size) if shuffle_seed is not None
-                           else index) % len(dataset)}
 
 
 def request_seed(*parts: int) -> int:
