@@ -81,6 +81,8 @@ CASES = [
     ("report-to-unknown", [*LEARN, "--report-to", "mlflow"], None, "report_to='mlflow'"),
     ("eval-episodes-negative", [*LEARN, "--eval-episodes", "-1"], None,
      "eval_episodes, eval_every and save_every must be >= 0"),
+    ("num-generations-eval-0", [*LEARN, "--num-generations-eval", "0"], None, "num_generations_eval=0 must be >= 1"),
+    ("yaml-num-generations-eval-negative", LEARN, "num_generations_eval: -2\n", "num_generations_eval=-2 must be >= 1"),
     ("import-missing", [*LEARN, "--import", "{tmp}/none.py"], None, "no such file"),
     ("no-output-dir", ["learn"], None, "output_dir is required"),
     ("rollout-no-out", ["rollout"], None, "--out is required"),

@@ -259,9 +259,14 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                                "reward (ToolEnv environments; success is unchanged): a reply of "
                                                "many broken calls costs more than one. The held-out evaluation "
                                                "keeps the environment's own setting; a value in env_kwargs wins.")
-    eval_episodes: int = field_help(64, "Held-out episodes evaluated at the start and the end, and every eval_every "
-                                        "steps (0 skips).")
+    eval_episodes: int = field_help(64, "Held-out tasks evaluated at the start and the end, and every eval_every "
+                                        "steps, each played num_generations_eval times (0 skips).")
     eval_seed: int = field_help(10_000, "First seed of the held-out tasks (training uses seed + i).")
+    num_generations_eval: int | None = field_help(None, "Episodes per evaluation task, played as one group sharing "
+                                                        "the prompt (TRL's): the held-out evaluation plays each of "
+                                                        "its eval_episodes tasks this many times (default 1; above "
+                                                        "1 it adds pass@k), treerl.GRPOTrainer each eval_dataset "
+                                                        "row (default: group_size, TRL's num_generations).")
     eval_env_kwargs: dict[str, Any] = field_help(
         help='The held-out evaluation\'s environment keyword arguments, merged over env_kwargs (a group\'s: each '
              'environment\'s over its own), e.g. \'{"data_path": "test.jsonl"}\' (default: the training environment, '
@@ -423,6 +428,10 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ValueError(f"save_total_limit={self.save_total_limit} must be >= 1 (the latest checkpoint is what "
                              "--resume continues from); leave it unset to keep all.")
+        if self.num_generations_eval is not None and (isinstance(self.num_generations_eval, bool)
+                                                      or self.num_generations_eval < 1):
+            raise ValueError(f"num_generations_eval={self.num_generations_eval!r} must be >= 1: the episodes each "
+                             "evaluation task is played (unset: TRL's num_generations in GRPOTrainer, 1 in learn).")
         if self.eval_episodes < 0 or self.save_every < 0 or self.eval_every < 0:
             raise ValueError("eval_episodes, eval_every and save_every must be >= 0 (0 skips evaluation / "
                              "evaluation during training / intermediate checkpoints).")

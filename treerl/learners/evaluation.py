@@ -1,8 +1,10 @@
 """Held-out evaluation at the start and the end of a run, and every ``eval_every`` steps, through the rollout engine.
 
 ``eval_episodes`` tasks from seed ``eval_seed`` on (kept apart from the training tasks),
-each played once at ``eval_temperature`` with the run's environment and limits; the figures
-are :meth:`~treerl.rollout.summary.RolloutStats.summary`'s. The start is written to
+each played ``num_generations_eval`` times (default once; TRL's name), as one group sharing the
+prompt, at ``eval_temperature`` with the run's environment and limits; the figures are
+:meth:`~treerl.rollout.summary.RolloutStats.summary`'s, over all the episodes, with ``pass@k``
+when a task is played more than once. The start is written to
 ``eval_start.json`` so that a resumed run reports it without evaluating again; the evaluations
 of ``eval_every`` are logged with their step as :func:`eval_metrics`.
 """
@@ -25,7 +27,8 @@ def evaluate_policy(cfg: LearnerConfig, policy: Policy, tokenizer: Any, env_fact
                     env_id: str = "") -> dict:
     """The held-out figures of ``policy`` now (``env_id``: what they call the environment; default ``cfg.env``)."""
     report = evaluate_with(cfg, policy, tokenizer, num_episodes=cfg.eval_episodes, seed=cfg.eval_seed,
-                           env_factory=env_factory, env_id=env_id, temperature=cfg.eval_temperature)
+                           env_factory=env_factory, env_id=env_id, rollouts_per_task=cfg.num_generations_eval or 1,
+                           temperature=cfg.eval_temperature)
     return report.summary()
 
 
