@@ -52,7 +52,8 @@ def test_a_trl_script_trains_with_only_its_import_changed(tmp_path):
     for m in metrics:  # the reward trained on is the function's alone (the environment's weight is 0)
         assert m["reward/mean"] == pytest.approx(m["reward_fn/reward_len_mean"])
     figures = trainer.evaluate()
-    assert set(figures) == {"eval_reward", "eval_reward_std", "eval_rewards/reward_len/mean"}
+    assert set(figures) == {"eval_reward", "eval_reward_std", "eval_rewards/reward_len/mean",
+                            "eval_rewards/reward_len/std", "eval_frac_reward_zero_std"}
     assert figures["eval_reward"] == pytest.approx(figures["eval_rewards/reward_len/mean"])
     assert figures["eval_reward"] <= 0  # -|20 - length|
     trainer.save_model(str(tmp_path / "saved"))
@@ -250,7 +251,8 @@ def test_eval_strategy_steps_scores_the_eval_dataset_during_training_as_evaluate
                           callbacks=[calls])
     trainer.train()
 
-    names = ["eval_reward", "eval_reward_std", "eval_rewards/reward_len/mean"]
+    names = sorted(["eval_reward", "eval_reward_std", "eval_rewards/reward_len/mean", "eval_rewards/reward_len/std",
+                    "eval_frac_reward_zero_std"])
     lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1, 2]  # 2 steps of 2 optimizer steps, evaluated after each
     for m in lines:
@@ -387,7 +389,8 @@ def test_an_environment_factory_plays_a_fresh_object_per_episode_with_its_tools_
     assert trainer.args.reward_weights == [0.0, 1.0, 1.0]
     figures = trainer.evaluate(rows[:1])
     assert set(figures) == {"eval_reward", "eval_reward_std", "eval_rewards/format_reward/mean",
-                            "eval_rewards/CalculatorEnv/mean"}
+                            "eval_rewards/CalculatorEnv/mean", "eval_rewards/format_reward/std",
+                            "eval_rewards/CalculatorEnv/std", "eval_frac_reward_zero_std"}
 
 
 def test_a_dict_environment_factory_routes_each_row_to_its_environment(tmp_path):

@@ -43,7 +43,8 @@ What maps, and how:
   cannot be copied mid-episode.
 - ``peft_config`` (a peft ``LoraConfig``) sets ``lora_r``, ``lora_alpha``, ``lora_dropout`` and
   ``lora_target_modules``; any other setting of it is refused by name.
-- ``eval_dataset`` is what :meth:`GRPOTrainer.evaluate` scores, with the reward functions, sampling at
+- ``eval_dataset`` is what :meth:`GRPOTrainer.evaluate` scores, each row played ``args.num_generations_eval``
+  times (default: ``num_generations``, as TRL) as one group, with the reward functions, sampling at
   ``args.temperature`` as TRL does (``eval_temperature``, when set, wins), and what
   ``args.eval_strategy="steps"`` (``eval_every``) scores during training: every ``eval_steps`` optimizer
   steps, and before the first with ``args.eval_on_start`` (treerl's default; TRL's is False), logged in
@@ -354,9 +355,9 @@ class LearnerTrainer:
             self.state.save_to_json(str(Path(self.args.output_dir) / "trainer_state.json"))
 
     def evaluate(self, eval_dataset: Any = None) -> dict[str, float]:
-        """Play each row of ``eval_dataset`` (default: the trainer's) once with the model as it is now (the
-        trained one after :meth:`train`) and score the episodes with the reward functions: TRL's
-        ``eval_reward``, ``eval_reward_std`` and ``eval_rewards/NAME/mean``."""
+        """Play each row of ``eval_dataset`` (default: the trainer's) ``args.num_generations_eval`` times (default:
+        ``num_generations``, as TRL) with the model as it is now (the trained one after :meth:`train`) and score
+        the episodes with the reward functions: TRL's figures (:func:`_trl_eval_figures`)."""
         from treerl.agents.transformers_policy import TransformersPolicy
 
         rows = self.eval_dataset if eval_dataset is None else load_rows(None, eval_dataset, "")
@@ -379,20 +380,19 @@ class LearnerTrainer:
             policy.close()
 
     def _score(self, rows: Any, policy: Any, tokenizer: Any) -> dict[str, float]:
-        """Each of ``rows`` played once by ``policy``, scored with the reward functions: TRL's figures."""
+        """Each of ``rows`` played ``num_generations_eval`` times by ``policy``, as one group sharing the prompt
+        (TRL's eval batches repeat each prompt that many times), scored with the reward functions: TRL's
+        figures."""
         from treerl.rollout.evaluate import evaluate_with
         from treerl.rollout.rewards import reward_func_name
 
+        num_generations = self.args.num_generations_eval or self.args.group_size
         report = evaluate_with(self.args, policy, tokenizer, num_episodes=len(rows), seed=self.args.eval_seed,
                                env_factory=self._env_factory(rows), env_id=f"{type(self).__name__}.eval_dataset",
-                               reward_funcs=self._reward_funcs_for(rows),
+                               rollouts_per_task=num_generations, reward_funcs=self._reward_funcs_for(rows),
                                reward_weights=self.reward_weights, temperature=self.args.eval_temperature)
-        figures = report.summary()
-        out = {"eval_reward": figures["reward/mean"], "eval_reward_std": figures["reward/std"]}
-        for func in self.reward_funcs:
-            name = reward_func_name(func)
-            out[f"eval_rewards/{name}/mean"] = figures[f"reward_fn/{name}_mean"]
-        return out
+        return _trl_eval_figures(report.rewards, self.reward_weights, [reward_func_name(f) for f in self.reward_funcs],
+                                 num_generations)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Copy the trained model (``model/`` of the run, in transformers format) to ``output_dir``, as TRL's
@@ -663,6 +663,53 @@ def _episode_environments(rows: Sequence[EnvironmentInstances]) -> list[Any]:
                                f"{row!r}); each episode should have the one its generation played.")
         out.append(row.instances[k])
         taken[id(row)] = k + 1
+    return out
+
+
+def _trl_eval_figures(rewards: torch.Tensor, weights: Sequence[float], names: Sequence[str],
+                      num_generations: int) -> dict[str, float]:
+    """TRL's evaluation figures of the episodes' rewards ``(E, 1 + F)`` (the environment's, then each reward
+    function's, NaN where it returned None; groups of ``num_generations`` episodes in order), ``weights`` one
+    per column: ``eval_reward`` and ``eval_reward_std``, the weighted sum's mean and std (Bessel's, as TRL's
+    ``nanstd``), ``eval_rewards/NAME/mean`` and ``/std`` each function's, and ``eval_frac_reward_zero_std``, the
+    share of completions whose group's rewards all match (TRL's; each one alone when played once).
+
+    TRL takes each figure over an eval batch (``per_device_eval_batch_size`` x processes completions, whole
+    groups) and logs its mean over the batches. Here a batch is a group, as at TRL's defaults (8 completions,
+    ``num_generations`` 8, one process), or all the completions when each row is played once (a group of
+    one has no spread). A completion that every function returned None for is left out of the sum's, as in TRL.
+
+    >>> figures = _trl_eval_figures(torch.tensor([[0.0, 1.0], [0.0, 3.0], [0.0, 2.0], [0.0, 2.0]]), [0.0, 1.0],
+    ...                             ["f"], num_generations=2)
+    >>> figures["eval_reward"], round(figures["eval_reward_std"], 4), figures["eval_frac_reward_zero_std"]
+    (2.0, 0.7071, 0.5)
+    """
+    funcs = rewards[:, 1:]  # (E, F)
+    total = torch.nansum(rewards * torch.tensor(weights, dtype=rewards.dtype), dim=-1)  # (E,)
+    total[torch.isnan(funcs).all(dim=1)] = float("nan")  # unscorable: TRL leaves it out
+    per_batch = num_generations if num_generations > 1 else len(total)
+
+    def batches(x: torch.Tensor) -> torch.Tensor:  # (E,) -> (B, per_batch)
+        return x.reshape(-1, per_batch)
+
+    def std(x: torch.Tensor) -> torch.Tensor:  # (B, n) -> (B,): Bessel's std of the non-NaN values, NaN below 2
+        count = (~torch.isnan(x)).sum(dim=1)
+        variance = torch.nansum((x - x.nanmean(dim=1, keepdim=True)) ** 2, dim=1) / (count - 1).clamp(min=1)
+        return torch.where(count > 1, variance.sqrt(), float("nan"))
+
+    def mean_over_batches(per_batch_values: torch.Tensor) -> float:  # TRL's: the batches' figures that are numbers
+        return per_batch_values.nanmean().item()
+
+    out = {"eval_reward": mean_over_batches(batches(total).nanmean(dim=1)),
+           "eval_reward_std": mean_over_batches(std(batches(total)))}
+    for i, name in enumerate(names):
+        column = batches(funcs[:, i])
+        out[f"eval_rewards/{name}/mean"] = mean_over_batches(column.nanmean(dim=1))
+        out[f"eval_rewards/{name}/std"] = mean_over_batches(std(column))
+    # TRL's is_std_zero: each completion's group's std is 0 (a group of one: 0, as TRL sets it)
+    groups = total.reshape(-1, num_generations)
+    zero = torch.isclose(std(groups), torch.zeros(())) if num_generations > 1 else torch.ones(len(groups), dtype=bool)
+    out["eval_frac_reward_zero_std"] = zero.float().mean().item()
     return out
 
 

@@ -134,6 +134,9 @@ class EvalReport:
     """:meth:`RolloutStats.summary` of the evaluation's episodes."""
     groups: list[Group] = field(default_factory=list, repr=False)
     success_threshold: float = 1.0
+    rewards: torch.Tensor | None = field(default=None, repr=False)
+    """With reward functions: each episode's rewards ``(E, 1 + F)``, the environment's then each function's
+    (NaN where it returned None), the episodes of :attr:`groups` in order."""
 
     @property
     def num_episodes(self) -> int:
@@ -205,9 +208,12 @@ async def aevaluate(env_factory: Callable[[], Any], policy: Policy, tokenizer: A
     figures = stats.summary(success_threshold)
     if rollouts_per_task > 1:
         figures.update({f"pass@{k}": v for k, v in pass_at_k(groups, success_threshold).items()})
+    rewards = None
     if reward_funcs:
-        figures.update(_reward_figures(groups, reward_funcs, weights))
-    return EvalReport(env=env_id, figures=figures, groups=groups, success_threshold=success_threshold)
+        reward_figures, rewards = _reward_figures(groups, reward_funcs, weights)
+        figures.update(reward_figures)
+    return EvalReport(env=env_id, figures=figures, groups=groups, success_threshold=success_threshold,
+                      rewards=rewards)
 
 
 def pass_at_k(groups: Sequence[Group], success_threshold: float = 1.0) -> dict[int, float]:
@@ -238,10 +244,10 @@ def pass_at_k(groups: Sequence[Group], success_threshold: float = 1.0) -> dict[i
 
 
 def _reward_figures(groups: Sequence[Group], reward_funcs: Sequence[RewardFunc],
-                    weights: Sequence[float]) -> dict[str, float]:
+                    weights: Sequence[float]) -> tuple[dict[str, float], torch.Tensor]:
     """Learn's reward metrics over the episodes: ``reward/mean`` and ``reward/std`` of the weighted sum,
     ``reward/env_mean`` and ``reward/env_std`` of the environment's reward, ``reward_fn/<name>_mean``
-    per function (and what the functions log with ``log_metric``)."""
+    per function (and what the functions log with ``log_metric``); and the rewards scored ``(E, 1 + F)``."""
     metrics: dict[str, float] = {}
     # A function written for learn reads trainer_state.global_step; TRL's state before training is 0 and 0.
     rewards = score(groups, reward_funcs, metrics, trainer_state=StepState(global_step=0, max_steps=0))  # (E, 1 + F)
@@ -253,7 +259,7 @@ def _reward_figures(groups: Sequence[Group], reward_funcs: Sequence[RewardFunc],
         "reward/env_mean": env.mean().item(),
         "reward/env_std": env.std(unbiased=False).item(),
         **metrics,
-    }
+    }, rewards
 
 
 def write_episodes(path: str | os.PathLike, report: EvalReport, run: dict[str, Any]) -> Path:
@@ -327,7 +333,7 @@ def evaluate_with(cfg: EpisodeOptions, policy: Policy, tokenizer: Any, *, num_ep
     ``env_factory`` replaces the one ``cfg`` describes (a learner given its own factory), and
     ``env_id`` then names it (default: ``cfg.env``). ``rollouts_per_task``, ``reward_funcs`` and
     ``reward_weights`` are :func:`aevaluate`'s (``cfg``'s own are not read: a learner's held-out
-    evaluation plays each task once, on the environment's reward). A learner's ``max_completion_length``
+    evaluation plays each task ``num_generations_eval`` times, on the environment's reward). A learner's ``max_completion_length``
     (TRL's) bounds each episode's completion, as in its training.
     """
     return run_until_done(aevaluate(
