@@ -229,9 +229,11 @@ def test_trl_callbacks_count_optimizer_steps_as_trl_does(tmp_path):
     assert Steps.seen == [(2, 4), (4, 4)]
 
 
-def test_eval_strategy_steps_scores_the_eval_dataset_during_training_as_evaluate_does(tmp_path):
+@pytest.mark.parametrize("eval_on_start", [None, True])
+def test_eval_strategy_steps_scores_the_eval_dataset_during_training_as_evaluate_does(tmp_path, eval_on_start):
     """TRL's eval_strategy="steps": the eval_dataset scored with the reward functions every eval_steps optimizer
-    steps (and before the first, eval_on_start), under TRL's names in the logged metrics and to on_evaluate."""
+    steps (and before the first with eval_on_start, off by default as in TRL), under TRL's names in the logged
+    metrics and to on_evaluate."""
     from transformers import TrainerCallback
 
     class Evaluations(TrainerCallback):
@@ -247,17 +249,19 @@ def test_eval_strategy_steps_scores_the_eval_dataset_during_training_as_evaluate
     calls = Evaluations()
     rows = [{"prompt": f"What is {i} + {i}?"} for i in range(4)]
     trainer = GRPOTrainer(model="tiny", reward_funcs=reward_len, train_dataset=rows, eval_dataset=rows[:2],
-                          args=small(tmp_path, max_steps=4, num_iterations=2, eval_strategy="steps", eval_steps=2),
+                          args=small(tmp_path, max_steps=4, num_iterations=2, eval_strategy="steps", eval_steps=2,
+                                     **({} if eval_on_start is None else {"eval_on_start": eval_on_start})),
                           callbacks=[calls])
     trainer.train()
 
     names = sorted(["eval_reward", "eval_reward_std", "eval_rewards/reward_len/mean", "eval_rewards/reward_len/std",
                     "eval_frac_reward_zero_std"])
     lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [0, 1, 2]  # 2 steps of 2 optimizer steps, evaluated after each
+    start = [0] if eval_on_start else []
+    assert [m["step"] for m in lines] == [*start, 1, 2]  # 2 steps of 2 optimizer steps, evaluated after each
     for m in lines:
         assert set(names) <= set(m) and m["eval_reward"] <= 0  # -|20 - length|
-    assert calls.seen == [(0, names), (2, names), (4, names)]  # TRL's optimizer steps
+    assert calls.seen == [(step, names) for step in (*start, 2, 4)]  # TRL's optimizer steps
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["eval_end"] is None  # no held-out episodes
 
 

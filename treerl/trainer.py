@@ -47,7 +47,7 @@ What maps, and how:
   times (default: ``num_generations``, as TRL) as one group, with the reward functions, sampling at
   ``args.temperature`` as TRL does (``eval_temperature``, when set, wins), and what
   ``args.eval_strategy="steps"`` (``eval_every``) scores during training: every ``eval_steps`` optimizer
-  steps, and before the first with ``args.eval_on_start`` (treerl's default; TRL's is False), logged in
+  steps, and before the first with ``args.eval_on_start`` (False by default, as TRL's), logged in
   the step's metrics under TRL's names (``eval_reward``, ...). The run's own held-out episodes are off
   (``eval_episodes`` is set to 0: they score the environment's reward, which is 0).
 - ``callbacks``: functions ``(step, metrics)``, or TRL ``TrainerCallback`` objects, whose
@@ -238,9 +238,11 @@ class LearnerTrainer:
         # The environment's reward (0 here) comes first in treerl's weights; weight 0 keeps TRL's sum.
         self.reward_weights = [0.0, *map(float, weights), *[1.0] * len(env_rewards)]
         # config.json names what was trained on: no registered environment (a rerun from it says so).
-        # TRL shuffles its rows by default (shuffle_dataset): the permutations its sampler draws with args.seed.
+        # TRL shuffles its rows by default (shuffle_dataset): the permutations its sampler draws with args.seed;
+        # it evaluates before the first step only when asked (eval_on_start).
         changes: dict[str, Any] = {"reward_weights": self.reward_weights, "eval_episodes": 0,
-                                   "env": f"{name}.{source}", "shuffle_dataset": args.shuffle_dataset is not False}
+                                   "env": f"{name}.{source}", "shuffle_dataset": args.shuffle_dataset is not False,
+                                   "eval_on_start": bool(args.eval_on_start)}
         if isinstance(model, str):
             changes["model"] = model
         if args.eval_temperature == self.config.__dataclass_fields__["eval_temperature"].default:

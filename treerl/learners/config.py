@@ -276,8 +276,9 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     eval_every: int = field_help(0, "Also evaluate every N steps during training, logged in that step's metrics "
                                     "as eval/success_rate, eval/reward/mean, ... (TRL's eval_strategy steps with "
                                     "eval_steps; 0: only at the start and the end).")
-    eval_on_start: bool = field_help(True, "Evaluate before the first step (TRL's eval_on_start, whose default is "
-                                           "False); with eval_every, also logged as step 0 of metrics.jsonl.")
+    eval_on_start: bool | None = field_help(None, "Evaluate before the first step (TRL's eval_on_start); with "
+                                                  "eval_every, also logged as step 0 of metrics.jsonl. Default: "
+                                                  "true in treerl learn, false (TRL's) in treerl.GRPOTrainer.")
     do_eval: bool = field_help(False, "TRL's: changes nothing, as in transformers' Trainer, which does not read it "
                                       "either; kept for scripts that read it (open-r1's `if training_args.do_eval:` "
                                       "then calls trainer.evaluate()).")

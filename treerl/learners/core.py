@@ -596,7 +596,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
             # The episodes played, not cfg.eval_episodes: a dataset smaller than that plays each row once.
             print(f"eval at start: success rate {run.eval_start['success_rate']:.1%} over "
                   f"{run.eval_start['episodes']} held-out episodes", file=sys.stderr)
-        started = run.eval_start is not None or evaluate is not None and cfg.eval_on_start
+        started = run.eval_start is not None or evaluate is not None and cfg.eval_on_start is not False
         if cfg.eval_every and state.step == 0 and started:
             # Step 0 of the curve eval_every draws (TRL's eval_on_start); a resumed run kept its line.
             start = run.evaluate(0)

@@ -38,7 +38,7 @@ def evaluate_at_start(cfg: LearnerConfig, policy: Policy, tokenizer: Any, env_fa
     path = Path(out_dir) / "eval_start.json"
     if resumed:
         return json.loads(path.read_text()) if path.exists() else None
-    if cfg.eval_episodes == 0 or not cfg.eval_on_start:
+    if cfg.eval_episodes == 0 or cfg.eval_on_start is False:
         return None
     figures = evaluate_policy(cfg, policy, tokenizer, env_factory, env_id)
     path.write_text(json.dumps(figures, indent=2))
