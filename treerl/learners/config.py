@@ -84,7 +84,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                          "reentrancy; it takes no other options",
         **dict.fromkeys(("model_init_kwargs", "torch_dtype"),
                         "--dtype sets the dtype the weights are loaded and trained in (auto: the checkpoint's)"),
-        "top_entropy_quantile": "not supported",
         "multi_objective_aggregation": "rewards are summed with --reward-weights, then centred (and scaled) in "
                                        "their group: TRL's sum_then_normalize; normalize_then_sum is not supported",
         "sync_ref_model": "not supported: the reference model of --beta is the starting weights",
@@ -120,7 +119,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                          "steps_per_generation", "cache_implementation", "delta", "model_init_kwargs"), (None,)),
         "max_tool_calling_iterations": (None,),  # TRL's "no limit of its own": the environment's max_turns limits
         "generation_kwargs": (None, {}),
-        **dict.fromkeys(("repetition_penalty", "top_entropy_quantile"), (1.0,)),
+        "repetition_penalty": (1.0,),
         **dict.fromkeys(("sync_ref_model", "disable_dropout", "trust_remote_code", "log_unique_prompts",
                          "hub_always_push"), (False,)),
         # read only beside log_completions=True and sync_ref_model=True: taken at TRL's defaults

@@ -250,6 +250,7 @@ def loss_inputs(
     is_weight: Tensor | None = None,
     is_mask: Tensor | None = None,
     centering: Tensor | None = None,
+    entropy_mask: Tensor | None = None,
 ) -> LossInputs:
     """The :class:`LossInputs` of one packed micro-batch.
 
@@ -274,6 +275,7 @@ def loss_inputs(
         is_weight=is_weight,
         is_mask=is_mask,
         centering=centering,
+        entropy_mask=entropy_mask,
     )
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -53,7 +53,8 @@ from treerl.learners.distributed import Ranks
 from treerl.learners.forward import PackedLogprobs, loss_inputs, packed_logprobs
 from treerl.learners.importance import ImportanceConfig, importance_weights
 from treerl.learners.metrics import read_floats
-from treerl.learners.losses import POLICY_LOSSES, LossCoefficients, LossConfig, LossNormalizer, compute_loss
+from treerl.learners.losses import (POLICY_LOSSES, LossCoefficients, LossConfig, LossNormalizer, compute_loss,
+                                   high_entropy_threshold)
 from treerl.learners.packing import PackedBatch, pack_groups
 from treerl.learners.precision import Precision
 from treerl.rollout.rewards import RewardFunc, StepState, reward_func_name, score, write_extras
@@ -101,6 +102,10 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
                "--max-new-tokens, or it reached --max-episode-tokens) adds no loss: none of its tokens, in every "
                "turn, is trained on or counted in the loss's token count; it still counts in its group's "
                "advantages and, as in TRL, among the episodes a sequence-mean loss averages over.")
+    top_entropy_quantile: float = field_help(
+        1.0, "TRL's (Beyond the 80/20 Rule's rho): only the sampled tokens whose entropy is in this top share of "
+             "the step's (every micro-batch's, every process's) add policy loss (and entropy bonus); the KL and "
+             "the normalizers keep every token. 1 keeps all; the paper uses 0.2; 0 the highest-entropy token(s).")
     num_iterations: int = field_help(1, "Optimizer steps on each step's episodes (GRPO's mu, TRL's num_iterations). "
                                         "The old policy of the clipped losses is the weights before the first, so "
                                         "above 1 the ratio moves and --epsilon-low/--epsilon-high clip; 1 (the "
@@ -122,6 +127,9 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
         if isinstance(self.num_iterations, bool) or not isinstance(self.num_iterations, int) or self.num_iterations < 1:
             raise ValueError(f"num_iterations={self.num_iterations!r} must be a whole number >= 1 (optimizer steps on "
                              "each step's episodes; 1 is on-policy).")
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile!r} must be in [0, 1]: the share of "
+                             "the step's highest-entropy tokens trained on (1 keeps all; the paper uses 0.2).")
         # Validate the pieces with their own messages.
         self.loss_config()
         self.advantage_config()
@@ -226,9 +234,11 @@ def skips_zero_advantage_groups(cfg: GRPOConfig, ranks: Ranks) -> bool:
 
     Every policy loss multiplies by the advantage, so such a group's gradient is exactly 0
     unless a KL or entropy term is on; the normalizer still counts its tokens, so the update
-    is the same as training on it. (One process only: ranks must all run the same collectives.)
+    is the same as training on it. Not with ``top_entropy_quantile`` below 1: its tokens count
+    in the entropy quantile. (One process only: ranks must all run the same collectives.)
     """
-    return cfg.skip_zero_advantage and cfg.beta == 0 and cfg.entropy_coef == 0 and not ranks.enabled
+    return (cfg.skip_zero_advantage and cfg.beta == 0 and cfg.entropy_coef == 0 and cfg.top_entropy_quantile == 1.0
+            and not ranks.enabled)
 
 
 def pack_step(groups: Sequence[Group], adv: torch.Tensor, cfg: GRPOConfig, ranks: Ranks, metrics: dict[str, float],
@@ -306,6 +316,10 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     # on an accelerator a read per metric and micro-batch would wait for its backward each time.
     pending: list[_MicroBatchMetrics] = []
     model.train()
+    entropy_cut = None  # top_entropy_quantile's (threshold, kept share), over the whole step
+    if cfg.top_entropy_quantile < 1.0 and (len(batches) > 1 or ranks.enabled):
+        entropy_cut = step_entropy_threshold(step_entropies(model, batches, cfg, device, precision),
+                                             cfg.top_entropy_quantile, ranks)
     for batch in batches:
         batch = batch.to(device)
         out = packed_logprobs(model, batch, temperature=cfg.temperature, impl="auto", head=is_cfg.centering,
@@ -320,13 +334,20 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
                                 batch.term_episode.to(out.logp.device), batch.num_episodes, is_cfg,
                                 adv=batch.term_adv.to(out.logp.device))
         centering = batch_centering(batch, out.head_logp, is_cfg) if is_cfg.centering else None
+        entropy_mask = None
+        if cfg.top_entropy_quantile < 1.0:
+            if entropy_cut is None:  # the step is this one micro-batch: its own forward has every entropy
+                entropy_cut = step_entropy_threshold([out.entropy.detach()], cfg.top_entropy_quantile, ranks)
+            threshold, kept_frac = entropy_cut
+            entropy_mask = out.entropy.detach() >= threshold.to(out.entropy.device)
+            normalizer = replace(normalizer, entropy_kept_frac=kept_frac)
         ref_logp = None
         if ref_model is not None:
             with torch.no_grad():
                 ref_logp = packed_logprobs(ref_model, batch, temperature=cfg.temperature, impl="auto",
                                            precision=precision).logp
         inputs = loss_inputs(batch, out, ref_logp=ref_logp, is_weight=iw.weight, is_mask=iw.mask,
-                             centering=None if centering is None else centering.terms)
+                             centering=None if centering is None else centering.terms, entropy_mask=entropy_mask)
         result = compute_loss(inputs, loss_cfg, normalizer)
         loss = result.loss if policy_coef == 1.0 else policy_coef * result.loss
         if extra_loss is not None:
@@ -336,6 +357,8 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
         pending.append(_MicroBatchMetrics(
             batch.num_terms, {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in batch_metrics.items()},
             out.entropy.detach().sum()))
+    if entropy_cut is not None and entropy_cut[1] > 0:
+        metrics["entropy/kept_frac"] = entropy_cut[1]
     totals, maxima = _window_totals(pending)
     totals = ranks.sum_dicts(totals)
     totals.setdefault("loss/policy", 0.0)  # a step that trained on nothing (every group skipped)
@@ -357,6 +380,36 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     precision.step(optimizer)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def step_entropies(model: torch.nn.Module, batches: Sequence[PackedBatch], cfg: GRPOConfig, device: str,
+                   precision: Precision) -> list[torch.Tensor]:
+    """Each micro-batch's (M,) entropies under the current weights, from a forward without gradients.
+
+    ``top_entropy_quantile``'s threshold is over the whole step, and the first micro-batch's loss
+    needs it: this pass costs a forward, where keeping every micro-batch's graph would cost memory.
+    The training forward computes the same values (same weights, same kernels).
+    """
+    with torch.no_grad():
+        return [packed_logprobs(model, batch.to(device), temperature=cfg.temperature, impl="auto",
+                                precision=precision).entropy for batch in batches]
+
+
+def step_entropy_threshold(entropies: Sequence[torch.Tensor], top_quantile: float,
+                           ranks: Ranks) -> tuple[torch.Tensor, float]:
+    """TRL's threshold of ``top_entropy_quantile`` (:func:`~treerl.learners.losses.high_entropy_threshold`),
+    (), over every term of the step, and the share of the terms it keeps (0 without terms). ``entropies`` are
+    this rank's micro-batches' (M,), pooled with every rank's as TRL gathers its batch's over processes.
+
+    The terms are the (token, episode) pairs, so a token that packing shares among ``k`` episodes counts
+    ``k`` times, as in the unpacked batch TRL sees.
+    """
+    local = torch.cat(list(entropies)) if entropies else torch.zeros(0)
+    pooled = torch.cat([part.to(local.device) for part in ranks.gather(local.cpu())]) if ranks.enabled else local
+    if pooled.numel() == 0:  # nothing to train on anywhere: no term to mask
+        return torch.tensor(math.inf), 0.0
+    threshold = high_entropy_threshold(pooled, top_quantile)
+    return threshold, float((pooled >= threshold).sum()) / pooled.numel()
 
 
 @dataclass

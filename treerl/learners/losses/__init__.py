@@ -44,8 +44,9 @@ a stale policy version). The sampler-vs-trainer correction is computed by
 :func:`treerl.learners.importance.importance_weights` and handed to the losses as
 ``LossInputs.is_weight`` and ``LossInputs.is_mask``; they multiply the policy term of every
 loss (except that ``vespo`` reshapes the full ratio ``logp - sampler_logp`` itself and so
-uses only ``is_mask``). Masked terms still count in the normalizers, as in TRL: a mask
-drops a term's gradient, it does not re-weight the others.
+uses only ``is_mask``). ``LossInputs.entropy_mask`` (TRL's ``top_entropy_quantile``) keeps only
+the policy terms of high-entropy tokens. Masked terms still count in the normalizers, as in TRL: a
+mask drops a term's gradient, it does not re-weight the others.
 
 The KL to a reference (k3 estimator, ``cfg.beta``) and the entropy bonus
 (``cfg.entropy_coef``) use the same aggregation as the policy term, so they too add up
@@ -82,6 +83,7 @@ from treerl.learners.losses.base import (
     compute_loss,
     episode_sum,
     finish_policy_loss,
+    high_entropy_threshold,
     k3_kl,
     register_loss,
 )
@@ -115,6 +117,7 @@ __all__ = [
     "finish_policy_loss",
     "grpo_loss",
     "gspo_loss",
+    "high_entropy_threshold",
     "k3_kl",
     "register_loss",
     "sapo_loss",

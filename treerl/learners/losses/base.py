@@ -47,6 +47,7 @@ __all__ = [
     "compute_loss",
     "episode_sum",
     "finish_policy_loss",
+    "high_entropy_threshold",
     "k3_kl",
     "local_episode_counts",
     "register_loss",
@@ -98,6 +99,10 @@ class LossInputs:
     centering: Tensor | None = None
     """(M,) score-centering surrogate of each term (:mod:`treerl.learners.centering`); the
     loss adds ``adv * centering`` after the IS weight and mask, which it already carries."""
+    entropy_mask: Tensor | None = None
+    """(M,) 0/1, detached: the terms whose entropy reaches the step's :func:`high_entropy_threshold`
+    (TRL's ``top_entropy_quantile``). It multiplies the policy term and the entropy bonus, not the
+    KL; masked terms still count in the normalizers. ``None`` keeps every term."""
 
     def __post_init__(self) -> None:
         if self.logp.dim() != 1:
@@ -108,14 +113,14 @@ class LossInputs:
             )
         m = self.logp.shape[0]
         for name in ("old_logp", "sampler_logp", "adv", "episode", "ref_logp", "entropy", "is_weight", "is_mask",
-                     "centering"):
+                     "centering", "entropy_mask"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (m,):
                 raise ValueError(
                     f"LossInputs.{name} has shape {tuple(value.shape)} but logp has ({m},); every "
                     "per-term tensor must have one entry per (token, episode) term."
                 )
-        for name in ("old_logp", "sampler_logp", "ref_logp", "is_weight", "is_mask"):
+        for name in ("old_logp", "sampler_logp", "ref_logp", "is_weight", "is_mask", "entropy_mask"):
             value = getattr(self, name)
             if value is not None and value.requires_grad:
                 raise ValueError(
@@ -165,6 +170,9 @@ class LossNormalizer:
     """(num_episodes,) each episode's number of terms over the whole window, indexed like
     ``LossInputs.episode``. Needed by ``sequence_mean`` when an episode's terms are split
     across micro-batches; also lets sequence-level losses check that they are not."""
+    entropy_kept_frac: float | None = None
+    """With ``LossInputs.entropy_mask``: the share of the window's terms it keeps, on all ranks. The
+    entropy bonus is divided by it, so that it stays a mean over the kept terms (TRL's)."""
 
     def __post_init__(self) -> None:
         if not self.num_tokens > 0:
@@ -176,6 +184,11 @@ class LossNormalizer:
             raise ValueError(
                 f"LossNormalizer.num_sequences is {self.num_sequences}; it counts the episodes of "
                 "the whole window and must be positive."
+            )
+        if self.entropy_kept_frac is not None and not 0.0 < self.entropy_kept_frac <= 1.0:
+            raise ValueError(
+                f"LossNormalizer.entropy_kept_frac is {self.entropy_kept_frac}; it is the share of the window's "
+                "terms the entropy mask keeps, in (0, 1] (the highest-entropy term is always kept)."
             )
         if self.episode_num_tokens is not None and self.episode_num_tokens.dim() != 1:
             raise ValueError(
@@ -390,6 +403,27 @@ def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.exp(d) - d - 1.0
 
 
+def high_entropy_threshold(entropy: Tensor, top_quantile: float) -> Tensor:
+    """() the entropy at the ``1 - top_quantile`` quantile of ``entropy`` (N,), N > 0: TRL's threshold.
+
+    The terms with ``entropy >= threshold`` are the top ``top_quantile`` of them ("Beyond the 80/20
+    Rule", https://arxiv.org/abs/2506.01939; TRL's ``get_high_entropy_mask``): 1.0 keeps every term, 0.0
+    those at the largest entropy. Linear interpolation, computed as ``torch.quantile`` does (in the
+    input's dtype), which refuses inputs of more than 2**24 values; a step may have more.
+
+    Example:
+        >>> import torch
+        >>> entropy = torch.tensor([0.1, 0.5, 0.3, 0.9, 0.7])
+        >>> threshold = high_entropy_threshold(entropy, 0.4)  # the 0.6 quantile: 0.5 + 0.4 * (0.7 - 0.5)
+        >>> round(threshold.item(), 4), (entropy >= threshold).tolist()
+        (0.58, [False, False, False, True, True])
+    """
+    ordered = entropy.detach().flatten().sort().values  # (N,)
+    rank = torch.tensor(1.0 - top_quantile, dtype=ordered.dtype, device=ordered.device) * (ordered.numel() - 1)
+    below, above = rank.long(), rank.ceil().long()
+    return torch.lerp(ordered[below], ordered[above], rank - below)
+
+
 def at_least_f32(x: Tensor) -> Tensor:
     # bf16 log-probs lose the small differences that ratios are made of.
     return x.to(torch.promote_types(x.dtype, torch.float32))
@@ -491,6 +525,8 @@ def finish_policy_loss(
     if inputs.centering is not None:
         # The sampler-expected score, weighted as the sampled token is: subtracted from its score.
         policy_terms = policy_terms + at_least_f32(inputs.adv) * inputs.centering.to(policy_terms.dtype)
+    if inputs.entropy_mask is not None:
+        policy_terms = policy_terms * inputs.entropy_mask.to(policy_terms.dtype)
     aggregate = AGGREGATIONS[cfg.aggregation or DEFAULT_AGGREGATIONS[loss_name]]
 
     policy = aggregate(policy_terms, inputs, cfg, normalizer)
@@ -519,7 +555,12 @@ def finish_policy_loss(
             "compute the per-position entropy in the forward pass, or set entropy_coef=0.0."
         )
     if inputs.entropy is not None:
-        entropy = aggregate(at_least_f32(inputs.entropy), inputs, cfg, normalizer)
+        entropy_terms = at_least_f32(inputs.entropy)
+        if inputs.entropy_mask is not None:
+            # TRL's bonus acts on the tokens the policy term keeps, as a mean over them.
+            entropy_terms = entropy_terms * inputs.entropy_mask.to(entropy_terms.dtype)
+            entropy_terms = entropy_terms / (normalizer.entropy_kept_frac or 1.0)
+        entropy = aggregate(entropy_terms, inputs, cfg, normalizer)
         if cfg.entropy_coef > 0.0:
             loss = loss - cfg.entropy_coef * entropy
         metrics["loss/entropy"] = entropy.detach()
