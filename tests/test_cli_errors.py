@@ -77,6 +77,8 @@ CASES = [
     ("steps-0", [*LEARN, "--steps", "0"], None, "steps=0 must be >= 1"),
     ("group-size-negative", [*LEARN, "--group-size", "-1"], None, "group_size=-1 must be >= 1"),
     ("temperature-0", [*LEARN, "--temperature", "0"], None, "temperature=0"),
+    ("top-entropy-quantile-above-1", [*LEARN, "--top-entropy-quantile", "1.5"], None,
+     "top_entropy_quantile=1.5 must be in [0, 1]"),
     ("top-p-without-top-k", [*LEARN, "--top-p", "0.9"], None, "needs top_k"),
     ("report-to-unknown", [*LEARN, "--report-to", "mlflow"], None, "report_to='mlflow'"),
     ("eval-episodes-negative", [*LEARN, "--eval-episodes", "-1"], None,
