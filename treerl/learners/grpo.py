@@ -307,6 +307,9 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     distillation loss in this way). ``precision`` (the run's) sets the forward's autocast and
     the float16 loss scaling; log-probs and the loss stay float32. ``keep_logp``, when given,
     receives each micro-batch's log-probs (M,), detached: those of the weights before this step.
+    ``cfg.top_entropy_quantile`` below 1 keeps only the policy terms at or above the step's entropy
+    threshold (:func:`step_entropy_threshold`), which a pass without gradients gives first when the
+    step is more than one micro-batch or process.
     """
     precision = precision or Precision(weights=None, autocast=None)
     loss_cfg, is_cfg = cfg.loss_config(), cfg.importance_config()
