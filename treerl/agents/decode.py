@@ -15,6 +15,10 @@ waiting for the whole batch, and each result is handed back as soon as its row s
 weight update waits for the rows in flight to finish (new rows are held back meanwhile), so
 every generation is sampled by one weights version.
 
+A request with a repetition penalty reads which ids its context holds: from the admission of
+the first such row until the batch empties, the batch keeps a (B, V) mask of them (``seen``),
+built from each row's ``prompt_ids`` and tokens and updated with every sampled token.
+
 A request with an ``on_token`` callback (streaming) is handed each token as its row samples it
 (with its log-prob and head, as the generation records them), in the decode thread; the others
 pay one ``is None`` test per token.
@@ -43,6 +47,7 @@ from torch import Tensor
 
 from treerl.agents.cascade import CascadeState
 from treerl.agents.policy import Generation, GenerationRequest, SamplingParams, StreamedToken
+from treerl.agents.sampling import context_mask
 
 __all__ = ["DecodeBatch", "ContinuousDecoder", "Unit", "Row"]
 
@@ -124,6 +129,7 @@ class DecodeBatch:
         self.cur = 0  # columns filled, the same for every row
         self.cache = None
         self.logits: Tensor | None = None  # (B, V) the next token's logits of each row
+        self.seen: Tensor | None = None  # (B, V) bool, the ids in each row's context (with a repetition penalty)
         self._partitions = None
         self.prefix_ids: list[int] = []  # tokens every row starts with, kept once (see the module docstring)
         self.prefix: KV | None = None  # their keys and values, (1, Hkv, P, D) per layer
@@ -177,10 +183,19 @@ class DecodeBatch:
                 values[b:stop, :, cur - length : cur] = kv[layer_idx][1][:, :, num_prefix:]
                 b = stop
             cache.layers.append(growing_layer(keys, values, cur))
+        if any(row.request.params.repetition_penalty != 1.0 for row in everyone):
+            vocab_size = new_logits[0].shape[-1]
+            old = self.seen if self.seen is not None else self._context_mask(self.rows, vocab_size)
+            self.seen = torch.cat([old, self._context_mask(new_rows, vocab_size)])
         self.start = [s - first + shift for s in self.start] + [cur - n for n in new_lens]
         self.cache, self.cur, self.rows = cache, cur, everyone
         self.logits = torch.cat([self.logits, *new_logits]) if self.logits is not None else torch.cat(new_logits)
         self._partitions = None
+
+    def _context_mask(self, rows: list[Row], vocab_size: int) -> Tensor:
+        """(len(rows), V) bool: the ids of each row's whole context (prompt and sampled tokens)."""
+        return context_mask([list(row.request.prompt_ids) + row.token_ids for row in rows], vocab_size,
+                            self.policy.device)
 
     def _start_prefix(self, units: list[Unit], rows: list[list[Row]], prefilled: list) -> None:
         """A fresh batch: keep the prefix every new row shares once, if the policy allows and it pays."""
@@ -230,7 +245,10 @@ class DecodeBatch:
         if self._partitions is None:
             self._partitions = _partition([row.request.params for row in self.rows], self.policy.device)
         uniforms = torch.stack([row.uniforms[len(row.token_ids)] for row in self.rows])  # (B,)
-        token_ids, logprobs, candidates, heads = self.policy._sample_step(self.logits, self._partitions, uniforms)
+        token_ids, logprobs, candidates, heads = self.policy._sample_step(self.logits, self._partitions, uniforms,
+                                                                          self.seen)
+        if self.seen is not None:  # the new tokens are context from the next step on
+            self.seen[torch.arange(len(self.rows), device=self.seen.device), token_ids] = True
         token_list, logprob_list = token_ids.tolist(), logprobs.tolist()
         finished: list[Row] = []
         keep: list[int] = []
@@ -271,6 +289,8 @@ class DecodeBatch:
             self.rows = [self.rows[b] for b in keep]
             self.start = [self.start[b] for b in keep]
             self.logits = self.logits[index]
+            if self.seen is not None:
+                self.seen = self.seen[index]
             if token_ids is not None:
                 token_ids = token_ids[index]
             self._partitions = None

@@ -2,7 +2,8 @@
 
 A policy turns token contexts into sampled continuations and reports, per sampled token,
 exactly what the learner needs to stay unbiased: the token id, the log-prob under the
-distribution it was actually drawn from (after temperature, top-k, top-p and min-p), the
+distribution it was actually drawn from (after the repetition penalty, temperature, top-k,
+top-p and min-p), the
 candidate set of that distribution, and the weights version that produced it.
 
 Backends: :class:`treerl.agents.transformers_policy.TransformersPolicy` (CPU and GPU,
@@ -38,8 +39,9 @@ FinishReason = Literal["stop", "length"]
 class SamplingParams:
     """How to draw the next token from the model's logits.
 
-    The processing order is fixed and shared by every backend (it is vLLM's):
-    logits / temperature, then top-k, then min-p, then top-p on the renormalized survivors.
+    The processing order is fixed and shared by every backend (it is vLLM's): the repetition
+    penalty, then logits / temperature, then top-k, then min-p, then top-p on the renormalized
+    survivors.
     For greedy decoding use ``top_k=1`` (its log-probs are then 0, which is exact).
 
     >>> SamplingParams(top_p=0.9)
@@ -56,6 +58,10 @@ class SamplingParams:
     """Keep the smallest most-likely set whose probability mass reaches top_p (1.0: off)."""
     min_p: float = 0.0
     """Drop tokens less likely than ``min_p`` times the most likely one (0.0: off)."""
+    repetition_penalty: float = 1.0
+    """Before the temperature, the logit z of every token in the context (the request's whole
+    ``prompt_ids`` and what it sampled so far) becomes z / penalty if z > 0 else z * penalty
+    (transformers' and vLLM's repetition penalty; 1.0: off, > 1 discourages repeating)."""
     max_new_tokens: int = 256
     """Stop with finish_reason "length" after this many sampled tokens."""
     stop_token_ids: tuple[int, ...] = ()
@@ -85,6 +91,13 @@ class SamplingParams:
         if not (0.0 <= self.min_p < 1.0):
             raise ValueError(
                 f"SamplingParams.min_p={self.min_p!r} must be in [0, 1); 0.0 turns min-p off."
+            )
+        if not (isinstance(self.repetition_penalty, (int, float)) and not isinstance(self.repetition_penalty, bool)
+                and math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(
+                f"SamplingParams.repetition_penalty={self.repetition_penalty!r} must be a finite number > 0 (it "
+                "divides positive logits and multiplies negative ones); 1.0 turns it off, e.g. 1.1 discourages "
+                "repeating a token of the context."
             )
         if self.top_k is None and (self.top_p < 1.0 or self.min_p > 0.0):
             field = "top_p" if self.top_p < 1.0 else "min_p"
@@ -117,18 +130,25 @@ class SamplingOptions:
     """The sampling options of every command that generates (a base of its config dataclass).
 
     >>> SamplingOptions(temperature=0.7, top_k=20).sampling(max_new_tokens=8)
-    SamplingParams(temperature=0.7, top_k=20, top_p=1.0, min_p=0.0, max_new_tokens=8, stop_token_ids=(), top_logprobs=0)
+    SamplingParams(temperature=0.7, top_k=20, top_p=1.0, min_p=0.0, repetition_penalty=1.0, max_new_tokens=8, stop_token_ids=(), top_logprobs=0)
     """
 
     temperature: float = field_help(1.0, "Sampling temperature (a trainer applies the same).")
     top_k: int | None = field_help(None, "Sample from the k most likely tokens (required with top_p < 1 or min_p > 0).")
     top_p: float = field_help(1.0, "Nucleus sampling mass (needs top_k).")
     min_p: float = field_help(0.0, "Min-p threshold (needs top_k).")
+    repetition_penalty: float = field_help(1.0, "Penalize every token already in the context (prompt, earlier "
+                                                "turns, tool results, this turn): a positive logit is divided by "
+                                                "it, a negative one multiplied, before the temperature (TRL's, "
+                                                "transformers' and vLLM's; 1.0: off). The recorded log-probs are "
+                                                "the penalized distribution's, so the learner's importance weights "
+                                                "correct for it.")
     max_new_tokens: int = field_help(96, "Token limit of each assistant turn.")
 
     def sampling(self, **overrides) -> SamplingParams:
         """These options as :class:`SamplingParams` (which validates them)."""
-        values = {f: getattr(self, f) for f in ("temperature", "top_k", "top_p", "min_p", "max_new_tokens")}
+        values = {f: getattr(self, f) for f in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                                                   "max_new_tokens")}
         return SamplingParams(**{**values, **overrides})
 
 

@@ -1,7 +1,9 @@
 """The sampler: logits -> (token, log-prob, candidate set), pure functions shared by backends.
 
 The processing order is vLLM's, so that log-probs from either backend mean the same thing:
-``logits / temperature`` -> top-k -> min-p -> top-p (on the renormalized survivors). Every
+the repetition penalty -> ``logits / temperature`` -> top-k -> min-p -> top-p (on the
+renormalized survivors). The penalty reads which ids the row's context holds (``seen``, see
+:func:`context_mask`): the whole context, prompt included, as transformers and vLLM read it. Every
 filter keeps a prefix of the tokens sorted by probability, so the support of the final
 distribution is "the first ``num_candidates`` of the top-k ids": cheap to store, exact to
 rebuild, and what the learner renormalizes over.
@@ -35,6 +37,8 @@ from treerl.agents.policy import SamplingParams
 __all__ = [
     "ProcessedLogits",
     "SampledTokens",
+    "context_mask",
+    "penalize_repetitions",
     "process_logits",
     "sample_processed",
     "candidate_lists",
@@ -68,8 +72,34 @@ class SampledTokens:
     """Per row, the support's ids (most likely first); None: the whole vocabulary."""
 
 
-def process_logits(logits: Tensor, params: SamplingParams) -> ProcessedLogits:
-    """Apply temperature, top-k, min-p and top-p to ``logits`` (B, V); pure, float32.
+def context_mask(contexts: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str = "cpu") -> Tensor:
+    """(B, V) bool: whether id v occurs in context b, what :func:`penalize_repetitions` reads.
+
+    >>> context_mask([[0, 2, 2], [1]], 4).int().tolist()
+    [[1, 0, 1, 0], [0, 1, 0, 0]]
+    """
+    seen = torch.zeros(len(contexts), vocab_size, dtype=torch.bool, device=device)  # (B, V)
+    for b, ids in enumerate(contexts):
+        seen[b, torch.as_tensor(list(ids), dtype=torch.long, device=device)] = True
+    return seen
+
+
+def penalize_repetitions(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """The repetition penalty of transformers' ``RepetitionPenaltyLogitsProcessor`` and vLLM's sampler:
+    the logit z of every id ``seen`` (B, V) in the context becomes z / penalty if z > 0, else z * penalty.
+
+    >>> penalize_repetitions(torch.tensor([[2.0, -2.0, 2.0]]), torch.tensor([[True, True, False]]), 2.0).tolist()
+    [[1.0, -4.0, 2.0]]
+    """
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def process_logits(logits: Tensor, params: SamplingParams, seen: Tensor | None = None) -> ProcessedLogits:
+    """Apply the repetition penalty, temperature, top-k, min-p and top-p to ``logits`` (B, V); pure, float32.
+
+    ``seen`` (B, V) bool marks the ids of each row's context (:func:`context_mask`); it is needed
+    when ``params.repetition_penalty`` is not 1.
 
     >>> logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]]))
     >>> p = process_logits(logits, SamplingParams(top_k=3, top_p=0.7))
@@ -78,6 +108,11 @@ def process_logits(logits: Tensor, params: SamplingParams) -> ProcessedLogits:
     >>> [round(x, 4) for x in p.logprobs.exp().tolist()[0]]
     [0.6667, 0.3333, 0.0]
     """
+    if params.repetition_penalty != 1.0:
+        if seen is None:
+            raise ValueError(f"process_logits: repetition_penalty={params.repetition_penalty} needs `seen`, the "
+                             "(B, V) mask of each row's context ids (treerl.agents.sampling.context_mask).")
+        logits = penalize_repetitions(logits.float(), seen, params.repetition_penalty)
     if params.top_k is None:
         # SamplingParams guarantees top_p == 1 and min_p == 0 here.
         return ProcessedLogits(torch.log_softmax(logits.float() / params.temperature, dim=-1), None, None)
@@ -158,8 +193,10 @@ def draw_uniforms(generators: Sequence[torch.Generator], num: int = 1) -> Tensor
     return torch.stack([torch.rand(num, generator=g, dtype=torch.float64) for g in generators]).float()
 
 
-def sample(logits: Tensor, params: SamplingParams, generators: Sequence[torch.Generator]) -> SampledTokens:
-    """Sample one token per row of ``logits`` (B, V), row b with ``generators[b]``.
+def sample(logits: Tensor, params: SamplingParams, generators: Sequence[torch.Generator],
+           seen: Tensor | None = None) -> SampledTokens:
+    """Sample one token per row of ``logits`` (B, V), row b with ``generators[b]`` (``seen``: see
+    :func:`process_logits`).
 
     >>> g = torch.Generator().manual_seed(0)
     >>> out = sample(torch.tensor([[0.0, 5.0, 0.0]]), SamplingParams(top_k=1), [g])
@@ -171,6 +208,6 @@ def sample(logits: Tensor, params: SamplingParams, generators: Sequence[torch.Ge
             f"sample got {logits.shape[0]} rows of logits but {len(generators)} generators; "
             "pass one generator per row."
         )
-    processed = process_logits(logits, params)
+    processed = process_logits(logits, params, seen)
     token_ids, logprobs = sample_processed(processed, draw_uniforms(generators)[:, 0])
     return SampledTokens(token_ids, logprobs, candidate_lists(processed))

@@ -492,8 +492,9 @@ class TransformersPolicy:
         return self.stop_token_ids | frozenset(request.params.stop_token_ids)
 
     @staticmethod
-    def _sample_step(logits: Tensor, partitions, uniforms: Tensor):
+    def _sample_step(logits: Tensor, partitions, uniforms: Tensor, seen: Tensor | None = None):
         """Sample every batch row; returns (token_ids (B,), logprobs (B,), candidates or None, heads).
+        ``seen`` (B, V): the ids of each row's context, for the repetition penalty (None: no row has one).
 
         ``heads[b]`` is ``(ids or None, logprobs)`` of the sampler's head (see :func:`head_lists`)
         for a row whose params ask for ``top_logprobs``, else None.
@@ -504,7 +505,8 @@ class TransformersPolicy:
         heads: list[tuple[list[int] | None, list[float]] | None] = [None] * logits.shape[0]
         for params, index, index_list in partitions:
             whole = len(partitions) == 1  # one partition: every row, no gather
-            processed = process_logits(logits if whole else logits[index], params)
+            row_seen = seen if whole or seen is None else seen[index]
+            processed = process_logits(logits if whole else logits[index], params, row_seen)
             sampled, sampled_logp = sample_processed(processed, uniforms if whole else uniforms[index])
             if whole:
                 token_ids, logprobs = sampled, sampled_logp

@@ -79,7 +79,8 @@ class Segment:
     token_ids: list[int]
     parent: int | None = None
     logprobs: list[float] | None = None
-    """Sampled segments: the sampler's log-prob of each token, after temperature/top-k/top-p/min-p."""
+    """Sampled segments: the sampler's log-prob of each token, after the repetition penalty, temperature,
+    top-k, top-p and min-p."""
     candidates: list[list[int]] | None = None
     """Sampled segments: the ids each token was drawn from; None means the full vocabulary."""
     policy_version: int | None = None
