@@ -86,7 +86,8 @@ class FakeVLLMServer:
         top_k = None if top_k in (None, 0, -1) else top_k
         num_logprobs = num_logprobs or 0
         params = SamplingParams(temperature=body.get("temperature", 1.0), top_k=top_k, top_p=body.get("top_p", 1.0),
-                                min_p=body.get("min_p", 0.0), max_new_tokens=body.get("max_tokens", 16),
+                                min_p=body.get("min_p", 0.0), repetition_penalty=body.get("repetition_penalty", 1.0),
+                                max_new_tokens=body.get("max_tokens", 16),
                                 stop_token_ids=tuple(body.get("stop_token_ids") or ()),
                                 top_logprobs=max(num_logprobs, 1))
         with self._lock:

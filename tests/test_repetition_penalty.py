@@ -174,3 +174,30 @@ def test_a_penalized_request_joining_a_running_batch_samples_as_alone(model):
     assert joined.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
     for request, generation in zip(long, firsts):
         assert_penalized_records(model, request.prompt_ids, generation, request.params)
+
+
+# ---------------------------------------------------------------- vLLM
+
+
+def test_vllm_policies_pass_the_penalty_to_vllm(monkeypatch):
+    import _vllm_fake_engine as fake
+
+    from treerl.agents.vllm_policy import VLLMPolicy, to_vllm_sampling_kwargs
+    from treerl.agents.vllm_server_policy import completion_request
+
+    request = GenerationRequest([1, 2], SamplingParams(top_k=4, repetition_penalty=1.3), seed=0)
+    assert to_vllm_sampling_kwargs(request, frozenset())["repetition_penalty"] == 1.3
+    assert completion_request(request, "m", frozenset())["repetition_penalty"] == 1.3
+
+    class LLM(fake.FakeLLM):
+        def get_tokenizer(self):
+            return SimpleNamespace(eos_token_id=2, get_vocab=lambda: {})
+
+        def complete(self, prompt_ids, sp):
+            return SimpleNamespace(token_ids=[9], logprobs=[{9: fake.lp(0.0)}], finish_reason="length"), 0
+
+    fake.install_fake_vllm(monkeypatch, LLM)
+    policy = VLLMPolicy("tiny/model")
+    policy.generate([GenerationRequest([1], SamplingParams(repetition_penalty=1.15))])
+    (_, [sp]), = policy.llm.calls
+    assert sp.repetition_penalty == 1.15

@@ -1,8 +1,9 @@
 """A generation backend on vLLM (the ``vllm`` extra): ``pip install 'treerl[vllm]'``.
 
 The engine is created with ``logprobs_mode="processed_logprobs"``, so the log-probs it
-returns are those of the distribution each token was drawn from: after temperature, min-p,
-top-k and top-p, in the same order as :mod:`treerl.agents.sampling`. With ``top_k`` set,
+returns are those of the distribution each token was drawn from: after the repetition
+penalty (over the prompt, the request's whole context, and the tokens sampled so far),
+temperature, min-p, top-k and top-p, in the same order as :mod:`treerl.agents.sampling`. With ``top_k`` set,
 each step asks for ``top_k`` log-probs; the ids whose processed log-prob is finite are
 exactly the candidate set (the rest were cut by min-p or top-p).
 
@@ -57,6 +58,7 @@ def to_vllm_sampling_kwargs(request: GenerationRequest, stop_token_ids: frozense
         "top_k": params.top_k if params.top_k is not None else -1,
         "top_p": params.top_p,
         "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty,
         "max_tokens": params.max_new_tokens,
         "seed": request.seed,
         "stop_token_ids": sorted(stop_token_ids | set(params.stop_token_ids)),

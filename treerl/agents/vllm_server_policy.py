@@ -8,7 +8,7 @@ top-k, min-p, top-p), the candidate set, and the weights version.
 Written against vLLM 0.33.0 (the PyPI wheel, build commit 4ba787ec9). Files read:
 
 - ``vllm/entrypoints/openai/completion/protocol.py``: ``CompletionRequest`` takes a prompt of
-  token ids, ``logprobs``, ``top_k``, ``min_p``, ``seed``, ``stop_token_ids``,
+  token ids, ``logprobs``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``stop_token_ids``,
   ``return_token_ids``, ``return_tokens_as_token_ids`` and ``return_weight_versions``;
   a choice carries ``token_ids``, ``logprobs`` and ``weight_versions`` spans.
 - ``vllm/entrypoints/openai/completion/serving.py`` (``_create_completion_logprobs``): per
@@ -17,8 +17,9 @@ Written against vLLM 0.33.0 (the PyPI wheel, build commit 4ba787ec9). Files read
   ``"token_id:N"`` with ``return_tokens_as_token_ids``; ``-inf`` is sent as ``-9999.0``.
 - ``vllm/config/model.py`` and ``vllm/v1/sample/sampler.py``: with ``--logprobs-mode
   processed_logprobs`` the log-probs are those of the distribution the token was drawn from,
-  after temperature, min-p and top-k/top-p (the default, ``raw_logprobs``, is the model's
-  log-softmax before any of them); ``--max-logprobs`` (default 20) caps ``logprobs``.
+  after the repetition penalty (over the prompt and the output), temperature, min-p and
+  top-k/top-p (the default, ``raw_logprobs``, is the model's log-softmax before any of them);
+  ``--max-logprobs`` (default 20) caps ``logprobs``.
 - ``vllm/entrypoints/launchers/api_server/routers.py``: the dev and RL routes exist only when
   the server runs with ``VLLM_SERVER_DEV_MODE=1``.
 - ``vllm/entrypoints/serve/dev/rpc/api_router.py`` (``POST /collective_rpc``: a worker method
@@ -104,6 +105,7 @@ def completion_request(request: GenerationRequest, model: str, stop_token_ids: f
         "top_k": params.top_k if params.top_k is not None else -1,
         "top_p": params.top_p,
         "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty,
         "seed": request.seed,
         "n": 1,
         "stop_token_ids": sorted(stop_token_ids | set(params.stop_token_ids)),
