@@ -201,3 +201,35 @@ def test_vllm_policies_pass_the_penalty_to_vllm(monkeypatch):
     policy.generate([GenerationRequest([1], SamplingParams(repetition_penalty=1.15))])
     (_, [sp]), = policy.llm.calls
     assert sp.repetition_penalty == 1.15
+
+
+# ---------------------------------------------------------------- serve
+
+
+def test_serve_takes_repetition_penalty_as_vllms_extra_body_field(tmp_path):
+    """``treerl serve`` reads ``repetition_penalty`` from a request as vLLM's server does (``extra_body``), the
+    server's --repetition-penalty otherwise, and records the penalized distribution over the conversation."""
+    pytest.importorskip("fastapi", reason="treerl serve needs the serve extra (fastapi, uvicorn)")
+    openai = pytest.importorskip("openai", reason="the openai client is a test dependency")
+    from _serve_helpers import running_server
+
+    from treerl.models import load_default_model
+
+    model, tokenizer = load_default_model()
+    messages = [{"role": "user", "content": "Say apple apple apple."}]
+    with running_server(model, tokenizer, group_size=1, max_new_tokens=16, top_k=20,
+                        repetition_penalty=1.2) as (url, recorder):
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        for episode, extra in (("asked", {"repetition_penalty": 1.7}), ("default", {})):
+            client.chat.completions.create(model="treerl", messages=messages, max_tokens=12, seed=1, extra_body=extra,
+                                           extra_headers={"X-Episode-Id": episode})
+            client.post(f"/episodes/{episode}/reward", body={"reward": 0.0}, cast_to=object)
+        with pytest.raises(openai.BadRequestError, match="repetition_penalty"):
+            client.chat.completions.create(model="treerl", messages=messages, max_tokens=2,
+                                           extra_body={"repetition_penalty": 0})
+        groups = {g.task_key: g for g in recorder.finished}
+    for episode, penalty in (("asked", 1.7), ("default", 1.2)):
+        [path] = [e.path() for e in groups[episode].episodes]  # an episode without a task id is its own group
+        context = [t for s in path[:-1] for t in s.token_ids]
+        assert path[-1].kind == "sampled"
+        assert_penalized_records(model, context, path[-1], SamplingParams(top_k=20, repetition_penalty=penalty))

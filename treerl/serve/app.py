@@ -4,7 +4,8 @@ Endpoints (all JSON; errors in OpenAI's shape, the field named in ``param``):
 
 ==========================================  ==========================================================
 ``POST /v1/chat/completions``               messages, tools, tool_choice, parallel_tool_calls,
-                                            temperature, top_p, top_k, min_p, max_tokens, stop,
+                                            temperature, top_p, top_k, min_p, repetition_penalty
+                                            (vLLM's extra field), max_tokens, stop,
                                             seed, n, stream, logprobs, top_logprobs;
                                             episode by ``X-Episode-Id`` / ``metadata.episode_id`` /
                                             ``user``, group by ``X-Task-Id`` / ``metadata.task_id``;

@@ -76,6 +76,8 @@ class ChatRequest:
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
+    """vLLM's extra sampling field: the penalty on every id of the conversation so far (see SamplingParams)."""
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
@@ -257,6 +259,7 @@ def parse_request(body: Any) -> ChatRequest:
     request.top_p = _number(body, "top_p", 1e-9, 1.0)
     request.top_k = _number(body, "top_k", 1, 1 << 30, integer=True)
     request.min_p = _number(body, "min_p", 0.0, 0.999999)
+    request.repetition_penalty = _number(body, "repetition_penalty", 1e-9, math.inf)
     max_tokens = _number(body, "max_completion_tokens", 1, 1 << 30, integer=True)
     request.max_tokens = max_tokens if max_tokens is not None else _number(body, "max_tokens", 1, 1 << 30,
                                                                            integer=True)

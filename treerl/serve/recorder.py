@@ -384,6 +384,7 @@ class Recorder:
         top_p = request.top_p if request.top_p is not None else cfg.top_p
         min_p = request.min_p if request.min_p is not None else cfg.min_p
         temperature = request.temperature if request.temperature is not None else cfg.temperature
+        penalty = request.repetition_penalty if request.repetition_penalty is not None else cfg.repetition_penalty
         if temperature == 0:  # greedy, as OpenAI reads temperature 0: the most likely token, log-prob 0
             temperature, top_k = 1.0, 1
         if top_k is None and (top_p < 1 or min_p > 0):
@@ -399,7 +400,7 @@ class Recorder:
                 stop_ids.append(ids[0])
         try:
             return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                  max_new_tokens=max_tokens, stop_token_ids=tuple(stop_ids),
+                                  repetition_penalty=penalty, max_new_tokens=max_tokens, stop_token_ids=tuple(stop_ids),
                                   top_logprobs=request.top_logprobs)
         except ValueError as exc:
             raise RequestError("sampling", str(exc)) from None
