@@ -233,3 +233,76 @@ def test_serve_takes_repetition_penalty_as_vllms_extra_body_field(tmp_path):
         context = [t for s in path[:-1] for t in s.token_ids]
         assert path[-1].kind == "sampled"
         assert_penalized_records(model, context, path[-1], SamplingParams(top_k=20, repetition_penalty=penalty))
+
+
+# ---------------------------------------------------------------- options: learn, rollout, eval, serve
+
+
+def test_grpo_config_and_every_command_take_repetition_penalty(tmp_path):
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+    from treerl.learners.async_grpo import AsyncGRPOConfig
+    from treerl.learners.grpo import GRPOConfig
+    from treerl.learners.sdpo import SDPOConfig
+    from treerl.rollout.evaluate import EvalConfig
+    from treerl.rollout.record import RolloutConfig
+    from treerl.serve.config import ServeConfig
+
+    for config in (GRPOConfig, SDPOConfig, AsyncGRPOConfig):
+        cfg = config(output_dir="x", repetition_penalty=1.1)
+        assert cfg.sampling().repetition_penalty == 1.1
+        assert cfg.sampling(temperature=cfg.eval_temperature).repetition_penalty == 1.1  # TRL's eval samples alike
+    assert SamplingOptions().sampling().repetition_penalty == 1.0
+    parser = build_parser()
+    args = parser.parse_args(["learn", "--output-dir", "x", "--repetition-penalty", "1.2"])
+    assert config_from_args(GRPOConfig, args).sampling().repetition_penalty == 1.2
+    (tmp_path / "c.yaml").write_text("repetition_penalty: 1.3\n")
+    args = parser.parse_args(["learn", "--output-dir", "x", "--config", str(tmp_path / "c.yaml")])
+    assert config_from_args(GRPOConfig, args).repetition_penalty == 1.3
+    args = parser.parse_args(["rollout", "--out", "r.jsonl", "--repetition-penalty", "1.4"])
+    assert config_from_args(RolloutConfig, args).sampling().repetition_penalty == 1.4
+    args = parser.parse_args(["eval", "--repetition-penalty", "1.5"])
+    assert config_from_args(EvalConfig, args).sampling().repetition_penalty == 1.5
+    assert ServeConfig(repetition_penalty=1.6).sampling().repetition_penalty == 1.6
+    with pytest.raises(ValueError, match="repetition_penalty=0.0 must be a finite number > 0"):
+        GRPOConfig(output_dir="x", repetition_penalty=0.0)
+
+
+def test_a_rollout_records_the_penalized_distribution_over_the_whole_episode(tmp_path):
+    """``treerl rollout --repetition-penalty``: every sampled turn of a multi-turn episode (tool results
+    between turns) records the log-probs of the penalty over everything before it."""
+    from treerl.cli import main
+    from treerl.models import load_default_model
+    from treerl.rollout import read_groups
+
+    out = tmp_path / "r.jsonl"
+    assert main(["rollout", "--out", str(out), "--num-tasks", "1", "--group-size", "2", "--max-new-tokens", "24",
+                 "--top-k", "20", "--repetition-penalty", "1.5", "--progress", "false", "--seed", "3"]) == 0
+    model, _ = load_default_model()
+    groups = list(read_groups(out))
+    params = SamplingParams(top_k=20, repetition_penalty=1.5)
+    checked = 0
+    for group in groups:
+        assert group.info["sampling"]["repetition_penalty"] == 1.5
+        for episode in group.episodes:
+            context = []
+            for segment in episode.path():
+                if segment.kind == "sampled":
+                    checked += assert_penalized_records(model, context, segment, params)
+                context += segment.token_ids
+    assert checked > 24
+
+
+def test_grpo_trains_on_penalized_samples_with_importance_weights_that_see_the_penalty(tmp_path):
+    """The trainer's log-probs are the model's (unpenalized, as TRL's): the ratios to the recorded penalized
+    log-probs are no longer 1 (they are at penalty 1, see test_learn), and what they correct stays finite."""
+    from treerl.learners.grpo import GRPOConfig, train
+    from treerl.models import load_default_model
+
+    model, tok = load_default_model()
+    cfg = GRPOConfig(output_dir=str(tmp_path), steps=1, tasks_per_step=2, group_size=2, max_new_tokens=24, top_k=20,
+                     repetition_penalty=1.3, skip_zero_advantage=False, eval_episodes=0, progress=False, num_threads=1)
+    train(cfg, model=model, tokenizer=tok)
+    [m] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert math.isfinite(m["loss/policy"]) and math.isfinite(m["is/ratio_mean"])
+    assert abs(m["is/ratio_mean"] - 1.0) > 1e-3

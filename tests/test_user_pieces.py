@@ -246,7 +246,7 @@ def test_trls_defaults_written_out_are_taken(tmp_path):
     with pytest.raises(TypeError, match=r"env_kwargs\['guess'\]'s max_turns=5"):
         GRPOConfig(output_dir="x", env="calc=treerl/Calculator-v0,guess=treerl/GuessNumber-v0",
                    max_tool_calling_iterations=2, env_kwargs={"guess": {"max_turns": 5}})
-    for name, value, said in (("repetition_penalty", 1.1, "sampling takes"), ("hub_always_push", True, "skipped while"),
+    for name, value, said in (("trust_remote_code", True, "not supported"), ("hub_always_push", True, "skipped while"),
                               ("disable_dropout", 0, "dropout stays"), ("use_liger_kernel", True, "not supported"),
                               ("dataset_name", "x/y", "a script's dataset option"),
                               ("multi_objective_aggregation", "normalize_then_sum", "normalize_then_sum is not")):
@@ -258,9 +258,9 @@ def test_trls_defaults_written_out_are_taken(tmp_path):
     args = build_parser().parse_args(["learn", "--output-dir", "x", "--config", str(tmp_path / "trl.yaml")])
     cfg = config_from_args(GRPOConfig, args)
     assert (cfg.min_p, cfg.epsilon_high, cfg.chat_template_kwargs) == (0.0, 0.1, {})
-    (tmp_path / "bad.yaml").write_text("repetition_penalty: 1.2\n")
+    (tmp_path / "bad.yaml").write_text("trust_remote_code: true\n")
     args = build_parser().parse_args(["learn", "--output-dir", "x", "--config", str(tmp_path / "bad.yaml")])
-    with pytest.raises(ConfigError, match="repetition_penalty: not supported"):
+    with pytest.raises(ConfigError, match="trust_remote_code: not supported"):
         config_from_args(GRPOConfig, args)
 
 

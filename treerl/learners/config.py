@@ -75,7 +75,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                  "remove_unused_columns=False); drop the columns you do not want from the dataset",
         "importance_sampling_level": "sequence-level ratios are --loss gspo; --is-level sets the level of the "
                                      "sampler/trainer importance weights (TRL's vllm_importance_sampling_mode)",
-        "repetition_penalty": "not supported: sampling takes --temperature, --top-k, --top-p and --min-p",
         "hub_always_push": "not supported: a checkpoint's push is skipped while the previous one still uploads, as "
                            "transformers' default does (the next one, or the end of the run, pushes newer weights)",
         "save_strategy": "checkpoints are written every --save-every steps (TRL's save_steps; 0: only the final "
@@ -94,7 +93,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                            "--lora-dropout for LoRA's own",
         "trust_remote_code": "not supported: --model loads architectures transformers ships",
         "cache_implementation": "not supported: generation uses the policy's own KV cache",
-        "generation_kwargs": "sampling takes --temperature, --top-k, --top-p, --min-p and --max-new-tokens",
+        "generation_kwargs": "sampling takes --temperature, --top-k, --top-p, --min-p, --repetition-penalty and "
+                             "--max-new-tokens",
         "log_level": "not supported: treerl prints its progress and warnings to stderr and every step to "
                      "metrics.jsonl; transformers' own logging follows $TRANSFORMERS_VERBOSITY",
         "use_peft": "LoRA is on when --lora-r is set (TRL's lora_r, lora_alpha, lora_dropout and "
@@ -119,7 +119,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                          "steps_per_generation", "cache_implementation", "delta", "model_init_kwargs"), (None,)),
         "max_tool_calling_iterations": (None,),  # TRL's "no limit of its own": the environment's max_turns limits
         "generation_kwargs": (None, {}),
-        "repetition_penalty": (1.0,),
         **dict.fromkeys(("sync_ref_model", "disable_dropout", "trust_remote_code", "log_unique_prompts",
                          "hub_always_push"), (False,)),
         # read only beside log_completions=True and sync_ref_model=True: taken at TRL's defaults
