@@ -100,17 +100,83 @@ def test_several_rewards_sum_then_normalize():
     assert out.metrics["reward/num_zero_std_groups"].item() == 1.0
 
 
+def gdpo_reference(rows, groups, weights):
+    """TRL's normalize_then_sum written out with loops: each weighted reward normalized in its group
+    (over the values that are not None), the weighted sum, then that sum normalized over the batch;
+    a row that no weighted reward scored has advantage 0 and stays out of the batch's statistics."""
+    used = [k for k, w in enumerate(weights) if w != 0]
+    sums = []
+    for i, row in enumerate(rows):
+        total = 0.0
+        for k in used:
+            values = [rows[j][k] for j, g in enumerate(groups) if g == groups[i] and not math.isnan(rows[j][k])]
+            if not math.isnan(row[k]) and len(values) > 1:
+                total += weights[k] * (row[k] - statistics.mean(values)) / (statistics.stdev(values) + EPS)
+        sums.append(total if any(not math.isnan(row[k]) for k in used) else None)
+    scored = [x for x in sums if x is not None]
+    mean, std = statistics.mean(scored), statistics.stdev(scored)
+    return [0.0 if x is None else (x - mean) / (std + EPS) for x in sums]
+
+
+NAN = float("nan")
+
+
 def test_several_rewards_normalize_then_sum():
     second = [0.0, 10.0, 100.0, 0.0, 30.0, 1.0, 100.0, 20.0]  # a much larger scale
-    weights = [1.0, 0.5]
-    rewards = torch.tensor(list(zip(REWARD, second)), dtype=torch.float64)
+    third = [NAN, 1.0, 0.0, NAN, 1.0, 2.0, 1.0, 0.0]  # None where it does not apply
+    ignored = [5.0, 1.0, 2.0, 3.0, 4.0, 6.0, 7.0, 8.0]  # weight 0: left out
+    rows = [list(r) for r in zip(REWARD, second, third, ignored)]
+    weights = [1.0, 0.5, 2.0, 0.0]
     cfg = AdvantageConfig(multi_reward="normalize_then_sum", eps=EPS)
-    out = compute_advantages(rewards, torch.tensor(GROUP), cfg, weights=weights)
-    first_adv, second_adv = reference(REWARD, "grpo", "group"), reference(second, "grpo", "group")
-    expected = [weights[0] * a + weights[1] * b for a, b in zip(first_adv, second_adv)]
-    assert out.adv.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-12)
-    # A group counts as zero-variance only if every reward is constant in it.
+    out = compute_advantages(torch.tensor(rows, dtype=torch.float64), torch.tensor(GROUP), cfg, weights=weights)
+    assert out.adv.tolist() == pytest.approx(gdpo_reference(rows, GROUP, weights), rel=1e-12, abs=1e-12)
+    # Group 9 (one episode) has no spread in any reward; group 5's second reward varies.
     assert out.metrics["reward/num_zero_std_groups"].item() == 1.0
+    assert out.metrics["reward/2/mean"].item() == pytest.approx(5.0 / 6.0)
+
+
+def test_normalize_then_sum_unscorable_and_constant_groups():
+    # Rows 2 and 3: every reward function returned None (the environment's column 0 is weighted 0).
+    rows = [[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [0.0, NAN, NAN], [0.0, NAN, NAN], [0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
+    group = [0, 0, 1, 1, 2, 2]
+    weights = [0.0, 1.0, 1.0]
+    cfg = AdvantageConfig(multi_reward="normalize_then_sum", eps=EPS)
+    out = compute_advantages(torch.tensor(rows, dtype=torch.float64), torch.tensor(group), cfg, weights=weights)
+    assert out.adv.tolist() == pytest.approx(gdpo_reference(rows, group, weights), rel=1e-12, abs=1e-12)
+    assert out.adv[2:4].tolist() == [0.0, 0.0]
+    # Group 2 is constant in each reward: no signal of its own (TRL's batch step still shifts it).
+    assert out.metrics["reward/num_zero_std_groups"].item() == 2.0
+
+
+def test_normalize_then_sum_is_trls_code():
+    """TRL's own lines (GRPOTrainer._generate_and_score_completions, multi_objective_aggregation=
+    "normalize_then_sum") on groups of equal size, with None rewards and an unscorable completion."""
+    rewards_per_func = torch.tensor([[1.0, NAN], [0.0, 2.0], [1.0, 3.0], [NAN, NAN],
+                                     [0.5, 1.0], [0.0, NAN], [1.0, 0.0], [0.5, 4.0]])
+    reward_weights = torch.tensor([1.0, 0.3])
+    num_generations = 4
+
+    def nanstd(tensor, dim=None, keepdim=False):  # trl.trainer.utils.nanstd
+        mean = torch.nanmean(tensor, dim=dim, keepdim=True)
+        variance = torch.nanmean((tensor - mean) ** 2, dim=dim, keepdim=True)
+        count = torch.sum(~torch.isnan(tensor), dim=dim, keepdim=True)
+        correction = torch.where(count > 1, count / (count - 1), torch.full_like(count / 1.0, float("nan")))
+        std = torch.sqrt(variance * correction)
+        return std if keepdim else std.squeeze(dim) if dim is not None else std.squeeze()
+
+    unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
+    grouped = rewards_per_func.view(-1, num_generations, 2)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = nanstd(grouped, dim=1, keepdim=True)
+    reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, 2)
+    rewards = (reward_k * reward_weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable_mask] = torch.nan
+    std_rewards = nanstd(rewards).expand_as(rewards)
+    advantages = torch.nan_to_num((rewards - torch.nanmean(rewards)) / (std_rewards + 1e-4), nan=0.0)
+
+    out = compute_advantages(rewards_per_func, torch.tensor([0] * 4 + [1] * 4),
+                             AdvantageConfig(multi_reward="normalize_then_sum"), weights=reward_weights)
+    torch.testing.assert_close(out.adv, advantages)
 
 
 def test_default_weights_are_ones():
@@ -145,6 +211,8 @@ def test_errors():
         (dict(estimator="ppo"), "estimator"),
         (dict(scale="global"), "scale"),
         (dict(multi_reward="max"), "multi_reward"),
+        (dict(multi_reward="normalize_then_sum", estimator="rloo"), "normalize_then_sum"),
+        (dict(multi_reward="normalize_then_sum", scale="none"), "normalize_then_sum"),
         (dict(eps=0.0), "eps"),
     ],
 )

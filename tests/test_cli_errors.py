@@ -58,6 +58,11 @@ CASES = [
     ("model-without-chat-template", [*LEARN, "--model", "{no_template}"], None, "has no chat template"),
     ("model-not-a-dir", [*LEARN, "--model", "{tmp}/nothing"], None, "is not a directory"),
     ("model-broken", [*LEARN, "--model", "{broken}"], None, "could not load a causal LM"),
+    ("multi-objective-aggregation-bogus", [*LEARN, "--multi-objective-aggregation", "max"], None,
+     "multi_objective_aggregation='max': use sum_then_normalize or normalize_then_sum"),
+    ("normalize-then-sum-rloo", [*LEARN, "--multi-objective-aggregation", "normalize_then_sum",
+                                 "--advantage-estimator", "rloo"], None,
+     "advantage_estimator='rloo': multi_objective_aggregation='normalize_then_sum' centres each reward"),
     ("model-is-a-lora-adapter", ["eval", "--model", "{adapter}"], None, "is a LoRA adapter, not a whole model: pass "
      "the merged model (treerl learn saved it merged beside it: --model"),
     ("model-is-a-learn-output-dir", ["eval", "--model", "{lora_run}"], None, "is the output directory of treerl "

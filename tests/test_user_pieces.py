@@ -248,8 +248,7 @@ def test_trls_defaults_written_out_are_taken(tmp_path):
                    max_tool_calling_iterations=2, env_kwargs={"guess": {"max_turns": 5}})
     for name, value, said in (("trust_remote_code", True, "not supported"), ("hub_always_push", True, "skipped while"),
                               ("disable_dropout", 0, "dropout stays"), ("use_liger_kernel", True, "not supported"),
-                              ("dataset_name", "x/y", "a script's dataset option"),
-                              ("multi_objective_aggregation", "normalize_then_sum", "normalize_then_sum is not")):
+                              ("dataset_name", "x/y", "a script's dataset option")):
         with pytest.raises(TypeError, match=f"no option {name}: .*{said}"):
             GRPOConfig(output_dir="x", **{name: value})
     text = "".join(f"{k}: {'null' if v is None else str(v).lower() if isinstance(v, bool) else v}\n"

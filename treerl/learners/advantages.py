@@ -15,9 +15,10 @@ for small groups, as TRL's ``scale_rewards="batch"``), or not at all (Dr. GRPO: 
 division over-weights easy and hard tasks). Stds are unbiased (``n - 1``), as in TRL.
 
 Several rewards per episode, ``(E, R)``, are combined with weights ``(R,)``: summed then
-normalized (TRL's default), or each normalized in its group and then summed, so that
-one reward's scale cannot drown the others (GDPO-style, without its final batch
-normalization).
+normalized (TRL's default, ``sum_then_normalize``), or TRL's ``normalize_then_sum`` (GDPO,
+https://arxiv.org/abs/2601.05242), so that one reward's scale cannot drown the others: each
+reward ``(r - group mean) / (group std + eps)``, the weighted sum of those, then that sum
+``(x - batch mean) / (batch std + eps)`` (:func:`normalize_then_sum`).
 
 A group whose rewards are all equal carries no signal: its advantages are 0. The
 metrics count these groups, ``reward/num_zero_std_groups``: when most groups are like
@@ -55,6 +56,7 @@ __all__ = [
     "compute_advantages",
     "group_ids",
     "grpo_advantages",
+    "normalize_then_sum",
     "rloo_advantages",
 ]
 
@@ -71,7 +73,8 @@ class AdvantageConfig:
     scale: str = "group"
     """Divide by the std of the ``group``, of the whole ``batch``, or ``none``."""
     multi_reward: str = "sum_then_normalize"
-    """With rewards (E, R): ``sum_then_normalize`` or ``normalize_then_sum``."""
+    """With rewards (E, R): ``sum_then_normalize`` or ``normalize_then_sum`` (TRL's formula, which
+    takes the group mean and std and then the batch's: ``estimator="grpo"``, ``scale="group"``)."""
     eps: float = 1e-4
     """Added to the std before dividing, so zero-variance groups give 0, not NaN."""
 
@@ -85,6 +88,12 @@ class AdvantageConfig:
         if self.multi_reward not in MULTI_REWARD_MODES:
             raise ValueError(
                 f"AdvantageConfig.multi_reward is {self.multi_reward!r}; choose one of {MULTI_REWARD_MODES}."
+            )
+        if self.multi_reward == "normalize_then_sum" and (self.estimator, self.scale) != ("grpo", "group"):
+            raise ValueError(
+                f"AdvantageConfig.multi_reward='normalize_then_sum' centres each reward on its group's mean and "
+                f"divides by its group's std, then the sum by the batch's (TRL's formula), so it takes "
+                f"estimator='grpo' and scale='group', not {self.estimator!r} and {self.scale!r}."
             )
         if not (self.eps > 0.0 and math.isfinite(self.eps)):
             raise ValueError(
@@ -210,10 +219,6 @@ def compute_advantages(
             "rewards contains NaN or inf; a verifier returned a non-number. Make the reward "
             "functions return finite floats (a failed rollout should score, e.g., 0)."
         )
-    if bool(torch.isnan(rewards).any()) and cfg.multi_reward != "sum_then_normalize":
-        raise ValueError(f"a reward function returned None (NaN: not applicable), which multi_reward="
-                         f"{cfg.multi_reward!r} cannot normalize per reward; use multi_reward='sum_then_normalize', "
-                         "where it is left out of the sum (as in TRL).")
     rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
     if weights is None:
         w = torch.ones(num_rewards, dtype=rewards.dtype, device=rewards.device)
@@ -228,14 +233,16 @@ def compute_advantages(
     estimator = ADVANTAGE_ESTIMATORS[cfg.estimator]
     combined = combine_rewards(rewards, w)  # (E,)
     ids, num_groups = group_ids(group)
-    if cfg.multi_reward == "sum_then_normalize" or num_rewards == 1:
+    if cfg.multi_reward == "sum_then_normalize":
         adv = estimator(combined, group, scale=cfg.scale, eps=cfg.eps)
         constant = _group_range(combined, ids, num_groups) == 0  # (G,)
     else:
-        per_reward = [estimator(rewards[:, r], group, scale=cfg.scale, eps=cfg.eps) for r in range(num_rewards)]
-        adv = torch.stack(per_reward, dim=1) @ w  # (E,)
+        adv = normalize_then_sum(rewards, group, w, eps=cfg.eps)
+        # A group carries no signal of its own when each weighted reward is constant in it (its
+        # advantages are then all equal: minus the batch mean of the sums, over the batch std).
+        weighted = rewards[:, w != 0]  # (E, R')
         constant = torch.stack(
-            [_group_range(rewards[:, r], ids, num_groups) == 0 for r in range(num_rewards)], dim=1
+            [_group_range(weighted[:, r], ids, num_groups) == 0 for r in range(weighted.shape[1])], dim=1
         ).all(dim=1)
 
     num_zero = constant.sum().to(rewards.dtype)
@@ -255,9 +262,55 @@ def compute_advantages(
 
 
 def _group_range(values: Tensor, ids: Tensor, num_groups: int) -> Tensor:
-    """max - min per group, (G,): exactly 0 when all of a group's values are equal."""
+    """max - min per group over the values that are not NaN, (G,): exactly 0 when all of a group's
+    values are equal, or when it has none."""
     high = torch.full((num_groups,), -math.inf, dtype=values.dtype, device=values.device)
     low = torch.full((num_groups,), math.inf, dtype=values.dtype, device=values.device)
-    high = high.scatter_reduce(0, ids, values, reduce="amax")
-    low = low.scatter_reduce(0, ids, values, reduce="amin")
-    return high - low
+    missing = values.isnan()
+    high = high.scatter_reduce(0, ids, values.masked_fill(missing, -math.inf), reduce="amax")
+    low = low.scatter_reduce(0, ids, values.masked_fill(missing, math.inf), reduce="amin")
+    return torch.where(high == -math.inf, torch.zeros_like(high), high - low)
+
+
+def _nan_group_stats(values: Tensor, ids: Tensor, num_groups: int) -> tuple[Tensor, Tensor]:
+    """Per-group (mean, unbiased std) of each column over its values that are not NaN, each (G, R):
+    the mean is NaN for a group without values, the std for one with fewer than two (TRL's nanstd)."""
+    present = ~values.isnan()  # (E, R)
+    zeros = values.new_zeros((num_groups, values.shape[1]))
+    count = zeros.index_add(0, ids, present.to(values.dtype))  # (G, R)
+    mean = zeros.index_add(0, ids, values.nan_to_num(0.0)) / count  # 0/0 = NaN where none
+    sq_dev = zeros.index_add(0, ids, torch.where(present, values - mean[ids], 0.0) ** 2)
+    std = torch.where(count > 1, (sq_dev / (count - 1.0)).sqrt(), torch.full_like(count, math.nan))
+    return mean, std
+
+
+def normalize_then_sum(rewards: Tensor, group: Tensor, weights: Tensor, *, eps: float = 1e-4) -> Tensor:
+    """TRL's ``multi_objective_aggregation="normalize_then_sum"`` (GDPO). (E, R), (E,), (R,) -> (E,).
+
+    Each reward column is normalized in its group, ``(r - mean_g) / (std_g + eps)`` (always divided
+    by the std, whatever the scale), the columns' weighted sum is taken, and that sum is normalized
+    over the batch, ``(x - mean) / (std + eps)``. NaN (a reward function's ``None``) is left out of
+    every mean, std and sum, as TRL's ``nanmean``/``nanstd``/``nansum``; a column with fewer than two
+    values in a group adds nothing to that group's sums. An episode that no weighted reward scored is
+    unscorable: left out of the batch's mean and std, with advantage 0. A column of weight 0 adds
+    nothing and is left out (so the environment's reward, which treerl.GRPOTrainer weights 0 since
+    TRL has none, does not make an episode scorable).
+
+    Example:
+        >>> import torch
+        >>> r = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 5.0], [1.0, 0.0]])  # the second reward's scale is 5x
+        >>> adv = normalize_then_sum(r, torch.tensor([0, 0, 1, 1]), torch.tensor([1.0, 1.0]))
+        >>> [round(a, 3) for a in adv.tolist()]
+        [0.866, -0.866, 0.866, -0.866]
+    """
+    used = weights != 0
+    rewards, weights = rewards[:, used], weights[used]  # (E, R'), (R',)
+    ids, num_groups = group_ids(group)
+    mean, std = _nan_group_stats(rewards, ids, num_groups)  # (G, R') each
+    normalized = (rewards - mean[ids]) / (std[ids] + eps)  # (E, R'), NaN where not applicable
+    summed = (normalized * weights).nansum(dim=1)  # (E,)
+    scored = ~rewards.isnan().all(dim=1)  # (E,)
+    batch_mean, batch_std = _nan_group_stats(
+        torch.where(scored, summed, math.nan).unsqueeze(1), torch.zeros_like(ids), 1)
+    adv = (summed - batch_mean[0, 0]) / (batch_std[0, 0] + eps)
+    return torch.where(scored, adv, 0.0).nan_to_num(0.0)

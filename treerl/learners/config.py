@@ -83,8 +83,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                          "reentrancy; it takes no other options",
         **dict.fromkeys(("model_init_kwargs", "torch_dtype"),
                         "--dtype sets the dtype the weights are loaded and trained in (auto: the checkpoint's)"),
-        "multi_objective_aggregation": "rewards are summed with --reward-weights, then centred (and scaled) in "
-                                       "their group: TRL's sum_then_normalize; normalize_then_sum is not supported",
         "sync_ref_model": "not supported: the reference model of --beta is the starting weights",
         "delta": "not supported (the two-sided clip of --loss dppo is --dppo-delta-low/--dppo-delta-high)",
         **dict.fromkeys(("vllm_server_host", "vllm_server_port"),
@@ -125,7 +123,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "log_completions_hub_repo": (None,),
         "log_multimodal": (True,), "ref_model_mixup_alpha": (0.6,), "ref_model_sync_steps": (512,),
         "importance_sampling_level": ("token",),  # token-level ratios, as every --loss but gspo
-        "multi_objective_aggregation": ("sum_then_normalize",),  # weighted sum, then the group's advantages
         "save_strategy": ("steps",),  # every --save-every (TRL's save_steps) steps
         "gradient_checkpointing_kwargs": (None, {}, {"use_reentrant": False}),  # what --gradient-checkpointing does
         "log_level": ("passive",),  # transformers' default: its logging as it is set

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -44,7 +45,7 @@ import torch
 
 from treerl.agents.policy import Policy
 from treerl.config import field_help
-from treerl.learners.advantages import AdvantageConfig, compute_advantages
+from treerl.learners.advantages import MULTI_REWARD_MODES, AdvantageConfig, compute_advantages
 from treerl.learners.centering import batch_centering
 from treerl.learners.config import LearnerConfig
 from treerl.learners.core import (Evaluator, OptimizerSpec, Run, StepCallback, TrainResult, build, finish,
@@ -88,6 +89,15 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
                                                          "constant normalizer (default: max_episode_tokens).")
     advantage_estimator: str = field_help("grpo", "Baseline: grpo (group mean) or rloo (leave-one-out).")
     advantage_scale: str = field_help("group", "Divide advantages by the std of the group, the batch, or none.")
+    multi_objective_aggregation: str = field_help(
+        "sum_then_normalize", "How the reward columns (the environment's reward, then each --reward-funcs function) "
+                              "make one advantage, TRL's choices: sum_then_normalize (their --reward-weights sum, "
+                              "then the baseline and --advantage-scale) or normalize_then_sum (GDPO: each column "
+                              "(r - group mean) / (group std + 1e-4), None left out; their weighted sum, then "
+                              "(x - batch mean) / (batch std + 1e-4); an episode no function scored gets 0). With "
+                              "normalize_then_sum the environment's reward is one more column, left out when "
+                              "weighted 0 (as treerl.GRPOTrainer weights it), and --advantage-scale changes nothing, "
+                              "as in TRL.")
     is_level: str = field_help("token", "Importance sampling between sampler and trainer: token or sequence.")
     is_mode: str = field_help("truncate", "truncate, mask or off.")
     is_ratio_high: float = field_help(2.0, "Upper bound of the sampler/trainer ratio.")
@@ -119,6 +129,19 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
         scale = {"true": "group", "false": "none"}.get(str(self.advantage_scale).lower())
         if scale is not None:
             self.advantage_scale = scale
+        if self.multi_objective_aggregation not in MULTI_REWARD_MODES:
+            raise ValueError(f"multi_objective_aggregation={self.multi_objective_aggregation!r}: use "
+                             "sum_then_normalize or normalize_then_sum (TRL's choices).")
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            AdvantageConfig(scale=self.advantage_scale)  # its own message for a scale that is none of them
+            if self.advantage_estimator != "grpo":
+                raise ValueError(f"advantage_estimator={self.advantage_estimator!r}: multi_objective_aggregation="
+                                 "'normalize_then_sum' centres each reward on its group's mean (TRL's formula); use "
+                                 "--advantage-estimator grpo, or sum_then_normalize with rloo.")
+            if self.advantage_scale != "group":
+                warnings.warn(f"advantage_scale (TRL's scale_rewards)={self.advantage_scale!r} changes nothing with "
+                              "multi_objective_aggregation='normalize_then_sum': each reward is divided by its "
+                              "group's std and their sum by the batch's, as in TRL.", stacklevel=3)
         if self.group_size < 2 and self.advantage_estimator == "grpo":
             raise ValueError("group_size must be >= 2: GRPO's baseline is the mean reward of a task's group.")
         if self.loss not in POLICY_LOSSES:
@@ -140,6 +163,8 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
                           max_completion_length=self.max_completion_length or self.max_episode_tokens)
 
     def advantage_config(self) -> AdvantageConfig:
+        if self.multi_objective_aggregation == "normalize_then_sum":  # TRL's formula: group, then batch std
+            return AdvantageConfig(multi_reward="normalize_then_sum")
         return AdvantageConfig(estimator=self.advantage_estimator, scale=self.advantage_scale)
 
     def importance_config(self) -> ImportanceConfig:
