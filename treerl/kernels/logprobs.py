@@ -169,6 +169,10 @@ GPU_CHUNK_VOCAB = 8192
 """The vocabulary tile (chunked) or span of one program (Triton) on GPUs."""
 
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+"""The dtypes whose head ``fp32_head`` computes in float32 (float32 and float64 heads already are)."""
+
+
 def default_chunk_vocab(impl: str, device: torch.device) -> int:
     """The vocabulary tile ``token_logprobs`` uses when ``chunk_vocab`` is None.
 
@@ -239,12 +243,16 @@ def reference_token_logprobs(
 # --------------------------------------------------------------------------- chunked
 
 
-def _logits_tile(h: Tensor, w: Tensor, b: Tensor | None, temperature: float, acc: torch.dtype) -> Tensor:
+def _logits_tile(h: Tensor, w: Tensor, b: Tensor | None, temperature: float, acc: torch.dtype,
+                 compute: torch.dtype | None = None) -> Tensor:
     """(n, H) x (v, H) -> (n, v) tempered logits in ``acc``.
 
-    The matmul runs in the input dtype (tensor cores for bfloat16) and only the tile is
-    upcast; everything computed from it is float32.
+    The matmul runs in the input dtype (tensor cores for bfloat16), or in ``compute`` (float32 for
+    ``fp32_head``: the weight tile is upcast, never the whole head), and only the tile is upcast;
+    everything computed from it is float32.
     """
+    if compute is not None:
+        h, w, b = h.to(compute), w.to(compute), None if b is None else b.to(compute)
     tile = h @ w.T if b is None else torch.addmm(b, h, w.T)  # (n, v)
     tile = tile.to(acc)
     return tile.div_(temperature)
@@ -282,7 +290,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, candidates, temperature, chunk_tokens, chunk_vocab):
+    def forward(ctx, hidden, weight, bias, targets, candidates, temperature, chunk_tokens, chunk_vocab, compute):
         acc = _acc_dtype(hidden.dtype)
         num_tokens, vocab = hidden.shape[0], weight.shape[0]
         device = hidden.device
@@ -302,7 +310,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 m = s = a = None
                 for v0 in range(0, vocab, chunk_vocab):
                     v1 = min(v0 + chunk_vocab, vocab)
-                    z = _logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1], temperature, acc)
+                    z = _logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1], temperature, acc,
+                                     compute)
                     _gather_in_tile(z, y, v0, z_target[t0:t1, None])
                     if has_cand:
                         _gather_in_tile(z, candidates[t0:t1], v0, z_cand[t0:t1])
@@ -331,7 +340,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             logp_cand = torch.zeros_like(logp)
             q_cand = None
         ctx.save_for_backward(hidden, weight, bias, targets, candidates, lse, entropy, q_cand)
-        ctx.config = (temperature, chunk_tokens, chunk_vocab)
+        ctx.config = (temperature, chunk_tokens, chunk_vocab, compute)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*(() if has_cand else (logp_cand,)))
         return logp, entropy, logp_cand
@@ -340,9 +349,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_logp, g_entropy, g_cand):
         hidden, weight, bias, targets, candidates, lse, entropy, q_cand = ctx.saved_tensors
-        temperature, chunk_tokens, chunk_vocab = ctx.config
+        temperature, chunk_tokens, chunk_vocab, compute = ctx.config
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        none = (None,) * 8
+        none = (None,) * 9
         if candidates is None:
             g_cand = None
         if (g_logp is None and g_entropy is None and g_cand is None) or not (need_h or need_w or need_b):
@@ -363,14 +372,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
         # float32 over all tokens and written once, so bfloat16 weights see one rounding.
         for v0 in range(0, vocab, chunk_vocab):
             v1 = min(v0 + chunk_vocab, vocab)
-            w = weight[v0:v1]  # (v, H)
+            w = weight[v0:v1] if compute is None else weight[v0:v1].to(compute)  # (v, H)
             b = None if bias is None else bias[v0:v1]
             gw_tile = torch.zeros(w.shape, dtype=acc, device=w.device) if need_w else None
             gb_tile = torch.zeros(v1 - v0, dtype=acc, device=w.device) if need_b else None
             for t0 in range(0, num_tokens, chunk_tokens):
                 t1 = min(t0 + chunk_tokens, num_tokens)
-                h = hidden[t0:t1]
-                dz = _logits_tile(h, w, b, temperature, acc)  # (n, v) holds z for now
+                h = hidden[t0:t1] if compute is None else hidden[t0:t1].to(compute)
+                dz = _logits_tile(h, w, b, temperature, acc, compute)  # (n, v) holds z for now
                 dz.sub_(expected_z[t0:t1, None])  # z - E[z]
                 # p = exp(z - lse) = exp((z - E[z]) - H)
                 p = (dz - entropy[t0:t1, None]).exp_()  # (n, v)
@@ -381,7 +390,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 if g_members is not None:
                     _scatter_in_tile(dz, candidates[t0:t1], v0, g_members[t0:t1])
                 dz.div_(temperature)  # d/d logits = d/dz / T
-                d_logits = dz.to(hidden.dtype)  # (n, v)
+                d_logits = dz.to(h.dtype)  # (n, v)
                 if need_h:
                     grad_h[t0:t1] += (d_logits @ w).to(acc)
                 if need_w:
@@ -394,7 +403,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_b[v0:v1] = gb_tile
         if need_h:
             grad_h = grad_h.to(hidden.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def chunked_token_logprobs(
@@ -407,17 +416,20 @@ def chunked_token_logprobs(
     candidates: Tensor | None = None,
     chunk_tokens: int = 1024,
     chunk_vocab: int | None = None,
+    fp32_head: bool = False,
 ) -> TokenLogprobs:
     """The tiled torch path: no tensor larger than ``chunk_tokens x chunk_vocab`` logits.
 
     Inputs are assumed checked (see :func:`token_logprobs`). Peak extra memory is a
     few tiles plus, in backward, float32 gradients of one ``(chunk_vocab, H)`` weight
-    tile and of ``hidden``.
+    tile and of ``hidden``. ``fp32_head`` runs the matmuls in float32, upcasting one tile of
+    the head's weight at a time.
     """
     if chunk_vocab is None:
         chunk_vocab = default_chunk_vocab("chunked", hidden.device)
     logp, entropy, logp_cand = _ChunkedLogprobs.apply(
-        hidden, weight, bias, targets, candidates, float(temperature), chunk_tokens, chunk_vocab
+        hidden, weight, bias, targets, candidates, float(temperature), chunk_tokens, chunk_vocab,
+        torch.float32 if fp32_head and hidden.dtype in HALF_DTYPES else None,
     )
     return TokenLogprobs(logp, entropy, logp_cand if candidates is not None else None)
 
@@ -467,6 +479,7 @@ def token_logprobs(
     chunk_tokens: int = 1024,
     chunk_vocab: int | None = None,
     impl: str = "auto",
+    fp32_head: bool = False,
 ) -> TokenLogprobs:
     """Log-prob of each target, entropy, and candidate-renormalized log-prob, from the LM head.
 
@@ -483,6 +496,11 @@ def token_logprobs(
             tile that stays in cache is faster).
         impl: "auto", "triton", "chunked" or "reference" (full logits). The choice and its reason are
             returned in ``.choice`` and logged at DEBUG level.
+        fp32_head: the logits' matmuls in float32 from bfloat16/float16 ``hidden`` and ``weight``
+            (TRL's ``cast_lm_head_to_fp32``); without it they run in the inputs' dtype, whose rounding
+            of each logit (bfloat16 keeps 8 bits) moves the log-probs. The chunked path upcasts a
+            weight tile at a time; the others take float32 copies of the inputs (the Triton kernel
+            then runs exact IEEE float32 products, slower than half precision's tensor cores).
 
     Gradients flow to ``hidden``, ``weight`` and ``bias`` from all three outputs. Outputs
     are float32 (float64 for float64 inputs).
@@ -503,6 +521,12 @@ def token_logprobs(
         logger.info("token_logprobs: impl=%s (%s)", choice.name, choice.reason)
     else:
         logger.debug("token_logprobs: impl=%s (%s)", choice.name, choice.reason)
+    upcast = {}
+    if fp32_head and hidden.dtype in HALF_DTYPES:
+        if choice.name == "chunked":
+            upcast = {"fp32_head": True}
+        else:  # gradients flow back through the casts, in the inputs' dtypes
+            hidden, weight, bias = hidden.float(), weight.float(), None if bias is None else bias.float()
     out = IMPLS[choice.name](
         hidden,
         weight,
@@ -512,6 +536,7 @@ def token_logprobs(
         candidates=candidates,
         chunk_tokens=chunk_tokens,
         chunk_vocab=chunk_vocab,
+        **upcast,
     )
     out.choice = choice
     return out

@@ -123,7 +123,7 @@ class GeneratorCore:
                 model, tokenizer = cfg.load_model(cfg.device)
             # One batch for every episode in flight: a generator runs several steps' episodes at once.
             self.policy = TransformersPolicy(model, tokenizer, device=cfg.device, version=-1,
-                                             max_batch_size=cfg.max_concurrency)
+                                             max_batch_size=cfg.max_concurrency, fp32_head=cfg.cast_lm_head_to_fp32)
         self.tokenizer = tokenizer
         self.engine = cfg.engine(self.policy, tokenizer, seed=cfg.seed, branch_at_turn=cfg.branch_at_turn,
                                  branch_factor=cfg.branch_factor, **spec.sampling)

@@ -221,6 +221,12 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                          "float32 (default: on for a CUDA GPU with bfloat16, off on CPU).")
     fp16: bool = field_help(False, "Forward and backward under float16 autocast with a loss scaler (GPUs without "
                                    "bfloat16); needs --dtype float32.")
+    cast_lm_head_to_fp32: bool = field_help(False, "TRL's (ScaleRL): the LM head's logits in float32 from bfloat16 or "
+                                                   "float16 weights and hidden states: the trainer's log-probs and "
+                                                   "entropies (the reference's and SDPO's teacher's too) and the "
+                                                   "transformers sampler's logits. A float32 head already is: with "
+                                                   "--dtype float32 (the default) only a --bf16/--fp16 sampler's "
+                                                   "changes; vLLM's sampler keeps its own head, as in TRL.")
     use_vllm: bool = field_help(False, "Sample with vLLM: an engine in this process (the vllm extra, a CUDA GPU; "
                                        "the weights loaded into it in place after each step), or a server started "
                                        "separately with --vllm-mode server (the weights pushed to it).")

@@ -486,7 +486,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
         raise ValueError("train(model=...) needs its tokenizer too: pass tokenizer=...")
     else:
         cfg.apply_chat_template(tokenizer)
-    precision = resolve_precision(cfg.dtype, cfg.bf16, cfg.fp16, device)
+    precision = resolve_precision(cfg.dtype, cfg.bf16, cfg.fp16, device, fp32_head=cfg.cast_lm_head_to_fp32)
     loaded = checkpoint_dtype(model)
     if precision.weights is not None and loaded != precision.weights:
         model.to(precision.weights)  # float32 master weights: a bfloat16 checkpoint's small updates would round away
@@ -499,7 +499,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     elif policy is None:  # the sampler computes in the trainer's compute precision
         policy_model = copy.deepcopy(model).to(precision.sampler_dtype(checkpoint_dtype(model))).eval()
         policy = TransformersPolicy(policy_model, tokenizer, device=device,
-                                    continuous_batching=cfg.continuous_batching)
+                                    continuous_batching=cfg.continuous_batching, fp32_head=cfg.cast_lm_head_to_fp32)
     _fall_back_to_padded_packing(cfg, model, ranks.is_main)
     ref_model = _reference_model(model, cfg) if reference and cfg.lora_r == 0 else None
     if cfg.lora_r > 0:

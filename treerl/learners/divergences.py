@@ -202,7 +202,7 @@ def _chunk(student_hidden: Tensor, student_weight: Tensor, student_bias: Tensor 
 
 def chunked_divergence(student_hidden: Tensor, student_head: LMHead, teacher_hidden: Tensor, teacher_head: LMHead,
                        *, mode: str, alpha: float, topk: int = 100, add_tail: bool = True, temperature: float = 1.0,
-                       chunk_tokens: int = 256) -> Tensor:
+                       chunk_tokens: int = 256, fp32_head: bool = False) -> Tensor:
     """Per-term ``D_alpha`` from hidden states and LM heads, ``chunk_tokens`` rows of logits at a time.
 
     Args:
@@ -214,6 +214,8 @@ def chunked_divergence(student_hidden: Tensor, student_head: LMHead, teacher_hid
         alpha, topk, add_tail: see :func:`generalized_jsd` and :func:`topk_divergence`.
         temperature: the sampler's; both sides' logits are divided by it.
         chunk_tokens: rows of logits built at once.
+        fp32_head: both sides' logits in float32 from half-precision heads (TRL's
+            ``cast_lm_head_to_fp32``; a float32 copy of each head while this runs).
 
     Returns:
         (M,) float32 divergence per term.
@@ -234,6 +236,9 @@ def chunked_divergence(student_hidden: Tensor, student_head: LMHead, teacher_hid
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1.")
     if not temperature > 0:
         raise ValueError(f"temperature={temperature} must be > 0 (the sampler's).")
+    if fp32_head:
+        student_head, teacher_head = (LMHead(h.weight.float(), None if h.bias is None else h.bias.float())
+                                      for h in (student_head, teacher_head))
     teacher_hidden = teacher_hidden.detach().to(teacher_head.weight.dtype)
     t_weight = teacher_head.weight.detach()
     t_bias = None if teacher_head.bias is None else teacher_head.bias.detach()

@@ -159,13 +159,15 @@ def packed_logprobs(
         impl, chunk_tokens, chunk_vocab: passed to :func:`token_logprobs`.
         head: also the log-probs of the sampler's recorded head ids (``head_logp``).
         precision: the run's :class:`~treerl.learners.precision.Precision`; its autocast covers
-            the decoder only, so the head, the log-probs and everything after are float32.
+            the decoder only, so the head, the log-probs and everything after are float32; its
+            ``fp32_head`` multiplies a half-precision head in float32 too (TRL's ``cast_lm_head_to_fp32``).
 
     The LM head runs once per loss position (``N``), not per term (``M``): episodes that
     share a sampled token share its head computation, and the gather's gradient adds their
     terms up.
     """
     head = _check_head(model)
+    fp32_head = precision is not None and precision.fp32_head
     with precision.forward() if precision is not None else contextlib.nullcontext():
         hidden = packed_hidden_states(model, batch)  # (B, T, H)
     batch_size, length, width = hidden.shape
@@ -183,6 +185,7 @@ def packed_logprobs(
         chunk_tokens=chunk_tokens,
         chunk_vocab=chunk_vocab,
         impl=impl,
+        fp32_head=fp32_head,
     )
     logp = out.logp  # (N,)
     if out.logp_candidates is not None:
@@ -190,7 +193,7 @@ def packed_logprobs(
     head_logp = None
     if head and batch.loss_head_ids is not None:
         head_logp = _head_logprobs(hidden_at_loss, head_weights(model), batch, out.logp, temperature,
-                                   chunk_tokens)[batch.term_loss]  # (M, K)
+                                   chunk_tokens, fp32_head)[batch.term_loss]  # (M, K)
     return PackedLogprobs(
         logp=logp[batch.term_loss],  # (M,)
         entropy=out.entropy[batch.term_loss],
@@ -208,19 +211,21 @@ def head_weights(model: torch.nn.Module) -> tuple[Tensor, Tensor | None]:
 
 
 def _head_logprobs(hidden: Tensor, weights: tuple[Tensor, Tensor | None], batch: PackedBatch, logp_target: Tensor,
-                   temperature: float, chunk: int) -> Tensor:
+                   temperature: float, chunk: int, fp32_head: bool = False) -> Tensor:
     """(N, K) vocabulary log-probs of ``batch.loss_head_ids`` at each loss position.
 
     Only K logits per position are formed: the log-normalizer comes from the target's
     vocabulary log-prob, ``log Z = z_target - logp_target``, which keeps the gradient of Z.
     """
     weight, bias = weights
+    dtype = torch.float32 if fp32_head else weight.dtype  # float32: the gathered rows upcast, not the whole head
+    bias = None if bias is None else bias.to(dtype)
     ids = batch.loss_head_ids.clamp(min=0)  # (N, K); padding reads id 0 and is masked below
     out = []
     for start in range(0, ids.shape[0], chunk):
-        h = hidden[start:start + chunk].to(weight.dtype)  # (n, H)
-        z = torch.einsum("nh,nkh->nk", h, weight[ids[start:start + chunk]])  # (n, K)
-        z_target = (h * weight[batch.loss_target[start:start + chunk]]).sum(-1)  # (n,)
+        h = hidden[start:start + chunk].to(dtype)  # (n, H)
+        z = torch.einsum("nh,nkh->nk", h, weight[ids[start:start + chunk]].to(dtype))  # (n, K)
+        z_target = (h * weight[batch.loss_target[start:start + chunk]].to(dtype)).sum(-1)  # (n,)
         if bias is not None:
             z = z + bias[ids[start:start + chunk]]
             z_target = z_target + bias[batch.loss_target[start:start + chunk]]

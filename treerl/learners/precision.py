@@ -12,7 +12,9 @@ module sets up:
   (``bf16``) or float16 (``fp16``, with a gradient scaler, since float16 gradients underflow);
 - the **LM head, log-probs and the loss** stay float32: the hidden states leave the
   autocast region and are upcast before the fused log-prob head
-  (:func:`treerl.learners.forward.packed_logprobs`);
+  (:func:`treerl.learners.forward.packed_logprobs`); a bfloat16 or float16 head (``dtype``
+  ``bfloat16``/``auto``) multiplies in its dtype unless ``fp32_head`` (TRL's
+  ``cast_lm_head_to_fp32``) upcasts it, in the trainer and in the sampler;
 - the **sampler** (the policy's own copy) runs in the compute precision: the autocast
   dtype when there is one, else the master weights' dtype. The sampler/trainer gap this
   leaves is what the importance weights correct.
@@ -59,6 +61,9 @@ class Precision:
     """Why autocast is on or off (e.g. "--bf16 not given; off on CPU")."""
     scaler: Any = field(default=None, repr=False)
     """A ``torch.amp.GradScaler`` for float16 autocast (None otherwise)."""
+    fp32_head: bool = False
+    """The LM head's logits in float32 from half-precision weights and hidden states (TRL's
+    ``cast_lm_head_to_fp32``): the trainer's log-probs, and the sampler's logits."""
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -104,9 +109,12 @@ class Precision:
         if self.scaler is not None:
             compute += " with loss scaling"
         head = "float32" if weights in (torch.float32, torch.float64) or self.autocast is not None else \
+            "float32 (head cast to float32)" if self.fp32_head else \
             f"float32 (head in {_name(weights)}, accumulated in float32)"
+        sampler = self.sampler_dtype(weights) if weights else None
         text = (f"weights {_name(weights)}{origin}, optimizer states {_name(weights)}, forward/backward {compute}, "
-                f"log-probs and loss {head}, sampler {_name(self.sampler_dtype(weights) if weights else None)}")
+                f"log-probs and loss {head}, sampler {_name(sampler)}"
+                f"{' (head float32)' if self.fp32_head and sampler in (torch.bfloat16, torch.float16) else ''}")
         return text + (f" [{self.reason}]" if self.reason else "")
 
 
@@ -128,8 +136,9 @@ def _bf16_supported(device_type: str) -> bool:
     return device_type == "cpu"
 
 
-def resolve_precision(dtype: str, bf16: bool | None, fp16: bool, device: str | torch.device) -> Precision:
-    """The :class:`Precision` of ``--dtype``/``--bf16``/``--fp16`` on ``device``.
+def resolve_precision(dtype: str, bf16: bool | None, fp16: bool, device: str | torch.device,
+                      fp32_head: bool = False) -> Precision:
+    """The :class:`Precision` of ``--dtype``/``--bf16``/``--fp16`` (and ``--cast-lm-head-to-fp32``) on ``device``.
 
     ``bf16=None`` (not given) turns bfloat16 autocast on for a CUDA GPU that supports it
     (TRL's default) and off elsewhere: on CPU, autocast is slower than float32 for small models.
@@ -150,16 +159,17 @@ def resolve_precision(dtype: str, bf16: bool | None, fp16: bool, device: str | t
                          "gradients); use --dtype float32 --fp16, or --bf16.")
     if fp16:
         scaler = torch.amp.GradScaler(device_type)
-        return Precision(weights, torch.float16, device_type, reason="--fp16", scaler=scaler)
+        return Precision(weights, torch.float16, device_type, reason="--fp16", scaler=scaler, fp32_head=fp32_head)
     if bf16 is None:
         on = device_type == "cuda" and _bf16_supported("cuda") and weights is torch.float32
         reason = ("bfloat16 autocast: the default on a CUDA GPU with bfloat16" if on else
                   f"no autocast: the default on {device_type} (--bf16 turns it on)")
-        return Precision(weights, torch.bfloat16 if on else None, device_type, reason=reason)
+        return Precision(weights, torch.bfloat16 if on else None, device_type, reason=reason, fp32_head=fp32_head)
     if bf16 and not _bf16_supported(device_type):
         raise ValueError(f"bf16=True: this {device_type} device does not support bfloat16; use --fp16 (float16 with "
                          "a loss scaler) or --bf16 false.")
-    return Precision(weights, torch.bfloat16 if bf16 else None, device_type, reason="--bf16" if bf16 else "--bf16 false")
+    return Precision(weights, torch.bfloat16 if bf16 else None, device_type, reason="--bf16" if bf16 else "--bf16 false",
+                     fp32_head=fp32_head)
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:

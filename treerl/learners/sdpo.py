@@ -352,8 +352,9 @@ class Distillation:
             return zero
         cfg, device = self.cfg, out.logp.device
         start = time.perf_counter()
+        fp32_head = getattr(getattr(self.run, "precision", None), "fp32_head", False)
         t = teacher_terms(self.teacher, self.groups, self.prompts, batch, cfg.packing_config(),
-                          temperature=cfg.temperature, device=device)
+                          temperature=cfg.temperature, device=device, fp32_head=fp32_head)
         self._add("perf/teacher_s", time.perf_counter() - start)
         self._add("_teacher_tokens", t.num_tokens)
         self._add("_teacher_path_tokens", t.num_path_tokens)
@@ -367,7 +368,7 @@ class Distillation:
                 out.hidden[batch.term_loss.to(device)[idx]], LMHead.of(self.run.model), t.hidden[idx],
                 LMHead.of(self.teacher), mode=cfg.distillation_mode, alpha=cfg.distillation_alpha,
                 topk=cfg.distillation_topk, add_tail=cfg.distillation_add_tail, temperature=cfg.temperature,
-                chunk_tokens=cfg.distillation_chunk_tokens)
+                chunk_tokens=cfg.distillation_chunk_tokens, fp32_head=fp32_head)
             divergence = per_term.detach()
         sampler_logp = batch.term_sampler_logp.to(device)[idx]
         weight = importance_clip(out.logp[idx], sampler_logp, cfg.distillation_is_clip)  # (K,) detached

@@ -278,11 +278,12 @@ class TeacherTerms:
 @torch.no_grad()
 def teacher_terms(model: torch.nn.Module, groups: Sequence[Group], prompts: Sequence[Sequence[int] | None],
                   batch: PackedBatch, packing: PackingConfig, *, temperature: float, device: str | torch.device,
-                  impl: str = "auto") -> TeacherTerms:
+                  impl: str = "auto", fp32_head: bool = False) -> TeacherTerms:
     """The teacher's hidden states and log-probs at every term of the student micro-batch ``batch``.
 
     Packs the teacher trees of the batch's episodes with ``packing``, runs the teacher's
-    decoder on them, and lines each teacher term up with its student term.
+    decoder on them, and lines each teacher term up with its student term. ``fp32_head``: the
+    log-probs from a half-precision head in float32 (:func:`~treerl.kernels.logprobs.token_logprobs`).
     """
     term_episode = batch.term_episode.to(device)
     num_terms = term_episode.numel()
@@ -329,7 +330,7 @@ def teacher_terms(model: torch.nn.Module, groups: Sequence[Group], prompts: Sequ
     out.mask = mask
     out.hidden[mask] = teacher_hidden[match[mask]]
     out.logp[mask] = token_logprobs(out.hidden[mask], head.weight, target, bias=head.bias, temperature=temperature,
-                                    impl=impl).logp.float()
+                                    impl=impl, fp32_head=fp32_head).logp.float()
     return out
 
 
