@@ -148,6 +148,46 @@ def test_normalize_then_sum_unscorable_and_constant_groups():
     assert out.metrics["reward/num_zero_std_groups"].item() == 2.0
 
 
+def nanstd(tensor, dim=None, keepdim=False):  # trl.trainer.utils.nanstd
+    mean = torch.nanmean(tensor, dim=dim, keepdim=True)
+    variance = torch.nanmean((tensor - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(tensor), dim=dim, keepdim=True)
+    correction = torch.where(count > 1, count / (count - 1), torch.full_like(count / 1.0, float("nan")))
+    std = torch.sqrt(variance * correction)
+    return std if keepdim else std.squeeze(dim) if dim is not None else std.squeeze()
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_sum_then_normalize_leaves_unscorable_completions_out_as_trls_code(scale_rewards):
+    """TRL's own lines (multi_objective_aggregation="sum_then_normalize", its default): a completion that every
+    reward function returned None for is left out of its group's mean and std and of the batch's std, and gets
+    advantage 0; a None among others is left out of the sum. treerl's environment column, weighted 0 (as
+    treerl.GRPOTrainer weights it), does not make a completion scorable."""
+    rewards_per_func = torch.tensor([[1.0, NAN], [NAN, NAN], [0.0, 2.0], [1.0, 3.0],
+                                     [0.5, 1.0], [NAN, NAN], [NAN, NAN], [0.5, 4.0]])
+    reward_weights = torch.tensor([1.0, 0.3])
+    num_generations = 4
+
+    unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * reward_weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable_mask] = torch.nan
+    mean_grouped = torch.nanmean(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
+    if scale_rewards == "batch":
+        std_rewards = nanstd(rewards).expand_as(rewards)
+    else:
+        std_rewards = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
+    advantages = rewards - mean_grouped
+    if scale_rewards != "none":
+        advantages = advantages / (std_rewards + 1e-4)
+    advantages = torch.nan_to_num(advantages, nan=0.0)
+
+    with_env = torch.cat([torch.zeros(8, 1), rewards_per_func], dim=1)  # the environment's reward, weighted 0
+    out = compute_advantages(with_env, torch.tensor([0] * 4 + [1] * 4), AdvantageConfig(scale=scale_rewards),
+                             weights=torch.tensor([0.0, *reward_weights.tolist()]))
+    torch.testing.assert_close(out.adv, advantages)
+    assert out.metrics["reward/mean"].item() == pytest.approx(torch.nanmean(rewards).item())  # TRL's logged reward
+
+
 def test_normalize_then_sum_is_trls_code():
     """TRL's own lines (GRPOTrainer._generate_and_score_completions, multi_objective_aggregation=
     "normalize_then_sum") on groups of equal size, with None rewards and an unscorable completion."""
@@ -155,14 +195,6 @@ def test_normalize_then_sum_is_trls_code():
                                      [0.5, 1.0], [0.0, NAN], [1.0, 0.0], [0.5, 4.0]])
     reward_weights = torch.tensor([1.0, 0.3])
     num_generations = 4
-
-    def nanstd(tensor, dim=None, keepdim=False):  # trl.trainer.utils.nanstd
-        mean = torch.nanmean(tensor, dim=dim, keepdim=True)
-        variance = torch.nanmean((tensor - mean) ** 2, dim=dim, keepdim=True)
-        count = torch.sum(~torch.isnan(tensor), dim=dim, keepdim=True)
-        correction = torch.where(count > 1, count / (count - 1), torch.full_like(count / 1.0, float("nan")))
-        std = torch.sqrt(variance * correction)
-        return std if keepdim else std.squeeze(dim) if dim is not None else std.squeeze()
 
     unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
     grouped = rewards_per_func.view(-1, num_generations, 2)

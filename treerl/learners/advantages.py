@@ -18,7 +18,9 @@ Several rewards per episode, ``(E, R)``, are combined with weights ``(R,)``: sum
 normalized (TRL's default, ``sum_then_normalize``), or TRL's ``normalize_then_sum`` (GDPO,
 https://arxiv.org/abs/2601.05242), so that one reward's scale cannot drown the others: each
 reward ``(r - group mean) / (group std + eps)``, the weighted sum of those, then that sum
-``(x - batch mean) / (batch std + eps)`` (:func:`normalize_then_sum`).
+``(x - batch mean) / (batch std + eps)`` (:func:`normalize_then_sum`). A reward function's
+``None`` (NaN) is left out of the sum; an episode that no weighted reward scored is left out of
+its group's baseline and the batch's figures, with advantage 0, as in TRL.
 
 A group whose rewards are all equal carries no signal: its advantages are 0. The
 metrics count these groups, ``reward/num_zero_std_groups``: when most groups are like
@@ -233,22 +235,29 @@ def compute_advantages(
     estimator = ADVANTAGE_ESTIMATORS[cfg.estimator]
     combined = combine_rewards(rewards, w)  # (E,)
     ids, num_groups = group_ids(group)
+    # An episode that no weighted reward scored (each function returned None) is unscorable: as in TRL it
+    # is left out of its group's baseline and of the batch's figures, and its advantage is 0.
+    weighted = rewards[:, w != 0]  # (E, R')
+    scored = ~weighted.isnan().all(dim=1) if weighted.shape[1] else torch.ones_like(combined, dtype=torch.bool)
     if cfg.multi_reward == "sum_then_normalize":
-        adv = estimator(combined, group, scale=cfg.scale, eps=cfg.eps)
-        constant = _group_range(combined, ids, num_groups) == 0  # (G,)
+        if bool(scored.all()):
+            adv = estimator(combined, group, scale=cfg.scale, eps=cfg.eps)
+        else:
+            adv = torch.zeros_like(combined)
+            adv[scored] = estimator(combined[scored], group[scored], scale=cfg.scale, eps=cfg.eps)
+        constant = _group_range(combined.masked_fill(~scored, math.nan), ids, num_groups) == 0  # (G,)
     else:
         adv = normalize_then_sum(rewards, group, w, eps=cfg.eps)
         # A group carries no signal of its own when each weighted reward is constant in it (its
         # advantages are then all equal: minus the batch mean of the sums, over the batch std).
-        weighted = rewards[:, w != 0]  # (E, R')
         constant = torch.stack(
             [_group_range(weighted[:, r], ids, num_groups) == 0 for r in range(weighted.shape[1])], dim=1
         ).all(dim=1)
 
     num_zero = constant.sum().to(rewards.dtype)
     metrics: dict[str, Tensor] = {
-        "reward/mean": combined.mean(),
-        "reward/std": combined.std(unbiased=False),  # population std, as the rollout summary's
+        "reward/mean": combined[scored].mean(),
+        "reward/std": combined[scored].std(unbiased=False),  # population std, as the rollout summary's
         "reward/num_zero_std_groups": num_zero,
         "reward/zero_std_frac": num_zero / num_groups,
         "adv/mean": adv.mean(),
