@@ -877,7 +877,7 @@ def test_options_that_are_not_here_say_what_to_use_instead(tmp_path, capsys):
     "did you mean" for a look-alike (--max-prompt-length is not --max-completion-length)."""
     cases = [("--max-prompt-length", "128", "prompts are never cut here: --max-episode-tokens"),
              ("--generation-batch-size", "4", "one generation per optimizer step here: a step plays"),
-             ("--sync-ref-model", "true", "not supported: the reference model of --beta is the starting weights"),
+             ("--trust-remote-code", "true", "not supported: --model loads architectures transformers ships"),
              ("--max-staleness", "2", "an option of treerl learn --learner async_grpo, not of --learner grpo")]
     for flag, value, expected in cases:
         with pytest.raises(SystemExit):

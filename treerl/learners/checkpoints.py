@@ -1,12 +1,13 @@
 """Checkpoints: written atomically, found by step, loaded back with the state a resumed run needs.
 
 A checkpoint is a directory ``output_dir/checkpoints/step-N`` holding the trained weights
-(``model.safetensors``: a LoRA run's adapter and base weights as the trainer holds them),
-the optimizer and scheduler states, the random-number generators of torch, numpy and
-Python, and :class:`TrainerState` as ``trainer_state.json``. It is written into
-``step-N.tmp`` and renamed, so a killed run leaves either a whole checkpoint or none (and
-perhaps a ``step-N.tmp``, which :func:`resume_checkpoint` removes), and a resumed run
-continues bit for bit as if it had never stopped.
+(``model.safetensors``: a LoRA run's adapter and base weights as the trainer holds them;
+with ``sync_ref_model``, the KL reference's in ``reference.safetensors``), the optimizer and
+scheduler states, the random-number generators of torch, numpy and Python, and
+:class:`TrainerState` as ``trainer_state.json``. It is written into ``step-N.tmp`` and
+renamed, so a killed run leaves either a whole checkpoint or none (and perhaps a
+``step-N.tmp``, which :func:`resume_checkpoint` removes), and a resumed run continues bit
+for bit as if it had never stopped.
 
 >>> import tempfile, pathlib
 >>> out = pathlib.Path(tempfile.mkdtemp())
@@ -45,18 +46,25 @@ class TrainerState:
     a resumed run continues from it (a checkpoint written before it existed has none)."""
 
 
+REFERENCE_FILE = "reference.safetensors"
+"""A checkpoint's KL reference, written once ``sync_ref_model`` has moved it from the starting weights."""
+
+
 def checkpoint_path(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / "checkpoints" / f"step-{step}"
 
 
 def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    state: TrainerState) -> None:
-    """Write a whole checkpoint to ``path`` (replacing one there), atomically."""
+                    state: TrainerState, reference: torch.nn.Module | None = None) -> None:
+    """Write a whole checkpoint to ``path`` (replacing one there), atomically; with ``reference`` (a KL
+    reference that is no longer the starting weights), its weights too."""
     from safetensors.torch import save_model
 
     tmp = path.with_name(path.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     save_model(model, str(tmp / "model.safetensors"))  # handles tied embeddings
+    if reference is not None:
+        save_model(reference, str(tmp / REFERENCE_FILE))
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
     torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
                tmp / "rng.pt")
@@ -173,11 +181,15 @@ def resume_checkpoint(output_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any) -> TrainerState:
-    """Load weights, optimizer, scheduler and generators from ``path`` in place; returns its state."""
+                    scheduler: Any, reference: torch.nn.Module | None = None) -> TrainerState:
+    """Load weights, optimizer, scheduler and generators from ``path`` in place; returns its state. A
+    ``reference`` takes the checkpoint's reference weights where it has them (else it stays as it is:
+    the starting weights)."""
     from safetensors.torch import load_model
 
     load_model(model, str(path / "model.safetensors"))
+    if reference is not None and (path / REFERENCE_FILE).exists():
+        load_model(reference, str(path / REFERENCE_FILE))
     opt = torch.load(path / "optimizer.pt", weights_only=False)
     optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])

@@ -83,7 +83,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                          "reentrancy; it takes no other options",
         **dict.fromkeys(("model_init_kwargs", "torch_dtype"),
                         "--dtype sets the dtype the weights are loaded and trained in (auto: the checkpoint's)"),
-        "sync_ref_model": "not supported: the reference model of --beta is the starting weights",
         "delta": "not supported (the two-sided clip of --loss dppo is --dppo-delta-low/--dppo-delta-high)",
         **dict.fromkeys(("vllm_server_host", "vllm_server_port"),
                         "the server of --vllm-mode server is --vllm-server-url http://HOST:PORT"),
@@ -117,11 +116,10 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                          "steps_per_generation", "cache_implementation", "delta", "model_init_kwargs"), (None,)),
         "max_tool_calling_iterations": (None,),  # TRL's "no limit of its own": the environment's max_turns limits
         "generation_kwargs": (None, {}),
-        **dict.fromkeys(("sync_ref_model", "disable_dropout", "trust_remote_code", "log_unique_prompts",
-                         "hub_always_push"), (False,)),
-        # read only beside log_completions=True and sync_ref_model=True: taken at TRL's defaults
+        **dict.fromkeys(("disable_dropout", "trust_remote_code", "log_unique_prompts", "hub_always_push"), (False,)),
+        # read only beside log_completions=True: taken at TRL's defaults
         "log_completions_hub_repo": (None,),
-        "log_multimodal": (True,), "ref_model_mixup_alpha": (0.6,), "ref_model_sync_steps": (512,),
+        "log_multimodal": (True,),
         "importance_sampling_level": ("token",),  # token-level ratios, as every --loss but gspo
         "save_strategy": ("steps",),  # every --save-every (TRL's save_steps) steps
         "gradient_checkpointing_kwargs": (None, {}, {"use_reentrant": False}),  # what --gradient-checkpointing does

@@ -158,6 +158,10 @@ def register_learner(name: str, config: type[LearnerConfig], train: Callable[...
     return LEARNERS[name]
 
 
+_REFERENCE_SYNCED = "ref_model_synced_at"
+"""``state.extra``'s optimizer step of the reference's latest sync_ref_model update; absent before the first."""
+
+
 @dataclass
 class Run:
     """Everything a learner's loop works on (see the module docstring)."""
@@ -179,7 +183,8 @@ class Run:
     reward_funcs: Sequence[RewardFunc] = ()
     reward_weights: list[float] = field(default_factory=lambda: [1.0])
     reference: torch.nn.Module | None = None
-    """A frozen copy of the starting weights (with tree attention), when the learner asked for one."""
+    """A frozen copy of the starting weights (with tree attention), when the learner asked for one; with
+    ``sync_ref_model``, :meth:`sync_reference` moves it towards the trained weights."""
     attention: TreeAttentionChoice | None = None
     policy_model: torch.nn.Module | None = None
     """The default policy's own model (the final weights are exported from it)."""
@@ -322,9 +327,23 @@ class Run:
             self.eval_end = figures
         return eval_metrics(figures)
 
+    def sync_reference(self, optimizer_step: int, metrics: dict[str, float]) -> None:
+        """After the run's optimizer step ``optimizer_step`` (from 1, TRL's ``global_step``), TR-DPO's update of
+        the reference with ``sync_ref_model`` (TRL's ``SyncRefModelCallback``): every ``ref_model_sync_steps``-th,
+        reference = alpha x model + (1 - alpha) x reference. ``ref/last_sync_step`` logs the latest."""
+        cfg = self.cfg
+        if not getattr(cfg, "sync_ref_model", False):
+            return
+        if optimizer_step % cfg.ref_model_sync_steps == 0:
+            mix_weights(self.reference, self.model, cfg.ref_model_mixup_alpha)
+            self.state.extra[_REFERENCE_SYNCED] = optimizer_step  # a checkpoint then saves the reference
+        metrics["ref/last_sync_step"] = self.state.extra.get(_REFERENCE_SYNCED, 0)
+
     def save_checkpoint(self) -> None:
+        # The reference is saved once it is no longer the starting weights (sync_ref_model).
+        reference = self.reference if _REFERENCE_SYNCED in self.state.extra else None
         save_checkpoint(checkpoint_path(self.out_dir, self.state.step), self.model, self.optimizer, self.scheduler,
-                        self.state)
+                        self.state, reference=reference)
         prune_checkpoints(self.out_dir, self.cfg.save_total_limit)
         if self.hub is not None and self.cfg.hub_strategy == "every_save" and self.state.step < self.cfg.steps:
             # The model as it is now, uploaded while training goes on; the final one is finish's to push.
@@ -542,7 +561,8 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     state = TrainerState()
     if cfg.resume and (ckpt := resume_checkpoint(out_dir)) is not None:
         try:
-            state = load_checkpoint(ckpt, model, optimizer, scheduler)
+            state = load_checkpoint(ckpt, model, optimizer, scheduler,
+                                    reference=ref_model if cfg.lora_r == 0 else None)
         except (RuntimeError, ValueError, KeyError) as exc:  # weights or optimizer of another shape (e.g. LoRA)
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"--resume: {ckpt} does not fit this run's model ({first}); resume with the settings it "
@@ -700,6 +720,20 @@ def _reference_model(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Mod
     if cfg.pack_mode != "padded":
         enable_tree_attention(ref, impl=cfg.attention_impl)
     return ref
+
+
+def mix_weights(target: torch.nn.Module, source: torch.nn.Module, alpha: float) -> None:
+    """``target``'s parameters = alpha x ``source``'s + (1 - alpha) x their own, in place (TR-DPO's reference
+    update, as TRL's ``SyncRefModelCallback`` computes it; buffers are left as they are).
+
+    >>> a, b = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
+    >>> _ = a.weight.data.fill_(1.0), b.weight.data.fill_(3.0)
+    >>> mix_weights(a, b, 0.25); a.weight.item()
+    1.5
+    """
+    with torch.no_grad():
+        for mixed, other in zip(target.parameters(), source.parameters(), strict=True):
+            mixed.mul_(1.0 - alpha).add_(other, alpha=alpha)
 
 
 class AdaptersOff(torch.nn.Module):

@@ -120,6 +120,15 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
                                         "The old policy of the clipped losses is the weights before the first, so "
                                         "above 1 the ratio moves and --epsilon-low/--epsilon-high clip; 1 (the "
                                         "default) is on-policy: ratio 1, only the sampler's importance weights act.")
+    sync_ref_model: bool = field_help(False, "TR-DPO's moving reference (TRL's): every ref_model_sync_steps "
+                                             "optimizer steps the --beta reference becomes ref_model_mixup_alpha x "
+                                             "the policy + (1 - alpha) x itself, instead of staying the starting "
+                                             "weights. Needs --beta > 0 and no LoRA, as in TRL.")
+    ref_model_mixup_alpha: float = field_help(0.6, "With sync_ref_model: the policy's share of each reference update "
+                                                   "(TR-DPO's alpha, in [0, 1]).")
+    ref_model_sync_steps: int = field_help(512, "With sync_ref_model: optimizer steps between reference updates "
+                                                "(TR-DPO's tau), counted over the run as TRL's global_step (a step "
+                                                "takes num_iterations of them).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -153,10 +162,30 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile!r} must be in [0, 1]: the share of "
                              "the step's highest-entropy tokens trained on (1 keeps all; the paper uses 0.2).")
+        if self.sync_ref_model:
+            self._check_sync_ref_model()
         # Validate the pieces with their own messages.
         self.loss_config()
         self.advantage_config()
         self.importance_config()
+
+    def _check_sync_ref_model(self) -> None:
+        """TRL's refusals of sync_ref_model (no reference without beta; under PEFT the reference is the base with
+        its adapters off, no copy to move), and the values a mix and a period can take."""
+        if self.beta == 0:
+            raise ValueError("sync_ref_model=True with beta=0: the KL term is off, so there is no reference model to "
+                             "synchronize (as in TRL); set --beta > 0 (e.g. 0.04), or sync_ref_model=False.")
+        if self.lora_r > 0:
+            raise ValueError(f"sync_ref_model=True with LoRA (lora_r={self.lora_r}): the reference is the base model "
+                             "with its adapters off, not a copy of its own to synchronize (TRL refuses it under PEFT "
+                             "too); train every weight (--lora-r 0), or sync_ref_model=False.")
+        steps = self.ref_model_sync_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"ref_model_sync_steps={steps!r} must be a whole number >= 1 (optimizer steps between "
+                             "reference updates; TRL's default 512).")
+        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
+            raise ValueError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1]: the policy's "
+                             "share of the new reference (TRL's default 0.6).")
 
     def loss_config(self) -> LossConfig:
         return LossConfig(policy_loss=self.loss, **self.coefficients(),
@@ -321,7 +350,7 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
              ranks: Ranks = Ranks(), ref_model: torch.nn.Module | None = None,
              normalizer: LossNormalizer | None = None, policy_coef: float = 1.0,
              extra_loss: ExtraLoss | None = None, precision: Precision | None = None,
-             keep_logp: list[torch.Tensor] | None = None) -> None:
+             keep_logp: list[torch.Tensor] | None = None, ref_logps: list[torch.Tensor] | None = None) -> None:
     """One optimizer step over all micro-batches of the step (one accumulation window).
 
     With several ranks the window is every rank's micro-batches: the normalizer counts them
@@ -335,6 +364,8 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     ``cfg.top_entropy_quantile`` below 1 keeps only the policy terms at or above the step's entropy
     threshold (:func:`step_entropy_threshold`), which a pass without gradients gives first when the
     step is more than one micro-batch or process.
+    ``ref_logps``, when given, holds each micro-batch's reference log-probs (M,): an empty list is filled
+    with those ``ref_model`` computes, a filled one is read instead (TRL computes them once per generation).
     """
     precision = precision or Precision(weights=None, autocast=None)
     loss_cfg, is_cfg = cfg.loss_config(), cfg.importance_config()
@@ -348,7 +379,7 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     if cfg.top_entropy_quantile < 1.0 and (len(batches) > 1 or ranks.enabled):
         entropy_cut = step_entropy_threshold(step_entropies(model, batches, cfg, device, precision),
                                              cfg.top_entropy_quantile, ranks)
-    for batch in batches:
+    for index, batch in enumerate(batches):
         batch = batch.to(device)
         out = packed_logprobs(model, batch, temperature=cfg.temperature, impl="auto", head=is_cfg.centering,
                               precision=precision)
@@ -370,10 +401,14 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
             entropy_mask = out.entropy.detach() >= threshold.to(out.entropy.device)
             normalizer = replace(normalizer, entropy_kept_frac=kept_frac)
         ref_logp = None
-        if ref_model is not None:
+        if ref_logps and len(ref_logps) == len(batches):  # computed by an earlier update on these batches
+            ref_logp = ref_logps[index].to(out.logp.device)
+        elif ref_model is not None:
             with torch.no_grad():
                 ref_logp = packed_logprobs(ref_model, batch, temperature=cfg.temperature, impl="auto",
                                            precision=precision).logp
+            if ref_logps is not None:
+                ref_logps.append(ref_logp)
         inputs = loss_inputs(batch, out, ref_logp=ref_logp, is_weight=iw.weight, is_mask=iw.mask,
                              centering=None if centering is None else centering.terms, entropy_mask=entropy_mask)
         result = compute_loss(inputs, loss_cfg, normalizer)
@@ -491,6 +526,9 @@ def update(run: Run, step: int, groups: Sequence[Group], stats: RolloutStats, me
     # The normalizer counts every episode, trained or skipped.
     batches, normalizer = pack_step(groups, adv, cfg, run.ranks, metrics,
                                     skip_zero_advantage=skips_zero_advantage_groups(cfg, run.ranks))
+    # The reference's log-probs are the first update's for every update, as TRL's of the generation: a
+    # sync_ref_model update between two of them does not change the step's KL target.
+    ref_logps: list[torch.Tensor] = []
     for iteration in range(cfg.num_iterations):
         # Every update's old policy is the weights before the first, which the first update's own
         # forward ran on (its optimizer step comes after every micro-batch): it keeps their log-probs.
@@ -498,9 +536,10 @@ def update(run: Run, step: int, groups: Sequence[Group], stats: RolloutStats, me
         old_logp: list[torch.Tensor] = []
         optimize(run.model, run.optimizer, run.scheduler, batches, cfg, run.device, metrics, run.ranks,
                  ref_model=run.reference, normalizer=normalizer, precision=run.precision,
-                 keep_logp=old_logp if first_of_several else None)
+                 keep_logp=old_logp if first_of_several else None, ref_logps=ref_logps)
         if first_of_several:
             batches = [b.with_old_logp(logp.to(b.term_sampler_logp.device)) for b, logp in zip(batches, old_logp)]
+        run.sync_reference(step * cfg.num_iterations + iteration + 1, metrics)  # TRL's optimizer steps
     run.publish_weights(metrics)
     return run.end_step(step, metrics, stats, num_episodes=len(adv), batches=batches, next_task=next_task)
 

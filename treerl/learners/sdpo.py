@@ -231,6 +231,11 @@ class SDPOConfig(GRPOConfig):
             raise ValueError(f"distillation_chunk_tokens={self.distillation_chunk_tokens} must be >= 1.")
         if self.teacher not in TEACHER_KINDS:
             raise ValueError(f"teacher={self.teacher!r}: use one of {TEACHER_KINDS}.")
+        if self.sync_ref_model and self.teacher == "initial":
+            raise ValueError("sync_ref_model=True with teacher='initial': the initial teacher is the --beta "
+                             "reference here, which sync_ref_model moves away from the starting weights; use "
+                             "--teacher ema (itself a moving average of the student) or live, or "
+                             "sync_ref_model=False.")
         if not 0.0 <= self.teacher_update_rate <= 1.0:
             raise ValueError(f"teacher_update_rate={self.teacher_update_rate} must be in [0, 1] (the authors use "
                              "0.05).")
@@ -453,6 +458,7 @@ def sdpo_step(run: Run, teacher: torch.nn.Module, prompter: TeacherPrompter, ste
         metrics.update(distill.step_metrics())
     if cfg.teacher == "ema":
         ema_update(teacher, run.model, cfg.teacher_update_rate)
+    run.sync_reference(step + 1, metrics)  # one optimizer step per step
     run.publish_weights(metrics)
     return run.end_step(step, metrics, stats, num_episodes=len(adv), batches=batches)
 

@@ -242,7 +242,8 @@ class LossCoefficients:
     epsilon_high: float | None = field_help(0.28, "PPO clip: ratios above 1 + epsilon_high stop pushing up; 0.28 is "
                                                   "DAPO's clip-higher (TRL's --epsilon sets epsilon_low only: pass "
                                                   "both); None: epsilon_low's value (TRL's default).")
-    beta: float = field_help(0.0, "Weight of the k3 KL to a reference model (the starting weights); 0 keeps none.")
+    beta: float = field_help(0.0, "Weight of the k3 KL to a reference model (the starting weights, or "
+                                  "--sync-ref-model's); 0 keeps none.")
     kl_bias_correction: bool = field_help(True, "Multiply the k3 KL by the differentiable ratio to the old policy "
                                                 "(value 1 on-policy) so that its gradient is the unbiased reverse-KL "
                                                 "gradient (DeepSeek-V3.2; TRL's default use_bias_correction_kl).")
