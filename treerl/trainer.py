@@ -287,7 +287,7 @@ class LearnerTrainer:
         callbacks = [c for c in self.callbacks if not hasattr(c, "on_log")]
         trainer_callbacks = [c for c in self.callbacks if hasattr(c, "on_log")]
         if trainer_callbacks:
-            callbacks.append(_TrainerCallbacks(trainer_callbacks, cfg))
+            callbacks.append(_TrainerCallbacks(trainer_callbacks, cfg, rows=max(len(self.train_dataset), 1)))
             callbacks[-1].event("on_train_begin")
         # eval_strategy="steps": the eval_dataset scored as evaluate() scores it, with the policy's weights then.
         evaluate = functools.partial(self._score, self.eval_dataset) if cfg.eval_every else None
@@ -844,13 +844,15 @@ def _trl_log(metrics: Mapping[str, Any], cfg: GRPOConfig, per_step: int, rows: i
 class _TrainerCallbacks:
     """TRL ``TrainerCallback`` objects called as a treerl step callback: ``on_step_end``, then ``on_evaluate``
     with the evaluation's figures when the step evaluated (step 0: the evaluation before the first), then
-    ``on_log`` with the step's metrics, after each step (``control`` is passed but not read). The state counts
-    optimizer steps, as TRL's: a step with ``num_iterations`` N counts N."""
+    ``on_log`` with the step's metrics under TRL's names (``loss``, ``grad_norm``, ``learning_rate``,
+    ``reward``, ``rewards/NAME/mean``, ``epoch``: :func:`_trl_log`, treerl's beside them), after each step
+    (``control`` is passed but not read). The state counts optimizer steps, as TRL's: a step with
+    ``num_iterations`` N counts N; ``rows`` is the training dataset's, for ``epoch``."""
 
-    def __init__(self, callbacks: Sequence[Any], cfg: GRPOConfig):
+    def __init__(self, callbacks: Sequence[Any], cfg: GRPOConfig, rows: int = 1):
         from transformers import TrainerControl, TrainerState
 
-        self.callbacks, self.cfg = list(callbacks), cfg
+        self.callbacks, self.cfg, self.rows = list(callbacks), cfg, rows
         self.per_step = _num_iterations(cfg)
         self.state, self.control = TrainerState(max_steps=cfg.steps * self.per_step), TrainerControl()
 
@@ -861,9 +863,10 @@ class _TrainerCallbacks:
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
         self.state.global_step = step * self.per_step
-        self.state.log_history.append({**metrics, "step": self.state.global_step})
+        logs = _trl_log({**metrics, "step": step}, self.cfg, self.per_step, self.rows)
+        self.state.log_history.append(logs)
         if step > 0:
             self.event("on_step_end")
         if evaluated := {k: v for k, v in metrics.items() if k.startswith(("eval_", "eval/"))}:
             self.event("on_evaluate", metrics=evaluated)
-        self.event("on_log", logs=dict(metrics))
+        self.event("on_log", logs={k: v for k, v in logs.items() if k != "step"})
