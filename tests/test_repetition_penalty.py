@@ -176,6 +176,36 @@ def test_a_penalized_request_joining_a_running_batch_samples_as_alone(model):
         assert_penalized_records(model, request.prompt_ids, generation, request.params)
 
 
+def test_an_unpenalized_row_joining_after_the_penalized_ones_left_keeps_the_context_mask_whole(model):
+    """The batch's mask outlives its penalized rows (until the batch empties): rows that join later, with no
+    penalty of their own, still need their mask rows, or the next step indexes past the mask."""
+    from treerl.agents.decode import DecodeBatch, Row
+
+    policy = TransformersPolicy(model, None)
+    policy.stop_token_ids = frozenset()
+    plain = SamplingParams(top_k=10, max_new_tokens=12)
+    waves = [[GenerationRequest([8, 9, 10], plain, seed=0),
+              GenerationRequest([5, 6, 7, 5], SamplingParams(top_k=10, repetition_penalty=2.0, max_new_tokens=2),
+                                seed=1)],
+             [GenerationRequest([20, 21], SamplingParams(top_k=10, max_new_tokens=4), seed=2)]]
+    alone = [policy.generate([r])[0] for wave in waves for r in wave]
+    batch, results, index = DecodeBatch(policy), {}, 0
+    with torch.inference_mode():
+        for step in range(20):
+            if step in (0, 4) and waves:  # the second wave joins after the penalized row stopped
+                requests = waves.pop(0)
+                units = policy._plan_units(requests)
+                batch.admit(units, [[Row(index + i, requests[i], frozenset(), policy.version) for i in unit.rows]
+                                    for unit in units])
+                index += len(requests)
+            if len(batch):
+                results.update((row.index, row.generation()) for row in batch.step())
+    assert sorted(results) == [0, 1, 2]
+    for i, want in enumerate(alone):
+        assert results[i].token_ids == want.token_ids and results[i].candidates == want.candidates
+        assert results[i].logprobs == pytest.approx(want.logprobs, abs=1e-5)
+
+
 # ---------------------------------------------------------------- vLLM
 
 

@@ -183,7 +183,8 @@ class DecodeBatch:
                 values[b:stop, :, cur - length : cur] = kv[layer_idx][1][:, :, num_prefix:]
                 b = stop
             cache.layers.append(growing_layer(keys, values, cur))
-        if any(row.request.params.repetition_penalty != 1.0 for row in everyone):
+        # Once built, the mask covers every row until the batch empties, joiners without a penalty included.
+        if self.seen is not None or any(row.request.params.repetition_penalty != 1.0 for row in everyone):
             vocab_size = new_logits[0].shape[-1]
             old = self.seen if self.seen is not None else self._context_mask(self.rows, vocab_size)
             self.seen = torch.cat([old, self._context_mask(new_rows, vocab_size)])
