@@ -254,3 +254,28 @@ def test_a_trl_script_sets_it_in_grpo_config(tmp_path):
     assert trainer.train().steps == 2
     lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert all(0.0 < m["entropy/kept_frac"] < 0.5 for m in lines)
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.3])
+def test_with_dropout_the_mask_keeps_the_share_its_threshold_counted(monkeypatch, rho):
+    """Dropout on (LoRA's, or the model's) makes the training forward's entropies differ from the pass without
+    gradients that gave the threshold: the mask comes from that pass, so it keeps exactly the share logged (and
+    dividing the entropy bonus), and rho 0 still trains on the highest-entropy term."""
+    import treerl.learners.grpo as grpo
+
+    model, groups, cfg, packed = setup(rho, loss="dapo", max_tokens_per_row=48)
+    for layer in packed.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    kept, terms = [], []
+    real = grpo.compute_loss
+
+    def spy(inputs, loss_cfg, normalizer):
+        kept.append(int(inputs.entropy_mask.sum()))
+        terms.append(inputs.entropy_mask.numel())
+        return real(inputs, loss_cfg, normalizer)
+
+    monkeypatch.setattr(grpo, "compute_loss", spy)
+    torch.manual_seed(0)
+    _, metrics, batches = learner_update(packed, groups, cfg)
+    assert len(batches) > 1 and sum(kept) >= 1
+    assert sum(kept) == round(metrics["entropy/kept_frac"] * sum(terms))

@@ -376,9 +376,13 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     pending: list[_MicroBatchMetrics] = []
     model.train()
     entropy_cut = None  # top_entropy_quantile's (threshold, kept share), over the whole step
+    entropy_masks = None  # (M,) per micro-batch, from the pass that gave the threshold
     if cfg.top_entropy_quantile < 1.0 and (len(batches) > 1 or ranks.enabled):
-        entropy_cut = step_entropy_threshold(step_entropies(model, batches, cfg, device, precision),
-                                             cfg.top_entropy_quantile, ranks)
+        entropies = step_entropies(model, batches, cfg, device, precision)
+        entropy_cut = step_entropy_threshold(entropies, cfg.top_entropy_quantile, ranks)
+        # With dropout on (LoRA's, the model's) the training forward draws other entropies: compared with this
+        # threshold they would keep another share than the one logged and dividing the entropy bonus.
+        entropy_masks = [e >= entropy_cut[0].to(e.device) for e in entropies]
     for index, batch in enumerate(batches):
         batch = batch.to(device)
         out = packed_logprobs(model, batch, temperature=cfg.temperature, impl="auto", head=is_cfg.centering,
@@ -398,7 +402,8 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
             if entropy_cut is None:  # the step is this one micro-batch: its own forward has every entropy
                 entropy_cut = step_entropy_threshold([out.entropy.detach()], cfg.top_entropy_quantile, ranks)
             threshold, kept_frac = entropy_cut
-            entropy_mask = out.entropy.detach() >= threshold.to(out.entropy.device)
+            entropy_mask = (entropy_masks[index].to(out.entropy.device) if entropy_masks is not None
+                            else out.entropy.detach() >= threshold.to(out.entropy.device))
             normalizer = replace(normalizer, entropy_kept_frac=kept_frac)
         ref_logp = None
         if ref_logps and len(ref_logps) == len(batches):  # computed by an earlier update on these batches
@@ -451,7 +456,8 @@ def step_entropies(model: torch.nn.Module, batches: Sequence[PackedBatch], cfg: 
 
     ``top_entropy_quantile``'s threshold is over the whole step, and the first micro-batch's loss
     needs it: this pass costs a forward, where keeping every micro-batch's graph would cost memory.
-    The training forward computes the same values (same weights, same kernels).
+    The training forward computes the same values (same weights, same kernels, the same with gradient
+    checkpointing or autocast) unless dropout is on, so the masks are taken from these.
     """
     with torch.no_grad():
         return [packed_logprobs(model, batch.to(device), temperature=cfg.temperature, impl="auto",
