@@ -79,7 +79,7 @@ def test_the_default_follows_num_generations_during_training_too(tmp_path, playe
         return [float(i % 2) for i in range(len(completions))]
 
     trainer = GRPOTrainer(model="tiny", reward_funcs=parity, train_dataset=ROWS, eval_dataset=ROWS,
-                          args=small(tmp_path, eval_strategy="steps", eval_steps=1))
+                          args=small(tmp_path, eval_strategy="steps", eval_steps=1, eval_on_start=True))
     trainer.train()
 
     assert [per_row for per_row, _ in played] == [2, 2]  # before the first step and after it
