@@ -133,3 +133,13 @@ def test_learns_held_out_evaluation_plays_each_task_num_generations_eval_times(t
     for figures in (summary["eval_start"], summary["eval_end"]):
         assert (figures["groups"], figures["episodes"]) == (2, 4)
         assert {"pass@1", "pass@2"} <= set(figures) and figures["pass@1"] == pytest.approx(figures["success_rate"])
+
+
+def test_resuming_with_another_num_generations_eval_warns_of_nothing(capsys):
+    """Like eval_episodes, the held-out evaluation's repeats change none of the steps a resumed run took."""
+    from treerl.learners.core import _warn_if_settings_changed
+
+    cfg = GRPOConfig(output_dir="x", num_generations_eval=4)
+    before = {**json.loads(json.dumps(cfg.recorded(), default=str)), "num_generations_eval": 1}
+    _warn_if_settings_changed(before, cfg)
+    assert "settings that differ" not in capsys.readouterr().err

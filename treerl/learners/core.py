@@ -628,9 +628,9 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
 
 # Settings a resumed run may change without changing what its earlier steps were.
 _RESUMABLE_CHANGES = frozenset({"steps", "resume", "progress", "save_every", "save_total_limit", "num_threads",
-                                "report_to", "sample_every", "sample_groups", "eval_episodes", "overwrite_output_dir",
-                                "eval_every", "eval_on_start", "do_eval", "push_to_hub", "hub_model_id", "hub_strategy",
-                                "hub_private_repo"})
+                                "report_to", "sample_every", "sample_groups", "eval_episodes", "num_generations_eval",
+                                "overwrite_output_dir", "eval_every", "eval_on_start", "do_eval", "push_to_hub",
+                                "hub_model_id", "hub_strategy", "hub_private_repo"})
 
 
 def learner_name(cfg: LearnerConfig) -> str | None:
