@@ -525,3 +525,12 @@ def test_the_gate_turns_off_a_teacher_that_cannot_copy_and_grpo_still_learns(tin
     assert m["sdpo/reprompt_frac"] == 1.0 and m["sdpo/gated_frac"] == 1.0 and m["sdpo/distill_terms"] == 0
     assert m["diag/sdpo_teacher_gated"] == 1.0
     assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())  # GRPO's half trained
+
+
+def test_a_reward_functions_none_is_left_out_of_the_reward_a_teacher_is_chosen_by():
+    """A reward function's None (NaN: not applicable) leaves the weighted sum, as in the advantages; it made the
+    episode's reward NaN, so that a successful episode was never a sibling's solution."""
+    from treerl.learners.sdpo import weighted_rewards
+
+    rewards = torch.tensor([[1.0, float("nan")], [0.0, 2.0]])
+    assert weighted_rewards(rewards, [1.0, 0.5]).tolist() == [1.0, 1.0]

@@ -83,7 +83,7 @@ from treerl.learners.grpo import (
 from treerl.learners.losses import AGGREGATIONS, LossInputs, LossNormalizer
 from treerl.learners.metrics import read_floats
 from treerl.learners.packing import PackedBatch
-from treerl.rollout.rewards import RewardFunc
+from treerl.rollout.rewards import RewardFunc, combine_rewards
 from treerl.learners.teacher import TEACHER_KINDS, EMAAdapters, ema_update, make_teacher, rebasable, teacher_terms
 from treerl.learners.teacher_context import TeacherContext, TeacherContextConfig, TeacherPrompter, context_metrics
 from treerl.learners.teacher_gate import TeacherGate, copy_gaps, pooled_gap
@@ -259,8 +259,9 @@ class SDPOConfig(GRPOConfig):
 
 
 def weighted_rewards(rewards: torch.Tensor, weights: Sequence[float]) -> torch.Tensor:
-    """(E, R) reward columns -> (E,) each episode's reward as the advantages weigh it."""
-    return (rewards * torch.tensor(weights, dtype=rewards.dtype)).sum(1)
+    """(E, R) reward columns -> (E,) each episode's reward as the advantages weigh it: a reward function's
+    None (NaN) left out of the sum."""
+    return combine_rewards(rewards, torch.tensor(weights, dtype=rewards.dtype))
 
 
 def teacher_prompts(groups: Sequence[Group], rewards: torch.Tensor, weights: Sequence[float],
