@@ -157,29 +157,45 @@ def nanstd(tensor, dim=None, keepdim=False):  # trl.trainer.utils.nanstd
     return std if keepdim else std.squeeze(dim) if dim is not None else std.squeeze()
 
 
+def trl_advantages(rewards_per_func, reward_weights, num_generations, multi_objective_aggregation="sum_then_normalize",
+                   scale_rewards="group"):
+    """TRL's own lines (GRPOTrainer._generate_and_score_completions, 1.16), transcribed: a completion that every
+    reward function returned None for is unscorable, left out of the baseline and the batch's figures, with
+    advantage 0."""
+    unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
+    if multi_objective_aggregation == "sum_then_normalize":
+        rewards = (rewards_per_func * reward_weights.unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable_mask] = torch.nan
+        mean_grouped = torch.nanmean(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
+        if scale_rewards == "batch":
+            std_rewards = nanstd(rewards).expand_as(rewards)
+        else:
+            std_rewards = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
+        advantages = rewards - mean_grouped
+        if scale_rewards != "none":
+            advantages = advantages / (std_rewards + 1e-4)
+    else:
+        grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
+        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+        std_k = nanstd(grouped, dim=1, keepdim=True)
+        reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.shape[1])
+        rewards = (reward_k * reward_weights.unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable_mask] = torch.nan
+        std_rewards = nanstd(rewards).expand_as(rewards)
+        advantages = (rewards - torch.nanmean(rewards)) / (std_rewards + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0), rewards
+
+
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
 def test_sum_then_normalize_leaves_unscorable_completions_out_as_trls_code(scale_rewards):
-    """TRL's own lines (multi_objective_aggregation="sum_then_normalize", its default): a completion that every
-    reward function returned None for is left out of its group's mean and std and of the batch's std, and gets
-    advantage 0; a None among others is left out of the sum. treerl's environment column, weighted 0 (as
-    treerl.GRPOTrainer weights it), does not make a completion scorable."""
+    """TRL's default, sum_then_normalize: a completion that every reward function returned None for is left out
+    of its group's mean and std and of the batch's std, and gets advantage 0; a None among others is left out of
+    the sum. treerl's environment column, weighted 0 (as treerl.GRPOTrainer weights it), does not make a
+    completion scorable."""
     rewards_per_func = torch.tensor([[1.0, NAN], [NAN, NAN], [0.0, 2.0], [1.0, 3.0],
                                      [0.5, 1.0], [NAN, NAN], [NAN, NAN], [0.5, 4.0]])
     reward_weights = torch.tensor([1.0, 0.3])
-    num_generations = 4
-
-    unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
-    rewards = (rewards_per_func * reward_weights.unsqueeze(0)).nansum(dim=1)
-    rewards[unscorable_mask] = torch.nan
-    mean_grouped = torch.nanmean(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
-    if scale_rewards == "batch":
-        std_rewards = nanstd(rewards).expand_as(rewards)
-    else:
-        std_rewards = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
-    advantages = rewards - mean_grouped
-    if scale_rewards != "none":
-        advantages = advantages / (std_rewards + 1e-4)
-    advantages = torch.nan_to_num(advantages, nan=0.0)
+    advantages, rewards = trl_advantages(rewards_per_func, reward_weights, 4, scale_rewards=scale_rewards)
 
     with_env = torch.cat([torch.zeros(8, 1), rewards_per_func], dim=1)  # the environment's reward, weighted 0
     out = compute_advantages(with_env, torch.tensor([0] * 4 + [1] * 4), AdvantageConfig(scale=scale_rewards),
@@ -188,24 +204,34 @@ def test_sum_then_normalize_leaves_unscorable_completions_out_as_trls_code(scale
     assert out.metrics["reward/mean"].item() == pytest.approx(torch.nanmean(rewards).item())  # TRL's logged reward
 
 
+@pytest.mark.parametrize("multi_reward", ["sum_then_normalize", "normalize_then_sum"])
+def test_a_function_weighted_0_that_scored_keeps_a_completion_scorable_as_in_trl(multi_reward):
+    """TRL's unscorable completion is one that every reward function returned None for, those weighted 0
+    (logged only) too: a number from one of them keeps it in the baseline and the batch's figures. The
+    learners' advantages pass that rule, the environment's column counting only where it is weighted."""
+    from treerl.learners.grpo import GRPOConfig, advantages
+
+    functions = torch.tensor([[1.0, NAN], [0.0, 1.0], [NAN, 1.0], [1.0, 0.0],
+                              [NAN, 2.0], [0.0, NAN], [1.0, 1.0], [0.5, 0.0]])  # the second is weighted 0
+    weights = torch.tensor([1.0, 0.0])
+    expected, _ = trl_advantages(functions, weights, 4, multi_reward)
+    rewards = torch.cat([torch.zeros(8, 1), functions], dim=1)  # the environment's column, weighted 0 (GRPOTrainer)
+    cfg = GRPOConfig(output_dir="unused", group_size=4, multi_objective_aggregation=multi_reward)
+    groups = [type("Group", (), {"episodes": [None] * 4})()] * 2
+    torch.testing.assert_close(advantages(groups, rewards, [0.0, 1.0, 0.0], cfg, {}), expected)
+    # The weighted columns alone would leave the third and fifth completions out: another baseline.
+    alone = compute_advantages(rewards, torch.tensor([0] * 4 + [1] * 4), AdvantageConfig(multi_reward=multi_reward),
+                               weights=[0.0, 1.0, 0.0])
+    assert not torch.allclose(alone.adv, expected)
+
+
 def test_normalize_then_sum_is_trls_code():
-    """TRL's own lines (GRPOTrainer._generate_and_score_completions, multi_objective_aggregation=
-    "normalize_then_sum") on groups of equal size, with None rewards and an unscorable completion."""
+    """TRL's own lines (multi_objective_aggregation="normalize_then_sum") on groups of equal size, with None
+    rewards and an unscorable completion."""
     rewards_per_func = torch.tensor([[1.0, NAN], [0.0, 2.0], [1.0, 3.0], [NAN, NAN],
                                      [0.5, 1.0], [0.0, NAN], [1.0, 0.0], [0.5, 4.0]])
     reward_weights = torch.tensor([1.0, 0.3])
-    num_generations = 4
-
-    unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
-    grouped = rewards_per_func.view(-1, num_generations, 2)
-    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
-    std_k = nanstd(grouped, dim=1, keepdim=True)
-    reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, 2)
-    rewards = (reward_k * reward_weights.unsqueeze(0)).nansum(dim=1)
-    rewards[unscorable_mask] = torch.nan
-    std_rewards = nanstd(rewards).expand_as(rewards)
-    advantages = torch.nan_to_num((rewards - torch.nanmean(rewards)) / (std_rewards + 1e-4), nan=0.0)
-
+    advantages, _ = trl_advantages(rewards_per_func, reward_weights, 4, "normalize_then_sum")
     out = compute_advantages(rewards_per_func, torch.tensor([0] * 4 + [1] * 4),
                              AdvantageConfig(multi_reward="normalize_then_sum"), weights=reward_weights)
     torch.testing.assert_close(out.adv, advantages)

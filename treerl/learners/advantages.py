@@ -195,6 +195,7 @@ def compute_advantages(
     cfg: AdvantageConfig,
     *,
     weights: Tensor | Sequence[float] | None = None,
+    scorers: Tensor | Sequence[bool] | None = None,
 ) -> AdvantageOutput:
     """Advantages of a batch of episodes, with metrics.
 
@@ -203,6 +204,8 @@ def compute_advantages(
         group: (E,) group label of each episode (any integers; e.g. the task index).
         cfg: estimator, scaling and multi-reward mode.
         weights: (R,) weight of each reward column; all ones when omitted.
+        scorers: (R,) the columns whose number makes an episode scorable (TRL's: every reward
+            function's, weighted 0 or not); default: those weighted other than 0.
     """
     if rewards.dim() == 1:
         rewards = rewards.unsqueeze(1)  # (E, 1)
@@ -237,8 +240,8 @@ def compute_advantages(
     ids, num_groups = group_ids(group)
     # An episode that no weighted reward scored (each function returned None) is unscorable: as in TRL it
     # is left out of its group's baseline and of the batch's figures, and its advantage is 0.
-    weighted = rewards[:, w != 0]  # (E, R')
-    scored = ~weighted.isnan().all(dim=1) if weighted.shape[1] else torch.ones_like(combined, dtype=torch.bool)
+    scoring = rewards[:, torch.as_tensor(scorers, dtype=torch.bool) if scorers is not None else w != 0]  # (E, R')
+    scored = ~scoring.isnan().all(dim=1) if scoring.shape[1] else torch.ones_like(combined, dtype=torch.bool)
     if cfg.multi_reward == "sum_then_normalize":
         if bool(scored.all()):
             adv = estimator(combined, group, scale=cfg.scale, eps=cfg.eps)
@@ -247,9 +250,10 @@ def compute_advantages(
             adv[scored] = estimator(combined[scored], group[scored], scale=cfg.scale, eps=cfg.eps)
         constant = _group_range(combined.masked_fill(~scored, math.nan), ids, num_groups) == 0  # (G,)
     else:
-        adv = normalize_then_sum(rewards, group, w, eps=cfg.eps)
+        adv = normalize_then_sum(rewards, group, w, eps=cfg.eps, scored=scored)
         # A group carries no signal of its own when each weighted reward is constant in it (its
         # advantages are then all equal: minus the batch mean of the sums, over the batch std).
+        weighted = rewards[:, w != 0]  # (E, R')
         constant = torch.stack(
             [_group_range(weighted[:, r], ids, num_groups) == 0 for r in range(weighted.shape[1])], dim=1
         ).all(dim=1)
@@ -293,17 +297,17 @@ def _nan_group_stats(values: Tensor, ids: Tensor, num_groups: int) -> tuple[Tens
     return mean, std
 
 
-def normalize_then_sum(rewards: Tensor, group: Tensor, weights: Tensor, *, eps: float = 1e-4) -> Tensor:
+def normalize_then_sum(rewards: Tensor, group: Tensor, weights: Tensor, *, eps: float = 1e-4,
+                       scored: Tensor | None = None) -> Tensor:
     """TRL's ``multi_objective_aggregation="normalize_then_sum"`` (GDPO). (E, R), (E,), (R,) -> (E,).
 
     Each reward column is normalized in its group, ``(r - mean_g) / (std_g + eps)`` (always divided
     by the std, whatever the scale), the columns' weighted sum is taken, and that sum is normalized
     over the batch, ``(x - mean) / (std + eps)``. NaN (a reward function's ``None``) is left out of
     every mean, std and sum, as TRL's ``nanmean``/``nanstd``/``nansum``; a column with fewer than two
-    values in a group adds nothing to that group's sums. An episode that no weighted reward scored is
-    unscorable: left out of the batch's mean and std, with advantage 0. A column of weight 0 adds
-    nothing and is left out (so the environment's reward, which treerl.GRPOTrainer weights 0 since
-    TRL has none, does not make an episode scorable).
+    values in a group adds nothing to that group's sums. An episode that is not ``scored`` (E,) bool
+    (default: one that no weighted reward scored) is unscorable: left out of the batch's mean and std,
+    with advantage 0. A column of weight 0 adds nothing.
 
     Example:
         >>> import torch
@@ -318,7 +322,8 @@ def normalize_then_sum(rewards: Tensor, group: Tensor, weights: Tensor, *, eps: 
     mean, std = _nan_group_stats(rewards, ids, num_groups)  # (G, R') each
     normalized = (rewards - mean[ids]) / (std[ids] + eps)  # (E, R'), NaN where not applicable
     summed = (normalized * weights).nansum(dim=1)  # (E,)
-    scored = ~rewards.isnan().all(dim=1)  # (E,)
+    if scored is None:
+        scored = ~rewards.isnan().all(dim=1)  # (E,)
     batch_mean, batch_std = _nan_group_stats(
         torch.where(scored, summed, math.nan).unsqueeze(1), torch.zeros_like(ids), 1)
     adv = (summed - batch_mean[0, 0]) / (batch_std[0, 0] + eps)

@@ -278,7 +278,11 @@ def advantages(groups: Sequence[Group], rewards: torch.Tensor, weights: Sequence
     group_ids = torch.tensor([g_idx for g_idx, g in enumerate(groups) for _ in g.episodes])
     # Every rank's rewards, so that scale="batch" and the metrics see the whole step.
     all_rewards, all_group_ids, own = ranks.gather_episodes(rewards, group_ids)
-    out = compute_advantages(all_rewards, all_group_ids, cfg.advantage_config(), weights=torch.tensor(weights))
+    # TRL's unscorable episode: every reward function returned None, those weighted 0 too; the environment's
+    # reward (column 0) makes it scorable only where it is weighted (treerl.GRPOTrainer's is 0 and no reward).
+    scorers = [weights[0] != 0, *[True] * (len(weights) - 1)]
+    out = compute_advantages(all_rewards, all_group_ids, cfg.advantage_config(), weights=torch.tensor(weights),
+                             scorers=scorers)
     metrics.update({k: float(v) for k, v in out.metrics.items()})
     return out.adv[own]
 
