@@ -134,3 +134,29 @@ def test_sdpo_distillation_logits_use_a_float32_head():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     plain = chunked_divergence(hidden, LMHead(weight), teacher_hidden, LMHead(weight), mode="full", alpha=0.5)
     assert (plain - want).abs().max() > 1e-4
+
+
+def test_a_bfloat16_runs_head_is_held_and_trained_in_float32_as_trl_casts_it(tmp_path):
+    """TRL casts the head module itself to float32: with --dtype bfloat16 its weights, their optimizer state
+    and the reference's head are float32, so that small updates to it do not round away; the decoder stays
+    bfloat16. Off, the head stays bfloat16."""
+    from treerl.learners.core import build
+
+    def head_of(cfg):
+        run = build(cfg, reference=True)
+        try:
+            with run:
+                run.rollout()
+            head = run.model.get_output_embeddings().weight
+            return (head.dtype, run.model.model.layers[0].mlp.up_proj.weight.dtype,
+                    run.reference.get_output_embeddings().weight.dtype,
+                    any(p is head for group in run.optimizer.param_groups for p in group["params"]))
+        finally:
+            run.policy.close()
+
+    small = dict(dtype="bfloat16", steps=1, tasks_per_step=1, group_size=2, max_new_tokens=4, eval_episodes=0,
+                 beta=0.1)
+    cast = head_of(GRPOConfig(output_dir=str(tmp_path / "cast"), cast_lm_head_to_fp32=True, **small))
+    assert cast == (torch.float32, torch.bfloat16, torch.float32, True)
+    plain = head_of(GRPOConfig(output_dir=str(tmp_path / "plain"), **small))
+    assert plain[:3] == (torch.bfloat16, torch.bfloat16, torch.bfloat16)

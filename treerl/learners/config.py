@@ -220,7 +220,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     fp16: bool = field_help(False, "Forward and backward under float16 autocast with a loss scaler (GPUs without "
                                    "bfloat16); needs --dtype float32.")
     cast_lm_head_to_fp32: bool = field_help(False, "TRL's (ScaleRL): the LM head's logits in float32 from bfloat16 or "
-                                                   "float16 weights and hidden states: the trainer's log-probs and "
+                                                   "float16 weights and hidden states, the head's weights held "
+                                                   "and trained in float32 (TRL's): the trainer's log-probs and "
                                                    "entropies (the reference's and SDPO's teacher's too) and the "
                                                    "transformers sampler's logits. A float32 head already is: with "
                                                    "--dtype float32 (the default) only a --bf16/--fp16 sampler's "

@@ -459,7 +459,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     are logged (:data:`StepCallback`). ``evaluate`` replaces the held-out episodes of ``eval_every``
     (:data:`Evaluator`); without it ``eval_every`` needs ``eval_episodes``.
     """
-    from treerl.agents.transformers_policy import TransformersPolicy
+    from treerl.agents.transformers_policy import TransformersPolicy, cast_lm_head_to_fp32
 
     if optimizer is not None:
         _refuse_unused_adamw_options(cfg)
@@ -519,6 +519,8 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
         policy_model = copy.deepcopy(model).to(precision.sampler_dtype(checkpoint_dtype(model))).eval()
         policy = TransformersPolicy(policy_model, tokenizer, device=device,
                                     continuous_batching=cfg.continuous_batching, fp32_head=cfg.cast_lm_head_to_fp32)
+    if cfg.cast_lm_head_to_fp32:  # TRL's: the head's own weights, so that its updates do not round away
+        cast_lm_head_to_fp32(model)  # (a float32 head is left as it is); the reference copies it
     _fall_back_to_padded_packing(cfg, model, ranks.is_main)
     ref_model = _reference_model(model, cfg) if reference and cfg.lora_r == 0 else None
     if cfg.lora_r > 0:
