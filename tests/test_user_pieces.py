@@ -247,7 +247,7 @@ def test_trls_defaults_written_out_are_taken(tmp_path):
         GRPOConfig(output_dir="x", env="calc=treerl/Calculator-v0,guess=treerl/GuessNumber-v0",
                    max_tool_calling_iterations=2, env_kwargs={"guess": {"max_turns": 5}})
     for name, value, said in (("trust_remote_code", True, "not supported"), ("hub_always_push", True, "skipped while"),
-                              ("disable_dropout", 0, "dropout stays"), ("use_liger_kernel", True, "not supported"),
+                              ("use_liger_kernel", True, "not supported"),
                               ("dataset_name", "x/y", "a script's dataset option")):
         with pytest.raises(TypeError, match=f"no option {name}: .*{said}"):
             GRPOConfig(output_dir="x", **{name: value})
@@ -675,7 +675,7 @@ def test_a_passed_optimizer_with_adamw_options_set_is_refused_not_ignored(tmp_pa
 
 @pytest.mark.parametrize("option", ["hub_always_push", "save_strategy",
                                     "gradient_checkpointing_kwargs", "torch_dtype",
-                                    "vllm_server_port", "disable_dropout", "trust_remote_code", "generation_kwargs"])
+                                    "vllm_server_port", "trust_remote_code", "generation_kwargs"])
 def test_trainingarguments_options_a_trl_script_sets_are_refused_with_what_to_do(option):
     with pytest.raises(TypeError, match=f"GRPOConfig\\(\\) has no option {option}: "):
         GRPOConfig(output_dir="x", **{option: 1})
@@ -1133,3 +1133,19 @@ def test_a_hub_id_model_is_named_by_its_id_so_its_lora_adapter_names_the_base(tm
     lora.save_pretrained(tmp_path / "adapter")
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert saved["base_model_name_or_path"] == "acme/tiny-chat"
+
+
+@pytest.mark.parametrize("disable_dropout", [False, True])
+def test_disable_dropout_sets_every_dropout_module_of_the_trained_model_to_0(tmp_path, disable_dropout):
+    """TRL's disable_dropout: after LoRA, each torch.nn.Dropout of the trained model (LoRA's own too) drops
+    nothing; off, --lora-dropout stays."""
+    from treerl.learners.core import build
+
+    cfg = GRPOConfig(output_dir=str(tmp_path / "out"), lora_r=2, lora_dropout=0.5, disable_dropout=disable_dropout,
+                     tasks_per_step=1, group_size=2, max_new_tokens=4, eval_episodes=0)
+    run = build(cfg)
+    try:
+        rates = {m.p for m in run.model.modules() if isinstance(m, torch.nn.Dropout)}
+    finally:
+        run.policy.close()
+    assert rates == ({0.0} if disable_dropout else {0.5})

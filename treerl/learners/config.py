@@ -86,8 +86,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "delta": "not supported (the two-sided clip of --loss dppo is --dppo-delta-low/--dppo-delta-high)",
         **dict.fromkeys(("vllm_server_host", "vllm_server_port"),
                         "the server of --vllm-mode server is --vllm-server-url http://HOST:PORT"),
-        "disable_dropout": "dropout stays as the model's config sets it (0 in Qwen3 and Llama checkpoints); set "
-                           "--lora-dropout for LoRA's own",
         "trust_remote_code": "not supported: --model loads architectures transformers ships",
         "cache_implementation": "not supported: generation uses the policy's own KV cache",
         "generation_kwargs": "sampling takes --temperature, --top-k, --top-p, --min-p, --repetition-penalty and "
@@ -116,7 +114,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                          "steps_per_generation", "cache_implementation", "delta", "model_init_kwargs"), (None,)),
         "max_tool_calling_iterations": (None,),  # TRL's "no limit of its own": the environment's max_turns limits
         "generation_kwargs": (None, {}),
-        **dict.fromkeys(("disable_dropout", "trust_remote_code", "log_unique_prompts", "hub_always_push"), (False,)),
+        **dict.fromkeys(("trust_remote_code", "log_unique_prompts", "hub_always_push"), (False,)),
         # read only beside log_completions=True: taken at TRL's defaults
         "log_completions_hub_repo": (None,),
         "log_multimodal": (True,),
@@ -209,6 +207,10 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     lora_r: int = field_help(0, "LoRA rank; 0 trains all weights.")
     lora_alpha: int = field_help(16, "LoRA alpha.")
     lora_dropout: float = field_help(0.0, "LoRA dropout.")
+    disable_dropout: bool = field_help(False, "TRL's: every torch.nn.Dropout of the trained model, LoRA's "
+                                              "--lora-dropout too, drops nothing (p=0), as TRL sets it. The "
+                                              "attention's dropout, a model config value (0 in Qwen3 and Llama "
+                                              "checkpoints), is not a module and stays, as in TRL.")
     lora_target_modules: list[str] | None = field_help(None, "Modules LoRA adapts, by name or suffix as peft "
                                                              "matches them (e.g. q_proj v_proj; TRL's name); default: "
                                                              "every linear layer but the LM head (all-linear).")

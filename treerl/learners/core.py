@@ -528,6 +528,10 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
         ranks.broadcast_parameters(model)
         if reference:  # the frozen base is the starting model: no copy of it
             ref_model = AdaptersOff(model)
+    if cfg.disable_dropout:  # TRL's: the dropout modules of the trained model, LoRA's included, after LoRA
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
     attention = None
     if cfg.pack_mode != "padded":
         attention = enable_tree_attention(model.get_base_model() if cfg.lora_r > 0 else model, impl=cfg.attention_impl)
