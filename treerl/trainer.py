@@ -110,7 +110,7 @@ class TrainerResult(TrainResult):
     fields of transformers' ``TrainOutput``, which TRL scripts read (``train_result.metrics``)."""
 
     global_step: int = 0
-    """Optimizer steps of the run, as TRL counts them: steps x ``num_iterations``."""
+    """Optimizer steps of the run, as TRL counts them: steps x ``num_iterations`` x ``num_minibatches``."""
     training_loss: float = float("nan")
     """The mean over the run's logged steps of the loss optimized (see :func:`_step_loss`)."""
     metrics: dict[str, float] = field(default_factory=dict)
@@ -267,7 +267,7 @@ class LearnerTrainer:
         self.accelerator = Accelerator()
         from transformers import TrainerState
 
-        self.state = TrainerState(max_steps=self.args.steps * _num_iterations(self.args))
+        self.state = TrainerState(max_steps=self.args.steps * _optimizer_steps_per_step(self.args))
         """TRL's ``trainer.state``: after :meth:`train`, the run's ``global_step`` and ``log_history``."""
 
     # -- training --------------------------------------------------------------------------------------------
@@ -309,7 +309,7 @@ class LearnerTrainer:
         """``result`` with TRL's figures, from ``metrics.jsonl``; :attr:`state` set to the run's."""
         from transformers import TrainerState
 
-        cfg, per_step = self.args, _num_iterations(self.args)
+        cfg, per_step = self.args, _optimizer_steps_per_step(self.args)
         lines = _read_metrics(Path(result.output_dir) / "metrics.jsonl")
         losses = [_step_loss(m, cfg) for m in lines if "loss/policy" in m]
         training_loss = sum(losses) / len(losses) if losses else float("nan")
@@ -799,9 +799,9 @@ def _model_type(model: Any, model_name: str | None) -> str | None:
     return AutoConfig.from_pretrained(model_directory(model_name), local_files_only=True).model_type
 
 
-def _num_iterations(cfg: GRPOConfig) -> int:
-    """Optimizer steps per step (TRL counts those): GRPO's ``num_iterations``, 1 for a learner without it."""
-    return getattr(cfg, "num_iterations", 1)
+def _optimizer_steps_per_step(cfg: GRPOConfig) -> int:
+    """Optimizer steps per step (TRL counts those): GRPO's ``num_iterations`` x ``num_minibatches``."""
+    return cfg.optimizer_steps_per_step()
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -846,14 +846,14 @@ class _TrainerCallbacks:
     with the evaluation's figures when the step evaluated (step 0: the evaluation before the first), then
     ``on_log`` with the step's metrics under TRL's names (``loss``, ``grad_norm``, ``learning_rate``,
     ``reward``, ``rewards/NAME/mean``, ``epoch``: :func:`_trl_log`, treerl's beside them), after each step
-    (``control`` is passed but not read). The state counts optimizer steps, as TRL's: a step with
-    ``num_iterations`` N counts N; ``rows`` is the training dataset's, for ``epoch``."""
+    (``control`` is passed but not read). The state counts optimizer steps, as TRL's: a step of N optimizer
+    steps (``num_iterations`` x ``num_minibatches``) counts N; ``rows`` is the training dataset's, for ``epoch``."""
 
     def __init__(self, callbacks: Sequence[Any], cfg: GRPOConfig, rows: int = 1):
         from transformers import TrainerControl, TrainerState
 
         self.callbacks, self.cfg, self.rows = list(callbacks), cfg, rows
-        self.per_step = _num_iterations(cfg)
+        self.per_step = _optimizer_steps_per_step(cfg)
         self.state, self.control = TrainerState(max_steps=cfg.steps * self.per_step), TrainerControl()
 
     def event(self, name: str, **kwargs: Any) -> None:

@@ -157,6 +157,11 @@ class AsyncGRPOConfig(GRPOConfig):
             raise ValueError(f"num_iterations={self.num_iterations}: score centering weighs each token by the "
                              "sampler's ratio to the current weights, one update per batch; use --objective "
                              "clipped for several updates on each step's episodes.")
+        if self.objective == "score_centering" and self.num_minibatches != 1:
+            raise ValueError(f"num_minibatches={self.num_minibatches} (TRL's steps_per_generation / "
+                             "gradient_accumulation_steps): score centering weighs each token by the sampler's ratio "
+                             "to the current weights, one update per batch; use --objective clipped to split each "
+                             "step's episodes into several optimizer steps.")
         super().__post_init__()
         if self.from_rollouts or self.from_server:
             flag = "from_rollouts" if self.from_rollouts else "from_server"

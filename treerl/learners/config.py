@@ -481,6 +481,10 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         """The options as config.json and the tracker record them: all but :attr:`SECRETS`."""
         return {k: v for k, v in asdict(self).items() if k not in self.SECRETS}
 
+    def optimizer_steps_per_step(self) -> int:
+        """Optimizer steps a step takes (TRL's ``max_steps`` counts these): 1 here; GRPO's config says more."""
+        return 1
+
     @classmethod
     def translate_options(cls, given: dict[str, Any]) -> dict[str, Any]:
         """``given`` (keyword arguments, aliases resolved) with TRL's options of :attr:`TRANSLATED` turned into

@@ -392,8 +392,8 @@ def _refuse_unused_adamw_options(cfg: LearnerConfig) -> None:
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: LearnerConfig) -> Any:
     """The learning-rate schedule of ``cfg``: ``warmup_steps`` of linear warm-up, then ``lr_scheduler_type``'s
-    (``linear`` and ``cosine`` reach 0 at the run's last optimizer step: ``steps`` x ``num_iterations``,
-    the optimizer steps TRL's ``max_steps`` counts). Stepped once per optimizer step.
+    (``linear`` and ``cosine`` reach 0 at the run's last optimizer step: ``steps`` x ``num_iterations`` x
+    ``num_minibatches``, the optimizer steps TRL's ``max_steps`` counts). Stepped once per optimizer step.
 
     >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     >>> from treerl.learners.grpo import GRPOConfig
@@ -407,7 +407,7 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: LearnerConfig) -> Any:
     from transformers import get_scheduler
 
     name = "constant_with_warmup" if cfg.lr_scheduler_type == "constant" else cfg.lr_scheduler_type
-    total = cfg.steps * getattr(cfg, "num_iterations", 1)
+    total = cfg.steps * cfg.optimizer_steps_per_step()
     return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total)
 
 

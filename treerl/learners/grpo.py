@@ -11,6 +11,7 @@ one function each::
         run.keep_sample(step, groups, adv)                # every N steps, a few groups for `treerl view`
         batches = pack_groups(groups, adv, ...)           # each unique token once, rows by attention work
         optimize(run, batches, ...)                       # forward with tree attention, loss, backward, step
+                                                          # (num_minibatches: one on each shuffled part of them)
         run.publish_weights(...)                          # the sampler gets the new weights and version
         run.end_step(...)                                 # log, diagnose, checkpoint
     finish(run)
@@ -128,7 +129,14 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
                                                    "(TR-DPO's alpha, in [0, 1]).")
     ref_model_sync_steps: int = field_help(512, "With sync_ref_model: optimizer steps between reference updates "
                                                 "(TR-DPO's tau), counted over the run as TRL's global_step (a step "
-                                                "takes num_iterations of them).")
+                                                "takes num_iterations x num_minibatches of them).")
+    num_minibatches: int = field_help(
+        1, "Optimizer steps per pass over each step's episodes (TRL's steps_per_generation / "
+           "gradient_accumulation_steps): the episodes are shuffled (by --seed and the step) and split into this "
+           "many equal minibatches, episodes not groups, each packed on its own and taking one optimizer step; "
+           "num_iterations passes. The clipped losses' old policy is the weights that sampled (before the first "
+           "step); dapo's token normalizer is the step's tokens / num_minibatches, the sequence means each "
+           "minibatch's, as TRL's. 1: one optimizer step on all of them.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -159,6 +167,12 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
         if isinstance(self.num_iterations, bool) or not isinstance(self.num_iterations, int) or self.num_iterations < 1:
             raise ValueError(f"num_iterations={self.num_iterations!r} must be a whole number >= 1 (optimizer steps on "
                              "each step's episodes; 1 is on-policy).")
+        episodes = self.tasks_per_step * self.group_size
+        if (isinstance(self.num_minibatches, bool) or not isinstance(self.num_minibatches, int)
+                or self.num_minibatches < 1 or episodes % self.num_minibatches):
+            raise ValueError(f"num_minibatches={self.num_minibatches!r} must be a whole number >= 1 that divides "
+                             f"tasks_per_step x group_size = {episodes} (equal minibatches, as TRL's "
+                             "steps_per_generation splits its generation): e.g. 2 or 1.")
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile!r} must be in [0, 1]: the share of "
                              "the step's highest-entropy tokens trained on (1 keeps all; the paper uses 0.2).")
@@ -186,6 +200,10 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
         if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
             raise ValueError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1]: the policy's "
                              "share of the new reference (TRL's default 0.6).")
+
+    def optimizer_steps_per_step(self) -> int:
+        """``num_iterations`` passes over ``num_minibatches`` minibatches, one optimizer step each."""
+        return self.num_iterations * self.num_minibatches
 
     def loss_config(self) -> LossConfig:
         return LossConfig(policy_loss=self.loss, **self.coefficients(),
@@ -254,8 +272,8 @@ def score_step(run: Run, step: int, groups: Sequence[Group], metrics: dict[str, 
     functions' means and their ``log_extra`` values (``reward_extras.jsonl``, one line per step)
     over every rank's episodes."""
     extras: dict[str, list[Any]] = {}
-    # TRL's trainer_state counts optimizer steps: a step here takes num_iterations of them.
-    per_step = getattr(run.cfg, "num_iterations", 1)
+    # TRL's trainer_state counts optimizer steps: a step here takes num_iterations x num_minibatches of them.
+    per_step = run.cfg.optimizer_steps_per_step()
     state = StepState(global_step=step * per_step, max_steps=run.cfg.steps * per_step)
     rewards = score(groups, run.reward_funcs, metrics, extras, state)
     if run.ranks.enabled and run.reward_funcs:
@@ -308,11 +326,7 @@ def pack_step(groups: Sequence[Group], adv: torch.Tensor, cfg: GRPOConfig, ranks
     normalizer, so the update is the one of training on them. The normalizer is None when
     every group was left out (there is no loss to normalize).
     """
-    skip: list[int] = []
-    if skip_zero_advantage:
-        starts = np.cumsum([0] + [len(g.episodes) for g in groups])
-        skip = [i for i in range(len(groups)) if not bool((adv[starts[i]:starts[i + 1]] != 0).any())]
-        metrics["train/skipped_groups_frac"] = 1.0 - (len(groups) - len(skip)) / max(len(groups), 1)
+    skip = zero_advantage_groups(groups, adv, metrics) if skip_zero_advantage else []
     episodes = [e for g in groups for e in g.episodes]
     mask = [i for i, e in enumerate(episodes) if e.cut_by_token_limit] if cfg.mask_truncated_completions else []
     batches = pack_groups(groups, adv, cfg.packing_config(), skip=skip, mask=mask)
@@ -326,6 +340,77 @@ def pack_step(groups: Sequence[Group], adv: torch.Tensor, cfg: GRPOConfig, ranks
     # One process (skipping is off with several ranks): nothing to sum over ranks.
     return batches, LossNormalizer(num_tokens=int(counts.sum()), num_sequences=int((counts > 0).sum()),
                                    episode_num_tokens=counts)
+
+
+def zero_advantage_groups(groups: Sequence[Group], adv: torch.Tensor, metrics: dict[str, float]) -> list[int]:
+    """The indices of the groups whose advantages are all exactly 0 (see :func:`skips_zero_advantage_groups`);
+    logs their share, ``train/skipped_groups_frac``."""
+    starts = np.cumsum([0] + [len(g.episodes) for g in groups])
+    skip = [i for i in range(len(groups)) if not bool((adv[starts[i]:starts[i + 1]] != 0).any())]
+    metrics["train/skipped_groups_frac"] = 1.0 - (len(groups) - len(skip)) / max(len(groups), 1)
+    return skip
+
+
+Minibatch = tuple[list[PackedBatch], LossNormalizer | None]
+"""One optimizer step's micro-batches and its normalizer (None where it has nothing to train on)."""
+
+
+def minibatch_split(num_episodes: int, num_minibatches: int, seed: Sequence[int]) -> list[np.ndarray]:
+    """TRL's split of a generation (``shuffle_sequence_dict``, then ``split_tensor_dict`` into
+    ``steps_per_generation`` chunks): the episode indices in an order drawn from ``seed``, cut into
+    ``num_minibatches`` consecutive parts of equal size (differing by one where the count does not divide,
+    as a step of uneven groups may). Episodes, not groups: a group's episodes may land in several parts.
+
+    >>> [part.tolist() for part in minibatch_split(6, 3, seed=(0, 1))]
+    [[1, 4], [3, 0], [2, 5]]
+    """
+    order = np.random.default_rng(list(seed)).permutation(num_episodes)
+    return np.array_split(order, num_minibatches)
+
+
+def pack_minibatches(groups: Sequence[Group], adv: torch.Tensor, cfg: GRPOConfig, ranks: Ranks,
+                     metrics: dict[str, float], *, skip_zero_advantage: bool, seed: Sequence[int]) -> list[Minibatch]:
+    """The step's episodes split into ``cfg.num_minibatches`` (:func:`minibatch_split`), each packed on its own
+    (shared prefixes within it), with the normalizer of its optimizer step.
+
+    The normalizers are TRL's: its token count (dapo's, ``num_items_in_batch``) spans the generation, every
+    process's, and each optimizer step divides by its share, ``steps_per_generation /
+    gradient_accumulation_steps`` of it: here the step's count over every rank / ``num_minibatches``. The
+    sequence means (grpo, dr_grpo) are over the minibatch's own episodes, as TRL's over its micro-batches.
+    Groups left out (``skip_zero_advantage``) and episodes masked (``mask_truncated_completions``) count as in
+    :func:`pack_step`.
+    """
+    episodes = [e for g in groups for e in g.episodes]
+    skip = zero_advantage_groups(groups, adv, metrics) if skip_zero_advantage else []
+    cut = {i for i, e in enumerate(episodes) if e.cut_by_token_limit} if cfg.mask_truncated_completions else set()
+    packed, counts = [], []
+    for part in minibatch_split(len(episodes), cfg.num_minibatches, seed):
+        kept = set(part.tolist()) - cut
+        batches, terms = _pack_part(groups, adv, cfg, skip, [i for i in range(len(episodes)) if i not in kept])
+        packed.append(batches if bool((terms > 0).any()) else [])  # rows of prompts alone train nothing
+        # A cut episode has no terms but stays among the sequences, as in pack_step.
+        counts += [int(terms.sum()), int((terms > 0).sum()) + sum(episodes[i].num_sampled_tokens > 0
+                                                                  for i in set(part.tolist()) & cut)]
+    *counts, num_cut, num_episodes = ranks.sum([*counts, len(cut), len(episodes)])
+    if cfg.mask_truncated_completions:
+        metrics["train/masked_episodes_frac"] = num_cut / max(num_episodes, 1)
+    num_tokens = sum(counts[0::2]) / len(packed)
+    # A minibatch with micro-batches has terms, so tokens and sequences to count; one without has no loss.
+    return [(batches, LossNormalizer(num_tokens=num_tokens, num_sequences=num_sequences,
+                                     episode_num_tokens=batches[0].episode_num_tokens) if batches else None)
+            for batches, num_sequences in zip(packed, counts[1::2])]
+
+
+def _pack_part(groups: Sequence[Group], adv: torch.Tensor, cfg: GRPOConfig, skip: Sequence[int],
+               mask: Sequence[int]) -> tuple[list[PackedBatch], torch.Tensor]:
+    """The micro-batches of the episodes not in ``mask``, the groups of ``skip`` left out of the rows, and
+    (E,) those episodes' term counts (the skipped groups' too, which the step's token count includes)."""
+    batches = pack_groups(groups, adv, cfg.packing_config(), skip=skip, mask=mask)
+    if batches or not skip:
+        return batches, batches[0].episode_num_tokens if batches else torch.zeros(len(adv), dtype=torch.long)
+    # Every group of it was left out: no rows, so no counts from them; a packing that keeps them counts.
+    kept = pack_groups(groups, adv, cfg.packing_config(), mask=mask)
+    return [], kept[0].episode_num_tokens if kept else torch.zeros(len(adv), dtype=torch.long)
 
 
 def _masked_normalizer(batches: Sequence[PackedBatch], masked: Sequence[Episode], num_episodes: int, ranks: Ranks,
@@ -454,6 +539,77 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     optimizer.zero_grad(set_to_none=True)
 
 
+def optimize_minibatches(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                         minibatches: Sequence[Minibatch], cfg: GRPOConfig, device: str, metrics: dict[str, float],
+                         ranks: Ranks = Ranks(), ref_model: torch.nn.Module | None = None,
+                         precision: Precision | None = None,
+                         after_update: Callable[[int], None] | None = None) -> list[PackedBatch]:
+    """``cfg.num_iterations`` passes over the step's minibatches, in the same order each time (TRL reuses its
+    shuffled chunks so), one :func:`optimize` (optimizer step) on each; returns every micro-batch.
+    ``after_update(n)`` is called after the step's n-th optimizer step (from 1; ``sync_ref_model``'s).
+
+    The reference's log-probs are each minibatch's first update's for every later one, as TRL's of the
+    generation: a ``sync_ref_model`` update between two of them does not change the step's KL target
+    (with several minibatches, all of them before the first update).
+
+    Every update's old policy is the weights that sampled. The first minibatch's first forward runs on them and
+    keeps its log-probs (for the passes after the first); the other minibatches' come from a forward without
+    gradients before the first optimizer step, as TRL computes its old log-probs at generation when a
+    generation serves several optimizer steps. A pass logs the mean over its optimizer steps of each metric (the
+    largest ``*_max``, the last ``lr``); the last pass's are the step's, as with one minibatch.
+    """
+    precision = precision or Precision(weights=None, autocast=None)
+    minibatches = list(minibatches)
+    ref_logps: list[list[torch.Tensor]] = [[] for _ in minibatches]  # filled by each one's first update
+    if len(minibatches) > 1:
+        model.train()
+        minibatches[1:] = [(generation_logprobs(model, batches, cfg, device, precision), normalizer)
+                           for batches, normalizer in minibatches[1:]]
+        if ref_model is not None:
+            with torch.no_grad():
+                ref_logps = [[packed_logprobs(ref_model, b.to(device), temperature=cfg.temperature, impl="auto",
+                                              precision=precision).logp for b in batches]
+                             for batches, _ in minibatches]
+    updated = 0
+    for iteration in range(cfg.num_iterations):
+        updates: list[dict[str, float]] = []
+        for i, (batches, normalizer) in enumerate(minibatches):
+            keep = i == 0 and iteration == 0 and cfg.num_iterations > 1
+            old_logp: list[torch.Tensor] = []
+            updates.append({})
+            optimize(model, optimizer, scheduler, batches, cfg, device, updates[-1], ranks, ref_model=ref_model,
+                     normalizer=normalizer, precision=precision, keep_logp=old_logp if keep else None,
+                     ref_logps=ref_logps[i])
+            if keep:
+                minibatches[0] = ([b.with_old_logp(logp.to(b.term_sampler_logp.device))
+                                   for b, logp in zip(batches, old_logp)], normalizer)
+            updated += 1
+            if after_update is not None:
+                after_update(updated)
+        metrics.update(_mean_over_updates(updates))
+    return [b for batches, _ in minibatches for b in batches]
+
+
+def generation_logprobs(model: torch.nn.Module, batches: Sequence[PackedBatch], cfg: GRPOConfig, device: str,
+                        precision: Precision) -> list[PackedBatch]:
+    """``batches`` carrying the current weights' log-probs as their old policy's, from a forward without
+    gradients: called before the step's first update, while the weights are those that sampled."""
+    with torch.no_grad():
+        return [b.with_old_logp(packed_logprobs(model, b.to(device), temperature=cfg.temperature, impl="auto",
+                                                precision=precision).logp.to(b.term_sampler_logp.device))
+                for b in batches]
+
+
+def _mean_over_updates(updates: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Several optimizer steps' metrics as one: each metric's mean over the steps that logged it, the largest
+    of those named ``*_max``, the last ``lr`` (the rate the last update took)."""
+    merged: dict[str, float] = {}
+    for key in dict.fromkeys(k for update in updates for k in update):
+        values = [update[key] for update in updates if key in update]
+        merged[key] = max(values) if key.endswith("_max") else values[-1] if key == "lr" else sum(values) / len(values)
+    return merged
+
+
 def step_entropies(model: torch.nn.Module, batches: Sequence[PackedBatch], cfg: GRPOConfig, device: str,
                    precision: Precision) -> list[torch.Tensor]:
     """Each micro-batch's (M,) entropies under the current weights, from a forward without gradients.
@@ -533,23 +689,16 @@ def update(run: Run, step: int, groups: Sequence[Group], stats: RolloutStats, me
     rewards = score_step(run, step, groups, metrics)
     adv = advantages(groups, rewards, run.reward_weights, cfg, metrics, run.ranks)
     run.keep_sample(step, groups, adv, rewards)
-    # The normalizer counts every episode, trained or skipped.
-    batches, normalizer = pack_step(groups, adv, cfg, run.ranks, metrics,
-                                    skip_zero_advantage=skips_zero_advantage_groups(cfg, run.ranks))
-    # The reference's log-probs are the first update's for every update, as TRL's of the generation: a
-    # sync_ref_model update between two of them does not change the step's KL target.
-    ref_logps: list[torch.Tensor] = []
-    for iteration in range(cfg.num_iterations):
-        # Every update's old policy is the weights before the first, which the first update's own
-        # forward ran on (its optimizer step comes after every micro-batch): it keeps their log-probs.
-        first_of_several = iteration == 0 and cfg.num_iterations > 1
-        old_logp: list[torch.Tensor] = []
-        optimize(run.model, run.optimizer, run.scheduler, batches, cfg, run.device, metrics, run.ranks,
-                 ref_model=run.reference, normalizer=normalizer, precision=run.precision,
-                 keep_logp=old_logp if first_of_several else None, ref_logps=ref_logps)
-        if first_of_several:
-            batches = [b.with_old_logp(logp.to(b.term_sampler_logp.device)) for b, logp in zip(batches, old_logp)]
-        run.sync_reference(step * cfg.num_iterations + iteration + 1, metrics)  # TRL's optimizer steps
+    skip = skips_zero_advantage_groups(cfg, run.ranks)
+    if cfg.num_minibatches > 1:  # TRL's steps_per_generation: a shuffled split, an optimizer step on each part
+        minibatches = pack_minibatches(groups, adv, cfg, run.ranks, metrics, skip_zero_advantage=skip,
+                                       seed=(cfg.seed, step))
+    else:  # The normalizer counts every episode, trained or skipped.
+        minibatches = [pack_step(groups, adv, cfg, run.ranks, metrics, skip_zero_advantage=skip)]
+    first = step * cfg.optimizer_steps_per_step()  # the run's optimizer steps before this step's (TRL's)
+    batches = optimize_minibatches(run.model, run.optimizer, run.scheduler, minibatches, cfg, run.device, metrics,
+                                   run.ranks, ref_model=run.reference, precision=run.precision,
+                                   after_update=lambda n: run.sync_reference(first + n, metrics))
     run.publish_weights(metrics)
     return run.end_step(step, metrics, stats, num_episodes=len(adv), batches=batches, next_task=next_task)
 

@@ -204,6 +204,11 @@ class SDPOConfig(GRPOConfig):
         if self.num_iterations != 1:
             raise ValueError(f"num_iterations={self.num_iterations}: SDPO takes one update per step (its teacher's "
                              "terms are for the weights that sampled); use --learner grpo for several.")
+        if self.num_minibatches != 1:
+            raise ValueError(f"num_minibatches={self.num_minibatches} (TRL's steps_per_generation / "
+                             "gradient_accumulation_steps): SDPO takes one update per step, on all of its episodes "
+                             "(its teacher's terms are for the weights that sampled); use --learner grpo to split a "
+                             "step into several optimizer steps.")
         if not 0.0 <= self.distillation_weight <= 1.0:
             raise ValueError(f"distillation_weight={self.distillation_weight} must be in [0, 1] (1: SDPO alone, "
                              "0: GRPO alone, between: a blend).")

@@ -58,7 +58,7 @@ class StepState:
 
     global_step: int
     """Optimizer steps taken before this one (0 while scoring the first step's episodes; a step that
-    takes ``num_iterations`` updates counts them all, as TRL's does)."""
+    takes several updates (``num_iterations`` x ``num_minibatches``) counts them all, as TRL's does)."""
     max_steps: int
     """Optimizer steps the run takes in all."""
 

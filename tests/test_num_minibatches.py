@@ -1,0 +1,213 @@
+"""``num_minibatches``, TRL's ``steps_per_generation`` beyond its default: one generation, several optimizer steps.
+
+TRL 1.16 generates ``generation_batch_size = per_device_train_batch_size x processes x steps_per_generation``
+completions at once, computes their advantages together, shuffles them and splits them into
+``steps_per_generation`` chunks, taking an optimizer step every ``gradient_accumulation_steps`` chunks, the
+whole buffer ``num_iterations`` times. Here a step is the generation and ``num_minibatches`` (TRL's
+``steps_per_generation / gradient_accumulation_steps``) its optimizer steps per pass.
+
+The reference of the update is independent of the learner: plain padded rows of the chosen episodes, the
+loss of each minibatch in turn, an SGD step after each, the old log-probs taken before the first.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from test_packed_equals_unpacked import TEMPERATURE, advantages, build_groups, calibrate, episodes_of, tiny_model
+from test_packed_equals_unpacked import cut_episodes, unpacked_terms
+
+from treerl.kernels.tree_attention import enable_tree_attention
+from treerl.learners.async_grpo import AsyncGRPOConfig
+from treerl.learners.core import make_scheduler
+from treerl.learners.distributed import Ranks
+from treerl.learners.grpo import (GRPOConfig, minibatch_split, optimize_minibatches, pack_minibatches, pack_step,
+                                  train)
+from treerl.learners.losses import LossInputs, LossNormalizer, compute_loss
+from treerl.learners.packed_batch import packing_metrics
+from treerl.learners.sdpo import SDPOConfig
+
+SMALL = dict(steps=2, tasks_per_step=2, group_size=4, max_new_tokens=32, eval_episodes=0, progress=False,
+             num_threads=1, sample_groups=0)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# -- the split ----------------------------------------------------------------------------------
+
+
+def test_the_split_puts_every_episode_in_exactly_one_minibatch_in_an_order_drawn_from_the_seed():
+    parts = minibatch_split(12, 3, seed=(7, 2))
+    assert [len(p) for p in parts] == [4, 4, 4]
+    assert sorted(i for p in parts for i in p.tolist()) == list(range(12))
+    again = minibatch_split(12, 3, seed=(7, 2))
+    assert [p.tolist() for p in parts] == [p.tolist() for p in again]  # the run's seed and the step decide
+    assert [p.tolist() for p in parts] != [p.tolist() for p in minibatch_split(12, 3, seed=(7, 3))]
+    assert [p.tolist() for p in parts] != [p.tolist() for p in minibatch_split(12, 3, seed=(8, 2))]
+    assert sorted(i for p in parts for i in p.tolist()) != [i for p in parts for i in p.tolist()]  # shuffled
+    uneven = minibatch_split(7, 3, seed=(0, 0))  # groups of uneven size (branching, a server's)
+    assert [len(p) for p in uneven] == [3, 2, 2] and sorted(i for p in uneven for i in p) == list(range(7))
+
+
+def test_each_minibatch_packs_its_own_episodes_sharing_their_prefixes():
+    groups = build_groups()
+    cfg = GRPOConfig(output_dir="unused", tasks_per_step=3, group_size=5, num_minibatches=3, max_tokens_per_row=48)
+    minibatches = pack_minibatches(groups, advantages(groups), cfg, Ranks(), {}, skip_zero_advantage=False,
+                                   seed=(0, 0))
+    parts = minibatch_split(len(episodes_of(groups)), 3, seed=(0, 0))
+    with_terms = {e for e, episode in enumerate(episodes_of(groups)) if episode.num_sampled_tokens > 0}
+    for (batches, normalizer), part in zip(minibatches, parts):
+        trained = {int(e) for b in batches for e in b.term_episode}
+        assert trained == set(part.tolist()) & with_terms  # its episodes' terms, and no other's
+        assert normalizer.episode_num_tokens[sorted(trained)].gt(0).all()
+    assert any(packing_metrics(batches)["tree/packing_ratio"] > 1 for batches, _ in minibatches)  # prompts once
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_every_minibatch_divides_the_steps_token_count_and_counts_its_own_sequences(mask_truncated):
+    """TRL's normalizer: the generation's token count over the optimizer steps; each minibatch's own episodes.
+    One episode a minibatch: those of groups whose advantages are all 0 are left out of the rows, and their
+    tokens still count; cut episodes (mask_truncated_completions) count as sequences, not tokens."""
+    groups = build_groups()
+    cut = cut_episodes(groups) if mask_truncated else []
+    adv = advantages(groups)
+    adv[9:] = 0.0  # groups 2 and 3: nothing to learn, left out of the forward pass
+    cfg = GRPOConfig(output_dir="unused", tasks_per_step=3, group_size=5, num_minibatches=15, max_tokens_per_row=48,
+                     mask_truncated_completions=mask_truncated)
+    [_, whole] = pack_step(groups, adv, GRPOConfig(output_dir="unused", mask_truncated_completions=mask_truncated),
+                           Ranks(), {}, skip_zero_advantage=False)
+    parts = minibatch_split(15, 15, seed=(3, 1))
+    for skip in (False, True):
+        metrics: dict[str, float] = {}
+        minibatches = pack_minibatches(groups, adv, cfg, Ranks(), metrics, skip_zero_advantage=skip, seed=(3, 1))
+        for (batches, normalizer), [e] in zip(minibatches, parts):
+            trained = int(whole.episode_num_tokens[e]) > 0 and not (skip and e >= 9)
+            assert bool(batches) == trained and (normalizer is None) == (not trained)
+            if trained:
+                assert normalizer.num_tokens == pytest.approx(whole.num_tokens / 15)
+                assert normalizer.num_sequences == 1
+        assert metrics.get("train/skipped_groups_frac", 0.0) == (0.5 if skip else 0.0)
+        assert metrics.get("train/masked_episodes_frac", 0.0) == pytest.approx(len(cut) / 15)
+
+
+# -- the update ---------------------------------------------------------------------------------
+
+
+def reference_update(model, groups, parts, cfg: GRPOConfig, lr: float, old_from_generation: bool = True):
+    """SGD on each minibatch in turn, ``num_iterations`` passes, from plain padded rows: TRL's token count of
+    the generation / the number of minibatches, the minibatch's own sequences."""
+    adv = advantages(groups)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    with torch.no_grad():
+        at_generation = unpacked_terms(model, groups)
+    num_tokens = at_generation["episode"].numel() / len(parts)
+    for _ in range(cfg.num_iterations):
+        for part in parts:
+            terms = unpacked_terms(model, groups)
+            mine = torch.isin(terms["episode"], torch.as_tensor(part))
+            episode = terms["episode"][mine]
+            counts = torch.bincount(episode, minlength=len(adv))
+            old = at_generation["logp"] if old_from_generation else terms["logp"].detach()
+            inputs = LossInputs(logp=terms["logp"][mine], old_logp=old[mine], sampler_logp=terms["sampler_logp"][mine],
+                                adv=adv[episode], episode=episode, num_episodes=len(adv))
+            normalizer = LossNormalizer(num_tokens=num_tokens, num_sequences=int((counts > 0).sum()),
+                                        episode_num_tokens=counts)
+            optimizer.zero_grad()
+            compute_loss(inputs, cfg.loss_config(), normalizer).loss.backward()
+            optimizer.step()
+
+
+@pytest.mark.parametrize(("loss", "num_iterations"), [("dapo", 1), ("grpo", 1), ("dr_grpo", 1), ("dapo", 2)])
+def test_the_update_is_one_optimizer_step_on_each_minibatch_in_turn(loss, num_iterations):
+    """Three minibatches of the 15 episodes (prefix-sharing trees, a group split across rows), each its own SGD
+    step, the old policy the weights that sampled: the same weights as the independent loop."""
+    model = tiny_model("qwen3")
+    groups = build_groups()
+    calibrate(model, groups)
+    cfg = GRPOConfig(output_dir="unused", temperature=TEMPERATURE, loss=loss, num_minibatches=3, tasks_per_step=3,
+                     group_size=5, num_iterations=num_iterations, max_grad_norm=0.0, is_mode="off",
+                     max_tokens_per_row=48, max_completion_length=32)
+    packed = copy.deepcopy(model)
+    enable_tree_attention(packed, impl="segment")
+    start = copy.deepcopy(model)
+    lr = 0.5
+
+    minibatches = pack_minibatches(groups, advantages(groups), cfg, Ranks(), {}, skip_zero_advantage=False,
+                                   seed=(0, 5))
+    optimizer = torch.optim.SGD(packed.parameters(), lr=lr)
+    metrics: dict[str, float] = {}
+    optimize_minibatches(packed, optimizer, make_scheduler(optimizer, cfg), minibatches, cfg, "cpu", metrics)
+    parts = [p.tolist() for p in minibatch_split(len(episodes_of(groups)), 3, seed=(0, 5))]
+    reference_update(model, groups, parts, cfg, lr)
+
+    got, want = dict(packed.named_parameters()), dict(model.named_parameters())
+    moved = sum(float((want[n] - p).detach().abs().sum()) for n, p in start.named_parameters())
+    assert moved > 1e-2
+    for name, param in want.items():
+        torch.testing.assert_close(got[name], param, atol=2e-5, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+    # The old policy matters: taking each minibatch's own weights as the old ones moves them elsewhere.
+    other = copy.deepcopy(start)
+    reference_update(other, groups, parts, cfg, lr, old_from_generation=False)
+    assert max(float((dict(other.named_parameters())[n] - p).detach().abs().max()) for n, p in want.items()) > 1e-3
+    assert metrics["lr"] == lr and metrics["loss/policy"] == metrics["loss/policy"]
+
+
+def test_values_that_cannot_work_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="num_minibatches=3 must be a whole number >= 1 that divides tasks_per_step "
+                                         "x group_size = 64"):
+        GRPOConfig(output_dir="x", num_minibatches=3)
+    with pytest.raises(ValueError, match="num_minibatches=0 must be a whole number >= 1"):
+        GRPOConfig(output_dir="x", num_minibatches=0)
+    with pytest.raises(ValueError, match="num_minibatches=2 .TRL's steps_per_generation / gradient_accumulation_steps."
+                                         ": SDPO takes one update per step"):
+        SDPOConfig(output_dir="x", num_minibatches=2)
+    with pytest.raises(ValueError, match="num_minibatches=2 .* score centering .* use --objective clipped"):
+        AsyncGRPOConfig(output_dir="x", num_minibatches=2)
+    assert AsyncGRPOConfig(output_dir="x", num_minibatches=2, objective="clipped").optimizer_steps_per_step() == 2
+    schedule = make_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0),
+                              GRPOConfig(output_dir="x", steps=2, num_minibatches=2, lr_scheduler_type="linear"))
+    rates = []
+    for _ in range(4):
+        schedule.optimizer.step()
+        schedule.step()
+        rates.append(schedule.get_last_lr()[0])
+    assert rates == pytest.approx([0.75, 0.5, 0.25, 0.0])  # the run's 2 x 2 optimizer steps
+
+
+# -- whole runs ---------------------------------------------------------------------------------
+
+
+def _load():
+    from treerl.models import load_default_model
+
+    return load_default_model()
+
+
+def test_a_step_takes_an_optimizer_step_per_minibatch_and_trl_counts_them(tmp_path):
+    model, tok = _load()
+    made = []
+
+    def adamw(params):
+        made.append(torch.optim.AdamW(params, lr=1e-3))
+        return made[-1]
+
+    def schedule(completions, trainer_state, **kwargs):  # TRL's trainer_state counts optimizer steps
+        made.append((trainer_state.global_step, trainer_state.max_steps))
+        return [float(len(c) % 3) for c in completions]
+
+    train(GRPOConfig(output_dir=str(tmp_path), num_minibatches=2, skip_zero_advantage=False, **SMALL),
+          model=model, tokenizer=tok, optimizer=adamw, reward_funcs=[schedule])
+    optimizer, *states = made
+    assert states == [(0, 4), (2, 4)]
+    assert {int(state["step"]) for state in optimizer.state.values()} == {4}  # 2 steps x 2 minibatches
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2] and all(m["loss/policy"] == m["loss/policy"] for m in lines)
