@@ -20,6 +20,8 @@ import torch
 from test_packed_equals_unpacked import TEMPERATURE, advantages, build_groups, calibrate, episodes_of, tiny_model
 from test_packed_equals_unpacked import cut_episodes, unpacked_terms
 
+from treerl.cli import build_parser, main
+from treerl.config import config_from_args
 from treerl.kernels.tree_attention import enable_tree_attention
 from treerl.learners.async_grpo import AsyncGRPOConfig
 from treerl.learners.core import make_scheduler
@@ -161,18 +163,33 @@ def test_the_update_is_one_optimizer_step_on_each_minibatch_in_turn(loss, num_it
     assert metrics["lr"] == lr and metrics["loss/policy"] == metrics["loss/policy"]
 
 
-def test_values_that_cannot_work_are_refused_with_the_fix():
-    with pytest.raises(ValueError, match="num_minibatches=3 must be a whole number >= 1 that divides tasks_per_step "
-                                         "x group_size = 64"):
-        GRPOConfig(output_dir="x", num_minibatches=3)
-    with pytest.raises(ValueError, match="num_minibatches=0 must be a whole number >= 1"):
-        GRPOConfig(output_dir="x", num_minibatches=0)
-    with pytest.raises(ValueError, match="num_minibatches=2 .TRL's steps_per_generation / gradient_accumulation_steps."
-                                         ": SDPO takes one update per step"):
-        SDPOConfig(output_dir="x", num_minibatches=2)
-    with pytest.raises(ValueError, match="num_minibatches=2 .* score centering .* use --objective clipped"):
-        AsyncGRPOConfig(output_dir="x", num_minibatches=2)
-    assert AsyncGRPOConfig(output_dir="x", num_minibatches=2, objective="clipped").optimizer_steps_per_step() == 2
+# -- TRL's options ------------------------------------------------------------------------------
+
+
+def test_trls_steps_per_generation_and_generation_batch_size_set_the_step_and_its_minibatches(tmp_path, monkeypatch):
+    """TRL's generation is per_device_train_batch_size x processes x steps_per_generation completions (or
+    generation_batch_size); an optimizer step every gradient_accumulation_steps micro-batches of it."""
+    cfg = GRPOConfig(output_dir="x", per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                     steps_per_generation=4, num_generations=4)
+    assert (cfg.tasks_per_step, cfg.group_size, cfg.num_minibatches) == (4, 4, 2)  # 16 completions, steps of 8
+    assert cfg.optimizer_steps_per_step() == 2
+    cfg = GRPOConfig(output_dir="x", generation_batch_size=32, num_generations=4)  # TRL's batch of 8, accumulation 1
+    assert (cfg.tasks_per_step, cfg.num_minibatches) == (8, 4)
+    cfg = GRPOConfig(output_dir="x", generation_batch_size=16, per_device_train_batch_size=4,
+                     gradient_accumulation_steps=2, num_generations=4)
+    assert (cfg.tasks_per_step, cfg.num_minibatches) == (4, 2)
+    assert GRPOConfig(output_dir="x", steps_per_generation=2, num_generations=4).num_minibatches == 2
+    # Chunks split groups, as TRL's: 2 completions per optimizer step, a group of 4
+    cfg = GRPOConfig(output_dir="x", per_device_train_batch_size=2, steps_per_generation=2, num_generations=4)
+    assert (cfg.tasks_per_step, cfg.num_minibatches) == (1, 2)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # accelerate launch: every process's completions
+    cfg = GRPOConfig(output_dir="x", per_device_train_batch_size=2, steps_per_generation=4, num_generations=4)
+    assert (cfg.tasks_per_step, cfg.num_minibatches) == (4, 4)
+    monkeypatch.delenv("WORLD_SIZE")
+    # TRL's max_steps, save_steps, eval_steps and warmup_ratio count optimizer steps: num_iterations x minibatches
+    cfg = GRPOConfig(output_dir="x", max_steps=8, save_steps=4, eval_strategy="steps", eval_steps=4,
+                     warmup_ratio=0.25, num_iterations=2, steps_per_generation=2, num_generations=4)
+    assert (cfg.steps, cfg.save_every, cfg.eval_every, cfg.warmup_steps) == (2, 1, 1, 2)
     schedule = make_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0),
                               GRPOConfig(output_dir="x", steps=2, num_minibatches=2, lr_scheduler_type="linear"))
     rates = []
@@ -181,6 +198,56 @@ def test_values_that_cannot_work_are_refused_with_the_fix():
         schedule.step()
         rates.append(schedule.get_last_lr()[0])
     assert rates == pytest.approx([0.75, 0.5, 0.25, 0.0])  # the run's 2 x 2 optimizer steps
+    (tmp_path / "c.yaml").write_text("per_device_train_batch_size: 4\ngeneration_batch_size: 16\n"
+                                     "gradient_accumulation_steps: 2\nnum_generations: 4\nmax_steps: 6\n")
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--config", str(tmp_path / "c.yaml")])
+    cfg = config_from_args(GRPOConfig, args)
+    assert (cfg.tasks_per_step, cfg.num_minibatches, cfg.steps) == (4, 2, 3)
+    args = build_parser().parse_args(["learn", "--output-dir", "x", "--per-device-train-batch-size", "4",
+                                      "--steps-per-generation", "4", "--num-generations", "4"])
+    assert (config_from_args(GRPOConfig, args).tasks_per_step, config_from_args(GRPOConfig, args).num_minibatches) \
+        == (4, 4)
+
+
+@pytest.mark.parametrize(("options", "error", "said"), [
+    (dict(gradient_accumulation_steps=2, steps_per_generation=3), ValueError,
+     "steps_per_generation=3 is not a multiple of gradient_accumulation_steps=2: TRL would take an optimizer step "
+     "on the completions of two generations"),
+    (dict(gradient_accumulation_steps=4, steps_per_generation=2), ValueError,
+     "steps_per_generation=2 is not a multiple of gradient_accumulation_steps=4"),
+    (dict(generation_batch_size=12, gradient_accumulation_steps=2, per_device_train_batch_size=4, num_generations=4),
+     ValueError, r"generation_batch_size=12 \(steps_per_generation=3\) is not a multiple"),
+    (dict(generation_batch_size=20), ValueError,
+     r"generation_batch_size=20 must be divisible by per_device_train_batch_size x processes = 8 x 1"),
+    (dict(generation_batch_size=24, num_generations=16), ValueError, "= 24 completions per generation must be "
+                                                                     "divisible by num_generations=16"),
+    (dict(generation_batch_size=16, steps_per_generation=2), ValueError,
+     "generation_batch_size and steps_per_generation set the same thing"),
+    (dict(steps_per_generation=2, tasks_per_step=2), TypeError, "steps_per_generation and tasks_per_step set the "
+                                                               "same thing; keep one"),
+    (dict(steps_per_generation=2, num_minibatches=2), TypeError, "steps_per_generation and num_minibatches set the "
+                                                                 "same thing"),
+    (dict(steps_per_generation=0), ValueError, "steps_per_generation=0 must be a whole number >= 1"),
+    (dict(num_minibatches=3), ValueError, "num_minibatches=3 must be a whole number >= 1 that divides tasks_per_step "
+                                          "x group_size = 64"),
+    (dict(num_minibatches=0), ValueError, "num_minibatches=0 must be a whole number >= 1"),
+    (dict(max_steps=6, num_minibatches=4), ValueError, "max_steps=6 counts optimizer steps .TRL's., and "
+                                                       "num_minibatches=4 of them per step here: give a multiple of 4"),
+    (dict(save_steps=3, num_minibatches=2, num_iterations=2), ValueError,
+     "save_steps=3 counts optimizer steps .TRL's., and num_iterations=2 x num_minibatches=2 of them per step"),
+])
+def test_values_that_cannot_work_are_refused_with_the_fix(options, error, said):
+    with pytest.raises(error, match=said):
+        GRPOConfig(output_dir="x", **options)
+
+
+def test_sdpo_refuses_it_and_async_grpo_takes_it_with_the_clipped_objective():
+    with pytest.raises(ValueError, match="num_minibatches=2 .TRL's steps_per_generation / gradient_accumulation_steps."
+                                         ": SDPO takes one update per step"):
+        SDPOConfig(output_dir="x", steps_per_generation=2, num_generations=4)
+    with pytest.raises(ValueError, match="num_minibatches=2 .* score centering .* use --objective clipped"):
+        AsyncGRPOConfig(output_dir="x", num_minibatches=2)
+    assert AsyncGRPOConfig(output_dir="x", num_minibatches=2, objective="clipped").optimizer_steps_per_step() == 2
 
 
 # -- whole runs ---------------------------------------------------------------------------------
@@ -211,3 +278,35 @@ def test_a_step_takes_an_optimizer_step_per_minibatch_and_trl_counts_them(tmp_pa
     assert {int(state["step"]) for state in optimizer.state.values()} == {4}  # 2 steps x 2 minibatches
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2] and all(m["loss/policy"] == m["loss/policy"] for m in lines)
+
+
+def test_treerl_learn_takes_trls_batch_options(tmp_path):
+    """``treerl learn`` with TRL's flags: 8 completions a generation (2 tasks x 4), an optimizer step on each
+    half; --max-steps 4 is 2 steps, and the linear schedule reaches 0 at the 4th optimizer step."""
+    out = tmp_path / "run"
+    assert main(["learn", "--output-dir", str(out), "--per-device-train-batch-size", "4", "--steps-per-generation",
+                 "2", "--num-generations", "4", "--max-steps", "4", "--lr-scheduler-type", "linear",
+                 "--learning-rate", "1e-3", "--max-new-tokens", "32", "--eval-episodes", "0", "--progress", "false",
+                 "--num-threads", "1", "--sample-groups", "0"]) in (0, None)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["tasks_per_step"], config["num_minibatches"], config["steps"]) == (2, 2, 2)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2]
+    assert [m["lr"] for m in lines] == pytest.approx([7.5e-4, 2.5e-4])  # each step's last update: 2nd and 4th of 4
+
+
+def test_a_trl_script_with_steps_per_generation_runs(tmp_path):
+    from treerl import GRPOConfig as TRLConfig
+    from treerl import GRPOTrainer
+
+    def reward_len(completions, **kwargs):
+        return [-abs(20 - len(completion)) for completion in completions]
+
+    args = TRLConfig(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=2,
+                     steps_per_generation=2, num_generations=2, max_new_tokens=8, progress=False, sample_groups=0)
+    assert (args.tasks_per_step, args.num_minibatches, args.steps) == (2, 2, 1)
+    trainer = GRPOTrainer(model="tiny", reward_funcs=reward_len, args=args,
+                          train_dataset=[{"prompt": f"What is {i} + {i}?"} for i in range(4)])
+    result = trainer.train()
+    assert (result.steps, result.global_step) == (1, 2)  # one generation, two optimizer steps (TRL's count)
+    assert trainer.state.global_step == 2 and trainer.state.max_steps == 2

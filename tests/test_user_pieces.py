@@ -203,8 +203,8 @@ def test_trl_names_are_aliases_in_python_too():
     assert EvalConfig(num_generations=3).rollouts_per_task == 3
     with pytest.raises(TypeError, match="num_generations and group_size name the same option; keep one"):
         GRPOConfig(output_dir="x", num_generations=4, group_size=8)
-    with pytest.raises(TypeError, match="no option generation_batch_size: one generation per optimizer step here"):
-        GRPOConfig(output_dir="x", generation_batch_size=16)
+    with pytest.raises(TypeError, match="no option max_prompt_length: prompts are never cut here"):
+        GRPOConfig(output_dir="x", max_prompt_length=16)
 
 
 def test_trls_defaults_written_out_are_taken(tmp_path):
@@ -298,12 +298,10 @@ def test_trl_batch_sizes_set_the_tasks_of_a_step(tmp_path, monkeypatch):
         GRPOConfig(output_dir="x", per_device_train_batch_size=4)
     with pytest.raises(TypeError, match="per_device_train_batch_size and tasks_per_step set the same thing; keep one"):
         GRPOConfig(output_dir="x", per_device_train_batch_size=16, tasks_per_step=2)
-    # TRL's default steps_per_generation (gradient_accumulation_steps) is what happens here; another is refused.
-    assert GRPOConfig(output_dir="x", per_device_train_batch_size=4, num_generations=4,
-                      steps_per_generation=1).tasks_per_step == 1
-    with pytest.raises(TypeError, match="no option steps_per_generation other than gradient_accumulation_steps: one "
-                                        "generation per optimizer step here"):
-        GRPOConfig(output_dir="x", gradient_accumulation_steps=2, steps_per_generation=4)
+    # TRL's default steps_per_generation (gradient_accumulation_steps): one optimizer step per generation;
+    # another sets num_minibatches (tests/test_num_minibatches.py).
+    cfg = GRPOConfig(output_dir="x", per_device_train_batch_size=4, num_generations=4, steps_per_generation=1)
+    assert (cfg.tasks_per_step, cfg.num_minibatches) == (1, 1)
     with pytest.raises(ValueError, match="gradient_accumulation_steps=0 must be a whole number >= 1"):
         GRPOConfig(output_dir="x", gradient_accumulation_steps=0)
     (tmp_path / "c.yaml").write_text("per_device_train_batch_size: 4\ngradient_accumulation_steps: 2\n"
@@ -876,7 +874,7 @@ def test_options_that_are_not_here_say_what_to_use_instead(tmp_path, capsys):
     """A TRL option with no field, or another learner's option, is refused with what to use, not with a
     "did you mean" for a look-alike (--max-prompt-length is not --max-completion-length)."""
     cases = [("--max-prompt-length", "128", "prompts are never cut here: --max-episode-tokens"),
-             ("--generation-batch-size", "4", "one generation per optimizer step here: a step plays"),
+             ("--cache-implementation", "static", "not supported: generation uses the policy's own KV cache"),
              ("--trust-remote-code", "true", "not supported: --model loads architectures transformers ships"),
              ("--max-staleness", "2", "an option of treerl learn --learner async_grpo, not of --learner grpo")]
     for flag, value, expected in cases:

@@ -61,11 +61,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     # TRL's options with no field here, and what to use instead: a flag, YAML key or keyword argument of
     # one of these names is refused with this hint, not with a "did you mean" for a look-alike name.
     UNSUPPORTED: ClassVar[dict[str, str]] = {
-        **dict.fromkeys(("generation_batch_size", "steps_per_generation"),
-                        "one generation per optimizer step here: a step plays --tasks-per-step x --group-size "
-                        "episodes (TRL's --per-device-train-batch-size x --gradient-accumulation-steps x processes "
-                        "completions), packs them into rows of --max-tokens-per-row tokens and takes one optimizer "
-                        "step on all of them (--num-iterations N takes N)"),
         "max_prompt_length": "prompts are never cut here: --max-episode-tokens limits the whole context (prompt, "
                              "turns and tool results)",
         "num_train_epochs": "the run's length is --steps (TRL's --max-steps, beside which TRL ignores "
@@ -131,18 +126,25 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     # TRL's options that translate_options turns into fields, or takes with a note where they change nothing
     # here; each (type, help) is also a flag and a YAML key.
     TRANSLATED: ClassVar[dict[str, tuple[type, str]]] = {
-        "max_steps": (int, "TRL's: optimizer steps; steps = max_steps / num_iterations (a step takes num_iterations "
-                           "optimizer steps on its episodes)."),
+        "max_steps": (int, "TRL's: optimizer steps; steps = max_steps / (num_iterations x num_minibatches) (a step "
+                           "takes that many optimizer steps on its episodes)."),
         "save_steps": (int | float, "TRL's: optimizer steps (below 1: that fraction of the run's, rounded up); "
-                                    "save_every = save_steps / num_iterations."),
+                                    "save_every = save_steps / (num_iterations x num_minibatches)."),
         "warmup_ratio": (float, "TRL's: warmup_steps = that fraction of the run's optimizer steps (steps x "
-                                "num_iterations), rounded up."),
+                                "num_iterations x num_minibatches), rounded up."),
         "per_device_train_batch_size": (int, "TRL's: tasks_per_step = per_device_train_batch_size x "
-                                             "gradient_accumulation_steps x processes / group_size, the completions "
-                                             "of TRL's optimizer step (TRL's defaults: 8 and 1)."),
-        "gradient_accumulation_steps": (int, "TRL's: see --per-device-train-batch-size."),
-        "steps_per_generation": (int, "TRL's: taken at its default only, gradient_accumulation_steps (one "
-                                      "generation per optimizer step)."),
+                                             "steps_per_generation x processes / group_size, the completions of "
+                                             "TRL's generation (TRL's defaults: 8, and steps_per_generation = "
+                                             "gradient_accumulation_steps, 1)."),
+        "gradient_accumulation_steps": (int, "TRL's: see --per-device-train-batch-size; num_minibatches = "
+                                             "steps_per_generation / gradient_accumulation_steps."),
+        "steps_per_generation": (int, "TRL's: micro-batches of --per-device-train-batch-size per generation "
+                                      "(default: gradient_accumulation_steps); a multiple of "
+                                      "gradient_accumulation_steps here: num_minibatches = steps_per_generation / "
+                                      "gradient_accumulation_steps optimizer steps per generation."),
+        "generation_batch_size": (int, "TRL's: completions per generation (per_device_train_batch_size x processes "
+                                       "x steps_per_generation, which it sets instead): tasks_per_step = "
+                                       "generation_batch_size / group_size."),
         "num_train_epochs": (int | float, "TRL's: taken beside --max-steps only, which TRL then follows."),
         **{name: (tp, "TRL's: changes nothing, every step is logged.")
            for name, tp in (("logging_steps", int | float), ("logging_first_step", bool), ("logging_strategy", str))},
@@ -161,14 +163,16 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     # The field each of TRANSLATED's options sets: a flag of one overrides the other in a --config file.
     TRANSLATED_INTO: ClassVar[dict[str, str]] = {
         "max_steps": "steps", "save_steps": "save_every", "per_device_train_batch_size": "tasks_per_step",
-        "gradient_accumulation_steps": "tasks_per_step", "warmup_ratio": "warmup_steps",
+        "gradient_accumulation_steps": "tasks_per_step", "steps_per_generation": "tasks_per_step",
+        "generation_batch_size": "tasks_per_step", "warmup_ratio": "warmup_steps",
         "eval_strategy": "eval_every", "eval_steps": "eval_every",
     }
     # TRL's epsilon_high defaults to epsilon; treerl's stays 0.28 (DAPO's clip-higher): pass both to match TRL.
 
     output_dir: str | None = field_help(None, "Where metrics, checkpoints and the final model go (required).")
     steps: int = field_help(60, "Steps: each plays tasks_per_step x group_size episodes and takes num_iterations "
-                                "optimizer steps on them (TRL's max_steps counts optimizer steps).")
+                                "x num_minibatches optimizer steps on them (TRL's max_steps counts optimizer "
+                                "steps).")
     tasks_per_step: int = field_help(8, "Tasks per step; each is played group_size times.")
     group_size: int = field_help(8, "Generations per task (GRPO's group).")
     learning_rate: float | None = field_help(None, "AdamW learning rate (default: by the model's size, see "
@@ -488,17 +492,26 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     @classmethod
     def translate_options(cls, given: dict[str, Any]) -> dict[str, Any]:
         """``given`` (keyword arguments, aliases resolved) with TRL's options of :attr:`TRANSLATED` turned into
-        fields: its batch sizes into ``tasks_per_step``, as TRL's optimizer step takes ``per_device_train_batch_size
-        x gradient_accumulation_steps x processes`` completions, ``num_generations`` of each prompt; the options
-        that change nothing here dropped with a note; the others refused with what to do instead.
+        fields: its batch sizes into ``tasks_per_step`` and ``num_minibatches`` (:meth:`_translate_batch_sizes`),
+        its optimizer-step counts into steps; the options that change nothing here dropped with a note; the others
+        refused with what to do instead.
 
         >>> LearnerConfig.translate_options({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4})
         {'tasks_per_step': 2}
+        >>> LearnerConfig.translate_options({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+        ...                                  "steps_per_generation": 4, "group_size": 4})
+        {'group_size': 4, 'tasks_per_step': 4, 'num_minibatches': 2}
         """
-        values = dict(given)
-        # TRL's optimizer steps; a step here takes num_iterations of them (one generation, as TRL's
-        # generation every num_iterations optimizer steps).
+        values = cls._translate_batch_sizes(dict(given))
+        # TRL's optimizer steps; a step here (one generation, as TRL's generation every num_iterations x
+        # steps_per_generation / gradient_accumulation_steps optimizer steps) takes this many of them.
         iterations = values.get("num_iterations", 1)
+        minibatches = values.get("num_minibatches", 1)
+        per_step = f"num_iterations={iterations}"
+        if isinstance(iterations, int) and isinstance(minibatches, int) and minibatches > 1:
+            per_step = (f"num_iterations={iterations} x num_minibatches={minibatches}" if iterations > 1
+                        else f"num_minibatches={minibatches}")
+            iterations *= minibatches
         cls._translate_eval_strategy(values)
         eval_steps_unset = "eval_steps" in values and "eval_steps" not in given  # logging_steps', as TRL's
         for trl_name, name in (("max_steps", "steps"), ("save_steps", "save_every"), ("eval_steps", "eval_every")):
@@ -519,7 +532,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                     value = math.ceil(steps * iterations * value)
                     if iterations > 1 and value % iterations:
                         raise ValueError(f"{named} is {value} optimizer step(s) of max_steps="
-                                         f"{steps * iterations}, not a multiple of num_iterations={iterations} (the "
+                                         f"{steps * iterations}, not a multiple of {per_step} (the "
                                          f"optimizer steps of a step here): give {trl_name} in optimizer steps, a "
                                          f"multiple of {iterations}.")
             if isinstance(value, float) and not isinstance(value, bool):
@@ -529,8 +542,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                 value = int(value)
             if isinstance(iterations, int) and iterations > 1 and isinstance(value, int) and value > 0:
                 if value % iterations:
-                    raise ValueError(f"{named} counts optimizer steps (TRL's), and num_iterations="
-                                     f"{iterations} of them per step here: give a multiple of {iterations}, or "
+                    raise ValueError(f"{named} counts optimizer steps (TRL's), and {per_step} of them per "
+                                     f"step here: give a multiple of {iterations}, or "
                                      f"{name}={-(-value // iterations)} in steps.")
                 value //= iterations
             values[name] = value
@@ -580,12 +593,19 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
             if values.pop("remove_unused_columns") is not False:
                 raise TypeError(f"{cls.__name__}(): remove_unused_columns=True: "
                                 f"{cls.UNSUPPORTED['remove_unused_columns']}.")
-        batch = {k: values.pop(k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps")
-                 if k in values}
-        if "steps_per_generation" in values:  # TRL's default is gradient_accumulation_steps: one generation per step
-            if values.pop("steps_per_generation") != batch.get("gradient_accumulation_steps", 1):
-                raise TypeError(f"{cls.__name__}() has no option steps_per_generation other than "
-                                f"gradient_accumulation_steps: {cls.UNSUPPORTED['steps_per_generation']}.")
+        return values
+
+    @classmethod
+    def _translate_batch_sizes(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """``values`` with TRL's batch sizes turned into ``tasks_per_step`` and ``num_minibatches``, as TRL 1.16's
+        GRPOConfig derives its generation: ``generation_batch_size = per_device_train_batch_size x processes x
+        steps_per_generation`` completions (``steps_per_generation`` defaults to ``gradient_accumulation_steps``,
+        or follows ``generation_batch_size``), ``num_generations`` of each prompt; an optimizer step every
+        ``gradient_accumulation_steps`` micro-batches of it. A step here is one generation: ``tasks_per_step =
+        generation_batch_size / group_size``, split into ``num_minibatches = steps_per_generation /
+        gradient_accumulation_steps`` optimizer steps (TRL's options at their defaults: one)."""
+        batch = {k: values.pop(k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                                            "steps_per_generation", "generation_batch_size") if k in values}
         if not batch:
             return values
         if "tasks_per_step" in values:
@@ -593,17 +613,41 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         for name, value in batch.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a whole number >= 1.")
+        if "steps_per_generation" in batch and "generation_batch_size" in batch:  # TRL's own rule
+            raise ValueError("generation_batch_size and steps_per_generation set the same thing (TRL's generation); "
+                             "keep one.")
+        if "num_minibatches" in values and {"steps_per_generation", "generation_batch_size"} & set(batch):
+            raise TypeError(f"{cls.__name__}(): {' and '.join(k for k in batch if 'generation' in k)} and "
+                            "num_minibatches set the same thing; keep one.")
         per_device = batch.get("per_device_train_batch_size", 8)  # TRL's defaults
         accumulation = batch.get("gradient_accumulation_steps", 1)
         processes = int(os.environ.get("WORLD_SIZE", "1"))  # accelerate launch / torchrun, as TRL's world_size
         group_size = values.get("group_size", cls.__dataclass_fields__["group_size"].default)
-        completions = per_device * accumulation * processes
+        if "generation_batch_size" in batch:
+            if batch["generation_batch_size"] % (per_device * processes):
+                raise ValueError(f"generation_batch_size={batch['generation_batch_size']} must be divisible by "
+                                 f"per_device_train_batch_size x processes = {per_device} x {processes} (TRL's rule: "
+                                 "whole micro-batches per process).")
+            generations = batch["generation_batch_size"] // (per_device * processes)
+        else:
+            generations = batch.get("steps_per_generation", accumulation)
+        if generations % accumulation:
+            named = (f"generation_batch_size={batch['generation_batch_size']} (steps_per_generation={generations})"
+                     if "generation_batch_size" in batch else f"steps_per_generation={generations}")
+            raise ValueError(f"{named} is not a multiple of gradient_accumulation_steps="
+                             f"{accumulation}: TRL would take an optimizer step on the completions of two generations; "
+                             "here each optimizer step takes its completions from one: give steps_per_generation "
+                             f"a multiple of {accumulation} (num_minibatches = steps_per_generation / "
+                             "gradient_accumulation_steps).")
+        completions = per_device * processes * generations
         if not isinstance(group_size, int) or group_size < 1 or completions % group_size:
-            raise ValueError(f"per_device_train_batch_size x gradient_accumulation_steps x processes = {per_device} x "
-                             f"{accumulation} x {processes} = {completions} completions per step must be divisible by "
-                             f"num_generations={group_size} (TRL's rule: whole groups), e.g. "
+            raise ValueError(f"per_device_train_batch_size x steps_per_generation x processes = {per_device} x "
+                             f"{generations} x {processes} = {completions} completions per generation must be "
+                             f"divisible by num_generations={group_size} (TRL's rule: whole groups), e.g. "
                              f"per_device_train_batch_size={group_size}.")
         values["tasks_per_step"] = completions // group_size
+        if {"steps_per_generation", "generation_batch_size"} & set(batch):
+            values["num_minibatches"] = generations // accumulation
         return values
 
     def engine(self, policy: Any, tokenizer: Any, **kwargs: Any) -> Any:
