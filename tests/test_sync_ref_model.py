@@ -174,3 +174,20 @@ def test_sdpo_and_async_grpo_sync_their_trainers_reference_too(tmp_path, learner
     _assert_weights(_checkpoint(tmp_path, 2, "reference.safetensors"),
                     _mix(_checkpoint(tmp_path, 2, "model.safetensors"), first, 0.6))
     assert [m["ref/last_sync_step"] for m in _metrics(tmp_path)] == [1, 2]
+
+
+def test_minibatches_count_as_optimizer_steps_and_their_reference_log_probs_are_the_generations(tmp_path):
+    """With num_minibatches=2 (TRL's steps_per_generation) a step takes 2 optimizer steps: ref_model_sync_steps=2
+    syncs at the end of each step, after its second minibatch's update (as TRL's global_step counts them), and
+    every minibatch's reference log-probs come from one pass before the step's first update."""
+    model, tok = _load()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+    train(GRPOConfig(output_dir=str(tmp_path), steps=1, num_minibatches=2, ref_model_sync_steps=2,
+                     **{**TINY, "group_size": 4}),
+          model=model, tokenizer=tok, reward_funcs=[alternate],
+          callbacks=[lambda step, metrics: calls.append(metrics["ref/last_sync_step"])])
+    assert calls == [2]
+    start = {k: start[k] for k in _checkpoint(tmp_path, 1, "model.safetensors")}
+    _assert_weights(_checkpoint(tmp_path, 1, "reference.safetensors"),
+                    _mix(_checkpoint(tmp_path, 1, "model.safetensors"), start, 0.6))
