@@ -569,8 +569,8 @@ def test_trls_lr_scheduler_types_decay_over_the_runs_optimizer_steps():
     # TRL's warmup_ratio: that fraction of the run's optimizer steps, rounded up.
     assert GRPOConfig(output_dir="x", max_steps=10, warmup_ratio=0.1).warmup_steps == 1
     assert GRPOConfig(output_dir="x", max_steps=8, num_iterations=2, warmup_ratio=0.3).warmup_steps == 3
-    with pytest.raises(ValueError, match="max_steps=-1 is TRL's 'run by num_train_epochs'"):
-        GRPOConfig(output_dir="x", max_steps=-1)
+    # TRL's max_steps=-1 runs by num_train_epochs (TRL's 3): the warm-up waits for the rows to set the length.
+    assert GRPOConfig(output_dir="x", max_steps=-1, warmup_ratio=0.1).fractions_of_run == {"warmup_ratio": 0.1}
     with pytest.raises(TypeError, match="warmup_ratio and warmup_steps set the same thing"):
         GRPOConfig(output_dir="x", warmup_ratio=0.1, warmup_steps=2)
     args = build_parser().parse_args(["learn", "--output-dir", "x", "--max-steps", "20", "--warmup-ratio", "0.1"])
@@ -852,10 +852,8 @@ def test_trl_options_that_change_nothing_here_are_taken_with_a_note(tmp_path, ca
         cfg = GRPOConfig(output_dir="x", logging_steps=10, max_steps=5, num_train_epochs=1,
                          remove_unused_columns=False)
     assert cfg.steps == 5 and not hasattr(cfg, "logging_steps")
-    with pytest.raises(TypeError, match="no option num_train_epochs: the run's length is --steps"):
-        GRPOConfig(output_dir="x", num_train_epochs=3)
-    with pytest.raises(TypeError, match="no option num_train_epochs: the run's length is --steps"):
-        GRPOConfig(output_dir="x", num_train_epochs=1, max_steps=-1)  # TRL's "no limit: use the epochs"
+    # Alone, or beside TRL's max_steps=-1, num_train_epochs sets the run's length (tests/test_num_train_epochs.py).
+    assert GRPOConfig(output_dir="x", num_train_epochs=1, max_steps=-1).num_train_epochs == 1
     with pytest.raises(TypeError, match="remove_unused_columns=True: every column of the dataset reaches"):
         GRPOConfig(output_dir="x", remove_unused_columns=True)
     (tmp_path / "c.yaml").write_text("logging_steps: 1\nlogging_first_step: true\nlogging_strategy: steps\n"
@@ -866,8 +864,8 @@ def test_trl_options_that_change_nothing_here_are_taken_with_a_note(tmp_path, ca
     args = build_parser().parse_args(["learn", "--output-dir", "x", "--logging-steps", "10"])
     with pytest.warns(UserWarning, match="logging_steps=10 changes nothing here"):
         config_from_args(GRPOConfig, args)
-    assert main(["learn", "--output-dir", "x", "--num-train-epochs", "2"]) == 2
-    assert "no option num_train_epochs: the run's length is --steps" in capsys.readouterr().err
+    assert main(["learn", "--output-dir", "x", "--num-train-epochs", "2"]) == 2  # the calculator has no rows
+    assert "num_train_epochs=2 counts passes over a training dataset" in capsys.readouterr().err
 
 
 def test_options_that_are_not_here_say_what_to_use_instead(tmp_path, capsys):

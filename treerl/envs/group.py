@@ -150,6 +150,11 @@ class EnvGroup(Env):
         own = task_options(member, local, None if mixed else shuffle_seed) or {}
         return {"env": name, **own}
 
+    def num_rows(self) -> int | None:
+        """The rows of the group's mixed dataset (``order``), which one pass plays each once; None for a group
+        mixed by weights, whose members' rows make no one dataset to pass over."""
+        return len(self._schedule) if self._mixed else None
+
     def num_distinct_tasks(self) -> int | None:
         """How many tasks :meth:`task_options` gives before a dataset-backed member plays one of its rows a
         second time (a mixed dataset's number of rows); None when no member plays a dataset.

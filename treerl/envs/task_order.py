@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["shuffled_index", "task_options"]
+__all__ = ["shuffled_index", "task_options", "num_rows"]
 
 _passes: dict[tuple[int, int], _Passes] = {}
 _lock = threading.Lock()
@@ -99,3 +99,14 @@ def task_options(env: Any, index: int, shuffle_seed: int | None = None,
         return None
     return {"task_index": (shuffled_index(index, len(dataset), shuffle_seed, batch_size) if shuffle_seed is not None
                            else index) % len(dataset)}
+
+
+def num_rows(env: Any) -> int | None:
+    """The rows one pass over ``env``'s training data plays, each once (what TRL's ``num_train_epochs`` counts
+    passes over): its own ``num_rows()`` where it has one (an :class:`~treerl.envs.group.EnvGroup`'s mixed
+    dataset), else its ``dataset``'s; None for an environment that generates its tasks."""
+    own = getattr(env, "num_rows", None)
+    if callable(own):
+        return own()
+    dataset = getattr(env, "dataset", None)
+    return None if dataset is None else len(dataset)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pickle
 import time
@@ -218,6 +219,20 @@ class AsyncGRPOConfig(GRPOConfig):
             if budget is not None:  # TRL's None is the server's context length; here treerl's default
                 values["max_tokens_per_row"] = budget
         return super().translate_options(values)
+
+    def steps_per_epoch(self, rows: int) -> float:
+        """Steps of one pass over ``rows`` rows as TRL's AsyncGRPO counts them: groups trained over rows, every row
+        (its prompt dataset is no batched sampler), so ``epoch`` is ``s x tasks_per_step / rows`` after step ``s``."""
+        return rows / self.tasks_per_step
+
+    def steps_for_epochs(self, rows: int) -> int:
+        """TRL's AsyncGRPO stops once it has trained ``ceil(E x rows)`` groups (``num_train_epochs`` E): the first
+        step at which that many are trained, ``tasks_per_step`` a step.
+
+        >>> AsyncGRPOConfig(output_dir="x", num_train_epochs=1, tasks_per_step=4).steps_for_epochs(10)
+        3
+        """
+        return -(-math.ceil(self.num_train_epochs * rows) // self.tasks_per_step)
 
     @property
     def capacity(self) -> int:

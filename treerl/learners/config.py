@@ -30,6 +30,7 @@ from treerl.config import AcceptsAliases, field_help
 from treerl.envs.core import ToolEnv
 from treerl.envs.group import EnvGroup
 from treerl.envs.registry import group_members
+from treerl.errors import ConfigError
 from treerl.kernels.tree_attention import BACKENDS
 from treerl.learners.packing import PackingConfig
 from treerl.learners.precision import DTYPES, resolve_precision
@@ -63,9 +64,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     UNSUPPORTED: ClassVar[dict[str, str]] = {
         "max_prompt_length": "prompts are never cut here: --max-episode-tokens limits the whole context (prompt, "
                              "turns and tool results)",
-        "num_train_epochs": "the run's length is --steps (TRL's --max-steps, beside which TRL ignores "
-                            "num_train_epochs); each step draws --tasks-per-step tasks, so E epochs of N rows are "
-                            "about E x N / tasks-per-step steps",
         "remove_unused_columns": "every column of the dataset reaches the reward functions (TRL's GRPO default, "
                                  "remove_unused_columns=False); drop the columns you do not want from the dataset",
         "importance_sampling_level": "sequence-level ratios are --loss gspo; --is-level sets the level of the "
@@ -127,7 +125,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     # here; each (type, help) is also a flag and a YAML key.
     TRANSLATED: ClassVar[dict[str, tuple[type, str]]] = {
         "max_steps": (int, "TRL's: optimizer steps; steps = max_steps / (num_iterations x num_minibatches) (a step "
-                           "takes that many optimizer steps on its episodes)."),
+                           "takes that many optimizer steps on its episodes); -1: num_train_epochs sets the run's "
+                           "length (TRL's 3 when not given)."),
         "save_steps": (int | float, "TRL's: optimizer steps (below 1: that fraction of the run's, rounded up); "
                                     "save_every = save_steps / (num_iterations x num_minibatches)."),
         "warmup_ratio": (float, "TRL's: warmup_steps = that fraction of the run's optimizer steps (steps x "
@@ -145,7 +144,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "generation_batch_size": (int, "TRL's: completions per generation (per_device_train_batch_size x processes "
                                        "x steps_per_generation, which it sets instead): tasks_per_step = "
                                        "generation_batch_size / group_size."),
-        "num_train_epochs": (int | float, "TRL's: taken beside --max-steps only, which TRL then follows."),
         **{name: (tp, "TRL's: changes nothing, every step is logged.")
            for name, tp in (("logging_steps", int | float), ("logging_first_step", bool), ("logging_strategy", str))},
         "remove_unused_columns": (bool, "TRL's: false only, as every column reaches the reward functions."),
@@ -173,6 +171,21 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     steps: int = field_help(60, "Steps: each plays tasks_per_step x group_size episodes and takes num_iterations "
                                 "x num_minibatches optimizer steps on them (TRL's max_steps counts optimizer "
                                 "steps).")
+    num_train_epochs: float | None = field_help(None, "TRL's: the run's length in passes over the training dataset "
+                                                      "when steps (TRL's max_steps) is not given: an epoch is "
+                                                      "floor(rows / tasks_per_step) steps (TRL's sampler leaves a "
+                                                      "pass's short last batch out), E epochs ceil(E x that x "
+                                                      "num_iterations x num_minibatches) optimizer steps (TRL's "
+                                                      "max_steps), rounded up to whole steps (AsyncGRPO: TRL's "
+                                                      "ceil(E x rows) groups). Set when the run starts, from the "
+                                                      "environment's data_path or dataset (an environment that "
+                                                      "generates its tasks refuses it); config.json records the "
+                                                      "steps. Beside steps or max_steps it changes nothing, as in "
+                                                      "TRL.")
+    fractions_of_run: dict[str, float] = field_help(
+        help="TRL's options given as a fraction of the run (warmup_ratio; save_steps, eval_steps below 1) while "
+             "num_train_epochs has yet to set its length; applied, and emptied, when it does.",
+        default_factory=dict, metadata={"cli": False})
     tasks_per_step: int = field_help(8, "Tasks per step; each is played group_size times.")
     group_size: int = field_help(8, "Generations per task (GRPO's group).")
     learning_rate: float | None = field_help(None, "AdamW learning rate (default: by the model's size, see "
@@ -351,8 +364,13 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
             raise ValueError("output_dir is required: where metrics, checkpoints and the model go "
                              "(--output-dir runs/x).")
         super().__post_init__()
+        epochs = self.num_train_epochs
+        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, (int, float))
+                                   or not 0 < epochs < float("inf")):
+            raise ValueError(f"num_train_epochs={epochs!r} must be a number > 0: passes over the training dataset "
+                             "(0.5: half of one), e.g. --num-train-epochs 1.")
         for name in ("steps", "tasks_per_step", "group_size", "branch_factor", "max_tokens_per_row", "ddp_timeout"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) < 1 and not (name == "steps" and self.steps == -1 and epochs is not None):
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
         if self.branch_factor > 1 and (self.branch_at_turn is None or self.branch_at_turn < 1):
             raise ValueError("branch_factor > 1 needs branch_at_turn K (K >= 1): the turn after which to fork.")
@@ -513,6 +531,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                         else f"num_minibatches={minibatches}")
             iterations *= minibatches
         cls._translate_eval_strategy(values)
+        cls._translate_epochs(values)
         eval_steps_unset = "eval_steps" in values and "eval_steps" not in given  # logging_steps', as TRL's
         for trl_name, name in (("max_steps", "steps"), ("save_steps", "save_every"), ("eval_steps", "eval_every")):
             if trl_name not in values:
@@ -522,19 +541,14 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
             value = given_as = values.pop(trl_name)
             named = (f"eval_steps (unset, so logging_steps={value}, as in TRL)"
                      if trl_name == "eval_steps" and eval_steps_unset else f"{trl_name}={value}")
-            if trl_name == "max_steps" and value == -1 and "num_train_epochs" not in values:
-                raise ValueError("max_steps=-1 is TRL's 'run by num_train_epochs', which has no counterpart here: "
-                                 "give max_steps, the run's optimizer steps (each step draws tasks_per_step tasks).")
             if trl_name in ("save_steps", "eval_steps") and isinstance(value, float) and 0 < value < 1:
                 # TRL's fraction of the run's optimizer steps, rounded up (as transformers' Trainer does)
                 steps = values.get("steps", cls.__dataclass_fields__["steps"].default)
+                if steps == -1:  # num_train_epochs': the run's length is known with the rows (resolve_steps)
+                    values["fractions_of_run"] = {**values.get("fractions_of_run", {}), trl_name: value}
+                    continue
                 if isinstance(steps, int) and isinstance(iterations, int):
-                    value = math.ceil(steps * iterations * value)
-                    if iterations > 1 and value % iterations:
-                        raise ValueError(f"{named} is {value} optimizer step(s) of max_steps="
-                                         f"{steps * iterations}, not a multiple of {per_step} (the "
-                                         f"optimizer steps of a step here): give {trl_name} in optimizer steps, a "
-                                         f"multiple of {iterations}.")
+                    value = _fraction_of_run(named, trl_name, value, steps, iterations)
             if isinstance(value, float) and not isinstance(value, bool):
                 if not value.is_integer():
                     raise ValueError(f"{named}: a whole number of optimizer steps"
@@ -556,18 +570,14 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
             if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
                 raise ValueError(f"warmup_ratio={ratio!r} must be a fraction of the run, between 0 and 1.")
             steps = values.get("steps", cls.__dataclass_fields__["steps"].default)
-            if isinstance(steps, int) and isinstance(iterations, int):  # else the fields' own checks say what is wrong
+            if steps == -1:  # num_train_epochs': the run's length is known with the rows (resolve_steps)
+                values["fractions_of_run"] = {**values.get("fractions_of_run", {}), "warmup_ratio": ratio}
+            elif isinstance(steps, int) and isinstance(iterations, int):  # else the fields' checks say what is wrong
                 values["warmup_steps"] = math.ceil(steps * iterations * ratio)  # as transformers' get_warmup_steps
         ignored = {k: values.pop(k) for k in ("logging_steps", "logging_first_step", "logging_strategy") if k in values}
         for name, value in ignored.items():
             warnings.warn(f"{name}={value!r} changes nothing here: every step is logged (metrics.jsonl, and "
                           "--report-to).", stacklevel=3)
-        if "num_train_epochs" in values:
-            epochs = values.pop("num_train_epochs")
-            if values.get("steps", -1) == -1:  # TRL's max_steps=-1: the epochs set the run's length
-                raise TypeError(f"{cls.__name__}() has no option num_train_epochs: "
-                                f"{cls.UNSUPPORTED['num_train_epochs']}.")
-            warnings.warn(f"num_train_epochs={epochs!r} changes nothing beside max_steps, as in TRL.", stacklevel=3)
         if "max_tool_calling_iterations" in values:  # N rounds of tools, each then a turn: N + 1 assistant turns
             rounds = values.pop("max_tool_calling_iterations")
             if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
@@ -659,6 +669,71 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         return engine
 
     @classmethod
+    def _translate_epochs(cls, values: dict[str, Any]) -> None:
+        """TRL's run length in ``values``, in place: ``num_train_epochs`` beside ``max_steps`` (or ``steps``) is
+        dropped with a note, as TRL follows ``max_steps``; without them, or beside TRL's ``max_steps=-1`` (alone:
+        TRL's default, 3 epochs), it stays, with ``steps=-1`` until the rows are known (:meth:`resolve_steps`)."""
+        epochs = values.pop("num_train_epochs", None)
+        length = values.get("max_steps", values.get("steps"))  # None: not given
+        if epochs is not None and length not in (None, -1):
+            warnings.warn(f"num_train_epochs={epochs!r} changes nothing beside max_steps, as in TRL.", stacklevel=4)
+        elif epochs is not None or length == -1:
+            values["num_train_epochs"] = 3.0 if epochs is None else epochs  # TRL's default
+            if length is None:
+                values["steps"] = -1
+
+    def steps_per_epoch(self, rows: int) -> float:
+        """Steps of one pass over a dataset of ``rows`` rows, as TRL counts them: whole steps of
+        ``tasks_per_step`` rows (TRL's sampler leaves a pass's short last batch out), 0 when ``rows`` are
+        fewer than one step's. TRL's ``epoch`` after step ``s`` is ``s`` over this."""
+        return rows // self.tasks_per_step
+
+    def steps_for_epochs(self, rows: int) -> int:
+        """The steps of ``num_train_epochs`` passes over ``rows`` rows: TRL's ``max_steps``, ``ceil(E x
+        num_update_steps_per_epoch)`` optimizer steps (transformers' ``set_initial_training_values``, with GRPO's
+        ``floor(rows / P) x num_iterations`` updates an epoch), in steps of :meth:`optimizer_steps_per_step`,
+        rounded up.
+
+        >>> cfg = LearnerConfig(output_dir="x", num_train_epochs=1, tasks_per_step=4)
+        >>> cfg.steps_for_epochs(10), cfg.steps_for_epochs(12)  # 10 rows: 2 whole steps, 2 rows left out
+        (2, 3)
+        """
+        per_step, per_epoch = self.optimizer_steps_per_step(), int(self.steps_per_epoch(rows))
+        if per_epoch == 0:  # TRL's dataloader is empty then, and its Trainer refuses max_steps=-1
+            raise ConfigError(f"num_train_epochs={self.num_train_epochs:g}: the dataset has {rows} row(s), fewer than "
+                              f"a step's tasks_per_step={self.tasks_per_step}, so an epoch has no step (TRL's sampler "
+                              "plays whole batches only): add rows, lower tasks_per_step (TRL's "
+                              "per_device_train_batch_size), or give the run's length with --steps (--max-steps).")
+        optimizer_steps = math.ceil(self.num_train_epochs * (per_epoch * per_step))  # TRL's max_steps, as it computes
+        return -(-optimizer_steps // per_step)
+
+    def resolve_steps(self, rows: int | None,
+                      where: str = "the environment generates its tasks (no data_path or dataset)") -> str:
+        """Set ``steps`` from ``num_train_epochs`` and the training dataset's ``rows`` (:meth:`steps_for_epochs`),
+        and the options given as fractions of the run (``fractions_of_run``) from them, as TRL's Trainer sets
+        ``max_steps`` when training starts; the config then reads as one given its steps (``num_train_epochs``
+        None, so config.json and a resumed run see the steps). ``rows`` None is refused, ``where`` saying why
+        there are none. Returns a line that says how many steps, for the run to print."""
+        epochs, per_step = self.num_train_epochs, self.optimizer_steps_per_step()
+        if rows is None:
+            raise ConfigError(f"num_train_epochs={epochs:g} counts passes over a training dataset, but {where}: "
+                              "give the run's length in steps, --steps N (TRL's --max-steps, optimizer steps), or "
+                              "train on rows (--env-kwargs '{\"data_path\": \"train.jsonl\"}').")
+        self.steps = self.steps_for_epochs(rows)
+        fractions = self.fractions_of_run
+        if "warmup_ratio" in fractions:
+            self.warmup_steps = math.ceil(self.steps * per_step * fractions["warmup_ratio"])
+        for trl_name, name in (("save_steps", "save_every"), ("eval_steps", "eval_every")):
+            if trl_name in fractions:
+                fraction = fractions[trl_name]
+                setattr(self, name, _fraction_of_run(f"{trl_name}={fraction}", trl_name, fraction, self.steps,
+                                                     per_step) // per_step)
+        self.num_train_epochs, self.fractions_of_run = None, {}
+        optimizer_steps = "" if per_step == 1 else f", {self.steps * per_step} optimizer steps"
+        return (f"num_train_epochs={epochs:g}: {self.steps} steps{optimizer_steps} ({rows} rows, "
+                f"{self.tasks_per_step} tasks a step)")
+
+    @classmethod
     def _translate_eval_strategy(cls, values: dict[str, Any]) -> None:
         """TRL's evaluation options in ``values``, in place: ``eval_strategy="steps"`` keeps ``eval_steps`` (default:
         ``logging_steps``, as transformers' Trainer) for :meth:`translate_options` to turn into ``eval_every``;
@@ -747,6 +822,17 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
 
     def packing_config(self) -> PackingConfig:
         return PackingConfig(max_tokens_per_row=self.max_tokens_per_row, mode=self.pack_mode)
+
+
+def _fraction_of_run(named: str, trl_name: str, fraction: float, steps: int, per_step: int) -> int:
+    """TRL's ``fraction`` (below 1) of a run of ``steps`` steps, in optimizer steps, rounded up (as transformers'
+    Trainer does): whole steps here, a multiple of ``per_step`` (:meth:`LearnerConfig.optimizer_steps_per_step`)."""
+    value = math.ceil(steps * per_step * fraction)
+    if per_step > 1 and value % per_step:
+        raise ValueError(f"{named} is {value} optimizer step(s) of max_steps={steps * per_step}, not a multiple of "
+                         f"{per_step} (num_iterations x num_minibatches, the optimizer steps of a step here): give "
+                         f"{trl_name} in optimizer steps, a multiple of {per_step}.")
+    return value
 
 
 def _on_malformed(env_factory: Callable[[], Any], settings: dict[str, Any]) -> Any:

@@ -50,8 +50,10 @@ import torch
 
 from treerl.agents.chat_templates import warn_about_template
 from treerl.agents.policy import Policy
+from treerl.envs.group import EnvGroup
 from treerl.envs.loops import run_until_done
-from treerl.envs.registry import factory_env_id
+from treerl.envs.registry import env_id_of, factory_env_id
+from treerl.envs.task_order import num_rows
 from treerl.errors import ConfigError
 from treerl.kernels.tree_attention import (
     TreeAttentionChoice,
@@ -470,6 +472,8 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     if reward_weights is None and cfg.reward_weights is not None:
         reward_weights = cfg.reward_weights
     weights = check_reward_weights(reward_funcs, reward_weights)
+    # num_train_epochs: the run's length (and what is a fraction of it) from the rows, before anything reads it.
+    epochs_note = _resolve_epochs(cfg, env_factory, source) if cfg.num_train_epochs is not None else None
     if cfg.eval_every and not cfg.eval_episodes and evaluate is None:
         raise ConfigError(f"eval_every={cfg.eval_every} evaluates the held-out episodes every N steps, but "
                           "eval_episodes=0 plays none; set --eval-episodes (e.g. 32) or --eval-every 0.")
@@ -479,6 +483,8 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
         raise ValueError(f"tasks_per_step={cfg.tasks_per_step} is fewer than the {ranks.world_size} processes, so "
                          f"some would have no task; use --tasks-per-step {ranks.world_size} or more, or fewer "
                          f"processes.")
+    if epochs_note and ranks.is_main:
+        print(f"note: {epochs_note}", file=sys.stderr)
     device = ranks.device(cfg.device)
     out_dir = Path(cfg.output_dir)
     try:
@@ -630,6 +636,24 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
             for callback in run.callbacks:
                 callback(0, dict(start))
     return run
+
+
+def _resolve_epochs(cfg: LearnerConfig, env_factory: Callable[[], Any] | None, source: GroupSource | None) -> str:
+    """``cfg.steps`` from ``num_train_epochs`` and the rows of the training environment's dataset
+    (:meth:`~treerl.learners.config.LearnerConfig.resolve_steps`); the line it says."""
+    if source is not None or cfg.from_rollouts or cfg.from_server:
+        given = "--from-rollouts" if cfg.from_rollouts else "--from-server" if cfg.from_server else "a source"
+        raise ConfigError(f"num_train_epochs={cfg.num_train_epochs:g} counts passes over the environment's dataset, but "
+                          f"the groups come from {given}: give the run's length in steps, --steps N.")
+    env = (env_factory or cfg.env_factory())()
+    try:
+        rows = num_rows(env)
+        where = (f"the group {cfg.env} is mixed by weights: its members' rows make no one dataset (a mixed one is "
+                 "the group's data_path with an env column)" if isinstance(env, EnvGroup) else
+                 f"{env_id_of(env) or cfg.env} generates its tasks (no data_path or dataset)")
+    finally:
+        env.close()
+    return cfg.resolve_steps(rows, where)
 
 
 # Settings a resumed run may change without changing what its earlier steps were.
