@@ -185,3 +185,36 @@ def test_a_resumed_epochs_run_keeps_its_length(tmp_path):
     assert result.steps == 4
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
     assert json.loads((out / "config.json").read_text())["steps"] == 4
+
+
+def test_grpo_trainer_runs_floor_rows_over_a_steps_prompts(tmp_path):
+    """TRL's GRPOConfig(num_train_epochs=1) without max_steps: 5 rows, 2 prompts a step, is 2 steps (TRL's
+    sampler leaves the fifth row out), TRL's epoch 1.0 at the end; an environment_factory without rows refuses it."""
+    from treerl import GRPOTrainer
+
+    rows = [{"prompt": f"What is {i} + {i}?"} for i in range(5)]
+
+    def reward_len(completions, **kwargs):
+        return [-abs(20 - len(completion)) for completion in completions]
+
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_train_epochs=1, per_device_train_batch_size=4,
+                      num_generations=2, max_new_tokens=8, progress=False, sample_groups=0)
+    trainer = GRPOTrainer(model="tiny", reward_funcs=reward_len, args=args, train_dataset=rows)
+    assert (trainer.args.steps, trainer.state.max_steps) == (2, 2)
+    result = trainer.train()
+    assert (result.steps, result.global_step) == (2, 2)
+    assert result.metrics["epoch"] == 1.0
+    assert [entry["epoch"] for entry in trainer.state.log_history[:-1]] == [0.5, 1.0]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["steps"] == 2
+
+    class Game:
+        def reset(self, **kwargs):
+            return "Say hi."
+
+        def get_reward(self):
+            return 1.0
+
+    with pytest.raises(ValueError, match="args.num_train_epochs=1 counts passes over train_dataset, which GRPOTrainer "
+                                         "was not given"):
+        GRPOTrainer(model="tiny", args=GRPOConfig(output_dir=str(tmp_path / "game"), num_train_epochs=1),
+                    environment_factory=Game)
