@@ -218,3 +218,17 @@ def test_grpo_trainer_runs_floor_rows_over_a_steps_prompts(tmp_path):
                                          "was not given"):
         GRPOTrainer(model="tiny", args=GRPOConfig(output_dir=str(tmp_path / "game"), num_train_epochs=1),
                     environment_factory=Game)
+
+
+def test_epochs_count_the_minibatch_updates_of_trls_steps_per_generation():
+    """TRL's steps_per_generation=4 with gradient_accumulation_steps=2: a generation of 8 x 4 / 4 = 8 prompts
+    takes 2 optimizer steps (num_minibatches 2), so an epoch of 20 rows is floor(20 / 8) = 2 generations,
+    4 optimizer steps (TRL's max_steps), 2 steps here; 1.5 epochs ceil(1.5 x 4) = 6 optimizer steps, 3 steps."""
+    from treerl.learners.grpo import GRPOConfig
+
+    for epochs, steps in ((1, 2), (1.5, 3)):
+        cfg = GRPOConfig(output_dir="x", per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                         steps_per_generation=4, num_generations=4, num_train_epochs=epochs)
+        assert (cfg.tasks_per_step, cfg.num_minibatches, cfg.optimizer_steps_per_step()) == (8, 2, 2)
+        cfg.resolve_steps(20)
+        assert cfg.steps == steps

@@ -548,7 +548,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                     values["fractions_of_run"] = {**values.get("fractions_of_run", {}), trl_name: value}
                     continue
                 if isinstance(steps, int) and isinstance(iterations, int):
-                    value = _fraction_of_run(named, trl_name, value, steps, iterations)
+                    value = _fraction_of_run(named, trl_name, value, steps, iterations, per_step)
             if isinstance(value, float) and not isinstance(value, bool):
                 if not value.is_integer():
                     raise ValueError(f"{named}: a whole number of optimizer steps"
@@ -824,14 +824,16 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         return PackingConfig(max_tokens_per_row=self.max_tokens_per_row, mode=self.pack_mode)
 
 
-def _fraction_of_run(named: str, trl_name: str, fraction: float, steps: int, per_step: int) -> int:
+def _fraction_of_run(named: str, trl_name: str, fraction: float, steps: int, per_step: int,
+                     per_step_named: str = "") -> int:
     """TRL's ``fraction`` (below 1) of a run of ``steps`` steps, in optimizer steps, rounded up (as transformers'
-    Trainer does): whole steps here, a multiple of ``per_step`` (:meth:`LearnerConfig.optimizer_steps_per_step`)."""
+    Trainer does): whole steps here, a multiple of ``per_step`` (:meth:`LearnerConfig.optimizer_steps_per_step`;
+    ``per_step_named``: the options that make it, for the message)."""
     value = math.ceil(steps * per_step * fraction)
     if per_step > 1 and value % per_step:
         raise ValueError(f"{named} is {value} optimizer step(s) of max_steps={steps * per_step}, not a multiple of "
-                         f"{per_step} (num_iterations x num_minibatches, the optimizer steps of a step here): give "
-                         f"{trl_name} in optimizer steps, a multiple of {per_step}.")
+                         f"{per_step_named or per_step} (the optimizer steps of a step here): give {trl_name} in "
+                         f"optimizer steps, a multiple of {per_step}.")
     return value
 
 
