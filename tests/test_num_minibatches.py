@@ -36,12 +36,7 @@ SMALL = dict(steps=2, tasks_per_step=2, group_size=4, max_new_tokens=32, eval_ep
              num_threads=1, sample_groups=0)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- the split ----------------------------------------------------------------------------------

@@ -24,12 +24,7 @@ from treerl.learners.grpo import GRPOConfig, optimize, pack_step, skips_zero_adv
 from treerl.learners.losses import LossInputs, LossNormalizer, compute_loss, high_entropy_threshold
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- the threshold ------------------------------------------------------------------------------
