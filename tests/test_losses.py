@@ -233,7 +233,8 @@ def reference_loss(name, cfg, logp, entropy, *, with_is):
             kl_terms.append((torch.exp(d) - d - 1) * ratio)
         loss = loss + cfg.beta * reference_aggregate(kl_terms, aggregation)
     if cfg.entropy_coef > 0:
-        loss = loss - cfg.entropy_coef * reference_aggregate([entropy[m] for m in range(M)], aggregation)
+        # TRL's bonus: the mean entropy over the tokens, whatever the loss's aggregation.
+        loss = loss - cfg.entropy_coef * reference_aggregate([entropy[m] for m in range(M)], "token_mean")
     return loss, metrics
 
 
@@ -274,6 +275,19 @@ def test_loss_matches_reference(name, variant):
     assert "loss/entropy" in out.metrics  # reported whenever entropy is given
     for value in out.metrics.values():
         assert not value.requires_grad
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
+def test_the_entropy_bonus_is_the_token_mean_whatever_the_aggregation(aggregation):
+    """TRL's entropy_coef "has the same meaning for every loss type": the bonus is the mean entropy over the
+    tokens, not the policy term's sequence mean or Dr. GRPO's constant."""
+    cfg = make_config("grpo", aggregation=aggregation, entropy_coef=0.1)
+    logp, entropy = make_leaves()
+    inputs = make_inputs(logp, entropy)
+    out = POLICY_LOSSES["grpo"](inputs, cfg, LossNormalizer.from_inputs(inputs))
+    assert out.metrics["loss/entropy"].item() == pytest.approx(sum(ENTROPY) / len(ENTROPY))
+    out.loss.backward()
+    torch.testing.assert_close(entropy.grad, torch.full_like(entropy, -0.1 / len(ENTROPY)))
 
 
 def test_fixture_takes_every_branch():

@@ -48,9 +48,9 @@ uses only ``is_mask``). ``LossInputs.entropy_mask`` (TRL's ``top_entropy_quantil
 the policy terms of high-entropy tokens. Masked terms still count in the normalizers, as in TRL: a
 mask drops a term's gradient, it does not re-weight the others.
 
-The KL to a reference (k3 estimator, ``cfg.beta``) and the entropy bonus
-(``cfg.entropy_coef``) use the same aggregation as the policy term, so they too add up
-exactly over micro-batches.
+The KL to a reference (k3 estimator, ``cfg.beta``) uses the same aggregation as the policy
+term; the entropy bonus (``cfg.entropy_coef``) is the token mean whatever the loss (TRL's: "not
+rescaled to a loss type's policy normalization"). Both add up exactly over micro-batches.
 
 The package holds the inputs, normalizer, config, aggregations and registry
 (:mod:`treerl.learners.losses.base`) and the policy losses themselves

@@ -247,7 +247,8 @@ class LossCoefficients:
     kl_bias_correction: bool = field_help(True, "Multiply the k3 KL by the differentiable ratio to the old policy "
                                                 "(value 1 on-policy) so that its gradient is the unbiased reverse-KL "
                                                 "gradient (DeepSeek-V3.2; TRL's default use_bias_correction_kl).")
-    entropy_coef: float = field_help(0.0, "Weight of the entropy bonus (subtracted from the loss).")
+    entropy_coef: float = field_help(0.0, "Weight of the entropy bonus (subtracted from the loss): the mean entropy "
+                                          "over the step's trained tokens whatever --loss, as TRL's.")
     gspo_epsilon_low: float = field_help(3e-4, "GSPO sequence-ratio clip below 1 (GSPO paper v2, section 5.1).")
     gspo_epsilon_high: float = field_help(4e-4, "GSPO sequence-ratio clip above 1 (GSPO paper v2, section 5.1).")
     cispo_ratio_min: float = field_help(0.0, "CISPO lower bound of the detached weight; 0 means none, as in "
@@ -561,7 +562,9 @@ def finish_policy_loss(
             # TRL's bonus acts on the tokens the policy term keeps, as a mean over them.
             entropy_terms = entropy_terms * inputs.entropy_mask.to(entropy_terms.dtype)
             entropy_terms = entropy_terms / (normalizer.entropy_kept_frac or 1.0)
-        entropy = aggregate(entropy_terms, inputs, cfg, normalizer)
+        # TRL's bonus is the mean entropy over the loss's tokens whatever the loss type, not rescaled to the
+        # policy term's aggregation (a sequence mean, Dr. GRPO's constant), so entropy_coef means one thing.
+        entropy = _token_mean(entropy_terms, inputs, cfg, normalizer)
         if cfg.entropy_coef > 0.0:
             loss = loss - cfg.entropy_coef * entropy
         metrics["loss/entropy"] = entropy.detach()
