@@ -828,15 +828,18 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
 def _step_loss(metrics: Mapping[str, float], cfg: GRPOConfig) -> float:
     """The loss a logged step optimized (its last update's), from the parts logged: ``loss/policy`` + beta x
     ``loss/kl`` - entropy_coef x ``loss/entropy``; SDPO's (1 - distillation_weight) x that + distillation_weight
-    x ``loss/distill``. TRL's ``loss``."""
+    x ``loss/distill``. TRL's ``loss``. With ``use_adaptive_entropy`` the entropy's coefficient is the one that
+    update applied (``entropy/coef_applied``)."""
+    entropy_coef = metrics.get("entropy/coef_applied", getattr(cfg, "entropy_coef", 0.0))
     loss = (metrics["loss/policy"] + getattr(cfg, "beta", 0.0) * metrics.get("loss/kl", 0.0)
-            - getattr(cfg, "entropy_coef", 0.0) * metrics.get("loss/entropy", 0.0))
+            - entropy_coef * metrics.get("loss/entropy", 0.0))
     weight = getattr(cfg, "distillation_weight", 0.0)
     return (1.0 - weight) * loss + weight * metrics.get("loss/distill", 0.0)
 
 
 # treerl's name of what TRL logs under another name.
-_TRL_NAMES = {"grad_norm": "grad/norm", "learning_rate": "lr", "reward": "reward/mean", "reward_std": "reward/std"}
+_TRL_NAMES = {"grad_norm": "grad/norm", "learning_rate": "lr", "reward": "reward/mean", "reward_std": "reward/std",
+              "entropy_coef": "entropy/coef"}
 
 
 def _trl_log(metrics: Mapping[str, Any], cfg: GRPOConfig, per_step: int, rows: int) -> dict[str, Any]:

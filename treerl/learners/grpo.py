@@ -52,6 +52,7 @@ from treerl.learners.config import LearnerConfig
 from treerl.learners.core import (Evaluator, OptimizerSpec, Run, StepCallback, TrainResult, build, finish,
                                   register_learner)
 from treerl.learners.distributed import Ranks
+from treerl.learners.entropy_control import AdaptiveEntropy
 from treerl.learners.forward import PackedLogprobs, loss_inputs, packed_logprobs
 from treerl.learners.importance import ImportanceConfig, importance_weights
 from treerl.learners.metrics import read_floats
@@ -117,6 +118,18 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
         1.0, "TRL's (Beyond the 80/20 Rule's rho): only the sampled tokens whose entropy is in this top share of "
              "the step's (every micro-batch's, every process's) add policy loss (and entropy bonus); the KL and "
              "the normalizers keep every token. 1 keeps all; the paper uses 0.2; 0 the highest-entropy token(s).")
+    use_adaptive_entropy: bool = field_help(
+        False, "TRL's (Skywork-OR1's adaptive entropy control): --entropy-coef is the starting coefficient; after "
+               "each optimizer step it grows by entropy_coef_delta when the step's mean entropy was at or below "
+               "entropy_target, else shrinks by it, within [entropy_coef_min, entropy_coef_max]; a step's bonus "
+               "applies only when the previous optimizer step's entropy was at or below the target.")
+    entropy_coef_min: float = field_help(0.0, "With use_adaptive_entropy: the coefficient's lower bound.")
+    entropy_coef_max: float = field_help(1.0, "With use_adaptive_entropy: the coefficient's upper bound.")
+    entropy_coef_delta: float = field_help(0.005, "With use_adaptive_entropy: the coefficient's change per "
+                                                  "optimizer step.")
+    entropy_target: float = field_help(0.2, "With use_adaptive_entropy: the mean entropy (nats) of a step's trained "
+                                            "tokens at or below which the bonus applies and grows; models start at "
+                                            "2-10 nats, so set it near the early entropy/mean (TRL's advice).")
     num_iterations: int = field_help(1, "Optimizer steps on each step's episodes (GRPO's mu, TRL's num_iterations). "
                                         "The old policy of the clipped losses is the weights before the first, so "
                                         "above 1 the ratio moves and --epsilon-low/--epsilon-high clip; 1 (the "
@@ -178,6 +191,8 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
                              "the step's highest-entropy tokens trained on (1 keeps all; the paper uses 0.2).")
         if self.sync_ref_model:
             self._check_sync_ref_model()
+        if self.use_adaptive_entropy:
+            self._check_adaptive_entropy()
         # Validate the pieces with their own messages.
         self.loss_config()
         self.advantage_config()
@@ -204,6 +219,21 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
     def optimizer_steps_per_step(self) -> int:
         """``num_iterations`` passes over ``num_minibatches`` minibatches, one optimizer step each."""
         return self.num_iterations * self.num_minibatches
+
+    def _check_adaptive_entropy(self) -> None:
+        """The bounds, step and target the controller can work with (TRL checks none of them)."""
+        low, high = self.entropy_coef_min, self.entropy_coef_max
+        delta, target = self.entropy_coef_delta, self.entropy_target
+        if not (math.isfinite(low) and math.isfinite(high) and 0.0 <= low <= high):
+            raise ValueError(f"entropy_coef_min={low}, entropy_coef_max={high}: the adaptive entropy coefficient "
+                             "stays in [min, max], so they must be finite with 0 <= min <= max (TRL's 0 and 1).")
+        if not (math.isfinite(delta) and delta >= 0.0):
+            raise ValueError(f"entropy_coef_delta={delta} must be a finite number >= 0: the coefficient's change per "
+                             "optimizer step (TRL's 0.005).")
+        if not (math.isfinite(target) and target >= 0.0):
+            raise ValueError(f"entropy_target={target} must be a finite number >= 0: a mean entropy in nats, which is "
+                             "never below 0, so the bonus would never apply (TRL's 0.2; near the early "
+                             "entropy/mean).")
 
     def loss_config(self) -> LossConfig:
         return LossConfig(policy_loss=self.loss, **self.coefficients(),
@@ -311,10 +341,11 @@ def skips_zero_advantage_groups(cfg: GRPOConfig, ranks: Ranks) -> bool:
     Every policy loss multiplies by the advantage, so such a group's gradient is exactly 0
     unless a KL or entropy term is on; the normalizer still counts its tokens, so the update
     is the same as training on it. Not with ``top_entropy_quantile`` below 1: its tokens count
-    in the entropy quantile. (One process only: ranks must all run the same collectives.)
+    in the entropy quantile; nor with ``use_adaptive_entropy``: in the step's measured entropy.
+    (One process only: ranks must all run the same collectives.)
     """
     return (cfg.skip_zero_advantage and cfg.beta == 0 and cfg.entropy_coef == 0 and cfg.top_entropy_quantile == 1.0
-            and not ranks.enabled)
+            and not cfg.use_adaptive_entropy and not ranks.enabled)
 
 
 def pack_step(groups: Sequence[Group], adv: torch.Tensor, cfg: GRPOConfig, ranks: Ranks, metrics: dict[str, float],
@@ -439,7 +470,8 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
              ranks: Ranks = Ranks(), ref_model: torch.nn.Module | None = None,
              normalizer: LossNormalizer | None = None, policy_coef: float = 1.0,
              extra_loss: ExtraLoss | None = None, precision: Precision | None = None,
-             keep_logp: list[torch.Tensor] | None = None, ref_logps: list[torch.Tensor] | None = None) -> None:
+             keep_logp: list[torch.Tensor] | None = None, ref_logps: list[torch.Tensor] | None = None,
+             entropy_control: AdaptiveEntropy | None = None) -> None:
     """One optimizer step over all micro-batches of the step (one accumulation window).
 
     With several ranks the window is every rank's micro-batches: the normalizer counts them
@@ -455,9 +487,14 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     step is more than one micro-batch or process.
     ``ref_logps``, when given, holds each micro-batch's reference log-probs (M,): an empty list is filled
     with those ``ref_model`` computes, a filled one is read instead (TRL computes them once per generation).
+    ``entropy_control`` (``use_adaptive_entropy``) sets the entropy bonus's coefficient of the whole window and
+    takes the window's mean entropy afterwards (:mod:`~treerl.learners.entropy_control`).
     """
     precision = precision or Precision(weights=None, autocast=None)
     loss_cfg, is_cfg = cfg.loss_config(), cfg.importance_config()
+    window_entropy: list[torch.Tensor] = []  # (2,) per micro-batch: the entropy summed over its kept terms, their count
+    if entropy_control is not None:  # the previous optimizer step's coefficient and gate, for every micro-batch
+        loss_cfg = replace(loss_cfg, entropy_coef=entropy_control.applied_coef())
     if normalizer is None and batches:  # none without batches: every group skipped or every episode masked
         normalizer = ranks.normalizer(batches)
     # Each micro-batch's metrics stay tensors until the window ends, then are read back at once:
@@ -506,6 +543,10 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
         inputs = loss_inputs(batch, out, ref_logp=ref_logp, is_weight=iw.weight, is_mask=iw.mask,
                              centering=None if centering is None else centering.terms, entropy_mask=entropy_mask)
         result = compute_loss(inputs, loss_cfg, normalizer)
+        if entropy_control is not None:  # over the terms the bonus acts on (TRL's mask x entropy_mask)
+            entropy = out.entropy.detach().float()
+            kept = torch.ones_like(entropy) if entropy_mask is None else entropy_mask.to(entropy.dtype)
+            window_entropy.append(torch.stack([(entropy * kept).sum(), kept.sum()]))
         loss = result.loss if policy_coef == 1.0 else policy_coef * result.loss
         if extra_loss is not None:
             loss = loss + extra_loss(batch, out)
@@ -516,6 +557,13 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
             out.entropy.detach().sum()))
     if entropy_cut is not None and entropy_cut[1] > 0:
         metrics["entropy/kept_frac"] = entropy_cut[1]
+    if entropy_control is not None:
+        # Every rank's sum and count, for the token mean of the whole window (TRL clamps an empty one's count to 1).
+        total, count = ranks.sum(torch.stack(window_entropy).sum(0).tolist() if window_entropy else [0.0, 0.0])
+        entropy_control.update(total / max(count, 1.0))
+        metrics["entropy/coef_applied"] = loss_cfg.entropy_coef
+    if loss_cfg.entropy_coef > 0 or entropy_control is not None:  # TRL's entropy_coef: after this step's update
+        metrics["entropy/coef"] = entropy_control.coef if entropy_control is not None else loss_cfg.entropy_coef
     totals, maxima = _window_totals(pending)
     totals = ranks.sum_dicts(totals)
     totals.setdefault("loss/policy", 0.0)  # a step that trained on nothing (every group skipped)
@@ -543,10 +591,12 @@ def optimize_minibatches(model: torch.nn.Module, optimizer: torch.optim.Optimize
                          minibatches: Sequence[Minibatch], cfg: GRPOConfig, device: str, metrics: dict[str, float],
                          ranks: Ranks = Ranks(), ref_model: torch.nn.Module | None = None,
                          precision: Precision | None = None,
-                         after_update: Callable[[int], None] | None = None) -> list[PackedBatch]:
+                         after_update: Callable[[int], None] | None = None,
+                         entropy_control: AdaptiveEntropy | None = None) -> list[PackedBatch]:
     """``cfg.num_iterations`` passes over the step's minibatches, in the same order each time (TRL reuses its
     shuffled chunks so), one :func:`optimize` (optimizer step) on each; returns every micro-batch.
-    ``after_update(n)`` is called after the step's n-th optimizer step (from 1; ``sync_ref_model``'s).
+    ``after_update(n)`` is called after the step's n-th optimizer step (from 1; ``sync_ref_model``'s);
+    ``entropy_control`` (``use_adaptive_entropy``) moves at each of them, as :func:`optimize` says.
 
     The reference's log-probs are each minibatch's first update's for every later one, as TRL's of the
     generation: a ``sync_ref_model`` update between two of them does not change the step's KL target
@@ -579,7 +629,7 @@ def optimize_minibatches(model: torch.nn.Module, optimizer: torch.optim.Optimize
             updates.append({})
             optimize(model, optimizer, scheduler, batches, cfg, device, updates[-1], ranks, ref_model=ref_model,
                      normalizer=normalizer, precision=precision, keep_logp=old_logp if keep else None,
-                     ref_logps=ref_logps[i])
+                     ref_logps=ref_logps[i], entropy_control=entropy_control)
             if keep:
                 minibatches[0] = ([b.with_old_logp(logp.to(b.term_sampler_logp.device))
                                    for b, logp in zip(batches, old_logp)], normalizer)
@@ -602,12 +652,18 @@ def generation_logprobs(model: torch.nn.Module, batches: Sequence[PackedBatch], 
 
 def _mean_over_updates(updates: Sequence[dict[str, float]]) -> dict[str, float]:
     """Several optimizer steps' metrics as one: each metric's mean over the steps that logged it, the largest
-    of those named ``*_max``, the last ``lr`` (the rate the last update took)."""
+    of those named ``*_max``, the last of the settings an update took (``lr``, the adaptive entropy
+    coefficient: :data:`_LAST_UPDATES`)."""
     merged: dict[str, float] = {}
     for key in dict.fromkeys(k for update in updates for k in update):
         values = [update[key] for update in updates if key in update]
-        merged[key] = max(values) if key.endswith("_max") else values[-1] if key == "lr" else sum(values) / len(values)
+        merged[key] = (max(values) if key.endswith("_max") else values[-1] if key in _LAST_UPDATES
+                       else sum(values) / len(values))
     return merged
+
+
+_LAST_UPDATES = frozenset({"lr", "entropy/coef", "entropy/coef_applied"})
+"""Metrics of a setting that moves from update to update, which a step logs as its last update's."""
 
 
 def step_entropies(model: torch.nn.Module, batches: Sequence[PackedBatch], cfg: GRPOConfig, device: str,
@@ -696,9 +752,13 @@ def update(run: Run, step: int, groups: Sequence[Group], stats: RolloutStats, me
     else:  # The normalizer counts every episode, trained or skipped.
         minibatches = [pack_step(groups, adv, cfg, run.ranks, metrics, skip_zero_advantage=skip)]
     first = step * cfg.optimizer_steps_per_step()  # the run's optimizer steps before this step's (TRL's)
+    entropy_control = AdaptiveEntropy.of_run(cfg, run.state.extra)
     batches = optimize_minibatches(run.model, run.optimizer, run.scheduler, minibatches, cfg, run.device, metrics,
                                    run.ranks, ref_model=run.reference, precision=run.precision,
-                                   after_update=lambda n: run.sync_reference(first + n, metrics))
+                                   after_update=lambda n: run.sync_reference(first + n, metrics),
+                                   entropy_control=entropy_control)
+    if entropy_control is not None:
+        entropy_control.save(run.state.extra)  # the step's checkpoint keeps it
     run.publish_weights(metrics)
     return run.end_step(step, metrics, stats, num_episodes=len(adv), batches=batches, next_task=next_task)
 

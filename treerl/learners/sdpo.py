@@ -71,6 +71,7 @@ from treerl.learners.divergences import (
     importance_clip,
     sampled_token_reverse_kl,
 )
+from treerl.learners.entropy_control import AdaptiveEntropy
 from treerl.learners.forward import PackedLogprobs
 from treerl.learners.grpo import (
     GRPOConfig,
@@ -457,9 +458,13 @@ def sdpo_step(run: Run, teacher: torch.nn.Module, prompter: TeacherPrompter, ste
     if cfg.distillation_weight > 0:
         success = weighted_rewards(rewards, run.reward_weights) >= cfg.success_threshold
         distill = Distillation(run, teacher, groups, prompts, batches, success)
+    entropy_control = AdaptiveEntropy.of_run(cfg, run.state.extra)
     optimize(run.model, run.optimizer, run.scheduler, batches, cfg, run.device, metrics, run.ranks,
              ref_model=run.reference if cfg.beta > 0 else None, normalizer=normalizer,
-             policy_coef=1.0 - cfg.distillation_weight, extra_loss=distill, precision=run.precision)
+             policy_coef=1.0 - cfg.distillation_weight, extra_loss=distill, precision=run.precision,
+             entropy_control=entropy_control)
+    if entropy_control is not None:
+        entropy_control.save(run.state.extra)
     if distill is not None:
         metrics.update(distill.step_metrics())
     if cfg.teacher == "ema":
