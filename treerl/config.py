@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
@@ -206,15 +207,30 @@ class AcceptsAliases(type):
         aliases = _aliases(cls)
         if both := _named_twice(aliases, kwargs):
             raise TypeError(f"{cls.__name__}(): {'; '.join(both)} name the same option; keep one.")
-        names = {f.name for f in dataclasses.fields(cls)} | set(_translated(cls))
+        names = {f.name for f in dataclasses.fields(cls) if f.init} | set(_translated(cls))
         hints = unknown_option_hints(cls)
         for name in kwargs:
-            if name not in names and name not in aliases and name in hints:
-                raise TypeError(f"{cls.__name__}() has no option {name}: {hints[name]}.")
+            if name not in names and name not in aliases:
+                said = _instead(name, names | set(aliases), hints)
+                raise TypeError(f"{cls.__name__}() has no option {name}" + (f": {said}" if said else "")
+                                + ("" if said and said.endswith("?") else "."))
         kwargs = {aliases.get(k, k): v for k, v in kwargs.items()}
         if _translated(cls):
             kwargs = cls.translate_options(kwargs)
         return super().__call__(*args, **kwargs)
+
+
+def _instead(name: str, names: Iterable[str], hints: Mapping[str, str]) -> str | None:
+    """What to use instead of the unknown option ``name``: its hint, else "did you mean" the closest of
+    ``names``, else None; the same words in Python, on the command line and in ``--config`` files.
+
+    >>> _instead("lerning_rate", {"learning_rate", "steps"}, {})
+    'did you mean learning_rate?'
+    """
+    if name in hints:
+        return hints[name]
+    close = difflib.get_close_matches(name, sorted(names), 1)
+    return f"did you mean {close[0]}?" if close else None
 
 
 def without_neutral(cls: type, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -291,12 +307,8 @@ def config_from_args(cls: type[T], args: argparse.Namespace, *, extra_keys: Sequ
                      for k, v in raw.items()}
         unknown = sorted(set(from_file) - names)
         if unknown:
-            import difflib
-
             known_hints = unknown_option_hints(cls, hints)
-            said = "".join(f" ({k}: {known_hints[k]})" if k in known_hints else
-                           f" ({k}: did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, names, 1))
-                           else "" for k in unknown)
+            said = "".join(f" ({k}: {instead})" for k in unknown if (instead := _instead(k, names, known_hints)))
             raise ConfigError(f"--config {config_path}: unknown option(s) {unknown}{said}; valid ones: "
                               f"{sorted(names)}.")
         values.update(_overridden(cls, from_file, {k for k in vars(args) if k in names}))
