@@ -129,12 +129,13 @@ def sandbox_package() -> dict[str, str]:
 
 class FakeHub:
     """``huggingface_hub.HfApi`` without a network: :meth:`install` puts a stand-in in its place that
-    records each call (``tokens``, ``repos``: ``(repo_id, private)``, ``uploads``: the repository, the
-    folder's files and model card at that moment, the commit message). ``before_upload(upload)`` runs
+    records each call (``tokens``, ``repos``: ``(repo_id, private)``, ``branches``: ``(repo_id, branch)``,
+    ``uploads``: the repository, the folder's files and model card at that moment, the commit message, the
+    revision). ``before_upload(upload)`` runs
     inside each upload (in the pusher's thread for a background push): it may block or raise."""
 
     def __init__(self, owner: str = "me") -> None:
-        self.owner, self.tokens, self.repos, self.uploads = owner, [], [], []
+        self.owner, self.tokens, self.repos, self.uploads, self.branches = owner, [], [], [], []
         self.before_upload = None
         self.create_error: Exception | None = None
 
@@ -153,6 +154,10 @@ class FakeHub:
                     raise hub.create_error
                 hub.repos.append((repo_id, private))
                 return type("RepoUrl", (), {"repo_id": repo_id if "/" in repo_id else f"{hub.owner}/{repo_id}"})()
+
+            def create_branch(self, repo_id, *, branch, exist_ok=False, **kwargs):
+                assert exist_ok, "an existing branch (a resumed run's) must be reused"
+                hub.branches.append((repo_id, branch))
 
             def upload_folder(self, *, repo_id, folder_path, commit_message=None, revision=None, run_as_future=False,
                               **kwargs):

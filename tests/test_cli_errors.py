@@ -59,6 +59,10 @@ CASES = [
     ("env-kwargs-unknown", [*LEARN, "--env", "treerl/Calculator-v0", "--env-kwargs", '{{"bogus": 1}}'], None,
      'treerl: --env-kwargs '),
     ("yaml-unknown-key", LEARN, "learning_rat: 0.1\n", "unknown option(s) ['learning_rat']"),
+    ("yaml-trl-torch-compile", LEARN, "torch_compile: true\n",
+     "(torch_compile: not supported: the model runs uncompiled, with treerl's tree attention (--attention-impl))"),
+    ("yaml-trl-resume-from-an-earlier-checkpoint", LEARN, "resume_from_checkpoint: out/checkpoint-500\n",
+     "resume_from_checkpoint='out/checkpoint-500': a run resumes from the latest checkpoint in its output_dir"),
     ("yaml-not-a-mapping", LEARN, "- 1\n- 2\n", "expected a mapping of option: value"),
     ("yaml-invalid", LEARN, "a: [1\n", "not valid YAML"),
     ("config-missing", [*LEARN, "--config", "{tmp}/none.yaml"], None, "no such file"),
@@ -131,6 +135,7 @@ CASES = [
 ARGPARSE_CASES = [
     ("seed-abc", [*LEARN, "--seed", "abc"], "argument --seed: invalid int value: 'abc'"),
     ("unknown-flag", [*LEARN, "--learnin-rate", "0.1"], "unrecognized arguments: --learnin-rate"),
+    ("trl-ddp-backend", [*LEARN, "--ddp-backend", "nccl"], "--ddp-backend: processes come from accelerate launch"),
     ("env-kwargs-not-json", [*LEARN, "--env-kwargs", "[1"], "argument --env-kwargs"),
     ("resume-maybe", [*LEARN, "--resume", "maybe"], "argument --resume: expected true or false"),
     ("no-command", [], "the following arguments are required: COMMAND"),

@@ -673,7 +673,7 @@ def test_a_passed_optimizer_with_adamw_options_set_is_refused_not_ignored(tmp_pa
 
 @pytest.mark.parametrize("option", ["hub_always_push", "save_strategy",
                                     "gradient_checkpointing_kwargs", "torch_dtype",
-                                    "vllm_server_port", "trust_remote_code", "generation_kwargs"])
+                                    "vllm_group_port", "trust_remote_code", "generation_kwargs"])
 def test_trainingarguments_options_a_trl_script_sets_are_refused_with_what_to_do(option):
     with pytest.raises(TypeError, match=f"GRPOConfig\\(\\) has no option {option}: "):
         GRPOConfig(output_dir="x", **{option: 1})

@@ -472,12 +472,13 @@ class LearnerTrainer:
                     dataset_name: str | None = None, tags: str | Sequence[str] | None = None) -> Any:
         """Push the trained model (what :meth:`save_model` copies, ``model/`` of the run) with a model card
         (``model_name``, ``dataset_name`` and ``tags`` go into it, as TRL's) to ``args.hub_model_id`` (default:
-        the output directory's name), as TRL's ``push_to_hub``; ``args.hub_private_repo`` and ``args.hub_token``
+        the output directory's name), as TRL's ``push_to_hub``, on the branch ``revision`` (default:
+        ``args.hub_revision``, created if missing); ``args.hub_private_repo`` and ``args.hub_token``
         (else ``$HF_TOKEN`` or ``hf auth login``'s) apply. Only the main process pushes; returns the
         ``CommitInfo`` (a ``Future`` of it when not ``blocking``), None on the other processes. With
         ``args.push_to_hub`` the run has pushed it already."""
         from treerl.learners.distributed import is_main_process
-        from treerl.learners.hub import create_repo, upload_model
+        from treerl.learners.hub import create_branch, create_repo, upload_model
 
         if self.result is None:
             raise ValueError("push_to_hub() pushes the trained model: call train() first.")
@@ -485,6 +486,8 @@ class LearnerTrainer:
             return None
         token = token or self.args.hub_token
         repo_id = create_repo(self.args.hub_repo_id(), token=token, private=self.args.hub_private_repo)
+        revision = revision if revision is not None else self.args.hub_revision  # as transformers' Trainer
+        create_branch(repo_id, revision, token=token)
         self._write_card(self.result.model_dir, repo_id, model_name, dataset_name, tags)
         return upload_model(self.result.model_dir, repo_id, commit_message=commit_message or "End of training",
                             token=token, revision=revision, blocking=blocking)

@@ -60,6 +60,7 @@ import json
 import math
 import os
 import shutil
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -226,6 +227,7 @@ class VLLMServerPolicy:
         weights_dir: where ``disk`` writes the weights; the server must read the same path.
         trainer_model: the trainer's module, for ``nccl`` (its parameters are broadcast).
         timeout_s: one HTTP request's limit.
+        wait_s: how long to wait for the server to come up (TRL's ``vllm_server_timeout``; 0: fail at once).
         max_concurrency: requests in flight at once.
         version: the weights version before the first push.
 
@@ -236,7 +238,7 @@ class VLLMServerPolicy:
     def __init__(self, url: str, model: str, *, stop_token_ids: frozenset[int] = frozenset(),
                  weight_sync: str = "disk", weights_dir: str | os.PathLike | None = None,
                  trainer_model: torch.nn.Module | None = None, timeout_s: float = 600.0,
-                 max_concurrency: int = 64, version: int = 0):
+                 max_concurrency: int = 64, version: int = 0, wait_s: float = 0.0):
         if weight_sync not in WEIGHT_SYNCS:
             raise ValueError(f"weight_sync={weight_sync!r}: use disk or nccl.")
         if weight_sync == "disk" and weights_dir is None:
@@ -253,6 +255,7 @@ class VLLMServerPolicy:
         self._pool: ThreadPoolExecutor | None = None
         self._batcher = AsyncBatcher(lambda requests: self.generate(requests), max_batch_size=max_concurrency)
         self._nccl = None
+        self._wait_until_up(wait_s)
         self._check_server()
 
     # -- HTTP --------------------------------------------------------------------------------
@@ -287,6 +290,22 @@ class VLLMServerPolicy:
                 f"{method} {self.url}{path}: no vLLM server answers there ({getattr(exc, 'reason', exc)}): start "
                 f"one with {SERVE_HINT}, or fix --vllm-server-url.") from None
         return json.loads(raw) if raw else None
+
+    def _wait_until_up(self, wait_s: float) -> None:
+        """Return once the server answers (any HTTP reply, an error too), or after ``wait_s`` seconds, polling
+        every 2 s as TRL does; then :meth:`_check_server` says what is wrong, if anything."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=self.timeout_s):
+                    return
+            except urllib.error.HTTPError:
+                return  # it answers: _check_server names the problem
+            except (urllib.error.URLError, OSError):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                time.sleep(min(2.0, left))
 
     def _check_server(self) -> None:
         served = [m.get("id") for m in (self._request("GET", "/v1/models") or {}).get("data", [])]

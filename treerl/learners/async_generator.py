@@ -105,10 +105,12 @@ class GeneratorCore:
         import torch
 
         from treerl.agents.transformers_policy import TransformersPolicy
+        from treerl.learners.precision import set_tf32
 
         cfg = spec.cfg
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        set_tf32(cfg.tf32, cfg.device)  # a process of its own: its sampler's matmuls as the trainer's
         if spec.sandbox_runs is not None:
             from treerl.envs.sandbox import set_max_concurrent_runs
 

@@ -89,8 +89,10 @@ class AsyncGRPOConfig(GRPOConfig):
     """Options of ``treerl learn --learner async_grpo`` (GRPO's, plus the asynchronous pipeline's)."""
 
     # TRL's experimental AsyncGRPOConfig names where the meaning is the same (its max_staleness is this one's).
-    # (Not GRPO's vllm_server_base_url: TRL's async trainer connects to a server, which this one has not.)
-    ALIASES: ClassVar[dict[str, str]] = {**{k: v for k, v in GRPOConfig.ALIASES.items() if k != "vllm_server_base_url"},
+    # (Not GRPO's vllm_server_base_url and vllm_server_timeout: TRL's async trainer connects to a server, which
+    # this one has not.)
+    ALIASES: ClassVar[dict[str, str]] = {**{k: v for k, v in GRPOConfig.ALIASES.items()
+                                            if k not in ("vllm_server_base_url", "vllm_server_timeout")},
                                          "heartbeat_stale_after_s": "heartbeat_timeout"}
     UNSUPPORTED: ClassVar[dict[str, str]] = {
         **GRPOConfig.UNSUPPORTED,

@@ -32,6 +32,7 @@ from treerl.envs.group import EnvGroup
 from treerl.envs.registry import group_members
 from treerl.errors import ConfigError
 from treerl.kernels.tree_attention import BACKENDS
+from treerl.learners.checkpoints import latest_checkpoint
 from treerl.learners.packing import PackingConfig
 from treerl.learners.precision import DTYPES, resolve_precision
 from treerl.rollout.options import EpisodeOptions
@@ -58,6 +59,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "model_name_or_path": "model", "epsilon": "epsilon_low", "use_bias_correction_kl": "kl_bias_correction",
         "scale_rewards": "advantage_scale", "vllm_server_base_url": "vllm_server_url",
         "sapo_temperature_pos": "sapo_tau_pos", "sapo_temperature_neg": "sapo_tau_neg",
+        # transformers 5's name of gradient_checkpointing; TRL's wait for its vLLM server to come up
+        "activation_checkpointing": "gradient_checkpointing", "vllm_server_timeout": "vllm_server_wait_s",
     }
     # TRL's options with no field here, and what to use instead: a flag, YAML key or keyword argument of
     # one of these names is refused with this hint, not with a "did you mean" for a look-alike name.
@@ -77,8 +80,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         **dict.fromkeys(("model_init_kwargs", "torch_dtype"),
                         "--dtype sets the dtype the weights are loaded and trained in (auto: the checkpoint's)"),
         "delta": "not supported (the two-sided clip of --loss dppo is --dppo-delta-low/--dppo-delta-high)",
-        **dict.fromkeys(("vllm_server_host", "vllm_server_port"),
-                        "the server of --vllm-mode server is --vllm-server-url http://HOST:PORT"),
         "trust_remote_code": "not supported: --model loads architectures transformers ships",
         "cache_implementation": "not supported: generation uses the policy's own KV cache",
         "generation_kwargs": "sampling takes --temperature, --top-k, --top-p, --min-p, --repetition-penalty and "
@@ -95,8 +96,53 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                         "a script's model option (TRL's ModelConfig): --model takes a directory or a cached Hub id "
                         "as it is, and its attention is treerl's tree attention (--attention-impl)"),
         **dict.fromkeys(("use_liger_kernel", "vllm_enable_sleep_mode", "ds3_gather_for_generation",
-                         "dataloader_num_workers", "data_seed", "save_only_model", "lr_scheduler_kwargs"),
+                         "dataloader_num_workers", "data_seed", "save_only_model", "lr_scheduler_kwargs",
+                         "liger_kernel_config", "optim_args", "optim_target_modules", "average_tokens_across_devices",
+                         "label_smoothing_factor", "use_cache", "neftune_noise_alpha", "torch_empty_cache_steps",
+                         "auto_find_batch_size", "skip_memory_metrics", "include_num_input_tokens_seen", "debug",
+                         "accelerator_config", "parallelism_config", "label_names", "length_column_name",
+                         "save_on_each_node", "enable_jit_checkpoint", "restore_callback_states_from_checkpoint",
+                         "ignore_data_skip", "pad_to_multiple_of", "vllm_structured_outputs_regex",
+                         "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
+                         *(f"dataloader_{k}" for k in ("drop_last", "pin_memory", "persistent_workers",
+                                                       "prefetch_factor", "multiprocessing_context", "in_order"))),
                         "not supported (taken at transformers' and TRL's defaults, which mean what happens here)"),
+        # transformers' TrainingArguments with a counterpart of their own here
+        "activation_checkpointing_kwargs": "--gradient-checkpointing (TRL's activation_checkpointing) recomputes each "
+                                           "decoder layer without reentrancy; it takes no other options",
+        **dict.fromkeys(("log_on_each_node", "log_level_replica", "logging_nan_inf_filter"),
+                        "not supported: rank 0 alone prints progress and writes metrics.jsonl, each step's values as "
+                        "they are; transformers' own logging follows $TRANSFORMERS_VERBOSITY"),
+        **dict.fromkeys(("torch_compile", "torch_compile_backend", "torch_compile_mode"),
+                        "not supported: the model runs uncompiled, with treerl's tree attention (--attention-impl)"),
+        **dict.fromkeys(("bf16_full_eval", "fp16_full_eval", "eval_delay", "prediction_loss_only",
+                         "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps",
+                         "include_for_metrics", "batch_eval_metrics"),
+                        "not supported: the evaluation plays held-out episodes with the sampler, at the run's "
+                        "precision (--eval-episodes, --eval-every N steps, --eval-on-start)"),
+        **dict.fromkeys(("load_best_model_at_end", "metric_for_best_model", "greater_is_better"),
+                        "not supported: output_dir/model is the last step's; checkpoints stay in output_dir/checkpoints"
+                        " (--save-every, --save-total-limit) and metrics.jsonl has each evaluation to pick one by"),
+        "full_determinism": "not supported: a run repeats bit for bit on one device with --lockstep (treerl learn's "
+                            "default) and --seed; torch.use_deterministic_algorithms(True) in your script for GPU "
+                            "kernels",
+        "train_sampling_strategy": "--shuffle-dataset plays a dataset's rows in a new order each pass (TRL's GRPO "
+                                   "sampler does not read train_sampling_strategy either)",
+        **dict.fromkeys(("ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph",
+                         "ddp_backend", "fsdp", "fsdp_config", "deepspeed", "local_rank"),
+                        "processes come from accelerate launch or torchrun (their LOCAL_RANK): no DDP wrapper, rank "
+                        "0's weights are broadcast and every rank's gradients summed (over nccl on GPUs, gloo on "
+                        "CPUs; --ddp-timeout bounds a collective), no FSDP or DeepSpeed sharding"),
+        "router_aux_loss_coef": "not supported: the loss has no Mixture-of-Experts load-balancing term (0, or unset "
+                                "for a dense model, as in TRL)",
+        **dict.fromkeys(("use_transformers_continuous_batching", "use_transformers_paged",
+                         "transformers_continuous_batching_config"),
+                        "the transformers sampler is treerl's own: --continuous-batching lets requests join its "
+                        "running batch between decode steps; or --use-vllm"),
+        "vllm_tensor_parallel_size": "not supported: the colocated engine runs on each process's own GPU; a model that "
+                                     "needs several sample with --vllm-mode server (vllm serve MODEL "
+                                     "--tensor-parallel-size N)",
+        "vllm_group_port": "--vllm-weight-sync nccl picks an open port itself",
     }
     # TRL's options at the values that mean what happens here anyway, mostly TRL's defaults: taken and dropped
     # (treerl.config.without_neutral), so that a script or YAML file writing them out runs; other values of
@@ -120,6 +166,37 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         **dict.fromkeys(("use_liger_kernel", "vllm_enable_sleep_mode", "save_only_model"), (False,)),
         "ds3_gather_for_generation": (True,), "dataloader_num_workers": (0,), "data_seed": (None,),
         "lr_scheduler_kwargs": (None, {}), "do_train": (True, False),  # transformers' Trainer does not read do_train
+        "do_predict": (True, False),  # nor do_predict
+        # transformers' TrainingArguments at their defaults: nothing here they would change (see UNSUPPORTED)
+        **dict.fromkeys(("optim_args", "optim_target_modules", "liger_kernel_config", "neftune_noise_alpha",
+                         "torch_empty_cache_steps", "accelerator_config", "parallelism_config", "label_names",
+                         "torch_compile_backend", "torch_compile_mode", "eval_accumulation_steps",
+                         "metric_for_best_model", "greater_is_better", "activation_checkpointing",
+                         "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "ddp_bucket_cap_mb",
+                         "ddp_broadcast_buffers", "ddp_backend", "fsdp_config", "deepspeed", "disable_tqdm",
+                         "resume_from_checkpoint", "vllm_structured_outputs_regex", "vllm_max_model_length",
+                         "trackio_space_id", "trackio_bucket_id"), (None,)),
+        **dict.fromkeys(("bf16_full_eval", "fp16_full_eval", "torch_compile", "use_cache", "auto_find_batch_size",
+                         "prediction_loss_only", "eval_use_gather_object", "batch_eval_metrics", "save_on_each_node",
+                         "enable_jit_checkpoint", "load_best_model_at_end", "ignore_data_skip", "use_cpu",
+                         "restore_callback_states_from_checkpoint", "full_determinism", "dataloader_drop_last",
+                         "dataloader_persistent_workers", "use_transformers_continuous_batching",
+                         "use_transformers_paged"), (False,)),
+        **dict.fromkeys(("average_tokens_across_devices", "log_on_each_node", "logging_nan_inf_filter",
+                         "eval_do_concat_batches", "skip_memory_metrics", "dataloader_pin_memory",
+                         "dataloader_in_order"), (True,)),
+        "activation_checkpointing_kwargs": (None, {}, {"use_reentrant": False}), "label_smoothing_factor": (0.0,),
+        "include_num_input_tokens_seen": ("no", False), "log_level_replica": ("warning",), "eval_delay": (0,),
+        "include_for_metrics": ([],), "debug": ("", []), "fsdp": (None, "", []), "local_rank": (-1,),
+        "train_sampling_strategy": ("random",), "length_column_name": ("length",),
+        "transformers_continuous_batching_config": (None, {}), "trackio_static_space_id": (None, False),
+        # no DDP wrapper here (see distributed.py): its switches change nothing
+        **dict.fromkeys(("ddp_find_unused_parameters", "ddp_static_graph"), (None, True, False)),
+        "router_aux_loss_coef": (None, 0.0),  # TRL's None: the model's own coefficient, 0 for a dense model
+        "pad_to_multiple_of": ("auto", None),  # TRL's "auto" pads on Neuron only; packed rows have no padding
+        "vllm_model_impl": ("vllm",), "vllm_tensor_parallel_size": (1,), "vllm_group_port": (51216,),
+        "vllm_server_host": ("0.0.0.0",), "vllm_server_port": (8000,),  # treerl's --vllm-server-url's server
+        "vllm_importance_sampling_cap": (None,),  # TRL's deprecated name of clip_max, unset
     }
     # TRL's options that translate_options turns into fields, or takes with a note where they change nothing
     # here; each (type, help) is also a flag and a YAML key.
@@ -152,11 +229,22 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                              "Unset: the environment's own limit."),
         "eval_strategy": (str, "TRL's: steps evaluates every eval_steps optimizer steps (eval_every); no, TRL's "
                                "default, only at the start and the end; epoch is refused (a run is --steps long)."),
-        "eval_steps": (int | float, "TRL's, with --eval-strategy steps: optimizer steps (below 1: that fraction of "
-                                    "the run's, rounded up; default: logging_steps, TRL's 10); eval_every = "
-                                    "eval_steps / num_iterations."),
+        "eval_steps": (int | float | None, "TRL's, with --eval-strategy steps: optimizer steps (below 1: that "
+                                           "fraction of the run's, rounded up; default: logging_steps, TRL's 10); "
+                                           "eval_every = eval_steps / num_iterations."),
         "per_device_eval_batch_size": (int, "TRL's: changes nothing; the held-out episodes play --max-concurrency at "
                                             "a time."),
+        # transformers' and TRL's names of what is set here otherwise (see _translate_trainer_options)
+        "use_cpu": (bool, "TRL's: true trains and samples on the CPU (--device cpu)."),
+        "disable_tqdm": (bool, "TRL's: true hides the progress bar (--progress false)."),
+        "resume_from_checkpoint": (bool | str, "TRL's: true, or the path of output_dir's latest checkpoint, continues "
+                                              "from it (--resume)."),
+        "vllm_server_host": (str, "TRL's: the server of --vllm-mode server is http://HOST:PORT (--vllm-server-url)."),
+        "vllm_server_port": (int, "TRL's: see --vllm-server-host (TRL's defaults 0.0.0.0 and 8000)."),
+        "vllm_max_model_length": (int, "TRL's: the colocated engine's context window, vLLM's max_model_len (default: "
+                                       "max_episode_tokens + max_new_tokens, at most the model's positions)."),
+        "vllm_model_impl": (str, "TRL's: the colocated engine's model implementation, vLLM's model_impl: vllm "
+                                 "(its own) or transformers."),
     }
     # The field each of TRANSLATED's options sets: a flag of one overrides the other in a --config file.
     TRANSLATED_INTO: ClassVar[dict[str, str]] = {
@@ -266,6 +354,12 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     vllm_weights_dir: str | None = field_help(None, "Where disk weight sync writes (default: output_dir/vllm_weights);"
                                                     " the server must read the same path.")
     vllm_server_timeout_s: float = field_help(600.0, "Limit of one request to the vLLM server, in seconds.")
+    vllm_server_wait_s: float = field_help(0.0, "How long --vllm-mode server waits for the server to come up (to "
+                                                "answer /health) before failing, in seconds (TRL's "
+                                                "vllm_server_timeout, whose default is 240; 0: fail at once).")
+    tf32: bool | None = field_help(None, "TRL's: on a CUDA GPU, float32 matmuls and convolutions in TensorFloat-32 "
+                                         "(true) or full float32 (false), as transformers sets torch's backends; "
+                                         "unset: torch's setting. Nothing changes on the CPU.")
     gradient_checkpointing: bool = field_help(False, "Recompute each decoder layer's activations in the backward "
                                                      "instead of keeping them: less memory for long episodes, about "
                                                      "a third more compute (works with tree attention and LoRA).")
@@ -317,6 +411,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                                  "checkpoint, in the background; one still uploading makes the next "
                                                  "skip) or end (the final model only). Checkpoints themselves stay "
                                                  "local: TRL's checkpoint and all_checkpoints are refused.")
+    hub_revision: str | None = field_help(None, "The branch pushes go to (created from the main branch if missing, "
+                                                "as transformers' push_to_hub does; default: main).")
     hub_private_repo: bool | None = field_help(None, "Create the repository private (default: the Hub's default for "
                                                      "the user or organization).")
     hub_token: str | None = field_help(None, "The Hugging Face token pushing (default: $HF_TOKEN or `hf auth login`'s, "
@@ -348,6 +444,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                                     "installed); TRL's list of one tracker is taken too.")
     run_name: str | None = field_help(None, "The run's name in wandb or trackio (TRL's run_name; default: the "
                                             "tracker's own).")
+    project: str | None = field_help(None, "The wandb or trackio project the run is logged in (TRL's project, whose "
+                                           "default is huggingface; default: treerl).")
     from_rollouts: str | None = field_help(None, "Train on the groups of this trajectory file (treerl rollout/serve "
                                                  "--out) instead of playing the environment; step s takes the "
                                                  "file's next tasks_per_step groups, cycling.")
@@ -431,6 +529,9 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                              "the adapter merged into the base weights).")
         if not self.vllm_server_timeout_s > 0:
             raise ValueError(f"vllm_server_timeout_s={self.vllm_server_timeout_s} must be > 0 (seconds).")
+        if isinstance(self.vllm_server_wait_s, bool) or not 0 <= self.vllm_server_wait_s < float("inf"):
+            raise ValueError(f"vllm_server_wait_s={self.vllm_server_wait_s!r} must be a number of seconds >= 0 (TRL's "
+                             "vllm_server_timeout; 0 fails at once when no server answers).")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: use one of {', '.join(DTYPES)} (--dtype float32 keeps float32 "
                              "master weights; add --bf16 for bfloat16 compute).")
@@ -532,6 +633,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
             iterations *= minibatches
         cls._translate_eval_strategy(values)
         cls._translate_epochs(values)
+        cls._translate_trainer_options(values)
         eval_steps_unset = "eval_steps" in values and "eval_steps" not in given  # logging_steps', as TRL's
         for trl_name, name in (("max_steps", "steps"), ("save_steps", "save_every"), ("eval_steps", "eval_every")):
             if trl_name not in values:
@@ -732,6 +834,55 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         optimizer_steps = "" if per_step == 1 else f", {self.steps * per_step} optimizer steps"
         return (f"num_train_epochs={epochs:g}: {self.steps} steps{optimizer_steps} ({rows} rows, "
                 f"{self.tasks_per_step} tasks a step)")
+
+    @classmethod
+    def _translate_trainer_options(cls, values: dict[str, Any]) -> None:
+        """transformers' and TRL's names of what a field sets here, in ``values``, in place (their values that
+        change nothing were dropped as :attr:`NEUTRAL` already): ``use_cpu`` and ``disable_tqdm`` as ``device``
+        and ``progress``, ``resume_from_checkpoint`` as ``resume``, the vLLM server's host and port as
+        ``vllm_server_url``, and the colocated engine's options as ``vllm_kwargs``."""
+        settings: dict[str, Any] = {}  # field: (TRL's name, the value it sets)
+        if values.pop("use_cpu", False):  # transformers' default False: the device as --device says
+            settings["device"] = ("use_cpu", "cpu")
+        if "disable_tqdm" in values:
+            settings["progress"] = ("disable_tqdm", not values.pop("disable_tqdm"))
+        if "resume_from_checkpoint" in values:
+            settings["resume"] = ("resume_from_checkpoint",
+                                  cls._resumes_from(values.pop("resume_from_checkpoint"), values.get("output_dir")))
+        host, port = values.pop("vllm_server_host", None), values.pop("vllm_server_port", None)
+        if (host is not None or port is not None) and "vllm_server_url" not in values:  # TRL: the base URL wins
+            settings["vllm_server_url"] = ("vllm_server_host/port", f"http://{host or '0.0.0.0'}:{port or 8000}")
+        for name, value in settings.items():
+            if name in values and values[name] != value[1]:
+                raise TypeError(f"{cls.__name__}(): {value[0]} and {name} set the same thing; keep one.")
+            values[name] = value[1]
+        engine = {key: values.pop(name) for name, key in (("vllm_max_model_length", "max_model_len"),
+                                                          ("vllm_model_impl", "model_impl")) if name in values}
+        if engine:
+            given = values.get("vllm_kwargs") or {}
+            if both := sorted(k for k in engine if k in given and given[k] != engine[k]):
+                raise TypeError(f"{cls.__name__}(): TRL's vllm options and vllm_kwargs' {', '.join(both)} set the "
+                                "same thing; keep one.")
+            values["vllm_kwargs"] = {**given, **engine}
+
+    @staticmethod
+    def _resumes_from(checkpoint: Any, output_dir: Any) -> bool:
+        """TRL's ``resume_from_checkpoint`` as ``resume``: true (or false), or a checkpoint's path, which must be
+        ``output_dir``'s latest, the one a run here resumes from."""
+        if isinstance(checkpoint, bool):
+            return checkpoint
+        latest = latest_checkpoint(Path(output_dir)) if isinstance(output_dir, str) else None
+        if latest is None or Path(str(checkpoint)).resolve() != latest.resolve():
+            raise ValueError(f"resume_from_checkpoint={checkpoint!r}: a run resumes from the latest checkpoint in "
+                             f"its output_dir ({latest or 'none yet'}); pass resume_from_checkpoint=True (--resume), "
+                             "or that checkpoint's run directory as output_dir.")
+        return True
+
+    @property
+    def resume_from_checkpoint(self) -> bool | None:
+        """TRL's (transformers') name, for scripts that read it (open-r1's ``trainer.train(resume_from_checkpoint=
+        training_args.resume_from_checkpoint)``): True when the run resumes, else None."""
+        return True if self.resume else None
 
     @classmethod
     def _translate_eval_strategy(cls, values: dict[str, Any]) -> None:

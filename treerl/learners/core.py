@@ -89,6 +89,7 @@ from treerl.learners.precision import (
     enable_gradient_checkpointing,
     model_size,
     resolve_precision,
+    set_tf32,
 )
 from treerl.rollout.rewards import RewardFunc, check_reward_weights, load_reward_funcs, reward_func_name
 from treerl.learners.samples import (add_trainer_logprobs, annotate_sample, completion_rows, format_completions,
@@ -486,6 +487,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     if epochs_note and ranks.is_main:
         print(f"note: {epochs_note}", file=sys.stderr)
     device = ranks.device(cfg.device)
+    set_tf32(cfg.tf32, device)
     out_dir = Path(cfg.output_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -660,7 +662,8 @@ def _resolve_epochs(cfg: LearnerConfig, env_factory: Callable[[], Any] | None, s
 _RESUMABLE_CHANGES = frozenset({"steps", "resume", "progress", "save_every", "save_total_limit", "num_threads",
                                 "report_to", "sample_every", "sample_groups", "eval_episodes", "num_generations_eval",
                                 "overwrite_output_dir", "eval_every", "eval_on_start", "do_eval", "push_to_hub",
-                                "hub_model_id", "hub_strategy", "hub_private_repo"})
+                                "hub_model_id", "hub_strategy", "hub_private_repo", "hub_revision", "project",
+                                "vllm_server_wait_s"})
 
 
 def learner_name(cfg: LearnerConfig) -> str | None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from treerl.errors import ConfigError
 
-__all__ = ["HubPusher", "create_repo", "upload_model", "write_model_card"]
+__all__ = ["HubPusher", "create_repo", "create_branch", "upload_model", "write_model_card"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,17 @@ def create_repo(name: str, *, token: str | None = None, private: bool | None = N
     from huggingface_hub import HfApi
 
     return HfApi(token=token).create_repo(name, private=private, exist_ok=True).repo_id
+
+
+def create_branch(repo_id: str, revision: str | None, *, token: str | None = None) -> None:
+    """Create the branch ``revision`` of ``repo_id`` (from its main branch) unless it exists, as transformers'
+    ``push_to_hub`` does before it commits there; None (the main branch) and a pull request's ``refs/pr/N``
+    need none."""
+    if revision is None or revision.startswith("refs/pr"):
+        return
+    from huggingface_hub import HfApi
+
+    HfApi(token=token).create_branch(repo_id, branch=revision, exist_ok=True)
 
 
 def upload_model(folder: Path | str, repo_id: str, *, commit_message: str, token: str | None = None,
@@ -93,8 +104,10 @@ class HubPusher:
     """A run's pushes of its model to one Hub repository, created by :meth:`create`; at most one upload
     in flight, each failure a warning."""
 
-    def __init__(self, repo_id: str, *, token: str | None, base_model: str | None, learner: str | None) -> None:
+    def __init__(self, repo_id: str, *, token: str | None, base_model: str | None, learner: str | None,
+                 revision: str | None = None) -> None:
         self.repo_id, self.token, self.base_model, self.learner = repo_id, token, base_model, learner
+        self.revision = revision  # the branch pushed to (None: main)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="treerl-hub")
         self._pending: Future[None] | None = None
 
@@ -106,13 +119,15 @@ class HubPusher:
         name = cfg.hub_repo_id()
         try:
             repo_id = create_repo(name, token=cfg.hub_token, private=cfg.hub_private_repo)
+            create_branch(repo_id, cfg.hub_revision, token=cfg.hub_token)
         except Exception as exc:  # noqa: BLE001 - no token, a refused one, no network: the same fix
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"push_to_hub: the Hub repository {name!r} could not be created ({first}); log in "
                               "with `hf auth login` (or set HF_TOKEN, or pass --hub-token), check --hub-model-id, "
                               "or drop --push-to-hub (the model is written to output_dir/model anyway).") from None
-        print(f"pushing the model to https://huggingface.co/{repo_id} ({cfg.hub_strategy})", file=sys.stderr)
-        return cls(repo_id, token=cfg.hub_token, base_model=base_model, learner=learner)
+        branch = f", branch {cfg.hub_revision}" if cfg.hub_revision else ""
+        print(f"pushing the model to https://huggingface.co/{repo_id} ({cfg.hub_strategy}{branch})", file=sys.stderr)
+        return cls(repo_id, token=cfg.hub_token, base_model=base_model, learner=learner, revision=cfg.hub_revision)
 
     def push(self, folder: Path, commit_message: str, *, write: Callable[[], None] | None = None,
              steps: int | None = None, blocking: bool = False) -> bool:
@@ -146,7 +161,8 @@ class HubPusher:
 
     def _upload(self, folder: Path, commit_message: str) -> None:
         try:
-            upload_model(folder, self.repo_id, commit_message=commit_message, token=self.token)
+            upload_model(folder, self.repo_id, commit_message=commit_message, token=self.token,
+                         revision=self.revision)
         except Exception as exc:  # noqa: BLE001 - a failed push must not end the run: the model is on disk
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             message = (f"push to the Hub failed ({commit_message}): {type(exc).__name__}: {first}; the model is in "

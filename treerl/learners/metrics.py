@@ -88,7 +88,7 @@ class MetricsLog:
             self.tracker = ("tensorboard", backend(str(Path(output_dir) / "tensorboard")))
         elif backend is not None:
             named = {"name": config["run_name"]} if config.get("run_name") else {}  # TRL's run_name
-            backend.init(project="treerl", config=config, **named)
+            backend.init(project=config.get("project") or "treerl", config=config, **named)  # TRL's project
             self.tracker = (report_to, backend)
         self.file = open(Path(output_dir) / "metrics.jsonl", "a", encoding="utf-8")
         self.bar = None

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 __all__ = ["DTYPES", "Precision", "resolve_precision", "checkpoint_dtype", "enable_gradient_checkpointing",
-           "usual_learning_rate", "check_learning_rate", "model_size"]
+           "set_tf32", "usual_learning_rate", "check_learning_rate", "model_size"]
 
 DTYPES: dict[str, torch.dtype | None] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                          "float16": torch.float16, "auto": None}
@@ -170,6 +170,19 @@ def resolve_precision(dtype: str, bf16: bool | None, fp16: bool, device: str | t
                          "a loss scaler) or --bf16 false.")
     return Precision(weights, torch.bfloat16 if bf16 else None, device_type, reason="--bf16" if bf16 else "--bf16 false",
                      fp32_head=fp32_head)
+
+
+def set_tf32(tf32: bool | None, device: str | torch.device) -> None:
+    """TRL's ``tf32`` on a CUDA ``device``: float32 matmuls and convolutions in TensorFloat-32 (True) or in
+    full float32 (False), set as transformers sets them (torch's ``fp32_precision``, or before torch 2.9 its
+    ``allow_tf32`` flags), for the whole process as there. None, or another device: left as they are (a CPU
+    computes float32 in float32 either way)."""
+    if tf32 is None or torch.device(device).type != "cuda":
+        return
+    if hasattr(torch.backends, "fp32_precision"):  # torch >= 2.9
+        torch.backends.fp32_precision = "tf32" if tf32 else "ieee"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:

@@ -36,7 +36,7 @@ def server_vllm_policy(cfg: LearnerConfig, model: torch.nn.Module, tokenizer: An
     policy = VLLMServerPolicy(
         cfg.vllm_server_url, name, stop_token_ids=end_of_turn_ids(model, tokenizer),
         weight_sync=cfg.vllm_weight_sync, weights_dir=weights_dir, trainer_model=model,
-        timeout_s=cfg.vllm_server_timeout_s, max_concurrency=cfg.max_concurrency)
+        timeout_s=cfg.vllm_server_timeout_s, max_concurrency=cfg.max_concurrency, wait_s=cfg.vllm_server_wait_s)
     print(f"sampler: the vLLM server at {policy.url} ({name}); weights pushed after each step by "
           f"{cfg.vllm_weight_sync}" + (f" through {weights_dir}" if cfg.vllm_weight_sync == "disk" else ""),
           file=sys.stderr)
