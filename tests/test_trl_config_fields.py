@@ -73,24 +73,13 @@ TRL_GRPO_DEFAULTS = {
     'vllm_importance_sampling_cap': None
 }
 
-# TRL fields that other changes make work at their defaults; taken out of these tests until they land.
-# (max_steps=-1 is TRL's "run by num_train_epochs".)
-OWNED_BY_OTHER_CHANGES = frozenset({"num_train_epochs", "max_steps", "steps_per_generation", "generation_batch_size",
-                                    "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
-                                    "entropy_coef_delta", "entropy_target"})
-
-
-def written_out(defaults: dict) -> dict:
-    return {k: v for k, v in defaults.items() if k not in OWNED_BY_OTHER_CHANGES}
-
-
 def make(cls=GRPOConfig, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the notes of TRL's options that change nothing (logging_steps, ...)
         return cls(output_dir="out", **kwargs)
 
 
-@pytest.mark.parametrize("name", sorted(written_out(TRL_GRPO_DEFAULTS)))
+@pytest.mark.parametrize("name", sorted(TRL_GRPO_DEFAULTS))
 def test_each_trl_field_at_its_default_is_taken(name):
     make(**{name: TRL_GRPO_DEFAULTS[name]})
 
@@ -100,7 +89,7 @@ def test_a_trl_config_written_out_in_full_is_taken(cls, tmp_path):
     from treerl.cli import build_parser
     from treerl.config import config_from_args
 
-    cfg = make(cls, **written_out(TRL_GRPO_DEFAULTS))
+    cfg = make(cls, **TRL_GRPO_DEFAULTS)
     assert (cfg.tasks_per_step, cfg.group_size, cfg.save_every) == (1, 8, 500)  # TRL's batch of 8, one group
     assert (cfg.device, cfg.progress, cfg.resume, cfg.vllm_server_url, cfg.vllm_kwargs) == (
         "cpu", True, False, "http://127.0.0.1:8000", {})  # treerl's defaults, which TRL's mean here
@@ -109,7 +98,7 @@ def test_a_trl_config_written_out_in_full_is_taken(cls, tmp_path):
 
     import yaml
 
-    (tmp_path / "trl.yaml").write_text(yaml.safe_dump(written_out(TRL_GRPO_DEFAULTS)))
+    (tmp_path / "trl.yaml").write_text(yaml.safe_dump(TRL_GRPO_DEFAULTS))
     learner = {GRPOConfig: "grpo", SDPOConfig: "sdpo"}[cls]
     args = build_parser(learner).parse_args(["learn", "--learner", learner, "--output-dir", "out",
                                              "--config", str(tmp_path / "trl.yaml")])
@@ -123,13 +112,13 @@ def test_against_installed_trl_every_field_at_its_default_is_taken():
     defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
                 for f in dataclasses.fields(trl.GRPOConfig) if f.name != "output_dir"}
     refused = {}
-    for name, value in written_out(defaults).items():
+    for name, value in defaults.items():
         try:
             make(**{name: value})
         except (TypeError, ValueError) as exc:
             refused[name] = str(exc)
     assert not refused
-    make(**written_out(defaults))
+    make(**defaults)
 
 
 def test_trls_names_of_treerl_settings_set_them():
@@ -231,7 +220,7 @@ def test_a_trl_script_with_hub_revision_project_and_tf32_trains_and_pushes_to_th
     monkeypatch.setitem(sys.modules, "trackio", trackio)
     tf32 = []
     monkeypatch.setattr(core, "set_tf32", lambda value, device: tf32.append((value, str(device))))
-    options = {**written_out(TRL_GRPO_DEFAULTS), "max_steps": 1, "num_generations": 2, "per_device_train_batch_size": 2,
+    options = {**TRL_GRPO_DEFAULTS, "max_steps": 1, "num_generations": 2, "per_device_train_batch_size": 2,
                "max_completion_length": 8, "gradient_checkpointing": False, "eval_strategy": "no",
                "push_to_hub": True, "hub_model_id": "me/calc", "hub_revision": "dev", "hub_strategy": "end",
                "report_to": ["trackio"], "project": "calc", "tf32": True, "use_cpu": True, "disable_tqdm": True,
