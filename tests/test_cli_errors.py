@@ -102,6 +102,13 @@ CASES = [
     ("report-to-unknown", [*LEARN, "--report-to", "mlflow"], None, "report_to='mlflow'"),
     ("eval-episodes-negative", [*LEARN, "--eval-episodes", "-1"], None,
      "eval_episodes, eval_every and save_every must be >= 0"),
+    ("save-strategy-best", [*LEARN, "--save-strategy", "best"], None,
+     "save_strategy='best' saves when an evaluation improves on metric_for_best_model"),
+    ("save-strategy-epoch-without-rows", [*LEARN, "--save-strategy", "epoch", "--eval-episodes", "0"], None,
+     "save_strategy='epoch' acts at the end of each pass over a training dataset, but treerl/Calculator-v0 "
+     "generates its tasks"),
+    ("yaml-save-strategy-no-and-save-every", LEARN, "save_strategy: 'no'\nsave_every: 2\n",
+     "save_strategy='no' and save_every set the same thing; keep one"),
     ("num-generations-eval-0", [*LEARN, "--num-generations-eval", "0"], None, "num_generations_eval=0 must be >= 1"),
     ("yaml-num-generations-eval-negative", LEARN, "num_generations_eval: -2\n", "num_generations_eval=-2 must be >= 1"),
     ("sync-ref-model-without-beta", [*LEARN, "--sync-ref-model", "true"], None,

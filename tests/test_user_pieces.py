@@ -361,7 +361,8 @@ def test_trls_save_steps_below_1_is_a_fraction_of_the_run(tmp_path):
 def test_trls_eval_strategy_steps_sets_eval_every_as_save_steps_sets_save_every(tmp_path):
     """TRL's eval_strategy="steps" evaluates every eval_steps optimizer steps (a fraction < 1 of the run's, rounded
     up; unset: logging_steps, GRPOConfig's 10): eval_every is that divided by num_iterations. "no", TRL's default,
-    and the evaluation options TRL scripts pass at their defaults are taken; "epoch" is refused with what to do."""
+    and the evaluation options TRL scripts pass at their defaults are taken; "epoch" waits for the rows
+    (tests/test_save_strategy.py)."""
     from treerl.cli import build_parser
     from treerl.config import config_from_args
 
@@ -379,8 +380,7 @@ def test_trls_eval_strategy_steps_sets_eval_every_as_save_steps_sets_save_every(
         assert GRPOConfig(output_dir="x", eval_steps=3).eval_every == 0
     with pytest.warns(UserWarning, match="per_device_eval_batch_size=4 changes nothing here"):
         GRPOConfig(output_dir="x", per_device_eval_batch_size=4)
-    with pytest.raises(ValueError, match="eval_strategy='epoch': a run here is --steps long, not epochs"):
-        GRPOConfig(output_dir="x", eval_strategy="epoch")
+    assert GRPOConfig(output_dir="x", eval_strategy="epoch", eval_steps=3).every_epoch == ["eval_every"]
     with pytest.raises(ValueError, match="eval_steps=3 counts optimizer steps .* num_iterations=2"):
         GRPOConfig(output_dir="x", num_iterations=2, eval_strategy="steps", eval_steps=3)
     # The messages name what the user wrote: eval_steps (not save_steps), and logging_steps' 10 where it was unset.
@@ -671,7 +671,7 @@ def test_a_passed_optimizer_with_adamw_options_set_is_refused_not_ignored(tmp_pa
     core._refuse_unused_adamw_options(GRPOConfig(output_dir="x", optim="adamw_torch_fused"))
 
 
-@pytest.mark.parametrize("option", ["hub_always_push", "save_strategy",
+@pytest.mark.parametrize("option", ["hub_always_push",
                                     "gradient_checkpointing_kwargs", "torch_dtype",
                                     "vllm_group_port", "trust_remote_code", "generation_kwargs"])
 def test_trainingarguments_options_a_trl_script_sets_are_refused_with_what_to_do(option):

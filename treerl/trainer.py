@@ -51,9 +51,10 @@ What maps, and how:
   times (default: ``num_generations``, as TRL) as one group, with the reward functions, sampling at
   ``args.temperature`` as TRL does (``eval_temperature``, when set, wins), and what
   ``args.eval_strategy="steps"`` (``eval_every``) scores during training: every ``eval_steps`` optimizer
-  steps, and before the first with ``args.eval_on_start`` (False by default, as TRL's), logged in
-  the step's metrics under TRL's names (``eval_reward``, ...). The run's own held-out episodes are off
-  (``eval_episodes`` is set to 0: they score the environment's reward, which is 0).
+  steps (``"epoch"``: at the end of each epoch and of the run), and before the first with
+  ``args.eval_on_start`` (False by default, as TRL's), logged in the step's metrics under TRL's names
+  (``eval_reward``, ...). The run's own held-out episodes are off (``eval_episodes`` is set to 0: they score
+  the environment's reward, which is 0).
 - ``callbacks``: functions ``(step, metrics)``, or TRL ``TrainerCallback`` objects, whose
   ``on_train_begin``, ``on_step_end``, ``on_log``, ``on_evaluate`` and ``on_train_end`` are called
   (``control`` is not read: a callback cannot stop the run).
@@ -215,6 +216,9 @@ class LearnerTrainer:
         if isinstance(eval_dataset, Mapping):
             raise ValueError("eval_dataset is a mapping of several datasets; pass one (a datasets.Dataset or a list "
                              "of rows), or call evaluate(eval_dataset=...) once per dataset.")
+        if eval_dataset is None and args is not None and "eval_every" in args.every_epoch:
+            raise ValueError(f"args.eval_strategy='epoch' scores an eval_dataset at the end of each epoch: pass "
+                             f"{name}(eval_dataset=...), or eval_strategy='no'.")
         if eval_dataset is None and args is not None and (args.eval_every or "eval_steps" in args.fractions_of_run):
             every = args.eval_every or f"eval_steps={args.fractions_of_run['eval_steps']} of the run"
             raise ValueError(f"args.eval_every={every} (eval_strategy='steps') scores an eval_dataset during "
@@ -278,6 +282,11 @@ class LearnerTrainer:
             note = self.args.resolve_steps(len(self.train_dataset))
             if self.accelerator.is_main_process:
                 print(f"note: {note}", file=sys.stderr)
+        if self.args.every_epoch and source == "environment_factory":  # the run resolves them from the rows
+            raise ValueError(f"args.save_strategy / eval_strategy='epoch' act at the end of each pass over "
+                             f"train_dataset, which {name} was not given (TRL's placeholder rows make each step an "
+                             "epoch): save every N optimizer steps, save_strategy='steps' with save_steps=N "
+                             "(eval_strategy='steps' with eval_steps=N).")
         from transformers import TrainerState
 
         self.state = TrainerState(max_steps=self.args.steps * _optimizer_steps_per_step(self.args))
@@ -303,7 +312,8 @@ class LearnerTrainer:
             callbacks.append(_TrainerCallbacks(trainer_callbacks, cfg, rows=max(len(self.train_dataset), 1)))
             callbacks[-1].event("on_train_begin")
         # eval_strategy="steps": the eval_dataset scored as evaluate() scores it, with the policy's weights then.
-        evaluate = functools.partial(self._score, self.eval_dataset) if cfg.eval_every else None
+        every = cfg.eval_every or "eval_every" in cfg.every_epoch  # eval_strategy "epoch": set by the run's rows
+        evaluate = functools.partial(self._score, self.eval_dataset) if every else None
         started = time.perf_counter()
         result = self.learn(cfg, model=model, tokenizer=tokenizer,
                                  env_factory=self._env_factory(self.train_dataset),

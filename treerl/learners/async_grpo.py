@@ -236,6 +236,12 @@ class AsyncGRPOConfig(GRPOConfig):
         """
         return -(-math.ceil(self.num_train_epochs * rows) // self.tasks_per_step)
 
+    def epoch_interval(self, rows: int | None, where: str) -> int:
+        """TRL's AsyncGRPO trains on a stream of groups (an iterable dataset, without a length), which transformers'
+        Trainer plays as one epoch, the whole run: save_strategy and eval_strategy ``"epoch"`` act at its end only,
+        with or without rows."""
+        return self.steps
+
     @property
     def capacity(self) -> int:
         """The buffer bound: ``buffer_size``, or the groups of every step a generator may run ahead."""

@@ -73,8 +73,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                      "sampler/trainer importance weights (TRL's vllm_importance_sampling_mode)",
         "hub_always_push": "not supported: a checkpoint's push is skipped while the previous one still uploads, as "
                            "transformers' default does (the next one, or the end of the run, pushes newer weights)",
-        "save_strategy": "checkpoints are written every --save-every steps (TRL's save_steps; 0: only the final "
-                         "model), keeping --save-total-limit of them",
         "gradient_checkpointing_kwargs": "--gradient-checkpointing recomputes each decoder layer without "
                                          "reentrancy; it takes no other options",
         **dict.fromkeys(("model_init_kwargs", "torch_dtype"),
@@ -158,7 +156,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "log_completions_hub_repo": (None,),
         "log_multimodal": (True,),
         "importance_sampling_level": ("token",),  # token-level ratios, as every --loss but gspo
-        "save_strategy": ("steps",),  # every --save-every (TRL's save_steps) steps
         "gradient_checkpointing_kwargs": (None, {}, {"use_reentrant": False}),  # what --gradient-checkpointing does
         "log_level": ("passive",),  # transformers' default: its logging as it is set
         # transformers' and TRL's defaults of what has no counterpart here: no Liger kernels, no vLLM sleep, no
@@ -228,7 +225,15 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                              "first; the environment's max_turns = N + 1 (--env-kwargs' max_turns). "
                                              "Unset: the environment's own limit."),
         "eval_strategy": (str, "TRL's: steps evaluates every eval_steps optimizer steps (eval_every); no, TRL's "
-                               "default, only at the start and the end; epoch is refused (a run is --steps long)."),
+                               "default, only at the start and the end; epoch at the end of each pass over the "
+                               "training rows and of the run (as --save-strategy epoch)."),
+        "save_strategy": (str, "TRL's: steps (its default) checkpoints every save_steps optimizer steps (save_every); "
+                               "epoch at the end of each pass over the training rows, every floor(rows / "
+                               "tasks_per_step) steps (AsyncGRPO's TRL streams its groups: one epoch, the run), set "
+                               "when the run starts (an environment that generates its tasks refuses it); no, none "
+                               "(save_every 0). save_steps is then ignored, as in TRL. Every run still ends with a "
+                               "checkpoint (what --resume continues) and the model in output_dir/model (what a TRL "
+                               "script writes with trainer.save_model); best is refused."),
         "eval_steps": (int | float | None, "TRL's, with --eval-strategy steps: optimizer steps (below 1: that "
                                            "fraction of the run's, rounded up; default: logging_steps, TRL's 10); "
                                            "eval_every = eval_steps / num_iterations."),
@@ -251,7 +256,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "max_steps": "steps", "save_steps": "save_every", "per_device_train_batch_size": "tasks_per_step",
         "gradient_accumulation_steps": "tasks_per_step", "steps_per_generation": "tasks_per_step",
         "generation_batch_size": "tasks_per_step", "warmup_ratio": "warmup_steps",
-        "eval_strategy": "eval_every", "eval_steps": "eval_every",
+        "eval_strategy": "eval_every", "eval_steps": "eval_every", "save_strategy": "save_every",
     }
     # TRL's epsilon_high defaults to epsilon; treerl's stays 0.28 (DAPO's clip-higher): pass both to match TRL.
 
@@ -274,6 +279,11 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         help="TRL's options given as a fraction of the run (warmup_ratio; save_steps, eval_steps below 1) while "
              "num_train_epochs has yet to set its length; applied, and emptied, when it does.",
         default_factory=dict, metadata={"cli": False})
+    every_epoch: list[str] = field_help(
+        help="The fields TRL's save_strategy and eval_strategy 'epoch' set (save_every, eval_every): the steps of an "
+             "epoch (epoch_interval), set when the run starts from the training rows; eval_every then also "
+             "evaluates at the run's last step, the end of its last epoch (transformers' on_epoch_end).",
+        default_factory=list, metadata={"cli": False})
     tasks_per_step: int = field_help(8, "Tasks per step; each is played group_size times.")
     group_size: int = field_help(8, "Generations per task (GRPO's group).")
     learning_rate: float | None = field_help(None, "AdamW learning rate (default: by the model's size, see "
@@ -558,6 +568,9 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                                       or self.num_generations_eval < 1):
             raise ValueError(f"num_generations_eval={self.num_generations_eval!r} must be >= 1: the episodes each "
                              "evaluation task is played (unset: TRL's num_generations in GRPOTrainer, 1 in learn).")
+        if not set(self.every_epoch) <= set(_EPOCH_STRATEGIES):
+            raise ValueError(f"every_epoch={self.every_epoch!r}: name save_every and/or eval_every (what TRL's "
+                             "save_strategy and eval_strategy 'epoch' set).")
         if self.eval_episodes < 0 or self.save_every < 0 or self.eval_every < 0:
             raise ValueError("eval_episodes, eval_every and save_every must be >= 0 (0 skips evaluation / "
                              "evaluation during training / intermediate checkpoints).")
@@ -632,6 +645,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                         else f"num_minibatches={minibatches}")
             iterations *= minibatches
         cls._translate_eval_strategy(values)
+        cls._translate_save_strategy(values)
         cls._translate_epochs(values)
         cls._translate_trainer_options(values)
         eval_steps_unset = "eval_steps" in values and "eval_steps" not in given  # logging_steps', as TRL's
@@ -888,7 +902,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     def _translate_eval_strategy(cls, values: dict[str, Any]) -> None:
         """TRL's evaluation options in ``values``, in place: ``eval_strategy="steps"`` keeps ``eval_steps`` (default:
         ``logging_steps``, as transformers' Trainer) for :meth:`translate_options` to turn into ``eval_every``;
-        ``"no"`` drops it, as TRL ignores it then; ``per_device_eval_batch_size`` changes nothing."""
+        ``"no"`` and ``"epoch"`` (an evaluation at each epoch's end, :attr:`every_epoch`) drop it, as TRL ignores it
+        then; ``per_device_eval_batch_size`` changes nothing."""
         if "eval_steps" in values and values["eval_steps"] is None:  # TRL's default: logging_steps decides
             del values["eval_steps"]
         if values.get("per_device_eval_batch_size", 8) != 8:  # TRL's default is said nothing about
@@ -906,13 +921,73 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
             raise TypeError(f"{cls.__name__}(): eval_strategy and eval_every set the same thing; keep one.")
         if strategy == "steps":
             values.setdefault("eval_steps", values.get("logging_steps", 10))  # GRPOConfig's logging_steps: 10
-        elif strategy == "epoch":
-            raise ValueError("eval_strategy='epoch': a run here is --steps long, not epochs; evaluate every N "
-                             "optimizer steps with eval_strategy='steps' and eval_steps=N (or --eval-every N steps).")
-        elif strategy == "no":
+        elif strategy in ("epoch", "no"):
             values.pop("eval_steps", None)  # as TRL ignores it
+            if strategy == "epoch":  # set when the rows are known (resolve_every_epoch)
+                values["every_epoch"] = sorted({*values.get("every_epoch", ()), "eval_every"})
         else:
-            raise ValueError(f"eval_strategy={strategy!r}: use steps (with eval_steps=N) or no.")
+            raise ValueError(f"eval_strategy={strategy!r}: use steps (with eval_steps=N), epoch or no.")
+
+    @classmethod
+    def _translate_save_strategy(cls, values: dict[str, Any]) -> None:
+        """TRL's ``save_strategy`` in ``values``, in place: ``"steps"`` (its default) leaves ``save_steps`` to
+        :meth:`translate_options`; ``"no"`` is ``save_every=0``, ``"epoch"`` a checkpoint at each epoch's end
+        (:attr:`every_epoch`), each dropping ``save_steps`` as transformers' Trainer ignores it then."""
+        if "save_strategy" not in values:
+            return
+        strategy = values.pop("save_strategy")
+        strategy = getattr(strategy, "value", strategy)  # transformers' SaveStrategy
+        if strategy == "best":
+            raise ValueError("save_strategy='best' saves when an evaluation improves on metric_for_best_model, which "
+                             "treerl does not track: save every N optimizer steps (save_strategy='steps', "
+                             "save_steps=N) or at each epoch's end (save_strategy='epoch'), keep them all "
+                             "(save_total_limit unset) and compare the eval figures metrics.jsonl logs at those "
+                             "steps.")
+        if strategy not in ("steps", "epoch", "no"):
+            raise ValueError(f"save_strategy={strategy!r}: use steps (with save_steps=N), epoch or no.")
+        if strategy == "steps":
+            return
+        if "save_every" in values:
+            raise TypeError(f"{cls.__name__}(): save_strategy={strategy!r} and save_every set the same thing; keep "
+                            "one.")
+        values.pop("save_steps", None)  # as TRL ignores it
+        if strategy == "no":
+            values["save_every"] = 0
+        else:  # set when the rows are known (resolve_every_epoch)
+            values["every_epoch"] = sorted({*values.get("every_epoch", ()), "save_every"})
+
+    def epoch_interval(self, rows: int | None, where: str) -> int:
+        """The steps between the ends of epochs, where TRL's save_strategy and eval_strategy ``"epoch"`` save and
+        evaluate (transformers' ``DefaultFlowCallback.on_epoch_end``): :meth:`steps_per_epoch` of the training
+        ``rows``, whole steps (GRPO's epoch is ``floor(rows / tasks_per_step)`` generations). ``rows`` None is
+        refused, ``where`` saying why there are none.
+
+        >>> LearnerConfig(output_dir="x", tasks_per_step=2).epoch_interval(7, "")
+        3
+        """
+        named = " and ".join(f"{_EPOCH_STRATEGIES[name]}='epoch'" for name in self.every_epoch) or "epoch"
+        if rows is None:
+            raise ConfigError(f"{named} acts at the end of each pass over a training dataset, but {where}: save or "
+                              "evaluate every N optimizer steps instead (save_strategy='steps' with save_steps=N, "
+                              "eval_strategy='steps' with eval_steps=N), or train on rows (--env-kwargs "
+                              "'{\"data_path\": \"train.jsonl\"}').")
+        per_epoch = int(self.steps_per_epoch(rows))
+        if per_epoch == 0:
+            raise ConfigError(f"{named}: the dataset has {rows} row(s), fewer than a step's tasks_per_step="
+                              f"{self.tasks_per_step}, so an epoch has no step (TRL's sampler plays whole batches "
+                              "only): add rows, or lower tasks_per_step (TRL's per_device_train_batch_size).")
+        return per_epoch
+
+    def resolve_every_epoch(self, rows: int | None,
+                            where: str = "the environment generates its tasks (no data_path or dataset)") -> str:
+        """The fields of :attr:`every_epoch` set to :meth:`epoch_interval`, as the rows are known when the run
+        starts (after :meth:`resolve_steps`); again on a config already resolved, with the same result. Returns
+        a line that says when, for the run to print."""
+        every = self.epoch_interval(rows, where)
+        for name in self.every_epoch:
+            setattr(self, name, every)
+        named = " and ".join(f"{_EPOCH_STRATEGIES[name]}='epoch'" for name in self.every_epoch)
+        return f"{named}: every {every} steps (an epoch) and at the run's end"
 
     def train_env_factory(self, env_factory: Callable[[], Any] | None = None) -> Callable[[], Any]:
         """The training episodes' environments: ``env_factory`` (default: ``make(env, **env_kwargs)``) with
@@ -973,6 +1048,10 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
 
     def packing_config(self) -> PackingConfig:
         return PackingConfig(max_tokens_per_row=self.max_tokens_per_row, mode=self.pack_mode)
+
+
+_EPOCH_STRATEGIES = {"save_every": "save_strategy", "eval_every": "eval_strategy"}
+"""The fields of :attr:`LearnerConfig.every_epoch`, each with the TRL option that sets it."""
 
 
 def _fraction_of_run(named: str, trl_name: str, fraction: float, steps: int, per_step: int,

@@ -305,8 +305,11 @@ class Run:
         self.state = replace(self.state, step=step + 1, policy_version=self.sync.version, next_task=next_task)
         if self.ranks.is_main:
             metrics.update(self.diagnostics.check(step + 1, metrics))
-            if self.cfg.eval_every and (step + 1) % self.cfg.eval_every == 0:  # before the checkpoint: a resumed
-                metrics.update(self.evaluate(step + 1))                         # run continues after it
+            # eval_strategy "epoch" evaluates at the end of the last epoch too, a short one included (transformers'
+            # on_epoch_end); before the checkpoint: a resumed run continues after it.
+            last_epoch_ends = step + 1 == self.cfg.steps and "eval_every" in self.cfg.every_epoch
+            if self.cfg.eval_every and ((step + 1) % self.cfg.eval_every == 0 or last_epoch_ends):
+                metrics.update(self.evaluate(step + 1))
             self.log.log(step + 1, metrics)
             for callback in self.callbacks:
                 callback(step + 1, dict(metrics))
@@ -473,8 +476,10 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
     if reward_weights is None and cfg.reward_weights is not None:
         reward_weights = cfg.reward_weights
     weights = check_reward_weights(reward_funcs, reward_weights)
-    # num_train_epochs: the run's length (and what is a fraction of it) from the rows, before anything reads it.
-    epochs_note = _resolve_epochs(cfg, env_factory, source) if cfg.num_train_epochs is not None else None
+    # num_train_epochs: the run's length (and what is a fraction of it) from the rows, before anything reads it;
+    # save_strategy / eval_strategy "epoch" (every_epoch): save_every / eval_every from them.
+    epochs_note = (_resolve_epochs(cfg, env_factory, source) if cfg.num_train_epochs is not None or cfg.every_epoch
+                   else None)
     if cfg.eval_every and not cfg.eval_episodes and evaluate is None:
         raise ConfigError(f"eval_every={cfg.eval_every} evaluates the held-out episodes every N steps, but "
                           "eval_episodes=0 plays none; set --eval-episodes (e.g. 32) or --eval-every 0.")
@@ -642,9 +647,12 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
 
 def _resolve_epochs(cfg: LearnerConfig, env_factory: Callable[[], Any] | None, source: GroupSource | None) -> str:
     """``cfg.steps`` from ``num_train_epochs`` and the rows of the training environment's dataset
-    (:meth:`~treerl.learners.config.LearnerConfig.resolve_steps`); the line it says."""
+    (:meth:`~treerl.learners.config.LearnerConfig.resolve_steps`), then the fields of ``cfg.every_epoch``
+    (:meth:`~treerl.learners.config.LearnerConfig.resolve_every_epoch`); the line it says."""
     if source is not None or cfg.from_rollouts or cfg.from_server:
         given = "--from-rollouts" if cfg.from_rollouts else "--from-server" if cfg.from_server else "a source"
+        if cfg.num_train_epochs is None:
+            return cfg.resolve_every_epoch(None, f"the groups come from {given}")
         raise ConfigError(f"num_train_epochs={cfg.num_train_epochs:g} counts passes over the environment's dataset, but "
                           f"the groups come from {given}: give the run's length in steps, --steps N.")
     env = (env_factory or cfg.env_factory())()
@@ -655,7 +663,10 @@ def _resolve_epochs(cfg: LearnerConfig, env_factory: Callable[[], Any] | None, s
                  f"{env_id_of(env) or cfg.env} generates its tasks (no data_path or dataset)")
     finally:
         env.close()
-    return cfg.resolve_steps(rows, where)
+    notes = [cfg.resolve_steps(rows, where)] if cfg.num_train_epochs is not None else []
+    if cfg.every_epoch:
+        notes.append(cfg.resolve_every_epoch(rows, where))
+    return "; ".join(notes)
 
 
 # Settings a resumed run may change without changing what its earlier steps were.
@@ -663,7 +674,7 @@ _RESUMABLE_CHANGES = frozenset({"steps", "resume", "progress", "save_every", "sa
                                 "report_to", "sample_every", "sample_groups", "eval_episodes", "num_generations_eval",
                                 "overwrite_output_dir", "eval_every", "eval_on_start", "do_eval", "push_to_hub",
                                 "hub_model_id", "hub_strategy", "hub_private_repo", "hub_revision", "project",
-                                "vllm_server_wait_s"})
+                                "vllm_server_wait_s", "every_epoch"})
 
 
 def learner_name(cfg: LearnerConfig) -> str | None:
