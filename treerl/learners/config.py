@@ -236,7 +236,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                "script writes with trainer.save_model); best is refused."),
         "eval_steps": (int | float | None, "TRL's, with --eval-strategy steps: optimizer steps (below 1: that "
                                            "fraction of the run's, rounded up; default: logging_steps, TRL's 10); "
-                                           "eval_every = eval_steps / num_iterations."),
+                                           "eval_every = eval_steps / (num_iterations x num_minibatches)."),
         "per_device_eval_batch_size": (int, "TRL's: changes nothing; the held-out episodes play --max-concurrency at "
                                             "a time."),
         # transformers' and TRL's names of what is set here otherwise (see _translate_trainer_options)
