@@ -236,3 +236,19 @@ def test_a_trl_script_with_hub_revision_project_and_tf32_trains_and_pushes_to_th
     assert inits[0]["project"] == "calc" and tf32 == [(True, "cpu")]
     trainer.push_to_hub()  # TRL's push_to_hub: args.hub_revision too, as transformers' Trainer
     assert hub.uploads[-1]["revision"] == "dev" and hub.branches[-1] == ("me/calc", "dev")
+
+
+def test_a_config_as_transformers_writes_it_out_with_both_checkpointing_names_is_taken():
+    # transformers 5 mirrors gradient_checkpointing into activation_checkpointing (its new name) in __post_init__,
+    # so TrainingArguments.to_dict() and every YAML dumped from it hold both, at one value.
+    for value in (True, False):
+        cfg = make(activation_checkpointing=value, gradient_checkpointing=value)
+        assert cfg.gradient_checkpointing is value
+    with pytest.raises(TypeError, match="activation_checkpointing and gradient_checkpointing set the same thing"):
+        make(activation_checkpointing=True, gradient_checkpointing=False)
+    trl = pytest.importorskip("trl")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dumped = trl.GRPOConfig(output_dir="out", report_to="none", use_cpu=True, bf16=False).to_dict()
+    assert dumped["activation_checkpointing"] is dumped["gradient_checkpointing"] is True
+    assert make(**{k: dumped[k] for k in ("activation_checkpointing", "gradient_checkpointing")}).gradient_checkpointing

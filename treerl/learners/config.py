@@ -59,8 +59,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "model_name_or_path": "model", "epsilon": "epsilon_low", "use_bias_correction_kl": "kl_bias_correction",
         "scale_rewards": "advantage_scale", "vllm_server_base_url": "vllm_server_url",
         "sapo_temperature_pos": "sapo_tau_pos", "sapo_temperature_neg": "sapo_tau_neg",
-        # transformers 5's name of gradient_checkpointing; TRL's wait for its vLLM server to come up
-        "activation_checkpointing": "gradient_checkpointing", "vllm_server_timeout": "vllm_server_wait_s",
+        # TRL's wait for its vLLM server to come up
+        "vllm_server_timeout": "vllm_server_wait_s",
     }
     # TRL's options with no field here, and what to use instead: a flag, YAML key or keyword argument of
     # one of these names is refused with this hint, not with a "did you mean" for a look-alike name.
@@ -240,6 +240,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "per_device_eval_batch_size": (int, "TRL's: changes nothing; the held-out episodes play --max-concurrency at "
                                             "a time."),
         # transformers' and TRL's names of what is set here otherwise (see _translate_trainer_options)
+        "activation_checkpointing": (bool, "transformers 5's name of --gradient-checkpointing (its TrainingArguments "
+                                           "write both out, at one value)."),
         "use_cpu": (bool, "TRL's: true trains and samples on the CPU (--device cpu)."),
         "disable_tqdm": (bool, "TRL's: true hides the progress bar (--progress false)."),
         "resume_from_checkpoint": (bool | str, "TRL's: true, or the path of output_dir's latest checkpoint, continues "
@@ -852,10 +854,12 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     @classmethod
     def _translate_trainer_options(cls, values: dict[str, Any]) -> None:
         """transformers' and TRL's names of what a field sets here, in ``values``, in place (their values that
-        change nothing were dropped as :attr:`NEUTRAL` already): ``use_cpu`` and ``disable_tqdm`` as ``device``
-        and ``progress``, ``resume_from_checkpoint`` as ``resume``, the vLLM server's host and port as
+        change nothing were dropped as :attr:`NEUTRAL` already): ``activation_checkpointing`` as
+        ``gradient_checkpointing``, ``use_cpu`` and ``disable_tqdm`` as ``device`` and ``progress``, ``resume_from_checkpoint`` as ``resume``, the vLLM server's host and port as
         ``vllm_server_url``, and the colocated engine's options as ``vllm_kwargs``."""
         settings: dict[str, Any] = {}  # field: (TRL's name, the value it sets)
+        if "activation_checkpointing" in values:  # beside gradient_checkpointing at one value, as transformers dumps
+            settings["gradient_checkpointing"] = ("activation_checkpointing", values.pop("activation_checkpointing"))
         if values.pop("use_cpu", False):  # transformers' default False: the device as --device says
             settings["device"] = ("use_cpu", "cpu")
         if "disable_tqdm" in values:
