@@ -252,3 +252,23 @@ def test_a_config_as_transformers_writes_it_out_with_both_checkpointing_names_is
         dumped = trl.GRPOConfig(output_dir="out", report_to="none", use_cpu=True, bf16=False).to_dict()
     assert dumped["activation_checkpointing"] is dumped["gradient_checkpointing"] is True
     assert make(**{k: dumped[k] for k in ("activation_checkpointing", "gradient_checkpointing")}).gradient_checkpointing
+
+
+@pytest.mark.parametrize("in_file, flags, expected", [
+    ("disable_tqdm: false\n", ["--progress", "false"], {"progress": False}),
+    ("use_cpu: true\n", ["--device", "cuda:1"], {"device": "cuda:1"}),
+    ("resume_from_checkpoint: false\n", ["--resume"], {"resume": True}),
+    ("activation_checkpointing: true\n", ["--gradient-checkpointing", "false"], {"gradient_checkpointing": False}),
+    ("vllm_server_base_url: http://a:1\n", ["--vllm-server-host", "b"], {"vllm_server_url": "http://b:8000"}),
+    ("progress: false\n", ["--disable-tqdm", "false"], {"progress": True}),
+    ("vllm_server_host: a\n", ["--vllm-server-port", "9"], {"vllm_server_url": "http://a:9"}),  # TRL's pair combines
+])
+def test_a_flag_overrides_the_trl_name_of_its_option_in_the_config_file(in_file, flags, expected, tmp_path):
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+
+    (tmp_path / "trl.yaml").write_text(in_file)
+    args = build_parser("grpo").parse_args(["learn", "--output-dir", str(tmp_path / "out"),
+                                            "--config", str(tmp_path / "trl.yaml"), *flags])
+    cfg = config_from_args(GRPOConfig, args)
+    assert {k: getattr(cfg, k) for k in expected} == expected

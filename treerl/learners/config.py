@@ -259,6 +259,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "gradient_accumulation_steps": "tasks_per_step", "steps_per_generation": "tasks_per_step",
         "generation_batch_size": "tasks_per_step", "warmup_ratio": "warmup_steps",
         "eval_strategy": "eval_every", "eval_steps": "eval_every", "save_strategy": "save_every",
+        "activation_checkpointing": "gradient_checkpointing", "use_cpu": "device", "disable_tqdm": "progress",
+        "resume_from_checkpoint": "resume", "vllm_server_host": "vllm_server_url", "vllm_server_port": "vllm_server_url",
     }
     # TRL's epsilon_high defaults to epsilon; treerl's stays 0.28 (DAPO's clip-higher): pass both to match TRL.
 
