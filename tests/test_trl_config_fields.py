@@ -272,3 +272,13 @@ def test_a_flag_overrides_the_trl_name_of_its_option_in_the_config_file(in_file,
                                             "--config", str(tmp_path / "trl.yaml"), *flags])
     cfg = config_from_args(GRPOConfig, args)
     assert {k: getattr(cfg, k) for k in expected} == expected
+
+
+def test_async_grpo_refuses_a_vllm_server_address_as_it_refuses_its_url():
+    from treerl import AsyncGRPOConfig
+
+    make(AsyncGRPOConfig, vllm_server_host="0.0.0.0", vllm_server_port=8000)  # TRL's defaults: nothing to refuse
+    for kwargs in ({"vllm_server_host": "10.0.0.2"}, {"vllm_server_port": 9000},
+                   {"vllm_server_base_url": "http://10.0.0.2:8000"}):
+        with pytest.raises(TypeError, match=f"has no option {next(iter(kwargs))}: there is no vLLM server"):
+            make(AsyncGRPOConfig, **kwargs)

@@ -96,7 +96,8 @@ class AsyncGRPOConfig(GRPOConfig):
                                          "heartbeat_stale_after_s": "heartbeat_timeout"}
     UNSUPPORTED: ClassVar[dict[str, str]] = {
         **GRPOConfig.UNSUPPORTED,
-        **dict.fromkeys(("vllm_server_base_url", "vllm_server_timeout", "request_timeout", "weight_sync_timeout"),
+        **dict.fromkeys(("vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
+                         "request_timeout", "weight_sync_timeout"),
                         "there is no vLLM server to connect to: the generators are treerl's own processes "
                         "(--num-generators), each sampling with transformers or its own vLLM engine "
                         "(--generator-policy vllm), to which the trainer publishes each step's weights"),
@@ -108,7 +109,7 @@ class AsyncGRPOConfig(GRPOConfig):
         "router_aux_loss_coef": "not supported: the loss has no Mixture-of-Experts load-balancing term",
     }
     TRANSLATED: ClassVar[dict[str, tuple[type, str]]] = {
-        **GRPOConfig.TRANSLATED,
+        **{k: v for k, v in GRPOConfig.TRANSLATED.items() if k not in ("vllm_server_host", "vllm_server_port")},
         "token_budget": (int, "TRL's: the token budget of one packed row (shared prefixes counted once), "
                               "max_tokens_per_row here; unset: treerl's default; <= 0 (no budget) is refused."),
         "weight_sync_steps": (int, "TRL's: 1 only (the generators get the weights after every step)."),
