@@ -26,8 +26,8 @@ from treerl.kernels.tree_attention import enable_tree_attention
 from treerl.learners.async_grpo import AsyncGRPOConfig
 from treerl.learners.core import make_scheduler
 from treerl.learners.distributed import Ranks
-from treerl.learners.grpo import (GRPOConfig, minibatch_split, optimize_minibatches, pack_minibatches, pack_step,
-                                  train)
+from treerl.learners.grpo import (GRPOConfig, minibatch_split, optimize, optimize_minibatches, pack_minibatches,
+                                  pack_step, train)
 from treerl.learners.losses import LossInputs, LossNormalizer, compute_loss
 from treerl.learners.packed_batch import packing_metrics
 from treerl.learners.sdpo import SDPOConfig
@@ -156,6 +156,27 @@ def test_the_update_is_one_optimizer_step_on_each_minibatch_in_turn(loss, num_it
     reference_update(other, groups, parts, cfg, lr, old_from_generation=False)
     assert max(float((dict(other.named_parameters())[n] - p).detach().abs().max()) for n, p in want.items()) > 1e-3
     assert metrics["lr"] == lr and metrics["loss/policy"] == metrics["loss/policy"]
+
+
+def test_each_optimizer_steps_entropy_bonus_is_the_token_mean_of_its_own_minibatch():
+    """TRL's bonus is the mean entropy over the tokens of the batch it is computed on, whatever the loss's
+    normalizer: a minibatch of more tokens than the step's average gets no larger a bonus (its dapo token count is
+    the step's / K, TRL's policy normalizer, which the bonus does not share)."""
+    model = tiny_model("qwen3")
+    groups = build_groups()
+    calibrate(model, groups)
+    enable_tree_attention(model, impl="segment")
+    cfg = GRPOConfig(output_dir="unused", temperature=TEMPERATURE, num_minibatches=3, tasks_per_step=3, group_size=5,
+                     entropy_coef=0.1, is_mode="off", max_tokens_per_row=48)
+    minibatches = pack_minibatches(groups, advantages(groups), cfg, Ranks(), {}, skip_zero_advantage=False,
+                                   seed=(0, 5))
+    assert len({sum(b.num_terms for b in batches) for batches, _ in minibatches}) > 1  # minibatches of unequal size
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scheduler = make_scheduler(optimizer, cfg)
+    for batches, normalizer in minibatches:
+        metrics: dict[str, float] = {}
+        optimize(model, optimizer, scheduler, batches, cfg, "cpu", metrics, normalizer=normalizer)
+        assert metrics["loss/entropy"] == pytest.approx(metrics["entropy/mean"], rel=1e-5)
 
 
 # -- TRL's options ------------------------------------------------------------------------------

@@ -427,9 +427,11 @@ def pack_minibatches(groups: Sequence[Group], adv: torch.Tensor, cfg: GRPOConfig
         metrics["train/masked_episodes_frac"] = num_cut / max(num_episodes, 1)
     num_tokens = sum(counts[0::2]) / len(packed)
     # A minibatch with micro-batches has terms, so tokens and sequences to count; one without has no loss.
+    # The entropy bonus is a mean over the minibatch's own tokens (TRL's over its batch's), not num_tokens.
     return [(batches, LossNormalizer(num_tokens=num_tokens, num_sequences=num_sequences,
-                                     episode_num_tokens=batches[0].episode_num_tokens) if batches else None)
-            for batches, num_sequences in zip(packed, counts[1::2])]
+                                     episode_num_tokens=batches[0].episode_num_tokens,
+                                     window_num_tokens=own_tokens) if batches else None)
+            for batches, own_tokens, num_sequences in zip(packed, counts[0::2], counts[1::2])]
 
 
 def _pack_part(groups: Sequence[Group], adv: torch.Tensor, cfg: GRPOConfig, skip: Sequence[int],

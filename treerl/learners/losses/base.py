@@ -173,6 +173,9 @@ class LossNormalizer:
     entropy_kept_frac: float | None = None
     """With ``LossInputs.entropy_mask``: the share of the window's terms it keeps, on all ranks. The
     entropy bonus is divided by it, so that it stays a mean over the kept terms (TRL's)."""
+    window_num_tokens: float | None = None
+    """The window's own terms on all ranks, where ``num_tokens`` counts others (``num_minibatches``: the
+    step's / K, TRL's policy normalizer); the entropy bonus is a mean over these. None: ``num_tokens``."""
 
     def __post_init__(self) -> None:
         if not self.num_tokens > 0:
@@ -564,7 +567,7 @@ def finish_policy_loss(
             entropy_terms = entropy_terms / (normalizer.entropy_kept_frac or 1.0)
         # TRL's bonus is the mean entropy over the loss's tokens whatever the loss type, not rescaled to the
         # policy term's aggregation (a sequence mean, Dr. GRPO's constant), so entropy_coef means one thing.
-        entropy = _token_mean(entropy_terms, inputs, cfg, normalizer)
+        entropy = entropy_terms.sum() / (normalizer.window_num_tokens or normalizer.num_tokens)
         if cfg.entropy_coef > 0.0:
             loss = loss - cfg.entropy_coef * entropy
         metrics["loss/entropy"] = entropy.detach()
