@@ -581,6 +581,20 @@ def test_trls_lr_scheduler_types_decay_over_the_runs_optimizer_steps():
         GRPOConfig(output_dir="x", lr_scheduler_type="polynomial")
 
 
+def test_trls_warmup_steps_below_one_is_a_fraction_of_the_run():
+    """transformers 5 (TRL 1.16's) has no warmup_ratio: warmup_steps in (0, 1) is that fraction of the run's optimizer
+    steps, rounded up (TrainingArguments.get_warmup_steps), and a float of 1 or more is truncated to whole steps."""
+    from transformers import TrainingArguments
+
+    assert TrainingArguments(output_dir="x", warmup_steps=0.1).get_warmup_steps(20) == 2
+    assert GRPOConfig(output_dir="x", max_steps=20, warmup_steps=0.1).warmup_steps == 2
+    assert GRPOConfig(output_dir="x", max_steps=8, num_iterations=2, warmup_steps=0.3).warmup_steps == 3
+    assert GRPOConfig(output_dir="x", max_steps=-1, warmup_steps=0.1).fractions_of_run == {"warmup_ratio": 0.1}
+    assert GRPOConfig(output_dir="x", max_steps=20, warmup_steps=3.0).warmup_steps == 3
+    with pytest.raises(TypeError, match="warmup_ratio and warmup_steps set the same thing"):
+        GRPOConfig(output_dir="x", warmup_ratio=0.1, warmup_steps=0.2)
+
+
 def test_trls_adamw_options_reach_the_optimizer_and_a_resumed_run_keeps_them(tmp_path):
     """adam_beta1, adam_beta2, adam_epsilon and optim (TRL's names, flags and YAML keys) build the AdamW;
     its checkpoint restores the same optimizer on --resume."""

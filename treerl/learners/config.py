@@ -304,7 +304,9 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     optim: str = field_help("adamw_torch", "torch's AdamW, adamw_torch, or adamw_torch_fused: the same update in one "
                                            "fused kernel (TRL's default; faster on a GPU). Another optimizer is "
                                            "passed from Python (treerl.learners.train(cfg, optimizer=...)).")
-    warmup_steps: int = field_help(0, "Linear warm-up steps, then lr_scheduler_type's schedule.")
+    warmup_steps: int = field_help(0, "Optimizer steps of linear warm-up (TRL's; a step takes num_iterations x "
+                                      "num_minibatches of them), then lr_scheduler_type's schedule. In Python, below "
+                                      "1: that fraction of the run's, as transformers 5 reads it (TRL's warmup_ratio).")
     lr_scheduler_type: str = field_help("constant", "After the warm-up: constant, linear or cosine (decay to 0 at the "
                                                     "run's last optimizer step; TRL's default is linear).")
     max_grad_norm: float = field_help(1.0, "Gradient clipping norm (0 disables).")
@@ -683,6 +685,13 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
             values[name] = value
         if values.get("top_k") == 0 and not isinstance(values["top_k"], bool):
             values["top_k"] = None  # TRL's and vLLM's 0: no top-k, the whole vocabulary (treerl's None)
+        warmup = values.get("warmup_steps")
+        if isinstance(warmup, float) and 0 < warmup < 1:  # transformers 5's (TRL 1.16's) warmup_ratio
+            if "warmup_ratio" in values:
+                raise TypeError(f"{cls.__name__}(): warmup_ratio and warmup_steps set the same thing; keep one.")
+            values["warmup_ratio"] = values.pop("warmup_steps")
+        elif isinstance(warmup, float) and warmup >= 1:  # whole steps, as get_warmup_steps truncates them
+            values["warmup_steps"] = int(warmup)
         if "warmup_ratio" in values:
             ratio = values.pop("warmup_ratio")
             if "warmup_steps" in values:
