@@ -36,7 +36,7 @@ class TrainerState:
     """Where a run is: what a resumed run starts from."""
 
     step: int = 0
-    """Optimizer steps taken."""
+    """Steps taken (a GRPO step takes num_iterations x num_minibatches optimizer steps)."""
     policy_version: int = 0
     """The weights version the policy samples with (one per published update)."""
     next_task: int = 0

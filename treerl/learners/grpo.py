@@ -116,8 +116,9 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
                "advantages and, as in TRL, among the episodes a sequence-mean loss averages over.")
     top_entropy_quantile: float = field_help(
         1.0, "TRL's (Beyond the 80/20 Rule's rho): only the sampled tokens whose entropy is in this top share of "
-             "the step's (every micro-batch's, every process's) add policy loss (and entropy bonus); the KL and "
-             "the normalizers keep every token. 1 keeps all; the paper uses 0.2; 0 the highest-entropy token(s).")
+             "the optimizer step's (every micro-batch's, every process's; with num_minibatches, the minibatch's) "
+             "add policy loss (and entropy bonus); the KL and the normalizers keep every token. 1 keeps all; the "
+             "paper uses 0.2; 0 the highest-entropy token(s).")
     use_adaptive_entropy: bool = field_help(
         False, "TRL's (Skywork-OR1's adaptive entropy control): --entropy-coef is the starting coefficient; after "
                "each optimizer step it grows by entropy_coef_delta when the step's mean entropy was at or below "
