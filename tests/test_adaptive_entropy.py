@@ -179,7 +179,7 @@ def test_a_resumed_run_continues_the_sequence(tmp_path):
         torch.testing.assert_close(got[k], weights[k], rtol=0, atol=0, msg=k)
 
 
-@pytest.mark.parametrize("learner", ["sdpo", "async_grpo"])
+@pytest.mark.parametrize("learner", ["sdpo", pytest.param("async_grpo", marks=pytest.mark.slow)])  # processes
 def test_sdpo_and_async_grpo_control_their_trainers_entropy_too(tmp_path, learner):
     from treerl.learners.async_grpo import AsyncGRPOConfig, train_async
     from treerl.learners.sdpo import SDPOConfig

@@ -158,7 +158,7 @@ def test_trls_options_are_taken_as_keywords_flags_and_yaml(tmp_path):
     assert (cfg.sync_ref_model, cfg.ref_model_mixup_alpha, cfg.ref_model_sync_steps) == (True, 0.5, 8)
 
 
-@pytest.mark.parametrize("learner", ["sdpo", "async_grpo"])
+@pytest.mark.parametrize("learner", ["sdpo", pytest.param("async_grpo", marks=pytest.mark.slow)])  # processes
 def test_sdpo_and_async_grpo_sync_their_trainers_reference_too(tmp_path, learner):
     """Both train through the learner core's reference (AsyncGRPO's trainer, not its generators, has one)."""
     from treerl.learners.async_grpo import AsyncGRPOConfig, train_async
