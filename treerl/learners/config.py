@@ -371,7 +371,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                                     " the server must read the same path.")
     vllm_server_timeout_s: float = field_help(600.0, "Limit of one request to the vLLM server, in seconds.")
     vllm_server_wait_s: float = field_help(0.0, "How long --vllm-mode server waits for the server to come up (to "
-                                                "answer /health) before failing, in seconds (TRL's "
+                                                "answer /v1/models) before failing, in seconds (TRL's "
                                                 "vllm_server_timeout, whose default is 240; 0: fail at once).")
     tf32: bool | None = field_help(None, "TRL's: on a CUDA GPU, float32 matmuls and convolutions in TensorFloat-32 "
                                          "(true) or full float32 (false), as transformers sets torch's backends; "
