@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from treerl import GRPOConfig, GRPOTrainer
+from treerl.learners.checkpoints import latest_checkpoint
 from treerl.models import default_model_path, load_model
 
 SYSTEM = "Use the calculator tool, then answer with \\boxed{number}."
@@ -651,7 +652,7 @@ def test_a_model_config_saved_over_the_runs_config_json_leaves_resume_and_compar
     capsys.readouterr()
     again = GRPOTrainer(model="tiny", reward_funcs=reward, train_dataset=rows,
                         args=small(tmp_path / "b", save_steps=1, max_steps=2, temperature=0.5))
-    again.train(resume_from_checkpoint=True)
+    again.train(resume_from_checkpoint=str(latest_checkpoint(runs[1])))  # the latest's path, as TRL's is
     err = capsys.readouterr().err  # the change is compared with the run's settings (the model's have none)
     assert "resumed from" in err and "temperature 1.0 -> 0.5" in err and "dtype" not in err
     assert json.loads((runs[1] / "config.json").read_text())["learner"] == "grpo"  # the run's settings again

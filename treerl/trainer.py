@@ -294,14 +294,13 @@ class LearnerTrainer:
 
     # -- training --------------------------------------------------------------------------------------------
 
-    def train(self, resume_from_checkpoint: bool | None = None) -> TrainerResult:
-        """Train; ``resume_from_checkpoint=True`` continues the run in ``args.output_dir`` (a checkpoint path
-        is refused: the run resumes from its latest). Returns treerl's result with TRL's ``global_step``,
-        ``training_loss`` and ``metrics`` (:class:`TrainerResult`)."""
-        if resume_from_checkpoint not in (None, False, True):
-            raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r}: a run resumes from the latest "
-                             "checkpoint in args.output_dir; pass True.")
-        cfg = dataclasses.replace(self.args, resume=True) if resume_from_checkpoint else self.args
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainerResult:
+        """Train; ``resume_from_checkpoint=True``, or the path of ``args.output_dir``'s latest checkpoint,
+        continues the run there (another checkpoint's path is refused: a run resumes from its latest). Returns
+        treerl's result with TRL's ``global_step``, ``training_loss`` and ``metrics`` (:class:`TrainerResult`)."""
+        resume = resume_from_checkpoint is not None and type(self.args)._resumes_from(resume_from_checkpoint,
+                                                                                      self.args.output_dir)
+        cfg = dataclasses.replace(self.args, resume=True) if resume else self.args
         # The step this call starts from: a resumed run's checkpoint (its earlier steps are not this call's).
         ckpt = latest_checkpoint(Path(cfg.output_dir)) if cfg.resume else None
         first_step = checkpoint_step(ckpt) if ckpt is not None else 0
