@@ -458,6 +458,13 @@ def test_trls_run_name_names_the_tracker_run(tmp_path, monkeypatch):
     MetricsLog(tmp_path, report_to="wandb", config=dataclasses.asdict(cfg), total_steps=1, progress=False)
     MetricsLog(tmp_path, report_to="wandb", config={"run_name": None}, total_steps=1, progress=False)
     assert inits[0]["name"] == "qwen3-calc" and "name" not in inits[1]
+    # the project: TRL's (trackio's), which $WANDB_PROJECT overrides for wandb, as transformers' callback reads it
+    assert [i["project"] for i in inits] == ["treerl", "treerl"]
+    monkeypatch.setenv("WANDB_PROJECT", "mine")
+    MetricsLog(tmp_path, report_to="wandb", config={"project": "huggingface"}, total_steps=1, progress=False)
+    monkeypatch.setitem(sys.modules, "trackio", fake)
+    MetricsLog(tmp_path, report_to="trackio", config={"project": "huggingface"}, total_steps=1, progress=False)
+    assert [i["project"] for i in inits[2:]] == ["mine", "huggingface"]
 
 
 def test_log_completions_prints_and_logs_each_steps_completions(tmp_path, monkeypatch, capsys):

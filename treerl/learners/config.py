@@ -461,7 +461,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     run_name: str | None = field_help(None, "The run's name in wandb or trackio (TRL's run_name; default: the "
                                             "tracker's own).")
     project: str | None = field_help(None, "The wandb or trackio project the run is logged in (TRL's project, whose "
-                                           "default is huggingface; default: treerl).")
+                                           "default is huggingface; default: treerl); $WANDB_PROJECT, where set, "
+                                           "names wandb's, as in transformers.")
     from_rollouts: str | None = field_help(None, "Train on the groups of this trajectory file (treerl rollout/serve "
                                                  "--out) instead of playing the environment; step s takes the "
                                                  "file's next tasks_per_step groups, cycling.")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -88,7 +89,9 @@ class MetricsLog:
             self.tracker = ("tensorboard", backend(str(Path(output_dir) / "tensorboard")))
         elif backend is not None:
             named = {"name": config["run_name"]} if config.get("run_name") else {}  # TRL's run_name
-            backend.init(project=config.get("project") or "treerl", config=config, **named)  # TRL's project
+            # TRL's project names trackio's; wandb's is $WANDB_PROJECT where set, as transformers' callback reads it
+            project = (report_to == "wandb" and os.environ.get("WANDB_PROJECT")) or config.get("project") or "treerl"
+            backend.init(project=project, config=config, **named)
             self.tracker = (report_to, backend)
         self.file = open(Path(output_dir) / "metrics.jsonl", "a", encoding="utf-8")
         self.bar = None
