@@ -910,6 +910,10 @@ def test_options_that_are_not_here_say_what_to_use_instead(tmp_path, capsys):
     assert "(log_level: not supported: treerl prints its progress" in err and "did you mean is_level" not in err
     assert "(use_peft: LoRA is on when --lora-r is set" in err
     assert GRPOConfig(output_dir="x", log_level="passive").steps == 60  # transformers' default is taken
+    # in Python too (it said "did you mean max_steps?")
+    with pytest.raises(TypeError, match="max_staleness: an option of treerl learn --learner async_grpo, not of "
+                                        "--learner grpo"):
+        GRPOConfig(output_dir="x", max_staleness=2)
 
 
 def test_learning_rate_default_and_warning_follow_the_model_size():

@@ -93,21 +93,6 @@ def _preparse(argv: Sequence[str]) -> argparse.Namespace:
     return known
 
 
-def _other_learners_options(learner: str) -> dict[str, str]:
-    """The options of the other learners that ``learner`` lacks, each saying which learner has it
-    (``max_staleness`` is AsyncGRPO's, not GRPO's)."""
-    from treerl.learners import LEARNERS
-
-    own = {f.name for f in dataclasses.fields(LEARNERS[learner].config)}
-    owners: dict[str, list[str]] = {}
-    for name, spec in sorted(LEARNERS.items()):
-        for f in dataclasses.fields(spec.config):
-            if f.init and f.name not in own:
-                owners.setdefault(f.name, []).append(name)
-    return {field: f"an option of treerl learn {' or '.join(f'--learner {n}' for n in names)}, not of --learner "
-                   f"{learner}" for field, names in owners.items()}
-
-
 def _learner_name(pre: argparse.Namespace) -> str:
     """``--learner``, else the ``learner`` key of ``--config``, else grpo."""
     if pre.learner:
@@ -222,7 +207,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
     from treerl.learners.distributed import is_main_process
 
     spec = LEARNERS[args.learner]
-    cfg = config_for_command(spec.config, args, extra_keys=("learner",), hints=_other_learners_options(args.learner))
+    cfg = config_for_command(spec.config, args, extra_keys=("learner",))
     try:
         result = spec.train(cfg)
     except KeyboardInterrupt:
@@ -393,7 +378,7 @@ def build_parser(learner: str = "grpo") -> argparse.ArgumentParser:
 
             p.add_argument("--learner", default=learner, choices=sorted(LEARNERS),
                            help="Which learner trains (its own flags are listed with --learner NAME --help).")
-            hints = unknown_option_hints(cls, _other_learners_options(learner))
+            hints = unknown_option_hints(cls)
             parser.hints = {"--" + name.replace("_", "-"): hint for name, hint in hints.items()}
         p.set_defaults(func=func)
 

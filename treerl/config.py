@@ -279,9 +279,11 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def unknown_option_hints(cls: type, hints: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Names that are not options of ``cls`` but that a user may bring (``cls.UNSUPPORTED``, e.g. TRL's
-    ``per_device_train_batch_size``, plus ``hints``), each with what to do instead."""
-    return {**getattr(cls, "UNSUPPORTED", {}), **(hints or {})}
+    """Names that are not options of ``cls`` but that a user may bring (``cls.option_hints()`` where it has
+    one, else ``cls.UNSUPPORTED``, e.g. TRL's ``per_device_train_batch_size``; plus ``hints``), each with
+    what to do instead."""
+    own = cls.option_hints() if hasattr(cls, "option_hints") else getattr(cls, "UNSUPPORTED", {})
+    return {**own, **(hints or {})}
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace, *, extra_keys: Sequence[str] = (),

@@ -22,7 +22,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -623,6 +623,25 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     def recorded(self) -> dict[str, Any]:
         """The options as config.json and the tracker record them: all but :attr:`SECRETS`."""
         return {k: v for k, v in asdict(self).items() if k not in self.SECRETS}
+
+    @classmethod
+    def option_hints(cls) -> dict[str, str]:
+        """What to use instead of a name that is not an option of this config, in Python, on the command line
+        and in --config files: :attr:`UNSUPPORTED`'s hints, and another learner's option (``max_staleness`` is
+        AsyncGRPO's), naming the learners that have it."""
+        import treerl.learners  # every learner registered
+        from treerl.learners.core import LEARNERS
+
+        own = {f.name for f in fields(cls)}
+        where = next((f"--learner {name}" for name, spec in LEARNERS.items() if spec.config is cls), cls.__name__)
+        owners: dict[str, list[str]] = {}
+        for name, spec in sorted(LEARNERS.items()):
+            for f in fields(spec.config):
+                if f.init and f.name not in own:
+                    owners.setdefault(f.name, []).append(name)
+        others = {option: f"an option of treerl learn {' or '.join(f'--learner {n}' for n in names)}, not of {where}"
+                  for option, names in owners.items()}
+        return {**cls.UNSUPPORTED, **others}
 
     def optimizer_steps_per_step(self) -> int:
         """Optimizer steps a step takes (TRL's ``max_steps`` counts these): 1 here; GRPO's config says more."""
