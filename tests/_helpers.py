@@ -138,6 +138,7 @@ class FakeHub:
         self.owner, self.tokens, self.repos, self.uploads, self.branches = owner, [], [], [], []
         self.before_upload = None
         self.create_error: Exception | None = None
+        self.branch_error: Exception | None = None
 
     def install(self, monkeypatch) -> FakeHub:
         import huggingface_hub
@@ -157,6 +158,8 @@ class FakeHub:
 
             def create_branch(self, repo_id, *, branch, exist_ok=False, **kwargs):
                 assert exist_ok, "an existing branch (a resumed run's) must be reused"
+                if hub.branch_error is not None:
+                    raise hub.branch_error
                 hub.branches.append((repo_id, branch))
 
             def upload_folder(self, *, repo_id, folder_path, commit_message=None, revision=None, run_as_future=False,

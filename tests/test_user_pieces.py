@@ -798,6 +798,12 @@ def test_push_to_hub_creates_the_repository_before_training(tmp_path, monkeypatc
                                           "Error: Unauthorized\\); log in with `hf auth login`"):
         train(GRPOConfig(output_dir=str(tmp_path / "run"), steps=1, **HUB_RUN))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    # a branch the Hub refuses (hub_revision) is said as such, not as a missing login
+    hub.create_error, hub.branch_error = None, OSError("400 Client Error: Invalid rev id: a..b")
+    with pytest.raises(ConfigError, match="the branch 'a..b' of me/run could not be created \(400 Client Error: "
+                                          "Invalid rev id: a..b\); check --hub-revision"):
+        train(GRPOConfig(output_dir=str(tmp_path / "run"), steps=1, hub_revision="a..b", **HUB_RUN))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_trls_hub_options_as_flags_and_yaml_keys(tmp_path):

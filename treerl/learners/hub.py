@@ -39,6 +39,12 @@ def create_repo(name: str, *, token: str | None = None, private: bool | None = N
     return HfApi(token=token).create_repo(name, private=private, exist_ok=True).repo_id
 
 
+def _first_line(exc: BaseException) -> str:
+    """An exception's first line, or its type's name when it says nothing."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def create_branch(repo_id: str, revision: str | None, *, token: str | None = None) -> None:
     """Create the branch ``revision`` of ``repo_id`` (from its main branch) unless it exists, as transformers'
     ``push_to_hub`` does before it commits there; None (the main branch) and a pull request's ``refs/pr/N``
@@ -119,12 +125,17 @@ class HubPusher:
         name = cfg.hub_repo_id()
         try:
             repo_id = create_repo(name, token=cfg.hub_token, private=cfg.hub_private_repo)
-            create_branch(repo_id, cfg.hub_revision, token=cfg.hub_token)
         except Exception as exc:  # noqa: BLE001 - no token, a refused one, no network: the same fix
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"push_to_hub: the Hub repository {name!r} could not be created ({first}); log in "
-                              "with `hf auth login` (or set HF_TOKEN, or pass --hub-token), check --hub-model-id, "
-                              "or drop --push-to-hub (the model is written to output_dir/model anyway).") from None
+            raise ConfigError(f"push_to_hub: the Hub repository {name!r} could not be created ({_first_line(exc)}); "
+                              "log in with `hf auth login` (or set HF_TOKEN, or pass --hub-token), check "
+                              "--hub-model-id, or drop --push-to-hub (the model is written to output_dir/model "
+                              "anyway).") from None
+        try:
+            create_branch(repo_id, cfg.hub_revision, token=cfg.hub_token)
+        except Exception as exc:  # noqa: BLE001 - a name the Hub refuses, a token that may not write there
+            raise ConfigError(f"push_to_hub: the branch {cfg.hub_revision!r} of {repo_id} could not be created "
+                              f"({_first_line(exc)}); check --hub-revision (a git branch name) and that the token "
+                              "may write to the repository, or drop --hub-revision to push to main.") from None
         branch = f", branch {cfg.hub_revision}" if cfg.hub_revision else ""
         print(f"pushing the model to https://huggingface.co/{repo_id} ({cfg.hub_strategy}{branch})", file=sys.stderr)
         return cls(repo_id, token=cfg.hub_token, base_model=base_model, learner=learner, revision=cfg.hub_revision)
@@ -164,9 +175,8 @@ class HubPusher:
             upload_model(folder, self.repo_id, commit_message=commit_message, token=self.token,
                          revision=self.revision)
         except Exception as exc:  # noqa: BLE001 - a failed push must not end the run: the model is on disk
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            message = (f"push to the Hub failed ({commit_message}): {type(exc).__name__}: {first}; the model is in "
-                       f"{folder}: upload it later with `hf upload {self.repo_id} {folder}`")
+            message = (f"push to the Hub failed ({commit_message}): {type(exc).__name__}: {_first_line(exc)}; the "
+                       f"model is in {folder}: upload it later with `hf upload {self.repo_id} {folder}`")
             logger.info(message)  # printed below: at warning level Python's last-resort handler printed it twice
             print(f"warning: {message}", file=sys.stderr)
             return
