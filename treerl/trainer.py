@@ -838,10 +838,12 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def _step_loss(metrics: Mapping[str, float], cfg: GRPOConfig) -> float:
-    """The loss a logged step optimized (its last update's), from the parts logged: ``loss/policy`` + beta x
-    ``loss/kl`` - entropy_coef x ``loss/entropy``; SDPO's (1 - distillation_weight) x that + distillation_weight
-    x ``loss/distill``. TRL's ``loss``. With ``use_adaptive_entropy`` the entropy's coefficient is the one that
-    update applied (``entropy/coef_applied``)."""
+    """The loss a logged step optimized, from the parts logged (its last pass's, a mean over the pass's
+    minibatches): ``loss/policy`` + beta x ``loss/kl`` - entropy_coef x ``loss/entropy``; SDPO's (1 -
+    distillation_weight) x that + distillation_weight x ``loss/distill``. TRL's ``loss``. With
+    ``use_adaptive_entropy`` the entropy's coefficient is the one the last update applied
+    (``entropy/coef_applied``): where it changed between a pass's minibatches, this differs slightly from the
+    mean of their losses."""
     entropy_coef = metrics.get("entropy/coef_applied", getattr(cfg, "entropy_coef", 0.0))
     loss = (metrics["loss/policy"] + getattr(cfg, "beta", 0.0) * metrics.get("loss/kl", 0.0)
             - entropy_coef * metrics.get("loss/entropy", 0.0))
