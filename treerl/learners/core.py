@@ -717,6 +717,12 @@ def _check_size_defaults(cfg: LearnerConfig, model: torch.nn.Module, is_main: bo
         notes.append(f"max_new_tokens={cfg.max_new_tokens} is the shipped tiny model's limit; a "
                      f"{model_size(num_params)}-parameter model's answers (and its thinking) are usually longer, so "
                      "most turns would be cut off: pass e.g. --max-new-tokens 1024.")
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False):
+        coef = getattr(config, "router_aux_loss_coef", None)
+        notes.append(f"this Mixture-of-Experts model's config asks for its router's load-balancing loss "
+                     f"(output_router_logits, router_aux_loss_coef={coef}), which TRL adds to the loss and treerl "
+                     "does not: the balance of its experts is not trained.")
     for message in notes if is_main else ():
         logger.info(message)  # printed below: at warning level Python's last-resort handler printed it twice
         print(f"warning: {message}", file=sys.stderr)
