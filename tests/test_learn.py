@@ -641,8 +641,10 @@ def test_eval_every_evaluates_during_training_and_a_resumed_run_continues_the_sc
 
     assert main(["learn", "--steps", "3", *small]) == 0
     steps, evals = evaluated()
-    assert steps == [0, 1, 2, 3] and sorted(evals) == [0, 2]
+    # and at the last step, as transformers' Trainer evaluates at the end of training: the end's figures
+    assert steps == [0, 1, 2, 3] and sorted(evals) == [0, 2, 3]
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_end"]["wall_s"] == evals[3]["eval/wall_s"]
     assert evals[0]["eval/success_rate"] == summary["eval_start"]["success_rate"]  # step 0: the start's figures
     assert evals[2]["eval/episodes"] == 2 and {"eval/reward/mean", "eval/reward/std"} <= set(evals[2])
     assert "eval at step 2: success rate" in capsys.readouterr().err

@@ -268,6 +268,26 @@ def test_eval_strategy_steps_scores_the_eval_dataset_during_training_as_evaluate
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["eval_end"] is None  # no held-out episodes
 
 
+def test_eval_strategy_steps_also_evaluates_at_the_end_of_training_as_transformers_does(tmp_path):
+    """transformers' Trainer evaluates at the last step when it is not a multiple of eval_steps (DefaultFlowCallback:
+    'evaluate at the end if we have a step-based eval strategy'): max_steps 3, eval_steps 2 evaluate at 2 and 3."""
+    from transformers import TrainerCallback
+
+    class Evaluations(TrainerCallback):
+        seen: list = []
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            self.seen.append(state.global_step)
+
+    rows = [{"prompt": f"What is {i} + {i}?"} for i in range(2)]
+    trainer = GRPOTrainer(model="tiny", reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          train_dataset=rows, eval_dataset=rows[:1], callbacks=[Evaluations()],
+                          args=small(tmp_path, max_steps=3, eval_strategy="steps", eval_steps=2,
+                                     num_generations_eval=2))
+    trainer.train()
+    assert Evaluations.seen == [2, 3]
+
+
 def test_unsupported_arguments_are_refused_by_name(tmp_path):
     from peft import LoraConfig
 

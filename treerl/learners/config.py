@@ -402,8 +402,9 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
              'whose rows the evaluation would then draw).',
         default_factory=dict)
     eval_temperature: float = field_help(1.0, "Sampling temperature of the evaluation.")
-    eval_every: int = field_help(0, "Also evaluate every N steps during training, logged in that step's metrics "
-                                    "as eval/success_rate, eval/reward/mean, ... (TRL's eval_strategy steps with "
+    eval_every: int = field_help(0, "Also evaluate every N steps during training and at the last step (as "
+                                    "transformers' Trainer ends), logged in that step's metrics as "
+                                    "eval/success_rate, eval/reward/mean, ... (TRL's eval_strategy steps with "
                                     "eval_steps; 0: only at the start and the end).")
     eval_on_start: bool | None = field_help(None, "Evaluate before the first step (TRL's eval_on_start); with "
                                                   "eval_every, also logged as step 0 of metrics.jsonl. Default: "

@@ -305,10 +305,10 @@ class Run:
         self.state = replace(self.state, step=step + 1, policy_version=self.sync.version, next_task=next_task)
         if self.ranks.is_main:
             metrics.update(self.diagnostics.check(step + 1, metrics))
-            # eval_strategy "epoch" evaluates at the end of the last epoch too, a short one included (transformers'
-            # on_epoch_end); before the checkpoint: a resumed run continues after it.
-            last_epoch_ends = step + 1 == self.cfg.steps and "eval_every" in self.cfg.every_epoch
-            if self.cfg.eval_every and ((step + 1) % self.cfg.eval_every == 0 or last_epoch_ends):
+            # Also at the last step, as transformers' Trainer evaluates at the end of training (eval_strategy
+            # "steps") and of the last epoch, a short one included ("epoch"); its figures are the end's. Before
+            # the checkpoint: a resumed run continues after it.
+            if self.cfg.eval_every and ((step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps):
                 metrics.update(self.evaluate(step + 1))
             self.log.log(step + 1, metrics)
             for callback in self.callbacks:
