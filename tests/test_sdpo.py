@@ -370,6 +370,7 @@ SMALL = ["--steps", "2", "--tasks-per-step", "2", "--group-size", "4", "--max-ne
          "0", "--progress", "false", "--num-threads", "1", "--save-every", "1"]
 
 
+@pytest.mark.slow  # a whole run (processes or a model forward): CI's slow tier
 def test_treerl_learn_sdpo_trains_and_checkpoints_its_ema_teacher(tmp_path):
     out = tmp_path / "run"
     assert main(["learn", "--learner", "sdpo", "--env", ENV, "--output-dir", str(out), *SMALL,

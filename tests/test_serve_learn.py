@@ -64,6 +64,7 @@ def test_learn_from_a_trajectory_file(tmp_path):
     assert abs(lines[0]["is/ratio_mean"] - 1.0) < 1e-3  # sampled by these very weights: ratio 1
 
 
+@pytest.mark.slow  # a whole run (processes or a model forward): CI's slow tier
 def test_length_limit_on_recorded_groups_names_the_limit_they_were_sampled_with(tmp_path):
     # --max-new-tokens does not reach groups recorded elsewhere: the diagnostic must not tell the user to raise it.
     model, tok = _load()
@@ -139,6 +140,7 @@ def test_from_server_without_publishing_rights_is_refused_before_the_first_step(
                 GRPOConfig(output_dir="x", from_server=url.removesuffix("/v1")).group_source()
 
 
+@pytest.mark.slow  # a whole run (processes or a model forward): CI's slow tier
 def test_learn_from_server_publishes_versioned_weights(tmp_path, monkeypatch):
     pytest.importorskip("fastapi", reason="treerl serve needs the serve extra (fastapi, uvicorn)")
     openai = pytest.importorskip("openai", reason="the openai client is a test dependency")
@@ -185,6 +187,7 @@ def test_learn_from_server_publishes_versioned_weights(tmp_path, monkeypatch):
     assert abs(lines[0]["is/ratio_mean"] - 1.0) < 1e-3
 
 
+@pytest.mark.slow  # a whole run (processes or a model forward): CI's slow tier
 def test_sdpo_learns_from_served_traffic_and_its_feedback(tmp_path):
     """SDPO's teacher reads the feedback agents post with their rewards (as the engine records Env.feedback)."""
     pytest.importorskip("fastapi", reason="treerl serve needs the serve extra (fastapi, uvicorn)")

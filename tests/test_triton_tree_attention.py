@@ -354,6 +354,7 @@ def test_forced_triton_runs_a_model_like_segment(triton_in_table):
         torch.testing.assert_close(got_grads[name], grad, atol=1e-4, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow  # a whole run (processes or a model forward): CI's slow tier
 @needs_kernel
 def test_triton_runs_a_model_under_bfloat16_autocast_like_segment(triton_in_table):
     # The learners' default on a GPU: float32 weights, the decoder under bfloat16 autocast. There
@@ -434,6 +435,7 @@ def _cubin_reason() -> str | None:
 SHARED_LIMIT = 99 * 1024
 
 
+@pytest.mark.slow  # a whole run (processes or a model forward): CI's slow tier
 @pytest.mark.skipif(_cubin_reason() is not None, reason=_cubin_reason() or "")
 def test_kernels_compile_for_hopper():
     # The interpreter runs none of the GPU lowering; this compiles all three kernels to sm_90 code.
