@@ -24,12 +24,7 @@ from treerl.learners.entropy_control import AdaptiveEntropy
 from treerl.learners.grpo import GRPOConfig, optimize, pack_step, skips_zero_advantage_groups, train
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- the rule -----------------------------------------------------------------------------------
