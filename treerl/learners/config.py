@@ -40,6 +40,10 @@ from treerl.rollout.rewards import RewardOptions
 
 __all__ = ["LearnerConfig", "REPORT_TO", "LR_SCHEDULERS", "HUB_STRATEGIES", "OPTIMIZERS"]
 
+LEARNER_CONFIGS: dict[str, type] = {}
+"""Each registered learner's config class, by name (``treerl.learners.core.register_learner`` fills it): which
+learner has an option another lacks, for :meth:`LearnerConfig.option_hints`."""
+
 REPORT_TO = ("none", "tensorboard", "wandb", "trackio")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 """``lr_scheduler_type`` choices, each after ``warmup_steps`` of linear warm-up: ``linear`` (TRL's default)
@@ -630,14 +634,11 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         """What to use instead of a name that is not an option of this config, in Python, on the command line
         and in --config files: :attr:`UNSUPPORTED`'s hints, and another learner's option (``max_staleness`` is
         AsyncGRPO's), naming the learners that have it."""
-        import treerl.learners  # every learner registered
-        from treerl.learners.core import LEARNERS
-
         own = {f.name for f in fields(cls)}
-        where = next((f"--learner {name}" for name, spec in LEARNERS.items() if spec.config is cls), cls.__name__)
+        where = next((f"--learner {name}" for name, config in LEARNER_CONFIGS.items() if config is cls), cls.__name__)
         owners: dict[str, list[str]] = {}
-        for name, spec in sorted(LEARNERS.items()):
-            for f in fields(spec.config):
+        for name, config in sorted(LEARNER_CONFIGS.items()):
+            for f in fields(config):
                 if f.init and f.name not in own:
                     owners.setdefault(f.name, []).append(name)
         others = {option: f"an option of treerl learn {' or '.join(f'--learner {n}' for n in names)}, not of {where}"

@@ -72,7 +72,7 @@ from treerl.learners.checkpoints import (
     run_settings,
     save_checkpoint,
 )
-from treerl.learners.config import LearnerConfig
+from treerl.learners.config import LEARNER_CONFIGS, LearnerConfig
 from treerl.learners.diagnostics import RECORDED_ACTIONS, Diagnostics
 from treerl.learners.distributed import Ranks
 from treerl.learners.evaluation import eval_metrics, evaluate_at_start, evaluate_policy
@@ -158,6 +158,7 @@ def register_learner(name: str, config: type[LearnerConfig], train: Callable[...
         raise ValueError(f"register_learner: a learner named {name!r} exists already; pick another name or pass "
                          "override=True.")
     LEARNERS[name] = LearnerSpec(name=name, config=config, train=train, help=help)
+    LEARNER_CONFIGS[name] = config  # what a config's option hints read (treerl.learners.config sits below core)
     return LEARNERS[name]
 
 
