@@ -190,6 +190,7 @@ def test_max_staleness_0_with_one_generator_is_synchronous_grpo(tmp_path, transp
         assert a["async/staleness_0_frac"] == 1.0 and a["async/dropped_groups"] == 0
 
 
+@pytest.mark.slow  # a whole run or many kernel shapes: CI's slow tier keeps the default under 10 min
 def test_async_learner_end_to_end(tmp_path):
     """Two steps ahead at most: the run trains, logs staleness and buffer figures, evaluates and saves; the
     sampler's head reaches score centering; samples for `treerl view` are kept."""

@@ -260,6 +260,7 @@ def test_save_total_limit_keeps_the_latest_checkpoints(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-3"]
 
 
+@pytest.mark.slow  # a whole run or many kernel shapes: CI's slow tier keeps the default under 10 min
 def test_resume_starts_over_without_a_checkpoint_and_names_what_does_not_fit(tmp_path, capsys):
     import shutil
 
@@ -348,6 +349,7 @@ def test_diagnostics_fire_with_kind_value_threshold_and_action(tmp_path):
     assert records[-1]["kind"] == "tool_errors_rising"
 
 
+@pytest.mark.slow  # a whole run or many kernel shapes: CI's slow tier keeps the default under 10 min
 def test_skipping_zero_advantage_groups_gives_the_same_update():
     import asyncio
     import copy

@@ -118,6 +118,7 @@ def _errors(env, calls):
     return errors
 
 
+@pytest.mark.slow  # a whole run or many kernel shapes: CI's slow tier keeps the default under 10 min
 def test_a_server_that_dies_mid_run_is_restarted_on_the_next_call(caplog):
     """The call that found the server gone is a tool_error (it may be what killed it: never sent again);
     the next call starts a new server process and is answered, as is every call after it."""

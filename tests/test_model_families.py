@@ -727,6 +727,7 @@ def test_training_template_plays_a_tool_env_for_families_without_a_tool_role(bas
     assert "Multiply two integers." in prompt and "<tool_response>\n391\n</tool_response>" in after_call
 
 
+@pytest.mark.slow  # a whole run or many kernel shapes: CI's slow tier keeps the default under 10 min
 def test_learning_gemma3_tool_use_with_a_tiny_model(base_bpe, tmp_path):
     # A tiny Gemma 3 learns from tool-use episodes played with its real template and
     # --chat-template training: the call is run, its result reaches the next turn.

@@ -76,6 +76,7 @@ def test_no_sync_before_ref_model_sync_steps(tmp_path):
     assert [m["ref/last_sync_step"] for m in _metrics(tmp_path)] == [0, 0, 3]
 
 
+@pytest.mark.slow  # a whole run or many kernel shapes: CI's slow tier keeps the default under 10 min
 def test_a_resumed_run_keeps_the_synced_reference(tmp_path):
     """Killed after step 1's checkpoint (its reference synced), a resumed run replays step 2 with the KL, the
     reference and the weights of the run that never stopped."""

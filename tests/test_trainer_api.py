@@ -94,6 +94,7 @@ def test_push_to_hub_pushes_what_save_model_writes_with_a_model_card(tmp_path, m
     assert hub.uploads[-1]["message"] == "Second version" and hub.tokens[-1] == "hf_other"
 
 
+@pytest.mark.slow  # a whole run or many kernel shapes: CI's slow tier keeps the default under 10 min
 def test_rows_play_in_the_order_trls_sampler_draws_them(tmp_path):
     """TRL's RepeatSampler (shuffle_dataset, its default) draws each pass over the rows as a torch.randperm from
     one generator seeded with args.seed; the same passes here (checked against TRL itself where installed), and
@@ -386,6 +387,7 @@ def marbles(i: int, **columns) -> dict:
                                                    "How many marbles are left?"}], "answer": str(i + 5), **columns}
 
 
+@pytest.mark.slow  # a whole run or many kernel shapes: CI's slow tier keeps the default under 10 min
 def test_an_environment_factory_plays_a_fresh_object_per_episode_with_its_tools_and_get_reward(tmp_path):
     CalculatorEnv.made = []
     seen = {}
@@ -648,6 +650,7 @@ def test_after_training_trainer_model_is_the_trained_model_and_its_card_sits_bes
     assert not (tmp_path / "out" / "README.md").exists()
 
 
+@pytest.mark.slow  # a whole run or many kernel shapes: CI's slow tier keeps the default under 10 min
 def test_a_model_config_saved_over_the_runs_config_json_leaves_resume_and_compare_working(tmp_path, capsys):
     """open-r1's trainer.model.config.save_pretrained(output_dir) replaces the run's config.json with the model's:
     the run's settings stay readable (summary.json keeps them), so treerl compare lists no model fields as

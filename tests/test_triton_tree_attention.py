@@ -153,6 +153,7 @@ def test_float32_matches_reference(case):
     check_against_reference(make_batch(case), torch.float32, num_heads=2, num_kv_heads=1, scaling=0.2)
 
 
+@pytest.mark.slow  # a whole run or many kernel shapes: CI's slow tier keeps the default under 10 min
 @needs_kernel
 @pytest.mark.parametrize("case", ["padding_rows", "long_segment"])
 def test_bfloat16_head_dim_128_matches_reference(case):
@@ -172,6 +173,7 @@ def test_sliding_window_matches_reference(dtype):
     check_against_reference(make_batch("long_segment"), dtype, sliding_window=5, head_dim=64)
 
 
+@pytest.mark.slow  # a whole run or many kernel shapes: CI's slow tier keeps the default under 10 min
 @needs_kernel
 def test_odd_head_sizes_and_transposed_inputs():
     # transformers hands over (B, T, H, D) projections transposed to (B, H, T, D): strided views,
@@ -246,6 +248,7 @@ def test_block_lists_match_the_block_mask():
                 assert listed == rows[b, r].nonzero().squeeze(1).tolist()  # ascending, exactly the True ones
 
 
+@pytest.mark.slow  # a whole run or many kernel shapes: CI's slow tier keeps the default under 10 min
 @needs_kernel
 def test_kernels_load_only_the_listed_blocks():
     # Hundreds of siblings: each answer block needs the prompt block and its own diagonal only.
