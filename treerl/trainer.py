@@ -289,7 +289,7 @@ class LearnerTrainer:
                              "(eval_strategy='steps' with eval_steps=N).")
         from transformers import TrainerState
 
-        self.state = TrainerState(max_steps=self.args.steps * _optimizer_steps_per_step(self.args))
+        self.state = TrainerState(max_steps=self.args.steps * self.args.optimizer_steps_per_step())
         """TRL's ``trainer.state``: after :meth:`train`, the run's ``global_step`` and ``log_history``."""
 
     # -- training --------------------------------------------------------------------------------------------
@@ -331,7 +331,7 @@ class LearnerTrainer:
         """``result`` with TRL's figures, from ``metrics.jsonl``; :attr:`state` set to the run's."""
         from transformers import TrainerState
 
-        cfg, per_step = self.args, _optimizer_steps_per_step(self.args)
+        cfg, per_step = self.args, self.args.optimizer_steps_per_step()
         lines = _read_metrics(Path(result.output_dir) / "metrics.jsonl")
         losses = [_step_loss(m, cfg) for m in lines if "loss/policy" in m]
         training_loss = sum(losses) / len(losses) if losses else float("nan")
@@ -824,11 +824,6 @@ def _model_type(model: Any, model_name: str | None) -> str | None:
     return AutoConfig.from_pretrained(model_directory(model_name), local_files_only=True).model_type
 
 
-def _optimizer_steps_per_step(cfg: GRPOConfig) -> int:
-    """Optimizer steps per step (TRL counts those): GRPO's ``num_iterations`` x ``num_minibatches``."""
-    return cfg.optimizer_steps_per_step()
-
-
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
     """The lines of a run's ``metrics.jsonl`` (none where this process cannot see the file)."""
     try:
@@ -891,7 +886,7 @@ class _TrainerCallbacks:
         from transformers import TrainerControl, TrainerState
 
         self.callbacks, self.cfg, self.rows = list(callbacks), cfg, rows
-        self.per_step = _optimizer_steps_per_step(cfg)
+        self.per_step = cfg.optimizer_steps_per_step()
         self.state, self.control = TrainerState(max_steps=cfg.steps * self.per_step), TrainerControl()
 
     def event(self, name: str, **kwargs: Any) -> None:
