@@ -21,6 +21,11 @@ episodes trained unpacked (one padded row per episode), which
 
 The trained log-prob of a term is renormalized over the sampler's candidate set where the
 sampler recorded one (DESIGN.md, principle 4), and over the full vocabulary elsewhere.
+
+A Mixture-of-Experts model's router adds its load-balancing loss (TRL's ``router_aux_loss_coef``):
+``packed_logprobs(..., router_top_k=router_top_k(model))`` asks the decoder for its router logits
+and returns the loss of the batch, each token weighted by the episode paths through it, which is
+the value of the unpacked batch (:func:`~treerl.learners.losses.load_balancing_loss`).
 """
 
 from __future__ import annotations
@@ -28,14 +33,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from treerl.errors import TreerlError
+from treerl.errors import ConfigError, TreerlError
 from treerl.kernels.logprobs import ImplChoice, token_logprobs
 from treerl.kernels.tree_attention import BACKENDS, TREE_KWARG, attn_implementation_name
-from treerl.learners.losses import LossConfig, LossInputs, LossNormalizer, LossOutput, compute_loss
+from treerl.learners.losses import (LossConfig, LossInputs, LossNormalizer, LossOutput, compute_loss,
+                                    load_balancing_loss)
 from treerl.learners.packing import PackedBatch
 from treerl.learners.precision import Precision
 
@@ -47,6 +54,8 @@ __all__ = [
     "packed_logprobs",
     "packed_loss",
     "head_weights",
+    "router_aux_loss_coef",
+    "router_top_k",
     "uses_tree_attention",
     "window_normalizer",
 ]
@@ -75,6 +84,9 @@ class PackedLogprobs:
     hidden: Tensor | None = None
     """(N, H) the final hidden states at the loss positions (with their graph), for losses that
     need the distribution and not only the target's log-prob (SDPO's distillation)."""
+    aux_loss: Tensor | None = None
+    """() float32 with ``router_top_k``: the router's load-balancing loss of the batch's tokens,
+    each counted once per episode path through it (the unpacked batch's value), with its graph."""
 
 
 def uses_tree_attention(model: torch.nn.Module) -> bool:
@@ -108,6 +120,43 @@ def _check_head(model: torch.nn.Module) -> torch.nn.Module:
     return head
 
 
+def _text_config(model: torch.nn.Module) -> Any:
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def router_aux_loss_coef(model: torch.nn.Module, coef: float | None) -> float:
+    """TRL's ``router_aux_loss_coef`` for ``model``: the weight of its router's load-balancing loss.
+
+    A Mixture-of-Experts model is one whose config has ``output_router_logits`` (TRL's test; its
+    value does not matter, the learner asks for the logits). ``None`` takes the config's own
+    ``router_aux_loss_coef`` (0.001 in Qwen3-MoE and Mixtral checkpoints; 0.0 where it declares
+    none, and for a dense model); a non-zero ``coef`` for a dense model is refused, as TRL does.
+    """
+    config = _text_config(model)
+    if not hasattr(config, "output_router_logits"):
+        if coef:
+            raise ConfigError(f"router_aux_loss_coef={coef}: {type(model).__name__} is not a Mixture-of-Experts "
+                              "model that returns its router logits (its config has no output_router_logits), so "
+                              "there is no load-balancing loss to weight; drop --router-aux-loss-coef (or set 0).")
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else float(coef)
+
+
+def router_top_k(model: torch.nn.Module) -> int:
+    """The experts each token is routed to, as the model's own forward passes it to its load-balancing
+    loss (its ``num_experts_per_tok``: the config's, DBRX's ``ffn_config.moe_top_k``); refused where
+    neither the model nor its config says."""
+    top_k = getattr(model, "num_experts_per_tok", None)
+    if top_k is None:
+        top_k = getattr(_text_config(model), "num_experts_per_tok", None)
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ConfigError(f"router_aux_loss_coef: {type(model).__name__}'s config has no num_experts_per_tok (the "
+                          "experts each token is routed to), which its load-balancing loss counts; pass "
+                          "--router-aux-loss-coef 0 to train without it.")
+    return top_k
+
+
 def packed_hidden_states(model: torch.nn.Module, batch: PackedBatch) -> Tensor:
     """(B, T, H) final hidden states of the packed rows (the decoder only, no LM head).
 
@@ -116,6 +165,12 @@ def packed_hidden_states(model: torch.nn.Module, batch: PackedBatch) -> Tensor:
     plain causal attention over a right-padded chain is the tree mask; anything else is
     refused rather than silently attended across branches.
     """
+    return _decoder_outputs(model, batch).last_hidden_state
+
+
+def _decoder_outputs(model: torch.nn.Module, batch: PackedBatch, **extra: Any) -> Any:
+    """The decoder's outputs on the packed rows (see :func:`packed_hidden_states`); ``extra`` keyword
+    arguments go to the decoder (``output_router_logits=True``)."""
     kwargs = {}
     if uses_tree_attention(model):
         kwargs[TREE_KWARG] = batch.layouts
@@ -133,8 +188,9 @@ def packed_hidden_states(model: torch.nn.Module, batch: PackedBatch) -> Tensor:
         attention_mask=None,
         use_cache=False,
         **kwargs,
+        **extra,
     )
-    return out.last_hidden_state
+    return out
 
 
 def packed_logprobs(
@@ -147,6 +203,7 @@ def packed_logprobs(
     chunk_vocab: int | None = None,
     head: bool = False,
     precision: Precision | None = None,
+    router_top_k: int | None = None,
 ) -> PackedLogprobs:
     """Log-probs, entropies and candidate-renormalized log-probs of every term of ``batch``.
 
@@ -161,6 +218,8 @@ def packed_logprobs(
         precision: the run's :class:`~treerl.learners.precision.Precision`; its autocast covers
             the decoder only, so the head, the log-probs and everything after are float32; its
             ``fp32_head`` multiplies a half-precision head in float32 too (TRL's ``cast_lm_head_to_fp32``).
+        router_top_k: a Mixture-of-Experts model's :func:`router_top_k`: also its router's load-balancing
+            loss (``aux_loss``), from the same forward.
 
     The LM head runs once per loss position (``N``), not per term (``M``): episodes that
     share a sampled token share its head computation, and the gather's gradient adds their
@@ -168,8 +227,19 @@ def packed_logprobs(
     """
     head = _check_head(model)
     fp32_head = precision is not None and precision.fp32_head
+    aux_loss = None
     with precision.forward() if precision is not None else contextlib.nullcontext():
-        hidden = packed_hidden_states(model, batch)  # (B, T, H)
+        if router_top_k is None:
+            hidden = packed_hidden_states(model, batch)  # (B, T, H)
+        else:
+            decoded = _decoder_outputs(model, batch, output_router_logits=True)
+            hidden = decoded.last_hidden_state  # (B, T, H)
+            router_logits = getattr(decoded, "router_logits", None)  # per MoE layer (B * T, E)
+            if not router_logits:
+                raise PackedForwardError(f"{type(model).__name__}'s decoder returned no router logits for "
+                                         "output_router_logits=True, so its load-balancing loss cannot be computed; "
+                                         "pass --router-aux-loss-coef 0 to train without it.")
+            aux_loss = load_balancing_loss(router_logits, router_top_k, batch.token_num_paths)
     batch_size, length, width = hidden.shape
     flat_index = batch.loss_row * length + batch.loss_pos  # (N,)
     hidden_at_loss = hidden.reshape(batch_size * length, width).index_select(0, flat_index)  # (N, H)
@@ -201,6 +271,7 @@ def packed_logprobs(
         choice=out.choice,
         head_logp=head_logp,
         hidden=hidden_at_loss,
+        aux_loss=aux_loss,
     )
 
 

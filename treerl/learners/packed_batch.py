@@ -76,6 +76,11 @@ class PackedBatch:
     """(B, T) long: the rows, padded with ``PackingConfig.pad_token_id``."""
     position_ids: Tensor
     """(B, T) long: each token's depth in its tree; 0 for padding."""
+    token_num_paths: Tensor
+    """(B, T) float32: the episodes' root-to-leaf paths through each token, the times the unpacked
+    batch (one row per path) holds it (a prompt shared by ``k`` episodes: ``k``); 0 for padding.
+    Weights that make a token average over the rows equal the unpacked batch's (the router's
+    load-balancing loss, :func:`~treerl.learners.losses.load_balancing_loss`)."""
     layouts: TreeBatch
     """The rows' tree layouts, to pass to the model as ``tree_layout``."""
     loss_row: Tensor

@@ -24,6 +24,9 @@ What a :class:`PackedBatch` holds
   gradient of the gather sums the ``k`` terms, which is the gradient of the unpacked batch.
 - ``episode_num_tokens`` ``(E,)``: each episode's term count over everything packed in
   one call, for :class:`~treerl.learners.losses.LossNormalizer`.
+- ``token_num_paths`` ``(B, T)``: how many episode paths hold each token (a prompt shared by
+  ``k`` episodes: ``k``), so that a mean over tokens weighted by it is the unpacked batch's
+  (the router's load-balancing loss of a Mixture-of-Experts model).
 
 Modes
 -----
@@ -64,6 +67,8 @@ Example:
     ([2, 3, 2], [8, 9, 10])
     >>> batch.term_episode.tolist(), batch.term_adv.tolist()
     ([0, 0, 1], [0.5, 0.5, -0.5])
+    >>> batch.token_num_paths.tolist()   # the prompt is on both episodes' paths
+    [[2.0, 2.0, 2.0, 1.0, 1.0, 1.0]]
 """
 
 from __future__ import annotations
@@ -112,6 +117,8 @@ class _Piece:
     depth: list[int]
     """Per token, its position in every path that contains it (its position id)."""
     work: int = 0
+    num_paths: list[int] | None = None
+    """Per token, the episode paths through it (set by :func:`_unit`)."""
 
 
 @dataclass
@@ -281,6 +288,7 @@ def _unit(
         where = {key: (0, index) for key, index in where_tree.items()}
     else:
         pieces, where = _flat_pieces(group, leaves, one_per_row=mode == "padded")
+    _count_paths(group, episodes, pieces, where if mode == "tree" else None)
     unit = _Unit(pieces=pieces, targets=[], terms=[], num_path_tokens=0)
     target_of: dict[tuple[int, int], int] = {}
     for i in episodes:
@@ -306,6 +314,22 @@ def _unit(
                         unit.targets.append((p, index, float(seg.logprobs[off]), candidates, _head(seg, off)))
                     unit.terms.append((target_of[(p, index)], first_episode + i))
     return unit
+
+
+def _count_paths(group: Group, episodes: Sequence[int], pieces: list[_Piece],
+                 where: dict[tuple[int, int], tuple[int, int]] | None) -> None:
+    """Each piece's ``num_paths``: how many of the episodes' root-to-leaf paths hold each token, i.e. how many
+    times the unpacked batch (one row per episode's path, as ``padded`` lays them) holds it. A path of ``flat``
+    and ``padded`` pieces is laid out on its own, so each of their tokens is one path's (``where`` None)."""
+    for piece in pieces:
+        piece.num_paths = [1 if where is None else 0] * len(piece.token_ids)
+    if where is None:
+        return
+    paths = Counter(s for i in episodes for leaf in _episode_leaves(group, [i]) for s in group.path_indices(leaf))
+    for s, count in paths.items():
+        for off in range(len(group.segments[s].token_ids)):
+            p, index = where[(s, off)]
+            pieces[p].num_paths[index] += count
 
 
 def _head(seg: Segment, off: int) -> SamplerHead | None:
@@ -489,12 +513,14 @@ def _assemble(
     layouts: list[TreeLayout] = []
     row_ids: list[list[int]] = []
     row_depth: list[list[int]] = []
+    row_paths: list[list[int]] = []
     row_work: list[int] = []
     base: dict[tuple[int, int], tuple[int, int]] = {}  # (unit, piece) -> (row, token offset)
     unit_order: list[int] = []
     for r, row in enumerate(rows):
         ids: list[int] = []
         depth: list[int] = []
+        paths: list[int] = []
         seg_len: list[int] = []
         seg_parent: list[int] = []
         for u, p in row:
@@ -503,6 +529,7 @@ def _assemble(
             shift = len(seg_len)
             ids.extend(piece.token_ids)
             depth.extend(piece.depth)
+            paths.extend(piece.num_paths)
             seg_len.extend(piece.seg_len)
             seg_parent.extend(-1 if parent == -1 else parent + shift for parent in piece.seg_parent)
             if u not in unit_order:
@@ -510,13 +537,16 @@ def _assemble(
         layouts.append(TreeLayout.from_parents(seg_len, seg_parent))
         row_ids.append(ids)
         row_depth.append(depth)
+        row_paths.append(paths)
         row_work.append(sum(units[u].pieces[p].work for u, p in row))
     tree_batch = TreeBatch(layouts)
     input_ids = torch.full((len(rows), tree_batch.length), cfg.pad_token_id, dtype=torch.long)  # (B, T)
     position_ids = torch.zeros((len(rows), tree_batch.length), dtype=torch.long)  # (B, T)
-    for r, (ids, depth) in enumerate(zip(row_ids, row_depth)):
+    num_paths = torch.zeros((len(rows), tree_batch.length), dtype=torch.float32)  # (B, T)
+    for r, (ids, depth, paths) in enumerate(zip(row_ids, row_depth, row_paths)):
         input_ids[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         position_ids[r, : len(depth)] = torch.tensor(depth, dtype=torch.long)
+        num_paths[r, : len(paths)] = torch.tensor(paths, dtype=torch.float32)
 
     loss_row, loss_pos, loss_target_pos, loss_target, sampler_logp = [], [], [], [], []
     candidates: list[list[int] | None] = []
@@ -558,6 +588,7 @@ def _assemble(
         mode=cfg.mode,
         input_ids=input_ids,
         position_ids=position_ids,
+        token_num_paths=num_paths,
         layouts=tree_batch,
         loss_row=torch.tensor(loss_row, dtype=torch.long),
         loss_pos=torch.tensor(loss_pos, dtype=torch.long),

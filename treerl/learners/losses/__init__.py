@@ -53,8 +53,10 @@ term; the entropy bonus (``cfg.entropy_coef``) is the token mean whatever the lo
 rescaled to a loss type's policy normalization"). Both add up exactly over micro-batches.
 
 The package holds the inputs, normalizer, config, aggregations and registry
-(:mod:`treerl.learners.losses.base`) and the policy losses themselves
-(:mod:`treerl.learners.losses.policy`).
+(:mod:`treerl.learners.losses.base`), the policy losses themselves
+(:mod:`treerl.learners.losses.policy`), and a Mixture-of-Experts router's load-balancing loss
+(:mod:`treerl.learners.losses.router`, TRL's ``router_aux_loss_coef``), a mean over the forward's
+tokens rather than a sum over terms.
 
 Example:
     >>> import torch
@@ -97,6 +99,7 @@ from treerl.learners.losses.policy import (
     sapo_loss,
     vespo_loss,
 )
+from treerl.learners.losses.router import load_balancing_loss
 
 __all__ = [
     "AGGREGATIONS",
@@ -119,6 +122,7 @@ __all__ = [
     "gspo_loss",
     "high_entropy_threshold",
     "k3_kl",
+    "load_balancing_loss",
     "register_loss",
     "sapo_loss",
     "vespo_loss",
