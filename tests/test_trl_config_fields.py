@@ -179,7 +179,6 @@ def test_refused_trl_options_say_what_to_do():
                          ({"load_best_model_at_end": True}, "output_dir/checkpoints"),
                          ({"vllm_tensor_parallel_size": 2}, "--vllm-mode server"),
                          ({"use_transformers_paged": True}, "--continuous-batching"),
-                         ({"router_aux_loss_coef": 0.01}, "load-balancing"),
                          ({"activation_checkpointing_kwargs": {"every_n_layers": 2}}, "takes no other options")):
         with pytest.raises(TypeError, match=f"has no option {next(iter(kwargs))}: .*{hint}"):
             make(**kwargs)

@@ -1176,19 +1176,3 @@ def test_disable_dropout_sets_every_dropout_module_of_the_trained_model_to_0(tmp
     finally:
         run.policy.close()
     assert rates == ({0.0} if disable_dropout else {0.5})
-
-
-def test_a_mixture_of_experts_models_load_balancing_loss_is_said_to_be_left_out(tmp_path, capsys):
-    """TRL adds the router's load-balancing loss where the model's config asks for it (output_router_logits, TRL's
-    router_aux_loss_coef unset); treerl does not, and says so when the run starts."""
-    import types
-
-    from treerl.learners.core import _check_size_defaults
-
-    model = torch.nn.Linear(2, 2)
-    model.config = types.SimpleNamespace(output_router_logits=True, router_aux_loss_coef=0.001)
-    _check_size_defaults(GRPOConfig(output_dir=str(tmp_path), learning_rate=1e-4), model, True)
-    assert "load-balancing loss (output_router_logits, router_aux_loss_coef=0.001)" in capsys.readouterr().err
-    model.config.output_router_logits = False
-    _check_size_defaults(GRPOConfig(output_dir=str(tmp_path), learning_rate=1e-4), model, True)
-    assert "load-balancing" not in capsys.readouterr().err

@@ -321,17 +321,19 @@ class LearnerTrainer:
                                  evaluate=evaluate)
         runtime = time.perf_counter() - started
         self.accelerator.wait_for_everyone()  # rank 0 has written metrics.jsonl
-        self.result = self._trainer_result(result, runtime, first_step)
+        self.result = self._trainer_result(result, runtime, first_step, cfg)
         self._trained_model = None  # trainer.model: this run's, loaded when read
         if trainer_callbacks:
             callbacks[-1].event("on_train_end")
         return self.result
 
-    def _trainer_result(self, result: TrainResult, runtime: float, first_step: int) -> TrainerResult:
-        """``result`` with TRL's figures, from ``metrics.jsonl``; :attr:`state` set to the run's."""
+    def _trainer_result(self, result: TrainResult, runtime: float, first_step: int,
+                        cfg: GRPOConfig) -> TrainerResult:
+        """``result`` with TRL's figures, from ``metrics.jsonl``; :attr:`state` set to the run's. ``cfg`` is the
+        run's (``args``, or its copy for a resume), as the run resolved it (``router_aux_loss_coef``)."""
         from transformers import TrainerState
 
-        cfg, per_step = self.args, self.args.optimizer_steps_per_step()
+        per_step = cfg.optimizer_steps_per_step()
         lines = _read_metrics(Path(result.output_dir) / "metrics.jsonl")
         losses = [_step_loss(m, cfg) for m in lines if "loss/policy" in m]
         training_loss = sum(losses) / len(losses) if losses else float("nan")
@@ -835,7 +837,9 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
 def _step_loss(metrics: Mapping[str, float], cfg: GRPOConfig) -> float:
     """The loss a logged step optimized, from the parts logged (its last pass's, a mean over the pass's
     minibatches): ``loss/policy`` + beta x ``loss/kl`` - entropy_coef x ``loss/entropy``; SDPO's (1 -
-    distillation_weight) x that + distillation_weight x ``loss/distill``. TRL's ``loss``. With
+    distillation_weight) x that + distillation_weight x ``loss/distill``; plus router_aux_loss_coef x
+    ``loss/aux`` (a Mixture-of-Experts router's load balancing, the coefficient as the run resolved it). TRL's
+    ``loss``. With
     ``use_adaptive_entropy`` the entropy's coefficient is the one the last update applied
     (``entropy/coef_applied``): where it changed between a pass's minibatches, this differs slightly from the
     mean of their losses."""
@@ -843,12 +847,13 @@ def _step_loss(metrics: Mapping[str, float], cfg: GRPOConfig) -> float:
     loss = (metrics["loss/policy"] + getattr(cfg, "beta", 0.0) * metrics.get("loss/kl", 0.0)
             - entropy_coef * metrics.get("loss/entropy", 0.0))
     weight = getattr(cfg, "distillation_weight", 0.0)
-    return (1.0 - weight) * loss + weight * metrics.get("loss/distill", 0.0)
+    aux = (cfg.router_aux_loss_coef or 0.0) * metrics.get("loss/aux", 0.0)
+    return (1.0 - weight) * loss + weight * metrics.get("loss/distill", 0.0) + aux
 
 
 # treerl's name of what TRL logs under another name.
 _TRL_NAMES = {"grad_norm": "grad/norm", "learning_rate": "lr", "reward": "reward/mean", "reward_std": "reward/std",
-              "entropy_coef": "entropy/coef"}
+              "entropy_coef": "entropy/coef", "aux_loss": "loss/aux"}
 
 
 def _trl_log(metrics: Mapping[str, Any], cfg: GRPOConfig, per_step: int, rows: int) -> dict[str, Any]:

@@ -106,7 +106,6 @@ class AsyncGRPOConfig(GRPOConfig):
                               "groups in flight or waiting",
         "fork_threshold_tokens": "the rollout engine records the tokens as they were sampled and never re-tokenizes "
                                  "a conversation, so there is no drift to reconcile; drop it",
-        "router_aux_loss_coef": "not supported: the loss has no Mixture-of-Experts load-balancing term",
     }
     TRANSLATED: ClassVar[dict[str, tuple[type, str]]] = {
         **{k: v for k, v in GRPOConfig.TRANSLATED.items() if k not in ("vllm_server_host", "vllm_server_port")},

@@ -135,8 +135,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                         "processes come from accelerate launch or torchrun (their LOCAL_RANK): no DDP wrapper, rank "
                         "0's weights are broadcast and every rank's gradients summed (over nccl on GPUs, gloo on "
                         "CPUs; --ddp-timeout bounds a collective), no FSDP or DeepSpeed sharding"),
-        "router_aux_loss_coef": "not supported: the loss has no Mixture-of-Experts load-balancing term (0, or unset "
-                                "for a dense model, as in TRL)",
         **dict.fromkeys(("use_transformers_continuous_batching", "use_transformers_paged",
                          "transformers_continuous_batching_config"),
                         "the transformers sampler is treerl's own: --continuous-batching lets requests join its "
@@ -193,7 +191,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "transformers_continuous_batching_config": (None, {}), "trackio_static_space_id": (None, False),
         # no DDP wrapper here (see distributed.py): its switches change nothing
         **dict.fromkeys(("ddp_find_unused_parameters", "ddp_static_graph"), (None, True, False)),
-        "router_aux_loss_coef": (None, 0.0),  # TRL's None: the model's own coefficient, 0 for a dense model
         "pad_to_multiple_of": ("auto", None),  # TRL's "auto" pads on Neuron only; packed rows have no padding
         "vllm_model_impl": ("vllm",), "vllm_tensor_parallel_size": (1,), "vllm_group_port": (51216,),
         "vllm_server_host": ("0.0.0.0",), "vllm_server_port": (8000,),  # treerl's --vllm-server-url's server
@@ -353,6 +350,15 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                                    "transformers sampler's logits. A float32 head already is: with "
                                                    "--dtype float32 (the default) only a --bf16/--fp16 sampler's "
                                                    "changes; vLLM's sampler keeps its own head, as in TRL.")
+    router_aux_loss_coef: float | None = field_help(None, "TRL's: the weight of a Mixture-of-Experts model's "
+                                                          "load-balancing loss (its router's auxiliary loss, "
+                                                          "transformers' load_balancing_loss_func over each "
+                                                          "micro-batch's tokens, a token shared by k episodes "
+                                                          "counted k times, as unpacked), added to the loss and "
+                                                          "logged as loss/aux. Unset: the model config's "
+                                                          "router_aux_loss_coef (0.001 in Qwen3-MoE and Mixtral "
+                                                          "checkpoints); 0 turns it off. A dense model takes unset "
+                                                          "or 0 (nothing to add) and refuses another value, as TRL.")
     use_vllm: bool = field_help(False, "Sample with vLLM: an engine in this process (the vllm extra, a CUDA GPU; "
                                        "the weights loaded into it in place after each step), or a server started "
                                        "separately with --vllm-mode server (the weights pushed to it).")
@@ -560,6 +566,11 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         if self.bf16 and self.fp16:
             raise ValueError("bf16 and fp16 are both set: autocast runs in one dtype; drop --bf16 or --fp16.")
         resolve_precision(self.dtype, self.bf16, self.fp16, "cpu")  # its own messages (float16 weights with fp16)
+        coef = self.router_aux_loss_coef
+        if coef is not None and (isinstance(coef, bool) or not 0 <= coef < float("inf")):
+            raise ValueError(f"router_aux_loss_coef={coef!r} must be a finite number >= 0: the weight of a "
+                             "Mixture-of-Experts router's load-balancing loss (0 turns it off; unset: the model "
+                             "config's own, e.g. 0.001).")
         if self.lora_r < 0:
             raise ValueError(f"lora_r={self.lora_r} must be >= 0 (0 trains all weights).")
         if self.num_completions_to_print is not None and self.num_completions_to_print < 1:

@@ -76,6 +76,7 @@ from treerl.learners.config import LEARNER_CONFIGS, LearnerConfig
 from treerl.learners.diagnostics import RECORDED_ACTIONS, Diagnostics
 from treerl.learners.distributed import Ranks
 from treerl.learners.evaluation import eval_metrics, evaluate_at_start, evaluate_policy
+from treerl.learners.forward import router_aux_loss_coef, router_top_k
 from treerl.learners.hub import HubPusher
 from treerl.learners.losses.base import same_definition
 from treerl.learners.metrics import MetricsLog, tracker_for, truncate_metrics
@@ -519,6 +520,11 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
         raise ValueError("train(model=...) needs its tokenizer too: pass tokenizer=...")
     else:
         cfg.apply_chat_template(tokenizer)
+    # TRL's: unset takes a Mixture-of-Experts model config's own weight, set here so that config.json records it
+    # (a dense model refuses another value than 0; its unset stays unset); an unknown top-k is refused now.
+    if aux_coef := router_aux_loss_coef(model, cfg.router_aux_loss_coef):
+        router_top_k(model)
+        cfg.router_aux_loss_coef = aux_coef
     precision = resolve_precision(cfg.dtype, cfg.bf16, cfg.fp16, device, fp32_head=cfg.cast_lm_head_to_fp32)
     loaded = checkpoint_dtype(model)
     if precision.weights is not None and loaded != precision.weights:
@@ -718,12 +724,6 @@ def _check_size_defaults(cfg: LearnerConfig, model: torch.nn.Module, is_main: bo
         notes.append(f"max_new_tokens={cfg.max_new_tokens} is the shipped tiny model's limit; a "
                      f"{model_size(num_params)}-parameter model's answers (and its thinking) are usually longer, so "
                      "most turns would be cut off: pass e.g. --max-new-tokens 1024.")
-    config = getattr(model, "config", None)
-    if getattr(config, "output_router_logits", False):
-        coef = getattr(config, "router_aux_loss_coef", None)
-        notes.append(f"this Mixture-of-Experts model's config asks for its router's load-balancing loss "
-                     f"(output_router_logits, router_aux_loss_coef={coef}), which TRL adds to the loss and treerl "
-                     "does not: the balance of its experts is not trained.")
     for message in notes if is_main else ():
         logger.info(message)  # printed below: at warning level Python's last-resort handler printed it twice
         print(f"warning: {message}", file=sys.stderr)

@@ -53,7 +53,8 @@ from treerl.learners.core import (Evaluator, OptimizerSpec, Run, StepCallback, T
                                   register_learner)
 from treerl.learners.distributed import Ranks
 from treerl.learners.entropy_control import AdaptiveEntropy
-from treerl.learners.forward import PackedLogprobs, loss_inputs, packed_logprobs
+from treerl.learners.forward import (PackedLogprobs, loss_inputs, packed_logprobs, router_aux_loss_coef,
+                                     router_top_k)
 from treerl.learners.importance import ImportanceConfig, importance_weights
 from treerl.learners.metrics import read_floats
 from treerl.learners.losses import (POLICY_LOSSES, LossCoefficients, LossConfig, LossNormalizer, compute_loss,
@@ -108,7 +109,8 @@ class GRPOConfig(LossCoefficients, LearnerConfig):
         None, "Off-policy sequence masking (DeepSeek-V3.2, TRL's): an episode with a negative advantage whose mean "
               "log(sampler / trainer) over its tokens exceeds this adds no policy loss (e.g. 0.5); unset: off.")
     skip_zero_advantage: bool = field_help(True, "Leave groups whose advantages are all 0 out of the forward pass "
-                                                 "(the same update when beta and entropy_coef are 0; one process).")
+                                                 "(the same update when beta and entropy_coef are 0 and no "
+                                                 "router_aux_loss_coef applies; one process).")
     mask_truncated_completions: bool = field_help(
         False, "TRL's (DAPO's overlong filtering): an episode a token limit cut (its last turn stopped at "
                "--max-new-tokens, or it reached --max-episode-tokens) adds no loss: none of its tokens, in every "
@@ -342,11 +344,12 @@ def skips_zero_advantage_groups(cfg: GRPOConfig, ranks: Ranks) -> bool:
     Every policy loss multiplies by the advantage, so such a group's gradient is exactly 0
     unless a KL or entropy term is on; the normalizer still counts its tokens, so the update
     is the same as training on it. Not with ``top_entropy_quantile`` below 1: its tokens count
-    in the entropy quantile; nor with ``use_adaptive_entropy``: in the step's measured entropy.
-    (One process only: ranks must all run the same collectives.)
+    in the entropy quantile; nor with ``use_adaptive_entropy``: in the step's measured entropy; nor with a
+    Mixture-of-Experts router's load-balancing loss (``router_aux_loss_coef``, as the run resolves it): over
+    every token of the micro-batch. (One process only: ranks must all run the same collectives.)
     """
     return (cfg.skip_zero_advantage and cfg.beta == 0 and cfg.entropy_coef == 0 and cfg.top_entropy_quantile == 1.0
-            and not cfg.use_adaptive_entropy and not ranks.enabled)
+            and not cfg.use_adaptive_entropy and not cfg.router_aux_loss_coef and not ranks.enabled)
 
 
 def pack_step(groups: Sequence[Group], adv: torch.Tensor, cfg: GRPOConfig, ranks: Ranks, metrics: dict[str, float],
@@ -492,9 +495,17 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     with those ``ref_model`` computes, a filled one is read instead (TRL computes them once per generation).
     ``entropy_control`` (``use_adaptive_entropy``) sets the entropy bonus's coefficient of the whole window and
     takes the window's mean entropy afterwards (:mod:`~treerl.learners.entropy_control`).
+    A Mixture-of-Experts model adds ``cfg.router_aux_loss_coef`` (:func:`router_aux_loss_coef`) times its
+    router's load-balancing loss, TRL's: each micro-batch's (its forward's tokens, counted as unpacked), a mean
+    over the window's micro-batches on every rank, as TRL divides it by its gradient accumulation steps and
+    averages the ranks' gradients; logged as ``loss/aux`` (TRL's ``aux_loss``).
     """
     precision = precision or Precision(weights=None, autocast=None)
     loss_cfg, is_cfg = cfg.loss_config(), cfg.importance_config()
+    aux_coef = router_aux_loss_coef(model, cfg.router_aux_loss_coef)
+    top_k = router_top_k(model) if aux_coef else None
+    # Each micro-batch's load-balancing loss is 1 / (the window's micro-batches, every rank's) of the window's.
+    num_aux = ranks.sum([len(batches)])[0] if aux_coef else 0
     window_entropy: list[torch.Tensor] = []  # (2,) per micro-batch: the entropy summed over its kept terms, their count
     if entropy_control is not None:  # the previous optimizer step's coefficient and gate, for every micro-batch
         loss_cfg = replace(loss_cfg, entropy_coef=entropy_control.applied_coef())
@@ -515,7 +526,7 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     for index, batch in enumerate(batches):
         batch = batch.to(device)
         out = packed_logprobs(model, batch, temperature=cfg.temperature, impl="auto", head=is_cfg.centering,
-                              precision=precision)
+                              precision=precision, router_top_k=top_k)
         # On-policy, one update per batch: the old policy is the current one (ratio 1). With several
         # (num_iterations) it is the batch's term_old_logp, the weights before the first update. The
         # sampler/old-policy gap is corrected by importance weights, detached.
@@ -553,8 +564,12 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
         loss = result.loss if policy_coef == 1.0 else policy_coef * result.loss
         if extra_loss is not None:
             loss = loss + extra_loss(batch, out)
+        aux = {}
+        if out.aux_loss is not None:
+            aux["loss/aux"] = out.aux_loss / num_aux  # this micro-batch's share of the window's mean
+            loss = loss + aux_coef * aux["loss/aux"]
         precision.backward(loss)
-        batch_metrics = {**result.metrics, **iw.metrics, **(centering.metrics if centering else {})}
+        batch_metrics = {**result.metrics, **iw.metrics, **(centering.metrics if centering else {}), **aux}
         pending.append(_MicroBatchMetrics(
             batch.num_terms, {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in batch_metrics.items()},
             out.entropy.detach().sum()))
