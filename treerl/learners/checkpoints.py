@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 __all__ = ["TrainerState", "save_checkpoint", "checkpoint_step", "latest_checkpoint", "resume_checkpoint",
-           "load_checkpoint", "checkpoint_path", "earlier_run", "clear_run", "prune_checkpoints", "run_settings"]
+           "load_checkpoint", "load_weights", "checkpoint_path", "earlier_run", "clear_run", "prune_checkpoints",
+           "keep_only_best", "run_settings"]
 
 
 @dataclass
@@ -44,6 +45,13 @@ class TrainerState:
     extra: dict[str, Any] = field(default_factory=dict)
     """What a learner counts across the whole run besides these (AsyncGRPO: its totals), JSON-serializable;
     a resumed run continues from it (a checkpoint written before it existed has none)."""
+    best_metric: float | None = None
+    """With ``metric_for_best_model``: its best value over the evaluations after a step (transformers')."""
+    best_step: int | None = None
+    """The step of that evaluation (transformers' ``best_global_step``, in steps here)."""
+    best_model_checkpoint: str | None = None
+    """The checkpoint of the best evaluation's step, once one was written at that step (transformers'): what
+    ``save_total_limit`` keeps and ``load_best_model_at_end`` loads."""
 
 
 REFERENCE_FILE = "reference.safetensors"
@@ -92,22 +100,43 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def prune_checkpoints(output_dir: Path, keep: int | None) -> None:
-    """Remove all but the ``keep`` checkpoints of the highest steps (None keeps all), as TRL's save_total_limit.
+def prune_checkpoints(output_dir: Path, keep: int | None, best: Path | str | None = None) -> None:
+    """Remove the checkpoints of the lowest steps until ``keep`` are left (None keeps all), as TRL's
+    save_total_limit; never the latest (what ``--resume`` continues from) nor ``best`` (the best model's
+    checkpoint), so that ``keep=1`` beside a best that is not the latest keeps two, as transformers' rotation.
 
     >>> import tempfile, pathlib
     >>> out = pathlib.Path(tempfile.mkdtemp())
-    >>> for step in (2, 10, 4):
+    >>> for step in (2, 10, 4, 6):
     ...     checkpoint_path(out, step).mkdir(parents=True)
-    >>> prune_checkpoints(out, 2)
+    >>> prune_checkpoints(out, 3, best=checkpoint_path(out, 2))
     >>> sorted(p.name for p in (out / "checkpoints").iterdir())
-    ['step-10', 'step-4']
+    ['step-10', 'step-2', 'step-6']
+    >>> prune_checkpoints(out, 1, best=checkpoint_path(out, 2))
+    >>> sorted(p.name for p in (out / "checkpoints").iterdir())
+    ['step-10', 'step-2']
     """
     if keep is None:
         return
     ckpts = _checkpoints(output_dir)
-    for path in ckpts[:max(len(ckpts) - keep, 0)]:
-        shutil.rmtree(path)
+    protected = {ckpts[-1].name} if ckpts else set()
+    if best is not None:
+        protected.add(Path(best).name)
+    remaining = len(ckpts)
+    for path in ckpts:
+        if remaining <= max(keep, len(protected)):
+            break
+        if path.name not in protected:
+            shutil.rmtree(path)
+            remaining -= 1
+
+
+def keep_only_best(output_dir: Path, best: Path | str) -> None:
+    """Remove every checkpoint but ``best``: transformers' end of a run with ``save_total_limit=1`` and a best
+    model checkpoint, where the latest goes too (``--resume`` then continues from the best)."""
+    for path in _checkpoints(output_dir):
+        if path.name != Path(best).name:
+            shutil.rmtree(path)
 
 
 RUN_FILES = ("metrics.jsonl", "diagnostics.jsonl", "eval_start.json", "summary.json", "reward_extras.jsonl",
@@ -180,6 +209,14 @@ def resume_checkpoint(output_dir: Path) -> Path | None:
     return latest_checkpoint(output_dir)
 
 
+def load_weights(path: Path, model: torch.nn.Module) -> None:
+    """The trained weights of the checkpoint at ``path`` into ``model``, in place (a LoRA run's adapter and base
+    weights as the trainer holds them); nothing else of it."""
+    from safetensors.torch import load_model
+
+    load_model(model, str(Path(path) / "model.safetensors"))
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: Any, reference: torch.nn.Module | None = None) -> TrainerState:
     """Load weights, optimizer, scheduler and generators from ``path`` in place; returns its state. A
@@ -187,7 +224,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     the starting weights)."""
     from safetensors.torch import load_model
 
-    load_model(model, str(path / "model.safetensors"))
+    load_weights(path, model)
     if reference is not None and (path / REFERENCE_FILE).exists():
         load_model(reference, str(path / REFERENCE_FILE))
     opt = torch.load(path / "optimizer.pt", weights_only=False)
@@ -199,4 +236,6 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     random.setstate(rng["python"])
     state = json.loads((path / "trainer_state.json").read_text())
     return TrainerState(step=int(state["step"]), policy_version=int(state["policy_version"]),
-                        next_task=int(state["next_task"]), extra=dict(state.get("extra", {})))
+                        next_task=int(state["next_task"]), extra=dict(state.get("extra", {})),
+                        best_metric=state.get("best_metric"), best_step=state.get("best_step"),
+                        best_model_checkpoint=state.get("best_model_checkpoint"))
