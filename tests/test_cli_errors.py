@@ -103,7 +103,7 @@ CASES = [
     ("eval-episodes-negative", [*LEARN, "--eval-episodes", "-1"], None,
      "eval_episodes, eval_every and save_every must be >= 0"),
     ("save-strategy-best", [*LEARN, "--save-strategy", "best"], None,
-     "save_strategy='best' saves when an evaluation improves on metric_for_best_model"),
+     "save_strategy='best' saves after each evaluation that improves on metric_for_best_model, which is unset"),
     ("save-strategy-epoch-without-rows", [*LEARN, "--save-strategy", "epoch", "--eval-episodes", "0"], None,
      "save_strategy='epoch' acts at the end of each pass over a training dataset, but treerl/Calculator-v0 "
      "generates its tasks"),

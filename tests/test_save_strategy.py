@@ -1,7 +1,8 @@
-"""TRL's save_strategy ("steps", "epoch", "no"; "best" refused) and eval_strategy="epoch", with transformers'
-meaning: "epoch" saves and evaluates where its Trainer calls on_epoch_end, at the end of each pass over the
-training rows and at the end of the run (the last pass's end, a short one included); "no" saves nothing
-during the run. An epoch of GRPO is floor(rows / tasks_per_step) steps (TRL's sampler plays whole batches)."""
+"""TRL's save_strategy ("steps", "epoch", "no"; "best": tests/test_best_model.py) and eval_strategy="epoch",
+with transformers' meaning: "epoch" saves and evaluates where its Trainer calls on_epoch_end, at the end of each
+pass over the training rows and at the end of the run (the last pass's end, a short one included); "no" saves
+nothing during the run. An epoch of GRPO is floor(rows / tasks_per_step) steps (TRL's sampler plays whole
+batches)."""
 
 from __future__ import annotations
 
@@ -97,9 +98,8 @@ def test_no_saves_nothing_during_the_run_and_steps_is_save_steps():
     for strategy in ("no", "epoch"):
         with pytest.raises(TypeError, match=f"save_strategy='{strategy}' and save_every set the same thing"):
             GRPOConfig(output_dir="x", save_strategy=strategy, save_every=2)
-    with pytest.raises(ValueError, match="save_strategy='best' saves when an evaluation improves on "
-                                         "metric_for_best_model, which treerl does not track"):
-        GRPOConfig(output_dir="x", save_strategy="best")
+    assert GRPOConfig(output_dir="x", save_strategy="best", save_steps=5, eval_strategy="steps", eval_steps=2,
+                      metric_for_best_model="reward").save_every == 0  # see test_best_model.py
     with pytest.raises(ValueError, match="save_strategy='hourly': use steps"):
         GRPOConfig(output_dir="x", save_strategy="hourly")
     with pytest.raises(ValueError, match="eval_strategy='hourly': use steps"):

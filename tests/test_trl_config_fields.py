@@ -176,7 +176,6 @@ def test_refused_trl_options_say_what_to_do():
     for kwargs, hint in (({"torch_compile": True}, "runs uncompiled"),
                          ({"ddp_backend": "nccl"}, "accelerate launch or torchrun"),
                          ({"fsdp": "full_shard"}, "no FSDP or DeepSpeed"),
-                         ({"load_best_model_at_end": True}, "output_dir/checkpoints"),
                          ({"vllm_tensor_parallel_size": 2}, "--vllm-mode server"),
                          ({"use_transformers_paged": True}, "--continuous-batching"),
                          ({"activation_checkpointing_kwargs": {"every_n_layers": 2}}, "takes no other options")):

@@ -92,10 +92,11 @@ from treerl.envs.prompts import EnvironmentInstances, PromptEnv, environment_too
 from treerl.learners.checkpoints import checkpoint_step, latest_checkpoint
 from treerl.learners.core import TrainResult, learner_name
 from treerl.learners.async_grpo import AsyncGRPOConfig, train_async
+from treerl.learners.evaluation import metric_key
 from treerl.learners.grpo import GRPOConfig, train
 from treerl.learners.sdpo import SDPOConfig
 from treerl.learners.sdpo import train as train_sdpo
-from treerl.rollout.rewards import RewardFunc
+from treerl.rollout.rewards import RewardFunc, reward_func_name
 
 __all__ = ["GRPOTrainer", "GRPOConfig", "SDPOTrainer", "SDPOConfig", "AsyncGRPOTrainer", "AsyncGRPOConfig",
            "LearnerTrainer", "TrainerResult", "Accelerator"]
@@ -287,6 +288,11 @@ class LearnerTrainer:
                              f"train_dataset, which {name} was not given (TRL's placeholder rows make each step an "
                              "epoch): save every N optimizer steps, save_strategy='steps' with save_steps=N "
                              "(eval_strategy='steps' with eval_steps=N).")
+        if self.args.metric_for_best_model is not None and self.eval_dataset is not None:
+            # The figures each evaluation logs (TRL's names): a metric_for_best_model of none is said now.
+            names = [reward_func_name(f) for f in self.reward_funcs]
+            figures = _trl_eval_figures(torch.zeros(1, len(self.reward_weights)), self.reward_weights, names, 1)
+            metric_key(self.args.metric_for_best_model, figures)
         from transformers import TrainerState
 
         self.state = TrainerState(max_steps=self.args.steps * self.args.optimizer_steps_per_step())
@@ -350,6 +356,10 @@ class LearnerTrainer:
         self.state = TrainerState(global_step=result.steps * per_step, max_steps=cfg.steps * per_step,
                                   epoch=metrics["epoch"], log_history=history,
                                   train_batch_size=cfg.tasks_per_step * cfg.group_size)
+        if result.best_step is not None:  # metric_for_best_model's, as transformers' Trainer records them
+            self.state.best_metric, self.state.best_global_step = result.best_metric, result.best_step * per_step
+            self.state.best_model_checkpoint = (str(result.best_model_checkpoint)
+                                                if result.best_model_checkpoint is not None else None)
         return TrainerResult(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)},
                              global_step=result.steps * per_step, training_loss=training_loss, metrics=metrics)
 
@@ -410,7 +420,6 @@ class LearnerTrainer:
         (TRL's eval batches repeat each prompt that many times), scored with the reward functions: TRL's
         figures."""
         from treerl.rollout.evaluate import evaluate_with
-        from treerl.rollout.rewards import reward_func_name
 
         num_generations = self.args.num_generations_eval or self.args.group_size
         report = evaluate_with(self.args, policy, tokenizer, num_episodes=len(rows), seed=self.args.eval_seed,

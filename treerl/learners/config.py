@@ -122,9 +122,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                          "include_for_metrics", "batch_eval_metrics"),
                         "not supported: the evaluation plays held-out episodes with the sampler, at the run's "
                         "precision (--eval-episodes, --eval-every N steps, --eval-on-start)"),
-        **dict.fromkeys(("load_best_model_at_end", "metric_for_best_model", "greater_is_better"),
-                        "not supported: output_dir/model is the last step's; checkpoints stay in output_dir/checkpoints"
-                        " (--save-every, --save-total-limit) and metrics.jsonl has each evaluation to pick one by"),
         "full_determinism": "not supported: a run repeats bit for bit on one device with --lockstep (treerl learn's "
                             "default) and --seed; torch.use_deterministic_algorithms(True) in your script for GPU "
                             "kernels",
@@ -170,14 +167,14 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         **dict.fromkeys(("optim_args", "optim_target_modules", "liger_kernel_config", "neftune_noise_alpha",
                          "torch_empty_cache_steps", "accelerator_config", "parallelism_config", "label_names",
                          "torch_compile_backend", "torch_compile_mode", "eval_accumulation_steps",
-                         "metric_for_best_model", "greater_is_better", "activation_checkpointing",
+                         "activation_checkpointing",
                          "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "ddp_bucket_cap_mb",
                          "ddp_broadcast_buffers", "ddp_backend", "fsdp_config", "deepspeed", "disable_tqdm",
                          "resume_from_checkpoint", "vllm_structured_outputs_regex", "vllm_max_model_length",
                          "trackio_space_id", "trackio_bucket_id"), (None,)),
         **dict.fromkeys(("bf16_full_eval", "fp16_full_eval", "torch_compile", "use_cache", "auto_find_batch_size",
                          "prediction_loss_only", "eval_use_gather_object", "batch_eval_metrics", "save_on_each_node",
-                         "enable_jit_checkpoint", "load_best_model_at_end", "ignore_data_skip", "use_cpu",
+                         "enable_jit_checkpoint", "ignore_data_skip", "use_cpu",
                          "restore_callback_states_from_checkpoint", "full_determinism", "dataloader_drop_last",
                          "dataloader_persistent_workers", "use_transformers_continuous_batching",
                          "use_transformers_paged"), (False,)),
@@ -232,9 +229,10 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                "epoch at the end of each pass over the training rows, every floor(rows / "
                                "tasks_per_step) steps (AsyncGRPO's TRL streams its groups: one epoch, the run), set "
                                "when the run starts (an environment that generates its tasks refuses it); no, none "
-                               "(save_every 0). save_steps is then ignored, as in TRL. Every run still ends with a "
+                               "(save_every 0); best, after each evaluation that improves on metric_for_best_model "
+                               "(save_on_best). save_steps is then ignored, as in TRL. Every run still ends with a "
                                "checkpoint (what --resume continues) and the model in output_dir/model (what a TRL "
-                               "script writes with trainer.save_model); best is refused."),
+                               "script writes with trainer.save_model)."),
         "eval_steps": (int | float | None, "TRL's, with --eval-strategy steps: optimizer steps (below 1: that "
                                            "fraction of the run's, rounded up; default: logging_steps, TRL's 10); "
                                            "eval_every = eval_steps / (num_iterations x num_minibatches)."),
@@ -424,7 +422,29 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                       "then calls trainer.evaluate()).")
     save_every: int = field_help(0, "Checkpoint every N steps (0: only at the end).")
     save_total_limit: int | None = field_help(None, "Keep only the N latest checkpoints, removing older ones as "
-                                                    "new ones are written (default: keep all).")
+                                                    "new ones are written (default: keep all); never the best "
+                                                    "model's (metric_for_best_model), as transformers' rotation: "
+                                                    "with 1, the run ends with the best one alone.")
+    metric_for_best_model: str | None = field_help(
+        None, "TRL's: the evaluation figure that picks the best checkpoint, which --save-total-limit keeps and "
+              "--load-best-model-at-end loads; a name of the evaluation's metrics with or without its eval_ or eval/ "
+              "prefix, in TRL's names (reward: eval_reward, TRL's GRPO evaluation, treerl learn's eval/reward/mean; "
+              "reward_std; rewards/NAME/mean) or treerl learn's (success_rate, reward/mean, ...). Compared after each "
+              "evaluation during training (not the one before the first step). Default with "
+              "--load-best-model-at-end: reward (transformers' loss: GRPO's evaluation has none).")
+    greater_is_better: bool | None = field_help(None, "TRL's: whether a higher metric_for_best_model is better "
+                                                      "(default, as transformers': true unless its name ends in "
+                                                      "loss).")
+    load_best_model_at_end: bool = field_help(False, "TRL's: at the end of the run, output_dir/model (and adapter, "
+                                                     "with LoRA) get the weights of the best checkpoint "
+                                                     "(metric_for_best_model) instead of the last step's; the last "
+                                                     "checkpoint still holds the last step's, for --resume. Needs an "
+                                                     "evaluation during training and a checkpoint at each one that "
+                                                     "may be best: --save-every a multiple of --eval-every, both "
+                                                     "'epoch', or --save-strategy best.")
+    save_on_best: bool = field_help(False, "Checkpoint after each evaluation during training whose "
+                                           "metric_for_best_model improves on the best so far (TRL's save_strategy "
+                                           "'best', which sets it).", metadata={"cli": False})
     resume: bool = field_help(False, "Continue from the latest checkpoint in output_dir.")
     overwrite_output_dir: bool = field_help(False, "Start over in an output_dir that holds an earlier run: its "
                                                    "metrics, checkpoints, samples and model are removed first "
@@ -597,6 +617,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         if self.eval_episodes < 0 or self.save_every < 0 or self.eval_every < 0:
             raise ValueError("eval_episodes, eval_every and save_every must be >= 0 (0 skips evaluation / "
                              "evaluation during training / intermediate checkpoints).")
+        self._check_best_model_options()
         self.sampling(temperature=self.eval_temperature)
         self.packing_config()
         if self.from_rollouts and self.from_server:
@@ -607,6 +628,49 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         if not self.server_timeout_s > 0:
             raise ValueError(f"server_timeout_s={self.server_timeout_s} must be > 0 (seconds).")
         self._check_hub_options()
+
+    def _check_best_model_options(self) -> None:
+        """transformers' rules for the best model: ``metric_for_best_model`` defaults with
+        ``load_best_model_at_end`` (to ``reward``: TRL's GRPO evaluation logs ``eval_reward``, and no ``eval_loss``,
+        transformers' default), ``greater_is_better`` with the metric's name; saving or loading the best needs
+        evaluations during training, and ``load_best_model_at_end`` a checkpoint at each one that may be best
+        (TrainingArguments: save and eval strategies that match, save_steps a multiple of eval_steps, or
+        save_strategy ``"best"``). Again once ``num_train_epochs`` sets what were fractions of the run."""
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "reward"
+        metric = self.metric_for_best_model
+        if metric is not None and (not isinstance(metric, str) or not metric.strip()):
+            raise ValueError(f"metric_for_best_model={metric!r} must name an evaluation figure, e.g. reward (TRL's "
+                             "eval_reward) or success_rate (treerl learn's eval/success_rate).")
+        if self.greater_is_better is None and metric is not None:
+            self.greater_is_better = not metric.endswith("loss")
+        if self.save_on_best and metric is None:
+            raise ValueError("save_strategy='best' saves after each evaluation that improves on metric_for_best_model, "
+                             "which is unset: set metric_for_best_model (e.g. reward, TRL's eval_reward, or "
+                             "success_rate), or load_best_model_at_end=True (whose default metric is reward).")
+        if not (self.save_on_best or self.load_best_model_at_end):
+            return
+        named = "load_best_model_at_end" if self.load_best_model_at_end else "save_strategy='best'"
+        by_epoch = "eval_every" in self.every_epoch, "save_every" in self.every_epoch
+        pending = {"eval_steps", "save_steps"} & set(self.fractions_of_run)  # set with the run's length
+        if not (self.eval_every or by_epoch[0] or "eval_steps" in pending):
+            raise ValueError(f"{named} compares the evaluations during training, but there are none (eval_every=0, "
+                             "TRL's eval_strategy='no'): evaluate every N steps (--eval-every N, or eval_strategy="
+                             "'steps' with eval_steps=N) or at each epoch's end (eval_strategy='epoch').")
+        if not self.load_best_model_at_end or self.save_on_best:
+            return
+        if by_epoch[0] != by_epoch[1]:
+            raise ValueError("load_best_model_at_end needs a checkpoint at each evaluation that may be best, so the "
+                             "save and eval strategies must match (transformers' rule): eval_strategy="
+                             f"{'epoch' if by_epoch[0] else 'steps'} with save_strategy="
+                             f"{'epoch' if by_epoch[1] else 'steps'}; make both 'epoch', or save_strategy='best'.")
+        if not by_epoch[0] and not pending and (not self.save_every or self.save_every % self.eval_every):
+            saves = (f"save_every={self.save_every} is not a multiple of eval_every={self.eval_every}"
+                     if self.save_every else "save_every=0 (TRL's save_strategy='no') writes none during the run")
+            raise ValueError(f"load_best_model_at_end needs a checkpoint at each evaluation that may be best, but "
+                             f"{saves} (transformers' rule: save and eval strategies that match, save_steps a "
+                             f"multiple of eval_steps); save every {self.eval_every} steps (or a multiple: "
+                             "--save-every, TRL's save_steps), or save_strategy='best'.")
 
     def _check_hub_options(self) -> None:
         if self.hub_strategy in ("checkpoint", "all_checkpoints"):
@@ -891,6 +955,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                 setattr(self, name, _fraction_of_run(f"{trl_name}={fraction}", trl_name, fraction, self.steps,
                                                      per_step) // per_step)
         self.num_train_epochs, self.fractions_of_run = None, {}
+        self._check_best_model_options()  # save_every and eval_every are known now
         optimizer_steps = "" if per_step == 1 else f", {self.steps * per_step} optimizer steps"
         return (f"num_train_epochs={epochs:g}: {self.steps} steps{optimizer_steps} ({rows} rows, "
                 f"{self.tasks_per_step} tasks a step)")
@@ -980,27 +1045,25 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     def _translate_save_strategy(cls, values: dict[str, Any]) -> None:
         """TRL's ``save_strategy`` in ``values``, in place: ``"steps"`` (its default) leaves ``save_steps`` to
         :meth:`translate_options`; ``"no"`` is ``save_every=0``, ``"epoch"`` a checkpoint at each epoch's end
-        (:attr:`every_epoch`), each dropping ``save_steps`` as transformers' Trainer ignores it then."""
+        (:attr:`every_epoch`), ``"best"`` one after each evaluation that improves on ``metric_for_best_model``
+        (``save_on_best``), each dropping ``save_steps`` as transformers' Trainer ignores it then."""
         if "save_strategy" not in values:
             return
         strategy = values.pop("save_strategy")
         strategy = getattr(strategy, "value", strategy)  # transformers' SaveStrategy
-        if strategy == "best":
-            raise ValueError("save_strategy='best' saves when an evaluation improves on metric_for_best_model, which "
-                             "treerl does not track: save every N optimizer steps (save_strategy='steps', "
-                             "save_steps=N) or at each epoch's end (save_strategy='epoch'), keep them all "
-                             "(save_total_limit unset) and compare the eval figures metrics.jsonl logs at those "
-                             "steps.")
-        if strategy not in ("steps", "epoch", "no"):
-            raise ValueError(f"save_strategy={strategy!r}: use steps (with save_steps=N), epoch or no.")
+        if strategy not in ("steps", "epoch", "no", "best"):
+            raise ValueError(f"save_strategy={strategy!r}: use steps (with save_steps=N), epoch, best (with "
+                             "metric_for_best_model) or no.")
         if strategy == "steps":
             return
         if "save_every" in values:
             raise TypeError(f"{cls.__name__}(): save_strategy={strategy!r} and save_every set the same thing; keep "
                             "one.")
         values.pop("save_steps", None)  # as TRL ignores it
-        if strategy == "no":
+        if strategy in ("no", "best"):
             values["save_every"] = 0
+            if strategy == "best":
+                values["save_on_best"] = True
         else:  # set when the rows are known (resolve_every_epoch)
             values["every_epoch"] = sorted({*values.get("every_epoch", ()), "save_every"})
 

@@ -12,7 +12,7 @@ A learner is the loop of its own stages on these parts::
             ...                                           # the algorithm: loss, optimizer step
             run.publish_weights(metrics)                  # the policy samples the new weights
             run.end_step(step, metrics, stats, ...)       # summary, diagnostics, eval every N, log, checkpoint
-    return finish(run)                    # final checkpoint, model, eval at end, summary.json, plots
+    return finish(run)                    # final checkpoint, model (or the best), eval at end, summary.json
 
 :func:`build` loads the model (or takes the caller's), keeps the sampler's own copy in a
 :class:`~treerl.agents.transformers_policy.TransformersPolicy` unless a policy is given,
@@ -64,9 +64,12 @@ from treerl.kernels.tree_attention import (
 from treerl.learners.checkpoints import (
     TrainerState,
     checkpoint_path,
+    checkpoint_step,
     clear_run,
     earlier_run,
+    keep_only_best,
     load_checkpoint,
+    load_weights,
     prune_checkpoints,
     resume_checkpoint,
     run_settings,
@@ -75,7 +78,7 @@ from treerl.learners.checkpoints import (
 from treerl.learners.config import LEARNER_CONFIGS, LearnerConfig
 from treerl.learners.diagnostics import RECORDED_ACTIONS, Diagnostics
 from treerl.learners.distributed import Ranks
-from treerl.learners.evaluation import eval_metrics, evaluate_at_start, evaluate_policy
+from treerl.learners.evaluation import eval_metrics, evaluate_at_start, evaluate_policy, metric_key
 from treerl.learners.forward import router_aux_loss_coef, router_top_k
 from treerl.learners.hub import HubPusher
 from treerl.learners.losses.base import same_definition
@@ -95,7 +98,7 @@ from treerl.learners.precision import (
 from treerl.rollout.rewards import RewardFunc, check_reward_weights, load_reward_funcs, reward_func_name
 from treerl.learners.samples import (add_trainer_logprobs, annotate_sample, completion_rows, format_completions,
                                      keeps_sample, sample_path, write_groups)
-from treerl.learners.weight_sync import WeightSync
+from treerl.learners.weight_sync import WeightSync, policy_state_dict
 from treerl.rollout.engine import RolloutEngine
 from treerl.rollout.sources import GroupSource
 from treerl.rollout.summary import RolloutStats
@@ -129,6 +132,12 @@ class TrainResult:
     eval_start: dict[str, Any] | None
     eval_end: dict[str, Any] | None
     model_dir: Path
+    best_metric: float | None = None
+    """With ``metric_for_best_model``: the best evaluation's value (transformers' ``state.best_metric``)."""
+    best_step: int | None = None
+    """Its step."""
+    best_model_checkpoint: Path | None = None
+    """Its checkpoint, once one was written at that step; with ``load_best_model_at_end``, what ``model_dir`` holds."""
 
 
 @dataclass(frozen=True)
@@ -310,12 +319,16 @@ class Run:
             # Also at the last step, as transformers' Trainer evaluates at the end of training (eval_strategy
             # "steps") and of the last epoch, a short one included ("epoch"); its figures are the end's. Before
             # the checkpoint: a resumed run continues after it.
+            improved = False
             if self.cfg.eval_every and ((step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps):
-                metrics.update(self.evaluate(step + 1))
+                evaluated = self.evaluate(step + 1)
+                metrics.update(evaluated)
+                improved = self.track_best(step + 1, evaluated)
             self.log.log(step + 1, metrics)
             for callback in self.callbacks:
                 callback(step + 1, dict(metrics))
-            if self.cfg.save_every and (step + 1) % self.cfg.save_every == 0 and step + 1 < self.cfg.steps:
+            saves = self.cfg.save_every and (step + 1) % self.cfg.save_every == 0
+            if (saves or self.cfg.save_on_best and improved) and step + 1 < self.cfg.steps:  # the last's: finish's
                 self.save_checkpoint()
         return metrics
 
@@ -335,6 +348,40 @@ class Run:
             self.eval_end = figures
         return eval_metrics(figures)
 
+    def track_best(self, step: int, evaluated: dict[str, float]) -> bool:
+        """transformers' ``_determine_best_metric`` after the evaluation of step ``step``: whether its
+        ``metric_for_best_model`` improves on the best so far (recorded in :attr:`state` then, the step too). Step
+        0, the evaluation before the first step, only has the metric's name checked, as transformers compares
+        none of ``eval_on_start``'s."""
+        name = self.cfg.metric_for_best_model
+        if name is None:
+            return False
+        value = float(evaluated[metric_key(name, evaluated)])
+        if step == 0:
+            return False
+        best = self.state.best_metric
+        if best is None:
+            best = -math.inf if self.cfg.greater_is_better else math.inf
+        if not (value > best if self.cfg.greater_is_better else value < best):  # NaN never improves
+            return False
+        self.state.best_metric, self.state.best_step = value, step
+        return True
+
+    def load_best_model(self) -> bool:
+        """transformers' ``_load_best_model`` with ``load_best_model_at_end``: the best checkpoint's weights into
+        the trained model and the policy (the model and adapter the run writes, and the end's evaluation, are
+        then the best's). Returns whether they were loaded (a run with no best checkpoint keeps its last)."""
+        best = self.state.best_model_checkpoint
+        if not self.cfg.load_best_model_at_end or best is None:
+            return False
+        load_weights(Path(best), self.model)
+        # The policy alone, not the sync's targets (AsyncGRPO's generators have stopped): the end's evaluation
+        # samples it, and the model written is its copy (see _export_model).
+        self.policy.set_weights(policy_state_dict(self.model), version=self.sync.version)
+        print(f"loaded the best model, {best} ({self.cfg.metric_for_best_model} {self.state.best_metric:g}), into "
+              f"{self.out_dir / 'model'}", file=sys.stderr)
+        return True
+
     def sync_reference(self, optimizer_step: int, metrics: dict[str, float]) -> None:
         """After the run's optimizer step ``optimizer_step`` (from 1, TRL's ``global_step``), TR-DPO's update of
         the reference with ``sync_ref_model`` (TRL's ``SyncRefModelCallback``): every ``ref_model_sync_steps``-th,
@@ -350,9 +397,14 @@ class Run:
     def save_checkpoint(self) -> None:
         # The reference is saved once it is no longer the starting weights (sync_ref_model).
         reference = self.reference if _REFERENCE_SYNCED in self.state.extra else None
-        save_checkpoint(checkpoint_path(self.out_dir, self.state.step), self.model, self.optimizer, self.scheduler,
-                        self.state, reference=reference)
-        prune_checkpoints(self.out_dir, self.cfg.save_total_limit)
+        path = checkpoint_path(self.out_dir, self.state.step)
+        if self.state.best_step is not None:
+            # transformers': the best evaluation's checkpoint, once one exists at its step (this one, or earlier)
+            best = checkpoint_path(self.out_dir, self.state.best_step)
+            if best == path or best.is_dir():
+                self.state.best_model_checkpoint = str(best)
+        save_checkpoint(path, self.model, self.optimizer, self.scheduler, self.state, reference=reference)
+        prune_checkpoints(self.out_dir, self.cfg.save_total_limit, best=self.state.best_model_checkpoint)
         if self.hub is not None and self.cfg.hub_strategy == "every_save" and self.state.step < self.cfg.steps:
             # The model as it is now, uploaded while training goes on; the final one is finish's to push.
             model_dir = self.out_dir / "model"
@@ -594,6 +646,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
             raise ConfigError(f"--resume: {ckpt} does not fit this run's model ({first}); resume with the settings it "
                               f"was made with (see {out_dir / 'config.json'}, e.g. --lora-r), or start a new "
                               "--output-dir.") from None
+        state.best_model_checkpoint = _resumed_best(state, out_dir, ranks.is_main)
         if ranks.is_main:
             print(f"resumed from {ckpt} at step {state.step}", file=sys.stderr)
             _warn_if_settings_changed(run_settings(out_dir), cfg)
@@ -646,10 +699,26 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
         if cfg.eval_every and state.step == 0 and started:
             # Step 0 of the curve eval_every draws (TRL's eval_on_start); a resumed run kept its line.
             start = run.evaluate(0)
+            run.track_best(0, start)  # a metric_for_best_model it lacks is said now, not after the first step
             run.log.log(0, start)
             for callback in run.callbacks:
                 callback(0, dict(start))
     return run
+
+
+def _resumed_best(state: TrainerState, out_dir: Path, is_main: bool) -> str | None:
+    """A resumed state's best model checkpoint, in this ``out_dir`` (the run's directory may have moved); None,
+    with a warning, where it no longer exists (transformers' ``train``)."""
+    if state.best_model_checkpoint is None:
+        return None
+    path = checkpoint_path(out_dir, checkpoint_step(Path(state.best_model_checkpoint)))
+    if path.is_dir():
+        return str(path)
+    if is_main:
+        print(f"warning: the best checkpoint {state.best_model_checkpoint} recorded in the resumed state does not "
+              "exist anymore; the run goes on without it (a later evaluation that improves on its metric saves "
+              "one, with save_strategy 'best').", file=sys.stderr)
+    return None
 
 
 def _resolve_epochs(cfg: LearnerConfig, env_factory: Callable[[], Any] | None, source: GroupSource | None) -> str:
@@ -681,7 +750,7 @@ _RESUMABLE_CHANGES = frozenset({"steps", "resume", "progress", "save_every", "sa
                                 "report_to", "sample_every", "sample_groups", "eval_episodes", "num_generations_eval",
                                 "overwrite_output_dir", "eval_every", "eval_on_start", "do_eval", "push_to_hub",
                                 "hub_model_id", "hub_strategy", "hub_private_repo", "hub_revision", "project",
-                                "vllm_server_wait_s", "every_epoch"})
+                                "vllm_server_wait_s", "every_epoch", "load_best_model_at_end", "save_on_best"})
 
 
 def learner_name(cfg: LearnerConfig) -> str | None:
@@ -831,26 +900,34 @@ class AdaptersOff(torch.nn.Module):
 
 
 def finish(run: Run) -> TrainResult:
-    """Final checkpoint, the trained model in transformers format, evaluation at the end, ``summary.json``,
-    and with ``push_to_hub`` the model pushed to the Hub.
+    """Final checkpoint, the trained model in transformers format (with ``load_best_model_at_end``, the best
+    checkpoint's weights), evaluation at the end, ``summary.json``, and with ``push_to_hub`` the model pushed to
+    the Hub.
 
     Only rank 0 writes, evaluates and pushes; every rank returns once the model is saved.
     """
-    cfg, model_dir, eval_end = run.cfg, run.out_dir / "model", None
+    cfg, model_dir, eval_end, state = run.cfg, run.out_dir / "model", None, run.state
     if run.ranks.is_main:
-        run.save_checkpoint()
+        run.save_checkpoint()  # the last step's weights, which --resume continues from
         if run.hub is not None:
             run.hub.wait()  # a checkpoint's push may still be reading model_dir
+        loaded = run.load_best_model()
         _write_model(run, model_dir)
         if cfg.lora_r > 0:  # the adapter alone too (a few MB), loadable with peft.PeftModel.from_pretrained
             run.model.save_pretrained(run.out_dir / "adapter")
-        eval_end = run.eval_end  # eval_every's at the last step: the same weights
+        if cfg.save_total_limit == 1 and state.best_model_checkpoint is not None:
+            keep_only_best(run.out_dir, state.best_model_checkpoint)  # transformers' end of training
+        # eval_every's at the last step, unless the best weights replaced those
+        eval_end = run.eval_end if not loaded or state.best_step == state.step else None
         if eval_end is None and cfg.eval_episodes > 0:
             eval_end = evaluate_policy(cfg, run.policy, run.tokenizer, run.eval_env_factory or run.env_factory,
                                        env_id=run.env_id)
         # The settings too: a TRL script may save a model's config.json over the run's (see run_settings).
         result = {"steps": cfg.steps, "policy_version": run.sync.version, "eval_start": run.eval_start,
                   "eval_end": eval_end, "model_dir": str(model_dir), "config": _settings(cfg)}
+        if cfg.metric_for_best_model is not None:  # transformers' state.best_metric and best_model_checkpoint
+            result.update(best_metric=state.best_metric, best_step=state.best_step,
+                          best_model_checkpoint=state.best_model_checkpoint)
         (run.out_dir / "summary.json").write_text(json.dumps(result, indent=2))
         _write_plots(run.out_dir)
         if run.hub is not None:
@@ -858,7 +935,9 @@ def finish(run: Run) -> TrainResult:
             run.hub.close()
     run.ranks.barrier()
     run.policy.close()
-    return TrainResult(run.out_dir, cfg.steps, run.sync.version, run.eval_start, eval_end, model_dir)
+    best = Path(state.best_model_checkpoint) if state.best_model_checkpoint is not None else None
+    return TrainResult(run.out_dir, cfg.steps, run.sync.version, run.eval_start, eval_end, model_dir,
+                       best_metric=state.best_metric, best_step=state.best_step, best_model_checkpoint=best)
 
 
 def _write_plots(out_dir: Path) -> None:

@@ -6,21 +6,28 @@ prompt, at ``eval_temperature`` with the run's environment and limits; the figur
 :meth:`~treerl.rollout.summary.RolloutStats.summary`'s, over all the episodes, with ``pass@k``
 when a task is played more than once. The start is written to
 ``eval_start.json`` so that a resumed run reports it without evaluating again; the evaluations
-of ``eval_every`` are logged with their step as :func:`eval_metrics`.
+of ``eval_every`` are logged with their step as :func:`eval_metrics`, and :func:`metric_key` finds the figure
+``metric_for_best_model`` names among them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from treerl.agents.policy import Policy
+from treerl.errors import ConfigError
 from treerl.learners.config import LearnerConfig
 from treerl.rollout.evaluate import evaluate_with
 
-__all__ = ["evaluate_policy", "evaluate_at_start", "eval_metrics"]
+__all__ = ["evaluate_policy", "evaluate_at_start", "eval_metrics", "metric_key"]
+
+TRL_EVAL_NAMES = {"reward": "reward/mean", "reward_std": "reward/std"}
+"""TRL's names of GRPO's evaluation figures (after ``eval_``) and the held-out figures of the same meaning here
+(after ``eval/``); ``rewards/NAME/mean`` is ``reward_fn/NAME_mean``."""
 
 
 def evaluate_policy(cfg: LearnerConfig, policy: Policy, tokenizer: Any, env_factory: Callable[[], Any],
@@ -61,3 +68,32 @@ def eval_metrics(figures: dict[str, Any]) -> dict[str, float]:
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             out[f"eval/{key}"] = float(value)
     return out
+
+
+def metric_key(name: str, available: Iterable[str]) -> str:
+    """The evaluation metric of ``available`` that ``metric_for_best_model`` ``name`` names: the name itself,
+    with transformers' ``eval_`` prefix or treerl's ``eval/`` added, in TRL's names of GRPO's figures
+    (``eval_reward``, ``eval_rewards/NAME/mean``) or treerl's (``eval/reward/mean``, ``eval/reward_fn/NAME_mean``),
+    whichever the evaluation logs. A name of none of them is refused, listing those it has.
+
+    >>> metric_key("reward", ["eval/reward/mean", "eval/success_rate"])
+    'eval/reward/mean'
+    >>> metric_key("eval/reward/mean", ["eval_reward", "eval_reward_std"])
+    'eval_reward'
+    >>> metric_key("success_rate", ["eval/success_rate"])
+    'eval/success_rate'
+    """
+    available = list(available)
+    base = re.sub(r"^eval[_/]", "", name)
+    bases = [base, TRL_EVAL_NAMES.get(base), *(k for k, v in TRL_EVAL_NAMES.items() if v == base)]
+    if m := re.fullmatch(r"rewards/(.+)/mean", base):
+        bases.append(f"reward_fn/{m[1]}_mean")
+    if m := re.fullmatch(r"reward_fn/(.+)_mean", base):
+        bases.append(f"rewards/{m[1]}/mean")
+    for key in [name, *(prefix + b for b in bases if b for prefix in ("eval_", "eval/"))]:
+        if key in available:
+            return key
+    raise ConfigError(f"metric_for_best_model={name!r} is not among the evaluation's figures: "
+                      f"{', '.join(sorted(available)) or 'none'}; name one of them (with or without its eval_ or "
+                      "eval/ prefix), e.g. --metric-for-best-model reward (GRPO's evaluation logs no loss, which "
+                      "transformers' Trainer compares by default).")
