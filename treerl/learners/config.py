@@ -100,7 +100,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         **dict.fromkeys(("use_liger_kernel", "vllm_enable_sleep_mode", "ds3_gather_for_generation",
                          "dataloader_num_workers", "data_seed", "save_only_model", "lr_scheduler_kwargs",
                          "liger_kernel_config", "optim_args", "optim_target_modules", "average_tokens_across_devices",
-                         "label_smoothing_factor", "use_cache", "neftune_noise_alpha", "torch_empty_cache_steps",
+                         "label_smoothing_factor", "use_cache", "neftune_noise_alpha",
                          "auto_find_batch_size", "skip_memory_metrics", "include_num_input_tokens_seen", "debug",
                          "accelerator_config", "parallelism_config", "label_names", "length_column_name",
                          "save_on_each_node", "enable_jit_checkpoint", "restore_callback_states_from_checkpoint",
@@ -165,7 +165,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "do_predict": (True, False),  # nor do_predict
         # transformers' TrainingArguments at their defaults: nothing here they would change (see UNSUPPORTED)
         **dict.fromkeys(("optim_args", "optim_target_modules", "liger_kernel_config", "neftune_noise_alpha",
-                         "torch_empty_cache_steps", "accelerator_config", "parallelism_config", "label_names",
+                         "accelerator_config", "parallelism_config", "label_names",
                          "torch_compile_backend", "torch_compile_mode", "eval_accumulation_steps",
                          "activation_checkpointing",
                          "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "ddp_bucket_cap_mb",
@@ -387,6 +387,12 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     gradient_checkpointing: bool = field_help(False, "Recompute each decoder layer's activations in the backward "
                                                      "instead of keeping them: less memory for long episodes, about "
                                                      "a third more compute (works with tree attention and LoRA).")
+    torch_empty_cache_steps: int | None = field_help(None, "transformers': after every N-th optimizer step of the run "
+                                                           "(TRL's global_step), hand the accelerator's cached, "
+                                                           "unused memory back (torch.cuda.empty_cache() and its "
+                                                           "likes; nothing on the CPU): a lower memory peak when the "
+                                                           "sampler's KV cache and training's activations take turns, "
+                                                           "a little slower. Unset: never.")
     malformed_ends_episode: bool = field_help(True, "In training, a malformed tool call ends its episode at reward 0 "
                                                     "(ToolEnv environments, as in TRL): an error message the model "
                                                     "recovers from costs it only a turn, and malformed calls then "
@@ -593,6 +599,11 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                              "config's own, e.g. 0.001).")
         if self.lora_r < 0:
             raise ValueError(f"lora_r={self.lora_r} must be >= 0 (0 trains all weights).")
+        every = self.torch_empty_cache_steps
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"torch_empty_cache_steps={every!r} must be a whole number > 0 (as transformers "
+                             "requires): the optimizer steps between two emptyings of the accelerator's memory "
+                             "cache, e.g. --torch-empty-cache-steps 10; leave it unset to never empty it.")
         if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
             raise ValueError(f"num_completions_to_print={self.num_completions_to_print} must be >= 1 (unset: all).")
         if self.sample_groups < 0 or self.sample_every < 1:

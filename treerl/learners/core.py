@@ -382,6 +382,15 @@ class Run:
               f"{self.out_dir / 'model'}", file=sys.stderr)
         return True
 
+    def after_optimizer_step(self, optimizer_step: int, metrics: dict[str, float]) -> None:
+        """What follows the run's optimizer step ``optimizer_step`` (from 1, TRL's ``global_step``):
+        ``sync_ref_model``'s update of the reference (:meth:`sync_reference`), and every
+        ``torch_empty_cache_steps``-th, the accelerator's cache emptied (:func:`empty_device_cache`)."""
+        self.sync_reference(optimizer_step, metrics)
+        every = self.cfg.torch_empty_cache_steps
+        if every and optimizer_step % every == 0:
+            empty_device_cache()
+
     def sync_reference(self, optimizer_step: int, metrics: dict[str, float]) -> None:
         """After the run's optimizer step ``optimizer_step`` (from 1, TRL's ``global_step``), TR-DPO's update of
         the reference with ``sync_ref_model`` (TRL's ``SyncRefModelCallback``): every ``ref_model_sync_steps``-th,
@@ -494,6 +503,17 @@ def check_sampling_temperature(groups: Sequence[Group], temperature: float) -> N
                 f"use another distribution than the one that drew the tokens. Pass --temperature {other[0]} "
                 "(or have the agents leave temperature unset, so that `treerl serve` uses its own)."
             )
+
+
+def empty_device_cache() -> None:
+    """transformers' ``torch_empty_cache_steps`` call: the accelerator's cached memory that no tensor uses handed
+    back, as its Trainer does it (accelerate's ``clear_device_cache``: ``torch.cuda.empty_cache()`` or the XPU's,
+    NPU's, MPS's, ...; nothing on the CPU), and MPS's graph cache."""
+    from accelerate.utils.memory import clear_device_cache
+
+    clear_device_cache()
+    if torch.backends.mps.is_available() and hasattr(torch.mps, "clear_graph_cache"):
+        torch.mps.clear_graph_cache()
 
 
 def set_seed(seed: int) -> None:

@@ -613,7 +613,7 @@ def optimize_minibatches(model: torch.nn.Module, optimizer: torch.optim.Optimize
                          entropy_control: AdaptiveEntropy | None = None) -> list[PackedBatch]:
     """``cfg.num_iterations`` passes over the step's minibatches, in the same order each time (TRL reuses its
     shuffled chunks so), one :func:`optimize` (optimizer step) on each; returns every micro-batch.
-    ``after_update(n)`` is called after the step's n-th optimizer step (from 1; ``sync_ref_model``'s);
+    ``after_update(n)`` is called after the step's n-th optimizer step (from 1; :meth:`Run.after_optimizer_step`);
     ``entropy_control`` (``use_adaptive_entropy``) moves at each of them, as :func:`optimize` says.
 
     The reference's log-probs are each minibatch's first update's for every later one, as TRL's of the
@@ -773,7 +773,7 @@ def update(run: Run, step: int, groups: Sequence[Group], stats: RolloutStats, me
     entropy_control = AdaptiveEntropy.of_run(cfg, run.state.extra)
     batches = optimize_minibatches(run.model, run.optimizer, run.scheduler, minibatches, cfg, run.device, metrics,
                                    run.ranks, ref_model=run.reference, precision=run.precision,
-                                   after_update=lambda n: run.sync_reference(first + n, metrics),
+                                   after_update=lambda n: run.after_optimizer_step(first + n, metrics),
                                    entropy_control=entropy_control)
     if entropy_control is not None:
         entropy_control.save(run.state.extra)  # the step's checkpoint keeps it

@@ -469,7 +469,7 @@ def sdpo_step(run: Run, teacher: torch.nn.Module, prompter: TeacherPrompter, ste
         metrics.update(distill.step_metrics())
     if cfg.teacher == "ema":
         ema_update(teacher, run.model, cfg.teacher_update_rate)
-    run.sync_reference(step + 1, metrics)  # one optimizer step per step
+    run.after_optimizer_step(step + 1, metrics)  # one optimizer step per step
     run.publish_weights(metrics)
     return run.end_step(step, metrics, stats, num_episodes=len(adv), batches=batches)
 

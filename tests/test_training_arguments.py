@@ -1,0 +1,72 @@
+"""transformers' TrainingArguments options that the learners take with their meaning there: each one as a
+``treerl learn`` flag, a YAML key and a keyword argument of the Python configs (TRL's name), and what a run
+does with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treerl.learners.grpo import GRPOConfig, train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = dict(tasks_per_step=1, group_size=2, max_new_tokens=8, temperature=1.5, eval_episodes=0, progress=False,
+            sample_groups=0, learning_rate=5e-3)
+
+
+def alternate(completions, **kwargs):
+    """Rewards 0, 1, 0, 1, ...: every group has advantages, so every step trains."""
+    return [float(i % 2) for i in range(len(completions))]
+
+
+def _load():
+    from treerl.models import load_default_model
+
+    return load_default_model()
+
+
+def from_command_line(flags, yaml_text=None, tmp_path=None, learner="grpo"):
+    """The config ``treerl learn`` builds from ``flags`` (and a ``--config`` file holding ``yaml_text``)."""
+    from treerl.cli import build_parser
+    from treerl.config import config_from_args
+    from treerl.learners.core import LEARNERS
+
+    argv = ["learn", "--learner", learner, "--output-dir", "out", *flags]
+    if yaml_text is not None:
+        (tmp_path / "run.yaml").write_text(yaml_text)
+        argv += ["--config", str(tmp_path / "run.yaml")]
+    return config_from_args(LEARNERS[learner].config, build_parser(learner).parse_args(argv))
+
+
+# -- torch_empty_cache_steps ------------------------------------------------------------------------------------
+
+
+def test_torch_empty_cache_steps_is_a_flag_a_yaml_key_and_trls_keyword(tmp_path):
+    assert GRPOConfig(output_dir="x").torch_empty_cache_steps is None
+    assert GRPOConfig(output_dir="x", torch_empty_cache_steps=4).torch_empty_cache_steps == 4
+    assert from_command_line(["--torch-empty-cache-steps", "3"]).torch_empty_cache_steps == 3
+    assert from_command_line([], "torch_empty_cache_steps: 5\n", tmp_path).torch_empty_cache_steps == 5
+    for value in (0, -2, True, 2.5):  # transformers: "must be an integer bigger than 0"
+        with pytest.raises(ValueError, match=f"torch_empty_cache_steps={value!r} must be a whole number > 0"):
+            GRPOConfig(output_dir="x", torch_empty_cache_steps=value)
+
+
+def test_the_cache_is_emptied_after_every_nth_optimizer_step_of_the_run(tmp_path, monkeypatch):
+    """Two steps of num_iterations=3 optimizer steps each: every 2nd optimizer step of the run empties the cache
+    (transformers' global_step), the 2nd and 4th in the middle of a step, the 6th at the end of the last."""
+    import accelerate.utils.memory
+
+    taken = []
+
+    class Counted(torch.optim.AdamW):
+        def step(self, *args, **kwargs):
+            taken.append(None)
+            return super().step(*args, **kwargs)
+
+    emptied = []
+    monkeypatch.setattr(accelerate.utils.memory, "clear_device_cache", lambda: emptied.append(len(taken)))
+    model, tok = _load()
+    train(GRPOConfig(output_dir=str(tmp_path), steps=2, num_iterations=3, torch_empty_cache_steps=2, **TINY),
+          model=model, tokenizer=tok, reward_funcs=[alternate], optimizer=lambda params: Counted(params, lr=5e-3))
+    assert len(taken) == 6 and emptied == [2, 4, 6]
