@@ -70,3 +70,50 @@ def test_the_cache_is_emptied_after_every_nth_optimizer_step_of_the_run(tmp_path
     train(GRPOConfig(output_dir=str(tmp_path), steps=2, num_iterations=3, torch_empty_cache_steps=2, **TINY),
           model=model, tokenizer=tok, reward_funcs=[alternate], optimizer=lambda params: Counted(params, lr=5e-3))
     assert len(taken) == 6 and emptied == [2, 4, 6]
+
+
+# -- full_determinism -------------------------------------------------------------------------------------------
+
+DETERMINISM_VARIABLES = ("CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG", "ASCEND_LAUNCH_BLOCKING",
+                         "HCCL_DETERMINISTIC", "FLASH_ATTENTION_DETERMINISTIC")
+
+
+@pytest.fixture
+def torch_determinism(monkeypatch):
+    """torch's deterministic-algorithms switch, cuDNN's flags and the environment variables that transformers'
+    enable_full_determinism sets, as they were before the test, after it."""
+    for name in DETERMINISM_VARIABLES:
+        monkeypatch.delenv(name, raising=False)  # restored (or removed) at the end, whoever set it meanwhile
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2:]
+
+
+def test_full_determinism_is_a_flag_a_yaml_key_and_trls_keyword(tmp_path):
+    assert GRPOConfig(output_dir="x").full_determinism is False
+    assert GRPOConfig(output_dir="x", full_determinism=True).full_determinism is True
+    assert from_command_line(["--full-determinism"]).full_determinism is True
+    assert from_command_line([], "full_determinism: true\n", tmp_path).full_determinism is True
+
+
+def test_full_determinism_seeds_with_transformers_enable_full_determinism_and_trains(tmp_path, torch_determinism):
+    """The run is seeded as transformers' Trainer seeds with full_determinism: deterministic algorithms only (a
+    step of training runs under them on the CPU), cuDNN's deterministic mode and CUDA's variables; the default
+    seeds without them."""
+    import os
+
+    model, tok = _load()
+    train(GRPOConfig(output_dir=str(tmp_path / "plain"), steps=1, **TINY), model=model, tokenizer=tok,
+          reward_funcs=[alternate])
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    model, tok = _load()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    train(GRPOConfig(output_dir=str(tmp_path / "full"), steps=1, full_determinism=True, **TINY), model=model,
+          tokenizer=tok, reward_funcs=[alternate])
+    assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8" and os.environ["CUDA_LAUNCH_BLOCKING"] == "1"
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # it trained

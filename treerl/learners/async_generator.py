@@ -111,6 +111,10 @@ class GeneratorCore:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         set_tf32(cfg.tf32, cfg.device)  # a process of its own: its sampler's matmuls as the trainer's
+        if cfg.full_determinism:  # its sampler's kernels too (transformers' function seeds as well)
+            from transformers.trainer_utils import enable_full_determinism
+
+            enable_full_determinism(cfg.seed)
         if spec.sandbox_runs is not None:
             from treerl.envs.sandbox import set_max_concurrent_runs
 

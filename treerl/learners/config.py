@@ -122,9 +122,6 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                          "include_for_metrics", "batch_eval_metrics"),
                         "not supported: the evaluation plays held-out episodes with the sampler, at the run's "
                         "precision (--eval-episodes, --eval-every N steps, --eval-on-start)"),
-        "full_determinism": "not supported: a run repeats bit for bit on one device with --lockstep (treerl learn's "
-                            "default) and --seed; torch.use_deterministic_algorithms(True) in your script for GPU "
-                            "kernels",
         "train_sampling_strategy": "--shuffle-dataset plays a dataset's rows in a new order each pass (TRL's GRPO "
                                    "sampler does not read train_sampling_strategy either)",
         **dict.fromkeys(("ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph",
@@ -175,7 +172,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         **dict.fromkeys(("bf16_full_eval", "fp16_full_eval", "torch_compile", "use_cache", "auto_find_batch_size",
                          "prediction_loss_only", "eval_use_gather_object", "batch_eval_metrics", "save_on_each_node",
                          "enable_jit_checkpoint", "ignore_data_skip", "use_cpu",
-                         "restore_callback_states_from_checkpoint", "full_determinism", "dataloader_drop_last",
+                         "restore_callback_states_from_checkpoint", "dataloader_drop_last",
                          "dataloader_persistent_workers", "use_transformers_continuous_batching",
                          "use_transformers_paged"), (False,)),
         **dict.fromkeys(("average_tokens_across_devices", "log_on_each_node", "logging_nan_inf_filter",
@@ -483,6 +480,13 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                                      "forward of the kept groups): the viewer's sampler/trainer "
                                                      "ratio colouring.")
     seed: int = field_help(0, "Seeds tasks, sampling and initialization.")
+    full_determinism: bool = field_help(False, "transformers': seed the run with its enable_full_determinism instead "
+                                               "of set_seed: torch's deterministic algorithms (an op that has none "
+                                               "raises), cuDNN's deterministic mode, and the environment variables "
+                                               "CUDA needs for them (CUBLAS_WORKSPACE_CONFIG=:16:8, "
+                                               "CUDA_LAUNCH_BLOCKING=1, ...), in the trainer's process and "
+                                               "AsyncGRPO's generators: GPU kernels repeat bit for bit, slower. A run "
+                                               "on the CPU repeats without it (--lockstep, --seed).")
     shuffle_dataset: bool | None = field_help(None, "Play a dataset's rows (an environment's data_path or dataset, "
                                                     "a group's) in a new order each pass, the permutations TRL's "
                                                     "sampler draws with --seed (TRL's shuffle_dataset). Default: "

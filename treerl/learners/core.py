@@ -522,6 +522,18 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def seed_run(cfg: LearnerConfig) -> None:
+    """Seed Python's, numpy's and torch's generators with ``cfg.seed``; with ``cfg.full_determinism``, transformers'
+    ``enable_full_determinism`` (which seeds them too) instead, as its Trainer does: deterministic algorithms only,
+    and the environment variables CUDA's need."""
+    if cfg.full_determinism:
+        from transformers.trainer_utils import enable_full_determinism
+
+        enable_full_determinism(cfg.seed)
+    else:
+        set_seed(cfg.seed)
+
+
 def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
           policy: Policy | None = None, env_factory: Callable[[], Any] | None = None,
           reward_funcs: Sequence[RewardFunc] = (), reward_weights: Sequence[float] | None = None,
@@ -583,7 +595,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
             if ranks.is_main and found:
                 clear_run(out_dir)
             ranks.barrier()
-    set_seed(cfg.seed)
+    seed_run(cfg)
 
     # Models: the trainer's (tree attention, maybe LoRA) and the sampler's own copy.
     if model is None:
