@@ -117,3 +117,80 @@ def test_full_determinism_seeds_with_transformers_enable_full_determinism_and_tr
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8" and os.environ["CUDA_LAUNCH_BLOCKING"] == "1"
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # it trained
+
+
+# -- save_only_model --------------------------------------------------------------------------------------------
+
+
+def test_save_only_model_is_a_flag_a_yaml_key_and_trls_keyword(tmp_path):
+    assert GRPOConfig(output_dir="x").save_only_model is False
+    assert GRPOConfig(output_dir="x", save_only_model=True).save_only_model is True
+    assert from_command_line(["--save-only-model"]).save_only_model is True
+    assert from_command_line([], "save_only_model: true\n", tmp_path, learner="sdpo").save_only_model is True
+
+
+def test_a_model_only_checkpoint_holds_the_weights_and_state_alone(tmp_path):
+    """The same trained weights saved both ways: the model-only checkpoint lacks the optimizer's and scheduler's
+    states and the random generators (AdamW's two moments: a third of the whole), and loads back its weights
+    and state, leaving the optimizer as it is."""
+    from safetensors.torch import load_file
+
+    from treerl.learners.checkpoints import TrainerState, is_model_only, load_checkpoint, save_checkpoint
+
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    model(torch.ones(1, 64)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    state = TrainerState(step=3, policy_version=3, next_task=6)
+    save_checkpoint(tmp_path / "whole", model, optimizer, scheduler, state)
+    save_checkpoint(tmp_path / "model", model, optimizer, scheduler, state, model_only=True)
+    files = {p.name: p.stat().st_size for p in (tmp_path / "model").iterdir()}
+    assert sorted(files) == ["model.safetensors", "trainer_state.json"]
+    whole = sum(p.stat().st_size for p in (tmp_path / "whole").iterdir())
+    assert {"optimizer.pt", "rng.pt"} <= {p.name for p in (tmp_path / "whole").iterdir()}
+    assert sum(files.values()) < 0.4 * whole
+    assert is_model_only(tmp_path / "model") and not is_model_only(tmp_path / "whole")
+    for key, value in load_file(str(tmp_path / "model" / "model.safetensors")).items():
+        assert torch.equal(value, model.state_dict()[key])
+
+    fresh = torch.nn.Linear(64, 64)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    fresh_scheduler = torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda step: 1.0)
+    assert load_checkpoint(tmp_path / "model", fresh, fresh_optimizer, fresh_scheduler) == state
+    assert torch.equal(fresh.weight, model.weight) and not fresh_optimizer.state
+    assert fresh_scheduler.last_epoch == 0
+
+
+def test_resume_refuses_a_model_only_checkpoint_while_steps_remain(tmp_path, capsys):
+    """A run of save_only_model checkpoints: each has no optimizer, and --resume with steps left is refused with
+    why and what to do; with none left it writes the checkpoint's weights to output_dir/model."""
+    from safetensors.torch import load_file
+
+    from treerl.errors import ConfigError
+
+    out = tmp_path / "run"
+    model, tok = _load()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = GRPOConfig(output_dir=str(out), steps=2, save_every=1, save_only_model=True, **TINY)
+    train(cfg, model=model, tokenizer=tok, reward_funcs=[alternate])
+    for step in (1, 2):
+        assert sorted(p.name for p in (out / "checkpoints" / f"step-{step}").iterdir()) == [
+            "model.safetensors", "trainer_state.json"]
+    model, tok = _load()
+    with pytest.raises(ConfigError, match=r"--resume: .*step-2 holds the model only \(save_only_model wrote it\): "
+                                          r"no optimizer state.*--overwrite-output-dir.*--resume --steps 2"):
+        train(GRPOConfig(output_dir=str(out), steps=3, resume=True, **TINY), model=model, tokenizer=tok,
+              reward_funcs=[alternate])
+    saved = load_file(str(out / "checkpoints" / "step-2" / "model.safetensors"))
+    (out / "model" / "model.safetensors").unlink()
+    train(GRPOConfig(output_dir=str(out), steps=2, resume=True, **TINY), model=model, tokenizer=tok,
+          reward_funcs=[alternate])
+    assert "resumed from" in capsys.readouterr().err
+    written = load_file(str(out / "model" / "model.safetensors"))
+    assert any(not torch.equal(saved[k], start[k]) for k in saved)  # it trained
+    common = saved.keys() & written.keys()  # tied embeddings are saved under one name or the other
+    assert len(common) >= len(saved) - 1
+    for key in common:
+        assert torch.equal(written[key], saved[key]), key

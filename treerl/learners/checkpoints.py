@@ -7,7 +7,8 @@ scheduler states, the random-number generators of torch, numpy and Python, and
 :class:`TrainerState` as ``trainer_state.json``. It is written into ``step-N.tmp`` and
 renamed, so a killed run leaves either a whole checkpoint or none (and perhaps a
 ``step-N.tmp``, which :func:`resume_checkpoint` removes), and a resumed run continues bit
-for bit as if it had never stopped.
+for bit as if it had never stopped. With transformers' ``save_only_model`` a checkpoint holds the
+weights and ``trainer_state.json`` alone (:func:`is_model_only`), which no run continues from.
 
 >>> import tempfile, pathlib
 >>> out = pathlib.Path(tempfile.mkdtemp())
@@ -29,7 +30,7 @@ import torch
 
 __all__ = ["TrainerState", "save_checkpoint", "checkpoint_step", "latest_checkpoint", "resume_checkpoint",
            "load_checkpoint", "load_weights", "checkpoint_path", "earlier_run", "clear_run", "prune_checkpoints",
-           "keep_only_best", "run_settings"]
+           "keep_only_best", "run_settings", "is_model_only"]
 
 
 @dataclass
@@ -56,6 +57,8 @@ class TrainerState:
 
 REFERENCE_FILE = "reference.safetensors"
 """A checkpoint's KL reference, written once ``sync_ref_model`` has moved it from the starting weights."""
+OPTIMIZER_FILE = "optimizer.pt"
+"""A checkpoint's optimizer and scheduler states, which a model-only one (``save_only_model``) lacks."""
 
 
 def checkpoint_path(output_dir: Path, step: int) -> Path:
@@ -63,23 +66,32 @@ def checkpoint_path(output_dir: Path, step: int) -> Path:
 
 
 def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    state: TrainerState, reference: torch.nn.Module | None = None) -> None:
+                    state: TrainerState, reference: torch.nn.Module | None = None, model_only: bool = False) -> None:
     """Write a whole checkpoint to ``path`` (replacing one there), atomically; with ``reference`` (a KL
-    reference that is no longer the starting weights), its weights too."""
+    reference that is no longer the starting weights), its weights too. ``model_only`` (transformers'
+    ``save_only_model``) writes the weights and the state alone: no optimizer, scheduler, random generators
+    or reference, so nothing a run could continue from."""
     from safetensors.torch import save_model
 
     tmp = path.with_name(path.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     save_model(model, str(tmp / "model.safetensors"))  # handles tied embeddings
-    if reference is not None:
-        save_model(reference, str(tmp / REFERENCE_FILE))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
-    torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
-               tmp / "rng.pt")
+    if not model_only:
+        if reference is not None:
+            save_model(reference, str(tmp / REFERENCE_FILE))
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / OPTIMIZER_FILE)
+        torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+                   tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
     if path.exists():
         shutil.rmtree(path)
     tmp.rename(path)  # a checkpoint directory either exists whole or not at all
+
+
+def is_model_only(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` holds the weights alone (written with ``save_only_model``): it has no
+    optimizer state to continue a run from."""
+    return not (Path(path) / OPTIMIZER_FILE).exists()
 
 
 def checkpoint_step(path: Path) -> int:
@@ -221,19 +233,21 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
                     scheduler: Any, reference: torch.nn.Module | None = None) -> TrainerState:
     """Load weights, optimizer, scheduler and generators from ``path`` in place; returns its state. A
     ``reference`` takes the checkpoint's reference weights where it has them (else it stays as it is:
-    the starting weights)."""
+    the starting weights). A model-only checkpoint (:func:`is_model_only`) gives its weights and state alone:
+    the optimizer, scheduler and generators stay as they are."""
     from safetensors.torch import load_model
 
     load_weights(path, model)
     if reference is not None and (path / REFERENCE_FILE).exists():
         load_model(reference, str(path / REFERENCE_FILE))
-    opt = torch.load(path / "optimizer.pt", weights_only=False)
-    optimizer.load_state_dict(opt["optimizer"])
-    scheduler.load_state_dict(opt["scheduler"])
-    rng = torch.load(path / "rng.pt", weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
+    if not is_model_only(path):
+        opt = torch.load(path / OPTIMIZER_FILE, weights_only=False)
+        optimizer.load_state_dict(opt["optimizer"])
+        scheduler.load_state_dict(opt["scheduler"])
+        rng = torch.load(path / "rng.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
     state = json.loads((path / "trainer_state.json").read_text())
     return TrainerState(step=int(state["step"]), policy_version=int(state["policy_version"]),
                         next_task=int(state["next_task"]), extra=dict(state.get("extra", {})),

@@ -98,7 +98,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                         "a script's model option (TRL's ModelConfig): --model takes a directory or a cached Hub id "
                         "as it is, and its attention is treerl's tree attention (--attention-impl)"),
         **dict.fromkeys(("use_liger_kernel", "vllm_enable_sleep_mode", "ds3_gather_for_generation",
-                         "dataloader_num_workers", "data_seed", "save_only_model", "lr_scheduler_kwargs",
+                         "dataloader_num_workers", "data_seed", "lr_scheduler_kwargs",
                          "liger_kernel_config", "optim_args", "optim_target_modules", "average_tokens_across_devices",
                          "label_smoothing_factor", "use_cache", "neftune_noise_alpha",
                          "auto_find_batch_size", "skip_memory_metrics", "include_num_input_tokens_seen", "debug",
@@ -155,8 +155,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         "gradient_checkpointing_kwargs": (None, {}, {"use_reentrant": False}),  # what --gradient-checkpointing does
         "log_level": ("passive",),  # transformers' default: its logging as it is set
         # transformers' and TRL's defaults of what has no counterpart here: no Liger kernels, no vLLM sleep, no
-        # DeepSpeed, no DataLoader, checkpoints with the optimizer (resumable), no scheduler arguments
-        **dict.fromkeys(("use_liger_kernel", "vllm_enable_sleep_mode", "save_only_model"), (False,)),
+        # DeepSpeed, no DataLoader, no scheduler arguments
+        **dict.fromkeys(("use_liger_kernel", "vllm_enable_sleep_mode"), (False,)),
         "ds3_gather_for_generation": (True,), "dataloader_num_workers": (0,), "data_seed": (None,),
         "lr_scheduler_kwargs": (None, {}), "do_train": (True, False),  # transformers' Trainer does not read do_train
         "do_predict": (True, False),  # nor do_predict
@@ -448,6 +448,11 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     save_on_best: bool = field_help(False, "Checkpoint after each evaluation during training whose "
                                            "metric_for_best_model improves on the best so far (TRL's save_strategy "
                                            "'best', which sets it).", metadata={"cli": False})
+    save_only_model: bool = field_help(False, "transformers': checkpoints hold the trained weights and "
+                                              "trainer_state.json alone, without the optimizer's state, the "
+                                              "learning-rate schedule's and the random generators (a third of a "
+                                              "full fine-tune's checkpoint under AdamW): --resume cannot continue "
+                                              "from them and refuses to, while steps remain.")
     resume: bool = field_help(False, "Continue from the latest checkpoint in output_dir.")
     overwrite_output_dir: bool = field_help(False, "Start over in an output_dir that holds an earlier run: its "
                                                    "metrics, checkpoints, samples and model are removed first "

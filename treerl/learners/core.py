@@ -67,7 +67,9 @@ from treerl.learners.checkpoints import (
     checkpoint_step,
     clear_run,
     earlier_run,
+    is_model_only,
     keep_only_best,
+    latest_checkpoint,
     load_checkpoint,
     load_weights,
     prune_checkpoints,
@@ -412,7 +414,8 @@ class Run:
             best = checkpoint_path(self.out_dir, self.state.best_step)
             if best == path or best.is_dir():
                 self.state.best_model_checkpoint = str(best)
-        save_checkpoint(path, self.model, self.optimizer, self.scheduler, self.state, reference=reference)
+        save_checkpoint(path, self.model, self.optimizer, self.scheduler, self.state, reference=reference,
+                        model_only=self.cfg.save_only_model)
         prune_checkpoints(self.out_dir, self.cfg.save_total_limit, best=self.state.best_model_checkpoint)
         if self.hub is not None and self.cfg.hub_strategy == "every_save" and self.state.step < self.cfg.steps:
             # The model as it is now, uploaded while training goes on; the final one is finish's to push.
@@ -595,6 +598,8 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
             if ranks.is_main and found:
                 clear_run(out_dir)
             ranks.barrier()
+    else:
+        _refuse_model_only_resume(cfg, out_dir)  # before the model loads
     seed_run(cfg)
 
     # Models: the trainer's (tree attention, maybe LoRA) and the sampler's own copy.
@@ -753,6 +758,22 @@ def _resumed_best(state: TrainerState, out_dir: Path, is_main: bool) -> str | No
     return None
 
 
+def _refuse_model_only_resume(cfg: LearnerConfig, out_dir: Path) -> None:
+    """A resumed run whose latest checkpoint holds the model only (``save_only_model``) is refused while steps
+    remain: without the optimizer's state, the schedule's and the random generators, the steps after it would
+    not be the run's. With none left it resumes, to write the checkpoint's weights as ``output_dir/model``."""
+    ckpt = latest_checkpoint(out_dir)
+    if ckpt is None or not is_model_only(ckpt) or cfg.steps <= checkpoint_step(ckpt):
+        return
+    step = checkpoint_step(ckpt)
+    raise ConfigError(f"--resume: {ckpt} holds the model only (save_only_model wrote it): no optimizer state, "
+                      "learning-rate schedule or random generators to continue from, so the steps after it would not "
+                      "be this run's (transformers says the same of such checkpoints). Start over with "
+                      "--overwrite-output-dir, or in a new --output-dir, leaving save_only_model off for checkpoints "
+                      f"a run can resume from; or write its weights to {out_dir / 'model'} with --resume --steps "
+                      f"{step} (no step left to train).")
+
+
 def _resolve_epochs(cfg: LearnerConfig, env_factory: Callable[[], Any] | None, source: GroupSource | None) -> str:
     """``cfg.steps`` from ``num_train_epochs`` and the rows of the training environment's dataset
     (:meth:`~treerl.learners.config.LearnerConfig.resolve_steps`), then the fields of ``cfg.every_epoch``
@@ -782,7 +803,8 @@ _RESUMABLE_CHANGES = frozenset({"steps", "resume", "progress", "save_every", "sa
                                 "report_to", "sample_every", "sample_groups", "eval_episodes", "num_generations_eval",
                                 "overwrite_output_dir", "eval_every", "eval_on_start", "do_eval", "push_to_hub",
                                 "hub_model_id", "hub_strategy", "hub_private_repo", "hub_revision", "project",
-                                "vllm_server_wait_s", "every_epoch", "load_best_model_at_end", "save_on_best"})
+                                "vllm_server_wait_s", "every_epoch", "load_best_model_at_end", "save_on_best",
+                                "save_only_model"})
 
 
 def learner_name(cfg: LearnerConfig) -> str | None:

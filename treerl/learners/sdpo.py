@@ -480,11 +480,13 @@ _TEACHER_FILE = "teacher.safetensors"
 
 
 def _save_teacher(run: Run, teacher: torch.nn.Module) -> None:
-    """Next to the checkpoint the core just wrote (if any), the EMA teacher's weights (with LoRA, its adapters)."""
+    """Next to the checkpoint the core just wrote (if any), the EMA teacher's weights (with LoRA, its adapters),
+    unless it holds the model only (``save_only_model``: the teacher is training state)."""
     from safetensors.torch import save_file, save_model
 
     path = checkpoint_path(run.out_dir, run.state.step)
-    if run.ranks.is_main and path.is_dir() and not (path / _TEACHER_FILE).exists():
+    if (run.ranks.is_main and not run.cfg.save_only_model and path.is_dir()
+            and not (path / _TEACHER_FILE).exists()):
         if isinstance(teacher, EMAAdapters):
             save_file({k: v.contiguous() for k, v in teacher.weights.items()}, str(path / _TEACHER_FILE))
         else:
