@@ -194,3 +194,92 @@ def test_resume_refuses_a_model_only_checkpoint_while_steps_remain(tmp_path, cap
     assert len(common) >= len(saved) - 1
     for key in common:
         assert torch.equal(written[key], saved[key]), key
+
+
+# -- eval_delay -------------------------------------------------------------------------------------------------
+
+
+def transformers_evals(tmp_path, rows, strategy, delay, max_steps=-1, epochs=3.0, eval_steps=None):
+    """The optimizer steps at which transformers' own Trainer evaluates with ``eval_strategy`` and ``eval_delay``:
+    a one-parameter model over ``rows`` rows, one a step."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, x):
+            return {"loss": ((self.w - x) ** 2).mean()}
+
+    class Record(TrainerCallback):
+        evals: list[int] = []
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            self.evals.append(state.global_step)
+
+    data = [{"x": torch.tensor([float(i)])} for i in range(rows)]
+    record = Record()
+    record.evals = []
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=max_steps, num_train_epochs=epochs,
+                             per_device_train_batch_size=1, eval_strategy=strategy, eval_steps=eval_steps,
+                             eval_delay=delay, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+                             logging_strategy="no")
+    Trainer(model=Model(), args=args, train_dataset=data, eval_dataset=data[:1], callbacks=[record]).train()
+    return record.evals
+
+
+# (rows, eval_strategy, eval_delay, max_steps, num_train_epochs, eval_steps, the steps that evaluate), by hand
+EVAL_DELAY_CASES = [
+    (20, "steps", 3, 7, 3.0, 2, [4, 6, 7]),   # every 2 optimizer steps from the 3rd on, and at the end
+    (20, "steps", 0, 7, 3.0, 2, [2, 4, 6, 7]),
+    (20, "steps", 8, 7, 3.0, 2, []),          # later than the run: none, not even at its end
+    (3, "epoch", 2, -1, 3.0, None, [6, 9]),   # epochs of 3 steps: from the end of the 2nd
+    (3, "epoch", 1.5, 7, 3.0, None, [6, 7]),  # the run ends at epoch 2.33, a short last epoch
+    (3, "epoch", 2.5, 7, 3.0, None, []),
+]
+
+
+@pytest.mark.parametrize("rows,strategy,delay,max_steps,epochs,eval_steps,expected", EVAL_DELAY_CASES)
+def test_eval_delay_holds_the_evaluations_back_as_transformers_does(rows, strategy, delay, max_steps, epochs,
+                                                                   eval_steps, expected, tmp_path):
+    """The steps that evaluate, here (a step of one task, one optimizer step) and in transformers' Trainer."""
+    assert transformers_evals(tmp_path, rows, strategy, delay, max_steps, epochs, eval_steps) == expected
+    length = {"max_steps": max_steps} if max_steps > 0 else {"num_train_epochs": epochs}
+    steps = {"eval_steps": eval_steps} if eval_steps else {}
+    cfg = GRPOConfig(output_dir="x", tasks_per_step=1, eval_strategy=strategy, eval_delay=delay, **length, **steps)
+    if cfg.num_train_epochs is not None:
+        cfg.resolve_steps(rows)
+    if cfg.every_epoch:
+        cfg.resolve_every_epoch(rows)
+    assert [step for step in range(1, cfg.steps + 1) if cfg.evaluates_after(step)] == expected
+
+
+def test_eval_delay_counts_the_runs_optimizer_steps(tmp_path):
+    """Three steps of num_iterations=2 optimizer steps, evaluated every step from the 3rd optimizer step on:
+    after steps 2 and 3 (optimizer steps 4 and 6), not after step 1 (optimizer step 2); the evaluation before
+    the first step (eval_on_start) is not eval_every's."""
+    import json
+
+    evaluated = []
+
+    def evaluate(policy, tokenizer):
+        evaluated.append(None)
+        return {"eval_x": float(len(evaluated))}
+
+    model, tok = _load()
+    cfg = GRPOConfig(output_dir=str(tmp_path), steps=3, num_iterations=2, eval_every=1, eval_delay=3,
+                     eval_on_start=True, **TINY)
+    train(cfg, model=model, tokenizer=tok, reward_funcs=[alternate], evaluate=evaluate)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m.get("eval_x")) for m in lines] == [(0, 1.0), (1, None), (2, 2.0), (3, 3.0)]
+
+
+def test_eval_delay_is_a_flag_a_yaml_key_and_trls_keyword(tmp_path):
+    assert GRPOConfig(output_dir="x").eval_delay == 0
+    assert GRPOConfig(output_dir="x", eval_strategy="steps", eval_steps=5, eval_delay=50).eval_delay == 50
+    assert from_command_line(["--eval-delay", "2.5"]).eval_delay == 2.5
+    assert from_command_line([], "eval_delay: 7\n", tmp_path).eval_delay == 7
+    for value in (-1, True, float("inf")):
+        with pytest.raises(ValueError, match=f"eval_delay={value!r} must be a number >= 0"):
+            GRPOConfig(output_dir="x", eval_delay=value)

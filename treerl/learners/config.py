@@ -117,7 +117,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                         "they are; transformers' own logging follows $TRANSFORMERS_VERBOSITY"),
         **dict.fromkeys(("torch_compile", "torch_compile_backend", "torch_compile_mode"),
                         "not supported: the model runs uncompiled, with treerl's tree attention (--attention-impl)"),
-        **dict.fromkeys(("bf16_full_eval", "fp16_full_eval", "eval_delay", "prediction_loss_only",
+        **dict.fromkeys(("bf16_full_eval", "fp16_full_eval", "prediction_loss_only",
                          "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps",
                          "include_for_metrics", "batch_eval_metrics"),
                         "not supported: the evaluation plays held-out episodes with the sampler, at the run's "
@@ -179,7 +179,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                          "eval_do_concat_batches", "skip_memory_metrics", "dataloader_pin_memory",
                          "dataloader_in_order"), (True,)),
         "activation_checkpointing_kwargs": (None, {}, {"use_reentrant": False}), "label_smoothing_factor": (0.0,),
-        "include_num_input_tokens_seen": ("no", False), "log_level_replica": ("warning",), "eval_delay": (0,),
+        "include_num_input_tokens_seen": ("no", False), "log_level_replica": ("warning",),
         "include_for_metrics": ([],), "debug": ("", []), "fsdp": (None, "", []), "local_rank": (-1,),
         "train_sampling_strategy": ("random",), "length_column_name": ("length",),
         "transformers_continuous_batching_config": (None, {}), "trackio_static_space_id": (None, False),
@@ -417,6 +417,10 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                     "transformers' Trainer ends), logged in that step's metrics as "
                                     "eval/success_rate, eval/reward/mean, ... (TRL's eval_strategy steps with "
                                     "eval_steps; 0: only at the start and the end).")
+    eval_delay: float = field_help(0, "transformers': no evaluation of eval_every before this many optimizer steps of "
+                                      "the run (TRL's global_step; epochs with TRL's eval_strategy epoch). The "
+                                      "evaluations at the start (eval_on_start) and at the end of the run "
+                                      "(summary.json's eval_end) are not eval_every's and stay.")
     eval_on_start: bool | None = field_help(None, "Evaluate before the first step (TRL's eval_on_start); with "
                                                   "eval_every, also logged as step 0 of metrics.jsonl. Default: "
                                                   "true in treerl learn, false (TRL's) in treerl.GRPOTrainer.")
@@ -634,6 +638,11 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         if not set(self.every_epoch) <= set(_EPOCH_STRATEGIES):
             raise ValueError(f"every_epoch={self.every_epoch!r}: name save_every and/or eval_every (what TRL's "
                              "save_strategy and eval_strategy 'epoch' set).")
+        delay = self.eval_delay
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay < float("inf"):
+            raise ValueError(f"eval_delay={delay!r} must be a number >= 0: the optimizer steps (epochs with "
+                             "eval_strategy 'epoch') before eval_every's first evaluation, e.g. --eval-delay 100 "
+                             "(0: from the first).")
         if self.eval_episodes < 0 or self.save_every < 0 or self.eval_every < 0:
             raise ValueError("eval_episodes, eval_every and save_every must be >= 0 (0 skips evaluation / "
                              "evaluation during training / intermediate checkpoints).")
@@ -1086,6 +1095,22 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                 values["save_on_best"] = True
         else:  # set when the rows are known (resolve_every_epoch)
             values["every_epoch"] = sorted({*values.get("every_epoch", ()), "save_every"})
+
+    def evaluates_after(self, step: int) -> bool:
+        """Whether ``eval_every`` evaluates after step ``step`` (from 1): every ``eval_every`` steps and at the run's
+        last (where transformers' Trainer evaluates at the end of training, or of its last epoch), once
+        ``eval_delay`` has passed (transformers' ``eval_delay <= global_step``, or ``<= epoch`` with
+        ``eval_strategy`` "epoch": here ``step`` x :meth:`optimizer_steps_per_step`, or ``step / eval_every``, the
+        steps of an epoch).
+
+        >>> cfg = LearnerConfig(output_dir="x", steps=7, eval_every=2, eval_delay=3)
+        >>> [step for step in range(1, 8) if cfg.evaluates_after(step)]
+        [4, 6, 7]
+        """
+        if not self.eval_every or (step % self.eval_every and step != self.steps):
+            return False
+        done = step / self.eval_every if "eval_every" in self.every_epoch else step * self.optimizer_steps_per_step()
+        return self.eval_delay <= done
 
     def epoch_interval(self, rows: int | None, where: str) -> int:
         """The steps between the ends of epochs, where TRL's save_strategy and eval_strategy ``"epoch"`` save and

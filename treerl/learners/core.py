@@ -319,10 +319,10 @@ class Run:
         if self.ranks.is_main:
             metrics.update(self.diagnostics.check(step + 1, metrics))
             # Also at the last step, as transformers' Trainer evaluates at the end of training (eval_strategy
-            # "steps") and of the last epoch, a short one included ("epoch"); its figures are the end's. Before
-            # the checkpoint: a resumed run continues after it.
+            # "steps") and of the last epoch, a short one included ("epoch"); its figures are the end's. Not
+            # before eval_delay. Before the checkpoint: a resumed run continues after it.
             improved = False
-            if self.cfg.eval_every and ((step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps):
+            if self.cfg.evaluates_after(step + 1):
                 evaluated = self.evaluate(step + 1)
                 metrics.update(evaluated)
                 improved = self.track_best(step + 1, evaluated)
@@ -804,7 +804,7 @@ _RESUMABLE_CHANGES = frozenset({"steps", "resume", "progress", "save_every", "sa
                                 "overwrite_output_dir", "eval_every", "eval_on_start", "do_eval", "push_to_hub",
                                 "hub_model_id", "hub_strategy", "hub_private_repo", "hub_revision", "project",
                                 "vllm_server_wait_s", "every_epoch", "load_best_model_at_end", "save_on_best",
-                                "save_only_model"})
+                                "save_only_model", "eval_delay"})
 
 
 def learner_name(cfg: LearnerConfig) -> str | None:
