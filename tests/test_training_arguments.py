@@ -283,3 +283,53 @@ def test_eval_delay_is_a_flag_a_yaml_key_and_trls_keyword(tmp_path):
     for value in (-1, True, float("inf")):
         with pytest.raises(ValueError, match=f"eval_delay={value!r} must be a number >= 0"):
             GRPOConfig(output_dir="x", eval_delay=value)
+
+
+# -- data_seed --------------------------------------------------------------------------------------------------
+
+
+def test_data_seed_seeds_the_rows_order_apart_from_seed(tmp_path):
+    """With --shuffle-dataset the passes over the rows are drawn with data_seed where it is set, else with seed
+    (transformers' default); seed still seeds the tasks' resets and sampling. AsyncGRPO's generators build
+    their engine from the same config."""
+    from transformers import AutoTokenizer
+
+    from treerl import AsyncGRPOConfig
+    from treerl.models import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    for config in (GRPOConfig, AsyncGRPOConfig):
+        engine = config(output_dir="x", seed=3, data_seed=11, shuffle_dataset=True).engine(None, tokenizer, seed=3)
+        assert (engine.shuffle_seed, engine.seed) == (11, 3)
+        assert config(output_dir="x", seed=3, shuffle_dataset=True).engine(None, tokenizer, seed=3).shuffle_seed == 3
+        assert config(output_dir="x", data_seed=11).engine(None, tokenizer, seed=0).shuffle_seed is None  # as written
+    assert GRPOConfig(output_dir="x").data_seed is None
+    assert from_command_line(["--data-seed", "11"]).data_seed == 11
+    assert from_command_line([], "data_seed: 12\nseed: 4\n", tmp_path).data_seed == 12
+    with pytest.raises(ValueError, match="data_seed=True must be a whole number"):
+        GRPOConfig(output_dir="x", data_seed=True)
+
+
+def test_a_trl_script_with_data_seed_plays_the_rows_in_its_order(tmp_path):
+    """treerl.GRPOTrainer shuffles the rows (TRL's default): with data_seed, the passes torch.randperm draws from a
+    generator seeded with it, not with seed."""
+    from treerl import GRPOTrainer
+
+    rows = [{"prompt": f"Row {i}"} for i in range(4)]
+
+    def drawn(seed):
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randperm(4, generator=generator).tolist()
+
+    seen = []
+
+    def reward(prompts, **kwargs):
+        seen.extend(int(p.split()[1]) for p in prompts[::2])  # a group's two generations share their prompt
+        return [0.0] * len(prompts)
+
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, num_generations=2,
+                      max_completion_length=2, seed=5, data_seed=9, progress=False, sample_groups=0,
+                      learning_rate=1e-4)
+    GRPOTrainer(model="tiny", reward_funcs=reward, train_dataset=rows, args=args).train()
+    assert drawn(9)[:3] != drawn(5)[:3]
+    assert seen == drawn(9)[:3]

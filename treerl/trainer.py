@@ -19,7 +19,8 @@ What maps, and how:
 - ``train_dataset`` (a ``datasets.Dataset`` or a list of dicts with a ``prompt`` column) becomes a
   :class:`~treerl.envs.prompts.PromptEnv`: each row one task, its other columns keyword arguments of
   the reward functions; the rows are played in the order TRL's sampler draws them (``shuffle_dataset``,
-  TRL's default: each pass a permutation, drawn from a generator seeded with ``args.seed``; False: as
+  TRL's default: each pass a permutation, drawn from a generator seeded with ``args.seed``, or
+  ``args.data_seed`` where set, transformers' meaning, which TRL's sampler does not read; False: as
   written). With ``tools=[...]`` the episodes are multi-turn tool use over the same rows.
 - ``reward_funcs`` are called with TRL's arguments. Text prompts give them text ``prompts`` and
   ``completions`` (TRL's standard format: the prompt, the reply's text), message prompts and tool

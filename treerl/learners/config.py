@@ -98,7 +98,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                         "a script's model option (TRL's ModelConfig): --model takes a directory or a cached Hub id "
                         "as it is, and its attention is treerl's tree attention (--attention-impl)"),
         **dict.fromkeys(("use_liger_kernel", "vllm_enable_sleep_mode", "ds3_gather_for_generation",
-                         "dataloader_num_workers", "data_seed", "lr_scheduler_kwargs",
+                         "dataloader_num_workers", "lr_scheduler_kwargs",
                          "liger_kernel_config", "optim_args", "optim_target_modules", "average_tokens_across_devices",
                          "label_smoothing_factor", "use_cache", "neftune_noise_alpha",
                          "auto_find_batch_size", "skip_memory_metrics", "include_num_input_tokens_seen", "debug",
@@ -157,7 +157,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         # transformers' and TRL's defaults of what has no counterpart here: no Liger kernels, no vLLM sleep, no
         # DeepSpeed, no DataLoader, no scheduler arguments
         **dict.fromkeys(("use_liger_kernel", "vllm_enable_sleep_mode"), (False,)),
-        "ds3_gather_for_generation": (True,), "dataloader_num_workers": (0,), "data_seed": (None,),
+        "ds3_gather_for_generation": (True,), "dataloader_num_workers": (0,),
         "lr_scheduler_kwargs": (None, {}), "do_train": (True, False),  # transformers' Trainer does not read do_train
         "do_predict": (True, False),  # nor do_predict
         # transformers' TrainingArguments at their defaults: nothing here they would change (see UNSUPPORTED)
@@ -498,9 +498,15 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                                "on the CPU repeats without it (--lockstep, --seed).")
     shuffle_dataset: bool | None = field_help(None, "Play a dataset's rows (an environment's data_path or dataset, "
                                                     "a group's) in a new order each pass, the permutations TRL's "
-                                                    "sampler draws with --seed (TRL's shuffle_dataset). Default: "
+                                                    "sampler draws with --seed, or --data-seed where set (TRL's "
+                                                    "shuffle_dataset). Default: "
                                                     "on in treerl.GRPOTrainer, as TRL's; off in treerl learn, whose "
                                                     "step s plays the next tasks_per_step rows as written.")
+    data_seed: int | None = field_help(None, "transformers': the seed of the order --shuffle-dataset plays a "
+                                             "dataset's rows in, apart from --seed (which still seeds the tasks' "
+                                             "resets, sampling and initialization). Unset: --seed, as in "
+                                             "transformers. TRL's GRPOTrainer shuffles with seed whatever data_seed "
+                                             "says.")
     num_threads: int | None = field_help(None, "torch CPU threads (default: torch's choice).")
     ddp_timeout: int = field_help(1800, "Under several processes, seconds a collective may wait (TrainingArguments' "
                                         "name and default): the other ranks wait while rank 0 alone evaluates, "
@@ -612,6 +618,9 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                              "config's own, e.g. 0.001).")
         if self.lora_r < 0:
             raise ValueError(f"lora_r={self.lora_r} must be >= 0 (0 trains all weights).")
+        if self.data_seed is not None and (isinstance(self.data_seed, bool) or not isinstance(self.data_seed, int)):
+            raise ValueError(f"data_seed={self.data_seed!r} must be a whole number (the seed of the rows' order with "
+                             "--shuffle-dataset), e.g. --data-seed 7; unset: --seed.")
         every = self.torch_empty_cache_steps
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"torch_empty_cache_steps={every!r} must be a whole number > 0 (as transformers "
@@ -917,9 +926,11 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
 
     def engine(self, policy: Any, tokenizer: Any, **kwargs: Any) -> Any:
         """The training episodes' :class:`~treerl.rollout.engine.RolloutEngine`: the episode options', with a
-        dataset's rows shuffled each pass where ``shuffle_dataset`` says so, a pass playing whole steps of
-        ``tasks_per_step`` rows (TRL's sampler leaves a pass's short last batch out)."""
-        engine = super().engine(policy, tokenizer, shuffle_seed=self.seed if self.shuffle_dataset else None, **kwargs)
+        dataset's rows shuffled each pass where ``shuffle_dataset`` says so (seeded with ``data_seed``, else
+        ``seed``), a pass playing whole steps of ``tasks_per_step`` rows (TRL's sampler leaves a pass's short last
+        batch out)."""
+        data_seed = self.seed if self.data_seed is None else self.data_seed  # transformers' default: seed
+        engine = super().engine(policy, tokenizer, shuffle_seed=data_seed if self.shuffle_dataset else None, **kwargs)
         engine.shuffle_batch_size = self.tasks_per_step
         return engine
 
