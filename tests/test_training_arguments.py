@@ -333,3 +333,98 @@ def test_a_trl_script_with_data_seed_plays_the_rows_in_its_order(tmp_path):
     GRPOTrainer(model="tiny", reward_funcs=reward, train_dataset=rows, args=args).train()
     assert drawn(9)[:3] != drawn(5)[:3]
     assert seen == drawn(9)[:3]
+
+
+# -- include_num_input_tokens_seen ------------------------------------------------------------------------------
+
+
+def test_include_num_input_tokens_seen_takes_transformers_values(tmp_path):
+    for value, meant in (("no", "no"), (False, "no"), ("all", "all"), (True, "all"), ("non_padding", "non_padding")):
+        assert GRPOConfig(output_dir="x", include_num_input_tokens_seen=value).include_num_input_tokens_seen == meant
+    assert from_command_line(["--include-num-input-tokens-seen", "non_padding"]).include_num_input_tokens_seen == \
+        "non_padding"
+    assert from_command_line(["--include-num-input-tokens-seen", "true"]).include_num_input_tokens_seen == "all"
+    for text, meant in (("true", "all"), ("no", "no"), ("non_padding", "non_padding")):  # YAML reads no as false
+        cfg = from_command_line([], f"include_num_input_tokens_seen: {text}\n", tmp_path)
+        assert cfg.include_num_input_tokens_seen == meant
+    with pytest.raises(ValueError, match="include_num_input_tokens_seen='some': use no, all"):
+        GRPOConfig(output_dir="x", include_num_input_tokens_seen="some")
+
+
+def test_num_input_tokens_seen_counts_every_training_forwards_inputs(tmp_path, monkeypatch):
+    """Each of num_iterations=2 passes over a step's packed rows counts again, as transformers counts every training
+    forward; the count goes on from step to step and the checkpoint keeps it for a resumed run. The rows the
+    learners train on hold no padding, so "all" counts their tokens."""
+    import json
+
+    import treerl.learners.grpo as grpo
+
+    forwarded = {"all": 0, "non_padding": 0}
+    optimize = grpo.optimize
+
+    def counted(model, optimizer, scheduler, batches, *args, **kwargs):
+        forwarded["all"] += sum(b.input_ids.numel() for b in batches)
+        forwarded["non_padding"] += sum(b.num_tokens for b in batches)
+        return optimize(model, optimizer, scheduler, batches, *args, **kwargs)
+
+    monkeypatch.setattr(grpo, "optimize", counted)
+    after_steps = []
+    model, tok = _load()
+    cfg = GRPOConfig(output_dir=str(tmp_path), steps=2, num_iterations=2, include_num_input_tokens_seen="all", **TINY)
+    train(cfg, model=model, tokenizer=tok, reward_funcs=[alternate],
+          callbacks=[lambda step, metrics: after_steps.append(forwarded["all"])])
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["num_input_tokens_seen"] for m in lines] == after_steps
+    assert 0 < after_steps[0] < after_steps[1] == forwarded["non_padding"]
+    state = json.loads((tmp_path / "checkpoints" / "step-2" / "trainer_state.json").read_text())
+    assert state["extra"]["num_input_tokens_seen"] == after_steps[1]
+
+
+def test_all_counts_the_padding_non_padding_does_not():
+    """Two paths of 5 and 9 tokens padded into one micro-batch (18 slots, 14 tokens), forwarded twice, after
+    100 tokens counted before: transformers' input_ids.numel() and its attention mask's sum."""
+    import types
+
+    from treerl.learners.checkpoints import TrainerState
+    from treerl.learners.core import Run
+    from treerl.learners.distributed import Ranks
+    from treerl.learners.packing import PackingConfig, pack_groups
+    from treerl.rollout.trajectory import Group
+
+    def chain(n):  # one episode: a prompt and a reply, n tokens in all
+        group = Group(task_key=f"chain{n}", env_id="test")
+        root = group.add_segment("prompt", [1] * (n // 2))
+        leaf = group.add_segment("sampled", [2] * (n - n // 2), parent=root, logprobs=[-0.1] * (n - n // 2))
+        group.add_episode(leaf=leaf, reward=1.0)
+        return group
+
+    batches = pack_groups([chain(5), chain(9)], torch.zeros(2), PackingConfig(16, mode="padded", rows_per_batch=2))
+    assert [(b.batch_size, b.length, b.num_tokens) for b in batches] == [(2, 9, 14)]
+    for count, expected in (("all", 100 + 2 * 18), ("non_padding", 100 + 2 * 14)):
+        run = types.SimpleNamespace(cfg=GRPOConfig(output_dir="x", include_num_input_tokens_seen=count),
+                                    state=TrainerState(extra={"num_input_tokens_seen": 100}), ranks=Ranks())
+        assert Run._count_input_tokens(run, batches, passes=2) == expected
+        assert run.state.extra["num_input_tokens_seen"] == expected
+
+
+def test_a_trl_script_reads_num_input_tokens_seen_in_its_logs_state_and_result(tmp_path):
+    from transformers import TrainerCallback
+
+    from treerl import GRPOTrainer
+
+    class Record(TrainerCallback):
+        seen: list[tuple[int, int]] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.seen.append((logs["num_input_tokens_seen"], state.num_input_tokens_seen))
+
+    record = Record()
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, num_generations=2,
+                      max_completion_length=2, include_num_input_tokens_seen=True, progress=False, sample_groups=0,
+                      learning_rate=1e-4)
+    trainer = GRPOTrainer(model="tiny", reward_funcs=alternate, train_dataset=[{"prompt": "1 + 1?"}], args=args,
+                          callbacks=[record])
+    result = trainer.train()
+    assert len(record.seen) == 2 and all(logged == state > 0 for logged, state in record.seen)
+    assert record.seen[0][0] < record.seen[1][0]
+    assert result.metrics["num_input_tokens_seen"] == trainer.state.num_input_tokens_seen == record.seen[1][0]

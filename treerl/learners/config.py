@@ -38,7 +38,7 @@ from treerl.learners.precision import DTYPES, resolve_precision
 from treerl.rollout.options import EpisodeOptions
 from treerl.rollout.rewards import RewardOptions
 
-__all__ = ["LearnerConfig", "REPORT_TO", "LR_SCHEDULERS", "HUB_STRATEGIES", "OPTIMIZERS"]
+__all__ = ["LearnerConfig", "REPORT_TO", "LR_SCHEDULERS", "HUB_STRATEGIES", "OPTIMIZERS", "INPUT_TOKEN_COUNTS"]
 
 LEARNER_CONFIGS: dict[str, type] = {}
 """Each registered learner's config class, by name (``treerl.learners.core.register_learner`` fills it): which
@@ -50,6 +50,8 @@ LR_SCHEDULERS = ("constant", "linear", "cosine")
 and ``cosine`` decay to 0 at the run's last optimizer step."""
 HUB_STRATEGIES = ("every_save", "end")
 """``hub_strategy`` choices (see :mod:`treerl.learners.hub`)."""
+INPUT_TOKEN_COUNTS = ("no", "all", "non_padding")
+"""``include_num_input_tokens_seen`` choices (transformers'; its booleans mean ``all`` and ``no``)."""
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 """``optim`` choices, TRL's names of torch's AdamW: ``adamw_torch_fused`` (TRL's default) runs its fused kernel."""
 
@@ -101,7 +103,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                          "dataloader_num_workers", "lr_scheduler_kwargs",
                          "liger_kernel_config", "optim_args", "optim_target_modules", "average_tokens_across_devices",
                          "label_smoothing_factor", "use_cache", "neftune_noise_alpha",
-                         "auto_find_batch_size", "skip_memory_metrics", "include_num_input_tokens_seen", "debug",
+                         "auto_find_batch_size", "skip_memory_metrics", "debug",
                          "accelerator_config", "parallelism_config", "label_names", "length_column_name",
                          "save_on_each_node", "enable_jit_checkpoint", "restore_callback_states_from_checkpoint",
                          "ignore_data_skip", "pad_to_multiple_of", "vllm_structured_outputs_regex",
@@ -179,7 +181,7 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                          "eval_do_concat_batches", "skip_memory_metrics", "dataloader_pin_memory",
                          "dataloader_in_order"), (True,)),
         "activation_checkpointing_kwargs": (None, {}, {"use_reentrant": False}), "label_smoothing_factor": (0.0,),
-        "include_num_input_tokens_seen": ("no", False), "log_level_replica": ("warning",),
+        "log_level_replica": ("warning",),
         "include_for_metrics": ([],), "debug": ("", []), "fsdp": (None, "", []), "local_rank": (-1,),
         "train_sampling_strategy": ("random",), "length_column_name": ("length",),
         "transformers_continuous_batching_config": (None, {}), "trackio_static_space_id": (None, False),
@@ -480,6 +482,13 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     sample_groups: int = field_help(4, "Groups of a sampled step kept in output_dir/trajectories for `treerl view` "
                                        "(0 keeps none).")
     sample_every: int = field_help(10, "Keep a trajectory sample every N steps (and at the first and last step).")
+    include_num_input_tokens_seen: str | bool = field_help(
+        "no", "transformers': log num_input_tokens_seen, the input tokens of the run's training forwards so far, "
+              "summed over processes (each pass of num_iterations forwards again, as transformers counts every "
+              "training forward): all (true) counts every slot of the packed rows, non_padding their tokens, the "
+              "same here (the rows trained on hold no padding); no (false) logs nothing. Tree packing forwards a "
+              "shared prefix once, so it counts once; TRL's GRPO counts its generated episodes' prompt and "
+              "completion tokens instead (its num_tokens).")
     log_completions: bool = field_help(False, "Print each step's completions to stderr with their rewards and "
                                               "advantages (TRL's; the prompt without its system message), and log "
                                               "them as a completions table to --report-to's tracker.")
@@ -626,6 +635,13 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
             raise ValueError(f"torch_empty_cache_steps={every!r} must be a whole number > 0 (as transformers "
                              "requires): the optimizer steps between two emptyings of the accelerator's memory "
                              "cache, e.g. --torch-empty-cache-steps 10; leave it unset to never empty it.")
+        seen = self.include_num_input_tokens_seen
+        if isinstance(seen, bool) or seen in ("true", "false"):  # transformers' booleans ("true": a flag's text)
+            seen = self.include_num_input_tokens_seen = "all" if seen in (True, "true") else "no"
+        if seen not in INPUT_TOKEN_COUNTS:
+            raise ValueError(f"include_num_input_tokens_seen={seen!r}: use no, all (every slot of the rows trained "
+                             "on) or non_padding (their tokens), or true/false (all/no), as transformers, e.g. "
+                             "--include-num-input-tokens-seen all.")
         if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
             raise ValueError(f"num_completions_to_print={self.num_completions_to_print} must be >= 1 (unset: all).")
         if self.sample_groups < 0 or self.sample_every < 1:

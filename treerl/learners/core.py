@@ -174,6 +174,8 @@ def register_learner(name: str, config: type[LearnerConfig], train: Callable[...
     return LEARNERS[name]
 
 
+_TOKENS_SEEN = "num_input_tokens_seen"
+"""``state.extra``'s count of ``include_num_input_tokens_seen`` so far, which a resumed run continues."""
 _REFERENCE_SYNCED = "ref_model_synced_at"
 """``state.extra``'s optimizer step of the reference's latest sync_ref_model update; absent before the first."""
 
@@ -278,13 +280,15 @@ class Run:
         return write_groups(sample_path(self.out_dir, step + 1), sample)
 
     def end_step(self, step: int, metrics: dict[str, float], stats: RolloutStats, *, num_episodes: int,
-                 batches: Sequence[PackedBatch] = (), next_task: int | None = None) -> dict[str, float]:
+                 batches: Sequence[PackedBatch] = (), next_task: int | None = None,
+                 passes: int = 1) -> dict[str, float]:
         """The step's summary, diagnostics, metrics line and checkpoint; returns the logged metrics.
 
         ``metrics`` holds the algorithm's own (losses, rewards, ``perf/rollout_s``); the
         rollout summary, packing figures and times are added here, combined over ranks.
-        ``next_task`` is the first task index a resumed run plays (default: the step's
-        ``tasks_per_step`` tasks after this step's first).
+        ``batches`` are the micro-batches the step trained on, each forwarded ``passes`` times
+        (``num_iterations``). ``next_task`` is the first task index a resumed run plays (default:
+        the step's ``tasks_per_step`` tasks after this step's first).
         """
         summary = RolloutStats.merge(self.ranks.gather(stats)).summary()
         local = {  # this rank's own: averaged over ranks by episodes (times: the slowest rank)
@@ -312,6 +316,8 @@ class Run:
             "policy/version": self.sync.version,
             **self.ranks.mean_metrics(local, weight=num_episodes),
         })
+        if self.cfg.include_num_input_tokens_seen != "no":
+            metrics["num_input_tokens_seen"] = self._count_input_tokens(batches, passes)
         if next_task is None:
             next_task = self.state.next_task + self.cfg.tasks_per_step
         # The learner's own counters (state.extra) are its to update before the step ends; they carry over.
@@ -333,6 +339,19 @@ class Run:
             if (saves or self.cfg.save_on_best and improved) and step + 1 < self.cfg.steps:  # the last's: finish's
                 self.save_checkpoint()
         return metrics
+
+    def _count_input_tokens(self, batches: Sequence[PackedBatch], passes: int) -> int:
+        """transformers' ``num_input_tokens_seen`` after this step: the run's count before it (``state.extra``,
+        which checkpoints keep) plus the input tokens of its training forwards on every rank, each of
+        ``batches`` forwarded ``passes`` times: its rows' every slot (``include_num_input_tokens_seen`` "all",
+        transformers' ``input_ids.numel()``) or their tokens ("non_padding", its attention mask's sum)."""
+        if self.cfg.include_num_input_tokens_seen == "all":
+            local = sum(b.input_ids.numel() for b in batches)
+        else:
+            local = sum(b.num_tokens for b in batches)
+        seen = int(self.state.extra.get(_TOKENS_SEEN, 0)) + int(self.ranks.sum([local * passes])[0])
+        self.state.extra[_TOKENS_SEEN] = seen
+        return seen
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The evaluation of ``eval_every`` after step ``step`` (0: before the first), as metrics of that step:
@@ -804,7 +823,8 @@ _RESUMABLE_CHANGES = frozenset({"steps", "resume", "progress", "save_every", "sa
                                 "overwrite_output_dir", "eval_every", "eval_on_start", "do_eval", "push_to_hub",
                                 "hub_model_id", "hub_strategy", "hub_private_repo", "hub_revision", "project",
                                 "vllm_server_wait_s", "every_epoch", "load_best_model_at_end", "save_on_best",
-                                "save_only_model", "eval_delay"})
+                                "save_only_model", "eval_delay",
+                                "include_num_input_tokens_seen"})
 
 
 def learner_name(cfg: LearnerConfig) -> str | None:

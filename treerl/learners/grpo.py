@@ -778,7 +778,8 @@ def update(run: Run, step: int, groups: Sequence[Group], stats: RolloutStats, me
     if entropy_control is not None:
         entropy_control.save(run.state.extra)  # the step's checkpoint keeps it
     run.publish_weights(metrics)
-    return run.end_step(step, metrics, stats, num_episodes=len(adv), batches=batches, next_task=next_task)
+    return run.end_step(step, metrics, stats, num_episodes=len(adv), batches=batches, next_task=next_task,
+                        passes=cfg.num_iterations)
 
 
 def train(cfg: GRPOConfig, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
