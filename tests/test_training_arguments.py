@@ -119,6 +119,19 @@ def test_full_determinism_seeds_with_transformers_enable_full_determinism_and_tr
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # it trained
 
 
+def test_asyncgrpos_generators_sample_under_full_determinism_too(torch_determinism):
+    """A generator is a process of its own: it applies full_determinism to its sampler as the trainer does."""
+    from treerl import AsyncGRPOConfig
+    from treerl.learners.async_generator import GeneratorCore, GeneratorSpec
+
+    cfg = AsyncGRPOConfig(output_dir="x", full_determinism=True, max_new_tokens=4)
+    core = GeneratorCore(GeneratorSpec(cfg=cfg, max_staleness=2), generator_id=0)
+    try:
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+    finally:
+        core.policy.close()
+
+
 # -- save_only_model --------------------------------------------------------------------------------------------
 
 
