@@ -458,7 +458,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                               "trainer_state.json alone, without the optimizer's state, the "
                                               "learning-rate schedule's and the random generators (a third of a "
                                               "full fine-tune's checkpoint under AdamW): --resume cannot continue "
-                                              "from them and refuses to, while steps remain.")
+                                              "from them and refuses to while steps remain (with none left, it "
+                                              "writes the checkpoint's weights to output_dir/model).")
     resume: bool = field_help(False, "Continue from the latest checkpoint in output_dir.")
     overwrite_output_dir: bool = field_help(False, "Start over in an output_dir that holds an earlier run: its "
                                                    "metrics, checkpoints, samples and model are removed first "
@@ -514,8 +515,8 @@ class LearnerConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
     data_seed: int | None = field_help(None, "transformers': the seed of the order --shuffle-dataset plays a "
                                              "dataset's rows in, apart from --seed (which still seeds the tasks' "
                                              "resets, sampling and initialization). Unset: --seed, as in "
-                                             "transformers. TRL's GRPOTrainer shuffles with seed whatever data_seed "
-                                             "says.")
+                                             "transformers. (TRL's own GRPOTrainer does not read it: its sampler "
+                                             "shuffles with seed.)")
     num_threads: int | None = field_help(None, "torch CPU threads (default: torch's choice).")
     ddp_timeout: int = field_help(1800, "Under several processes, seconds a collective may wait (TrainingArguments' "
                                         "name and default): the other ranks wait while rank 0 alone evaluates, "
