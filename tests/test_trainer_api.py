@@ -448,6 +448,42 @@ def test_a_dict_environment_factory_routes_each_row_to_its_environment(tmp_path)
     assert "reward_fn/CalculatorEnv_mean" in metrics and "reward_fn/EchoEnv_mean" not in metrics
 
 
+def test_a_dataset_that_only_routes_plays_each_rows_environment_after_an_empty_user_message(tmp_path):
+    """TRL's multiple environments example: rows with an 'environment' column and no prompt; each episode's prompt
+    is an empty user message plus its environment's reset() text, and reset() gets neither column."""
+    from datasets import Dataset
+
+    class Game:
+        def reset(self, **row) -> str:
+            self.resets = [row]
+            return "Reach the goal tile."
+
+        def move(self, action: str) -> str:
+            """Apply an action.
+
+            Args:
+                action: One of up, down, left, right.
+            """
+            return "ok"
+
+    seen = {}
+
+    def kinds(prompts, environments, **kwargs):
+        seen.update(prompts=prompts, types=[type(e).__name__ for e in environments],
+                    resets=[e.resets for e in environments])
+        return [0.0] * len(prompts)
+
+    dataset = Dataset.from_dict({"environment": ["calc", "game"]})
+    trainer = GRPOTrainer(model="tiny", reward_funcs=kinds, environment_factory={"calc": CalculatorEnv, "game": Game},
+                          train_dataset=dataset, args=small(tmp_path, max_new_tokens=4))
+    trainer.train()
+
+    assert sorted(seen["types"]) == ["CalculatorEnv", "CalculatorEnv", "Game", "Game"]
+    for kind, prompt, resets in zip(seen["types"], seen["prompts"], seen["resets"]):
+        text = {"CalculatorEnv": " Use the calculator.", "Game": "Reach the goal tile."}[kind]
+        assert prompt == [{"role": "user", "content": text}] and resets == [{}]  # each episode's own object
+
+
 def test_without_train_dataset_the_environments_reset_gives_the_prompt(tmp_path):
     class Sum:
         resets = []

@@ -89,7 +89,7 @@ import torch
 import torch.distributed as dist
 
 from treerl.envs.builtin.math_verify import load_rows
-from treerl.envs.prompts import EnvironmentInstances, PromptEnv, environment_tools
+from treerl.envs.prompts import EMPTY_PROMPT, EnvironmentInstances, PromptEnv, environment_tools
 from treerl.learners.checkpoints import checkpoint_step, latest_checkpoint
 from treerl.learners.core import TrainResult, learner_name
 from treerl.learners.async_grpo import AsyncGRPOConfig, train_async
@@ -108,7 +108,7 @@ _LORA_IGNORED = {"task_type", "peft_type", "auto_mapping", "peft_version", "base
 _LORA_MAPPED = {"r", "lora_alpha", "lora_dropout", "target_modules"}
 
 # TRL's placeholder row where an environment_factory's reset() gives the prompt: an empty user message.
-_EMPTY_PROMPT_ROW = {"prompt": [{"role": "user", "content": ""}]}
+_EMPTY_PROMPT_ROW = {"prompt": [dict(m) for m in EMPTY_PROMPT]}
 
 
 @dataclass

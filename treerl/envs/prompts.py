@@ -20,7 +20,8 @@ another. Its ``reset(**row)`` is called with the row's columns, and the string i
 any) is appended to the prompt's last message; its public methods (all but ``reset`` and
 ``get_reward``: :func:`environment_tools`) are the episode's tools, after ``tools``. A dict
 ``{name: factory}`` plays the factory that each row's ``environment`` column names (that column
-is not passed to ``reset``), with only that environment's tools. The generations of a row share
+is not passed to ``reset``), with only that environment's tools; a row without a prompt (a dataset that only
+routes) opens with an empty user message, which ``reset``'s text follows, as in TRL. The generations of a row share
 its prompt (GRPO's group), so their ``reset`` calls must return the same string; forking an
 episode in play (branching) is refused, as the objects cannot be copied. The objects of a row's
 generations are the row's ``environments`` column (:class:`EnvironmentInstances`), from which
@@ -64,6 +65,9 @@ TOOL_TURNS = 10
 """Turns of an episode with tools unless ``max_turns`` says otherwise (TRL's default has no turn limit;
 ``max_episode_tokens`` bounds the episode too)."""
 
+EMPTY_PROMPT: tuple[Message, ...] = ({"role": "user", "content": ""},)
+"""TRL's prompt where an ``environment_factory``'s ``reset()`` gives it: an empty user message."""
+
 EnvironmentFactory = Callable[[], Any]
 """TRL's: a callable (an environment class) that returns an object with ``reset(**row) -> str | None``."""
 
@@ -75,7 +79,9 @@ class PromptEnv(ToolEnv):
         dataset: Rows (dicts, or a ``datasets.Dataset``) with a ``prompt`` column.
         data_path: A JSON Lines or Parquet file of such rows instead.
         prompt_key: The column holding the prompt: a string (sent as one user message) or a list of
-            ``{"role", "content"}`` messages (a leading system message is the episode's system prompt).
+            ``{"role", "content"}`` messages (a leading system message is the episode's system prompt). With
+            an ``environment_factory`` a row may lack it (TRL's): the prompt is then an empty user message
+            followed by what ``reset()`` returns.
         tools: Functions (or :class:`~treerl.envs.tools.Tool` objects) the model may call.
         max_turns: Assistant turns of an episode (default: 1 without tools, ``TOOL_TURNS`` with tools or
             an ``environment_factory``).
@@ -99,12 +105,13 @@ class PromptEnv(ToolEnv):
             raise ValueError("PromptEnv needs rows: pass dataset=[{'prompt': ...}, ...] or data_path='rows.jsonl'.")
         names = _factory_names(environment_factory)
         rows = load_rows(data_path, dataset, "")
-        check_rows(rows, functools.partial(_check_row, prompt_key=prompt_key, environments=names),
-                   key=(PromptEnv, prompt_key, names))
+        has_factory = environment_factory is not None
+        check_rows(rows, functools.partial(_check_row, prompt_key=prompt_key, environments=names,
+                                           has_factory=has_factory),
+                   key=(PromptEnv, prompt_key, names, has_factory))
         tools = list(tools or ())
-        multi_turn = bool(tools) or environment_factory is not None
-        tasks = RowTasks(rows, functools.partial(_row_task, prompt_key=prompt_key,
-                                                 keep_row=environment_factory is not None))
+        multi_turn = bool(tools) or has_factory
+        tasks = RowTasks(rows, functools.partial(_row_task, prompt_key=prompt_key, keep_row=has_factory))
         super().__init__(dataset=tasks, tools=tools,
                          max_turns=max_turns if max_turns is not None else (TOOL_TURNS if multi_turn else 1),
                          **kwargs)
@@ -261,11 +268,13 @@ def _shown(text: str | None) -> str:
 
 
 def _check_row(row: Mapping[str, Any], index: int, *, prompt_key: str,
-               environments: Collection[str] | None = None) -> None:
+               environments: Collection[str] | None = None, has_factory: bool = False) -> None:
     if environments is not None and row.get("environment") not in environments:
         found = f"environment={row['environment']!r}" if "environment" in row else "no 'environment' column"
         raise ValueError(f"Row {index} has {found}: with a dict environment_factory every row names its environment, "
                          f"one of {list(environments)}.")
+    if prompt_key not in row and has_factory:  # TRL's: the environment's reset() gives the prompt
+        return
     if prompt_key not in row:
         raise ValueError(f"Row {index} has no {prompt_key!r} column (columns: {sorted(row)}): every row needs its "
                          "prompt there (text or a list of messages), or pass prompt_key= to name another column.")
@@ -280,8 +289,11 @@ def _check_row(row: Mapping[str, Any], index: int, *, prompt_key: str,
 
 
 def _row_task(row: Mapping[str, Any], index: int, *, prompt_key: str, keep_row: bool = False) -> Task:
-    _check_row(row, index, prompt_key=prompt_key)
-    prompt = row[prompt_key]
+    _check_row(row, index, prompt_key=prompt_key, has_factory=keep_row)
+    # With an environment_factory a row may have no prompt (a dataset that only routes, by its 'environment'
+    # column): TRL's placeholder, an empty user message, which reset()'s text then follows (and which is not
+    # one of the columns passed to reset()).
+    prompt = row[prompt_key] if prompt_key in row else [dict(m) for m in EMPTY_PROMPT]
     prompt = [dict(m) for m in prompt] if isinstance(prompt, list) else prompt
     # Every other column reaches reward functions, as TRL passes them (answer as ``answer``).
     extra = {k: v for k, v in row.items() if k not in (prompt_key, "answer")}
