@@ -289,6 +289,28 @@ def test_eval_strategy_steps_also_evaluates_at_the_end_of_training_as_transforme
     assert Evaluations.seen == [2, 3]
 
 
+def test_reward_functions_see_the_runs_steps_in_trainer_state_when_evaluating_too(tmp_path):
+    """TRL's curriculum reward, global_step / max_steps of trainer_state: the evaluation during training and
+    evaluate() after it give the run's state then, as TRL's trainer.state (not 0 and 0, a division by zero)."""
+    states = []
+
+    def curriculum(completions, trainer_state, split, **kwargs):
+        states.append((split[0], trainer_state.global_step, trainer_state.max_steps))
+        return [trainer_state.global_step / trainer_state.max_steps] * len(completions)
+
+    rows = [{"prompt": f"What is {i} + {i}?", "split": "train"} for i in range(2)]
+    trainer = GRPOTrainer(model="tiny", reward_funcs=curriculum, train_dataset=rows,
+                          eval_dataset=[{"prompt": "What is 5 + 5?", "split": "eval"}],
+                          args=small(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=4,
+                                     num_iterations=2, max_new_tokens=2))
+    trainer.train()
+    figures = trainer.evaluate()
+
+    # 2 steps of 2 optimizer steps: scored before each, evaluated after the last, and again by evaluate()
+    assert states == [("train", 0, 4), ("train", 2, 4), ("eval", 4, 4), ("eval", 4, 4)]
+    assert figures["eval_reward"] == 1.0
+
+
 def test_unsupported_arguments_are_refused_by_name(tmp_path):
     from peft import LoraConfig
 

@@ -97,7 +97,7 @@ from treerl.learners.evaluation import metric_key
 from treerl.learners.grpo import GRPOConfig, train
 from treerl.learners.sdpo import SDPOConfig
 from treerl.learners.sdpo import train as train_sdpo
-from treerl.rollout.rewards import RewardFunc, reward_func_name
+from treerl.rollout.rewards import RewardFunc, StepState, reward_func_name
 
 __all__ = ["GRPOTrainer", "GRPOConfig", "SDPOTrainer", "SDPOConfig", "AsyncGRPOTrainer", "AsyncGRPOConfig",
            "LearnerTrainer", "TrainerResult", "Accelerator"]
@@ -416,22 +416,25 @@ class LearnerTrainer:
             else:
                 self.args.apply_chat_template(tokenizer)
         policy = TransformersPolicy(model, tokenizer, device=self.args.device, continuous_batching=False)
+        # The reward functions' trainer_state: TRL's, the finished run's steps (before train(), 0 of the run's).
+        state = StepState(global_step=self.state.global_step, max_steps=self.state.max_steps)
         try:
-            return self._score(rows, policy, tokenizer)
+            return self._score(rows, policy, tokenizer, trainer_state=state)
         finally:
             policy.close()
 
-    def _score(self, rows: Any, policy: Any, tokenizer: Any) -> dict[str, float]:
+    def _score(self, rows: Any, policy: Any, tokenizer: Any, trainer_state: StepState) -> dict[str, float]:
         """Each of ``rows`` played ``num_generations_eval`` times by ``policy``, as one group sharing the prompt
-        (TRL's eval batches repeat each prompt that many times), scored with the reward functions: TRL's
-        figures."""
+        (TRL's eval batches repeat each prompt that many times), scored with the reward functions (given
+        ``trainer_state``, the run's steps then): TRL's figures."""
         from treerl.rollout.evaluate import evaluate_with
 
         num_generations = self.args.num_generations_eval or self.args.group_size
         report = evaluate_with(self.args, policy, tokenizer, num_episodes=len(rows), seed=self.args.eval_seed,
                                env_factory=self._env_factory(rows), env_id=f"{type(self).__name__}.eval_dataset",
                                rollouts_per_task=num_generations, reward_funcs=self._reward_funcs_for(rows),
-                               reward_weights=self.reward_weights, temperature=self.args.eval_temperature)
+                               reward_weights=self.reward_weights, temperature=self.args.eval_temperature,
+                               trainer_state=trainer_state)
         return _trl_eval_figures(report.rewards, self.reward_weights, [reward_func_name(f) for f in self.reward_funcs],
                                  num_generations)
 

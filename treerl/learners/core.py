@@ -97,7 +97,7 @@ from treerl.learners.precision import (
     resolve_precision,
     set_tf32,
 )
-from treerl.rollout.rewards import RewardFunc, check_reward_weights, load_reward_funcs, reward_func_name
+from treerl.rollout.rewards import RewardFunc, StepState, check_reward_weights, load_reward_funcs, reward_func_name
 from treerl.learners.samples import (add_trainer_logprobs, annotate_sample, completion_rows, format_completions,
                                      keeps_sample, sample_path, write_groups)
 from treerl.learners.weight_sync import WeightSync, policy_state_dict
@@ -116,10 +116,12 @@ StepCallback = Callable[[int, dict[str, float]], Any]
 metrics it logged (TRL's ``TrainerCallback.on_log``, in one function); with ``eval_every`` and
 ``eval_on_start``, also with step 0 and the evaluation before the first step."""
 
-Evaluator = Callable[[Policy, Any], dict[str, float]]
+Evaluator = Callable[..., dict[str, float]]
 """What ``eval_every`` measures instead of the held-out episodes: called on the main process with the
-policy (sampling the weights as they are now) and the tokenizer, it returns the metrics to log with the
-step (``treerl.GRPOTrainer``: its ``eval_dataset`` scored with the reward functions, TRL's ``eval_reward``)."""
+policy (sampling the weights as they are now), the tokenizer and, as ``trainer_state``, the run's
+:class:`~treerl.rollout.rewards.StepState` then (TRL's ``trainer_state`` of reward functions), it returns the
+metrics to log with the step (``treerl.GRPOTrainer``: its ``eval_dataset`` scored with the reward functions,
+TRL's ``eval_reward``)."""
 
 OptimizerSpec = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 """An optimizer over the trained parameters, or a function that makes one from them (the
@@ -357,7 +359,9 @@ class Run:
         """The evaluation of ``eval_every`` after step ``step`` (0: before the first), as metrics of that step:
         the :attr:`evaluator`'s, or the held-out episodes' figures under ``eval/`` (:func:`eval_metrics`)."""
         if self.evaluator is not None:
-            return dict(self.evaluator(self.policy, self.tokenizer))
+            per_step = self.cfg.optimizer_steps_per_step()  # TRL's state counts optimizer steps
+            state = StepState(global_step=step * per_step, max_steps=self.cfg.steps * per_step)
+            return dict(self.evaluator(self.policy, self.tokenizer, trainer_state=state))
         if step == 0 and self.eval_start is not None:
             figures = self.eval_start
         else:

@@ -176,15 +176,16 @@ async def aevaluate(env_factory: Callable[[], Any], policy: Policy, tokenizer: A
                     success_threshold: float = 1.0, chat_template: str | None = None,
                     lockstep: bool = False, rollouts_per_task: int = 1, reward_funcs: Sequence[RewardFunc] = (),
                     reward_weights: Sequence[float] | None = None, progress: bool = False,
-                    max_completion_tokens: int | None = None) -> EvalReport:
+                    max_completion_tokens: int | None = None, trainer_state: StepState | None = None) -> EvalReport:
     """Play ``num_episodes`` tasks (seeds ``seed..seed+N-1``) ``rollouts_per_task`` times each, concurrently;
     see :func:`evaluate`.
 
     ``chat_template`` (a template's text) overrides the tokenizer's, and ``lockstep`` generates in
     waves of every episode (batches, and with them every float, repeat), as in the engine.
     ``reward_funcs`` (TRL's signature) are scored as in ``treerl learn``, weighted by
-    ``reward_weights`` (the environment's first; default all 1); their ``trainer_state`` is TRL's before
-    training, ``global_step`` and ``max_steps`` 0 (no step is taken here). ``progress`` shows a bar of
+    ``reward_weights`` (the environment's first; default all 1); their ``trainer_state`` is ``trainer_state``
+    (a learner's, where it evaluates during or after its run), else TRL's before training, ``global_step`` and
+    ``max_steps`` 0 (no step is taken here). ``progress`` shows a bar of
     finished tasks on stderr. ``max_completion_tokens`` bounds each episode's completion (the engine's; TRL's
     ``max_completion_length``).
     """
@@ -210,7 +211,8 @@ async def aevaluate(env_factory: Callable[[], Any], policy: Policy, tokenizer: A
         figures.update({f"pass@{k}": v for k, v in pass_at_k(groups, success_threshold).items()})
     rewards = None
     if reward_funcs:
-        reward_figures, rewards = _reward_figures(groups, reward_funcs, weights)
+        state = trainer_state or StepState(global_step=0, max_steps=0)  # TRL's state before training
+        reward_figures, rewards = _reward_figures(groups, reward_funcs, weights, state)
         figures.update(reward_figures)
     return EvalReport(env=env_id, figures=figures, groups=groups, success_threshold=success_threshold,
                       rewards=rewards)
@@ -243,14 +245,14 @@ def pass_at_k(groups: Sequence[Group], success_threshold: float = 1.0) -> dict[i
     return out
 
 
-def _reward_figures(groups: Sequence[Group], reward_funcs: Sequence[RewardFunc],
-                    weights: Sequence[float]) -> tuple[dict[str, float], torch.Tensor]:
+def _reward_figures(groups: Sequence[Group], reward_funcs: Sequence[RewardFunc], weights: Sequence[float],
+                    trainer_state: StepState) -> tuple[dict[str, float], torch.Tensor]:
     """Learn's reward metrics over the episodes: ``reward/mean`` and ``reward/std`` of the weighted sum,
     ``reward/env_mean`` and ``reward/env_std`` of the environment's reward, ``reward_fn/<name>_mean``
-    per function (and what the functions log with ``log_metric``); and the rewards scored ``(E, 1 + F)``."""
+    per function (and what the functions log with ``log_metric``); and the rewards scored ``(E, 1 + F)``, the
+    functions given ``trainer_state``."""
     metrics: dict[str, float] = {}
-    # A function written for learn reads trainer_state.global_step; TRL's state before training is 0 and 0.
-    rewards = score(groups, reward_funcs, metrics, trainer_state=StepState(global_step=0, max_steps=0))  # (E, 1 + F)
+    rewards = score(groups, reward_funcs, metrics, trainer_state=trainer_state)  # (E, 1 + F)
     combined = combine_rewards(rewards, torch.tensor(weights, dtype=rewards.dtype))  # (E,)
     env = rewards[:, 0]
     return {
@@ -327,12 +329,12 @@ def evaluate_with(cfg: EpisodeOptions, policy: Policy, tokenizer: Any, *, num_ep
                   success_threshold: float = 1.0, env_factory: Callable[[], Any] | None = None,
                   env_id: str = "", rollouts_per_task: int = 1, reward_funcs: Sequence[RewardFunc] = (),
                   reward_weights: Sequence[float] | None = None, progress: bool = False,
-                  **sampling_overrides: Any) -> EvalReport:
+                  trainer_state: StepState | None = None, **sampling_overrides: Any) -> EvalReport:
     """:func:`evaluate` with a command's :class:`EpisodeOptions` (environment, sampling, limits, lockstep).
 
     ``env_factory`` replaces the one ``cfg`` describes (a learner given its own factory), and
-    ``env_id`` then names it (default: ``cfg.env``). ``rollouts_per_task``, ``reward_funcs`` and
-    ``reward_weights`` are :func:`aevaluate`'s (``cfg``'s own are not read: a learner's held-out
+    ``env_id`` then names it (default: ``cfg.env``). ``rollouts_per_task``, ``reward_funcs``,
+    ``reward_weights`` and ``trainer_state`` are :func:`aevaluate`'s (``cfg``'s own are not read: a learner's held-out
     evaluation plays each task ``num_generations_eval`` times, on the environment's reward). A learner's ``max_completion_length``
     (TRL's) bounds each episode's completion, as in its training.
     """
@@ -343,5 +345,5 @@ def evaluate_with(cfg: EpisodeOptions, policy: Policy, tokenizer: Any, *, num_ep
         success_threshold=success_threshold, chat_template=resolve_chat_template(cfg.chat_template, tokenizer),
         lockstep=cfg.lockstep, rollouts_per_task=rollouts_per_task, reward_funcs=reward_funcs,
         reward_weights=reward_weights, progress=progress,
-        max_completion_tokens=getattr(cfg, "max_completion_length", None),
+        max_completion_tokens=getattr(cfg, "max_completion_length", None), trainer_state=trainer_state,
     ))
