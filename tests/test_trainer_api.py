@@ -216,6 +216,34 @@ def test_peft_config_a_loaded_model_and_trl_callbacks(tmp_path):
     assert default.args.lora_target_modules == ["q_proj", "v_proj"] and default.args.lora_r == 2
 
 
+def test_callbacks_given_as_classes_or_added_later_are_called_as_transformers_calls_them(tmp_path):
+    """transformers' Trainer makes a callback given as a class (callbacks=[MyCallback]), and add_callback,
+    pop_callback and remove_callback change the list before train()."""
+    from transformers import PrinterCallback, TrainerCallback
+
+    class Steps(TrainerCallback):
+        seen: list = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            Steps.seen.append(state.global_step)
+
+    class Other(Steps):
+        pass
+
+    functions = []
+    trainer = GRPOTrainer(model="tiny", reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          train_dataset=[{"prompt": "Hi"}] * 2, args=small(tmp_path, max_new_tokens=2),
+                          callbacks=[Steps, Other])
+    removed = trainer.pop_callback(Other)
+    assert isinstance(removed, Other) and trainer.pop_callback(Other) is None
+    trainer.add_callback(Other)
+    trainer.remove_callback(Other)
+    trainer.remove_callback(PrinterCallback)  # one of TRL's default callbacks: none here, nothing to remove
+    trainer.add_callback(lambda step, metrics: functions.append(step))
+    trainer.train()
+    assert Steps.seen == [1] and functions == [1]  # the class made once; Other no longer there
+
+
 def test_trl_callbacks_count_optimizer_steps_as_trl_does(tmp_path):
     from transformers import TrainerCallback
 

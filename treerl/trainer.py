@@ -56,7 +56,8 @@ What maps, and how:
   ``args.eval_on_start`` (False by default, as TRL's), logged in the step's metrics under TRL's names
   (``eval_reward``, ...). The run's own held-out episodes are off (``eval_episodes`` is set to 0: they score
   the environment's reward, which is 0).
-- ``callbacks``: functions ``(step, metrics)``, or TRL ``TrainerCallback`` objects, whose
+- ``callbacks``: functions ``(step, metrics)``, or TRL ``TrainerCallback`` objects (or classes, made as
+  transformers makes them; also :meth:`LearnerTrainer.add_callback`), whose
   ``on_train_begin``, ``on_step_end``, ``on_log``, ``on_evaluate`` and ``on_train_end`` are called
   (``control`` is not read: a callback cannot stop the run).
 
@@ -271,7 +272,9 @@ class LearnerTrainer:
         # Read once (a streamed dataset into a list), shared by every episode's environment.
         self.train_dataset = load_rows(None, train_dataset, "")
         self.eval_dataset = None if eval_dataset is None else load_rows(None, eval_dataset, "")
-        self.callbacks = list(callbacks or [])
+        self.callbacks: list[Any] = []
+        for callback in callbacks or []:
+            self.add_callback(callback)
         for rows in (self.train_dataset, self.eval_dataset):  # a row without a prompt is said now, not at a step
             if rows is not None:
                 self._env_factory(rows)().close()
@@ -368,6 +371,28 @@ class LearnerTrainer:
                                                 if result.best_model_checkpoint is not None else None)
         return TrainerResult(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)},
                              global_step=result.steps * per_step, training_loss=training_loss, metrics=metrics)
+
+    # -- callbacks, as transformers' Trainer takes them ----------------------------------------------------------
+
+    def add_callback(self, callback: Any) -> None:
+        """Add a callback: a function ``(step, metrics)``, a ``TrainerCallback`` object, or its class (made with
+        no arguments, as transformers' ``Trainer.add_callback`` makes it)."""
+        self.callbacks.append(callback() if isinstance(callback, type) else callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        """Remove and return ``callback`` (or the first callback of that class); None when there is none."""
+        found = next((c for c in self.callbacks if (isinstance(c, callback) if isinstance(callback, type)
+                                                    else c == callback)), None)
+        if found is not None:
+            self.callbacks.remove(found)
+        return found
+
+    def remove_callback(self, callback: Any) -> None:
+        """Remove ``callback`` (a ValueError if it is not there), or the first callback of that class (if any)."""
+        if isinstance(callback, type):
+            self.pop_callback(callback)
+        else:
+            self.callbacks.remove(callback)
 
     # -- TRL's reporting ---------------------------------------------------------------------------------------
 
