@@ -244,6 +244,34 @@ def test_callbacks_given_as_classes_or_added_later_are_called_as_transformers_ca
     assert Steps.seen == [1] and functions == [1]  # the class made once; Other no longer there
 
 
+def test_log_metric_values_and_frac_reward_zero_std_are_logged_under_trls_names(tmp_path):
+    """TRL's test_train_reward_func_with_log_metric: log_metric(name, value) lands in log_history (and on_log's
+    logs) under name, and in evaluate()'s figures as eval_NAME; frac_reward_zero_std is logged too."""
+    from transformers import TrainerCallback
+
+    class Logs(TrainerCallback):
+        seen: list = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            Logs.seen.append(logs)
+
+    def reward_func(completions, log_metric, **kwargs):
+        log_metric("custom_accuracy", 0.75)
+        return [float(len(completion)) for completion in completions]
+
+    rows = [{"prompt": "Hi"}] * 2
+    trainer = GRPOTrainer(model="tiny", reward_funcs=reward_func, train_dataset=rows, eval_dataset=rows[:1],
+                          args=small(tmp_path, max_new_tokens=4), callbacks=[Logs])
+    trainer.train()
+
+    (step_logs,) = Logs.seen
+    assert step_logs["custom_accuracy"] == 0.75 and step_logs["rewards/reward_func/mean"] >= 0
+    assert step_logs["frac_reward_zero_std"] == step_logs["reward/zero_std_frac"]
+    logged_keys = {k for entry in trainer.state.log_history for k in entry}
+    assert {"custom_accuracy", "frac_reward_zero_std"} <= logged_keys
+    assert trainer.evaluate()["eval_custom_accuracy"] == 0.75
+
+
 def test_trl_callbacks_count_optimizer_steps_as_trl_does(tmp_path):
     from transformers import TrainerCallback
 

@@ -81,7 +81,7 @@ import pickle
 import shutil
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -319,7 +319,8 @@ class LearnerTrainer:
         callbacks = [c for c in self.callbacks if not hasattr(c, "on_log")]
         trainer_callbacks = [c for c in self.callbacks if hasattr(c, "on_log")]
         if trainer_callbacks:
-            callbacks.append(_TrainerCallbacks(trainer_callbacks, cfg, rows=max(len(self.train_dataset), 1)))
+            callbacks.append(_TrainerCallbacks(trainer_callbacks, cfg, rows=max(len(self.train_dataset), 1),
+                                               reward_names=self._reward_names()))
             callbacks[-1].event("on_train_begin")
         # eval_strategy="steps": the eval_dataset scored as evaluate() scores it, with the policy's weights then.
         every = cfg.eval_every or "eval_every" in cfg.every_epoch  # eval_strategy "epoch": set by the run's rows
@@ -359,7 +360,7 @@ class LearnerTrainer:
         seen = [m["num_input_tokens_seen"] for m in lines if "num_input_tokens_seen" in m]
         if seen:  # include_num_input_tokens_seen: the run's count, as transformers' final log adds it
             metrics["num_input_tokens_seen"] = int(seen[-1])
-        history = [_trl_log(m, cfg, per_step, rows) for m in lines]
+        history = [_trl_log(m, cfg, per_step, rows, self._reward_names()) for m in lines]
         history.append({**metrics, "step": result.steps * per_step})
         self.state = TrainerState(global_step=result.steps * per_step, max_steps=cfg.steps * per_step,
                                   epoch=metrics["epoch"], log_history=history,
@@ -460,8 +461,11 @@ class LearnerTrainer:
                                rollouts_per_task=num_generations, reward_funcs=self._reward_funcs_for(rows),
                                reward_weights=self.reward_weights, temperature=self.args.eval_temperature,
                                trainer_state=trainer_state)
-        return _trl_eval_figures(report.rewards, self.reward_weights, [reward_func_name(f) for f in self.reward_funcs],
-                                 num_generations)
+        figures = _trl_eval_figures(report.rewards, self.reward_weights, self._reward_names(), num_generations)
+        # What the functions logged with log_metric, as TRL's evaluation logs it: eval_NAME.
+        _, logged = _reward_fn_figures(report.figures, self._reward_names())
+        return {**figures, **{f"eval_{name}": value for name, value in logged.items()
+                              if f"eval_{name}" not in figures}}
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Copy the trained model (``model/`` of the run, in transformers format) to ``output_dir``, as TRL's
@@ -547,6 +551,10 @@ class LearnerTrainer:
                             token=token, revision=revision, blocking=blocking)
 
     # -- pieces ----------------------------------------------------------------------------------------------
+
+    def _reward_names(self) -> list[str]:
+        """What the metrics call each reward source (``reward_fn/NAME_mean``)."""
+        return [reward_func_name(f) for f in self.reward_funcs]
 
     def _reward_funcs_for(self, rows: Any) -> list[RewardFunc]:
         """The reward functions, each given the format TRL would give it for ``rows``; with an
@@ -896,20 +904,45 @@ def _step_loss(metrics: Mapping[str, float], cfg: GRPOConfig) -> float:
 
 # treerl's name of what TRL logs under another name.
 _TRL_NAMES = {"grad_norm": "grad/norm", "learning_rate": "lr", "reward": "reward/mean", "reward_std": "reward/std",
-              "entropy_coef": "entropy/coef", "aux_loss": "loss/aux"}
+              "entropy_coef": "entropy/coef", "aux_loss": "loss/aux",
+              "frac_reward_zero_std": "reward/zero_std_frac"}
 
 
-def _trl_log(metrics: Mapping[str, Any], cfg: GRPOConfig, per_step: int, rows: int) -> dict[str, Any]:
+def _reward_fn_figures(metrics: Mapping[str, Any], reward_names: Collection[str]) -> tuple[dict[str, Any],
+                                                                                           dict[str, Any]]:
+    """The ``reward_fn/`` figures of ``metrics`` under TRL's names: each reward function's mean (named in
+    ``reward_names``) as ``rewards/NAME/mean``, and what the functions logged with ``log_metric(name, value)``
+    under ``name`` itself, as TRL logs it.
+
+    >>> _reward_fn_figures({"reward_fn/fmt_mean": 0.5, "reward_fn/accuracy": 0.25, "loss": 1.0}, ["fmt"])
+    ({'rewards/fmt/mean': 0.5}, {'accuracy': 0.25})
+    """
+    means, logged = {}, {}
+    for key, value in metrics.items():
+        if not key.startswith("reward_fn/"):
+            continue
+        name = key[len("reward_fn/"):]
+        if name.endswith("_mean") and name[:-len("_mean")] in reward_names:
+            means[f"rewards/{name[:-len('_mean')]}/mean"] = value
+        else:
+            logged[name] = value
+    return means, logged
+
+
+def _trl_log(metrics: Mapping[str, Any], cfg: GRPOConfig, per_step: int, rows: int,
+             reward_names: Collection[str] = ()) -> dict[str, Any]:
     """A ``metrics.jsonl`` line as an entry of TRL's ``log_history``: TRL's names (``loss``, ``grad_norm``,
-    ``learning_rate``, ``reward``, ``reward_std``, ``rewards/NAME/mean``), ``epoch`` and the optimizer step;
-    treerl's names beside them."""
+    ``learning_rate``, ``reward``, ``reward_std``, ``frac_reward_zero_std``, ``rewards/NAME/mean`` of the
+    reward functions named ``reward_names``, their ``log_metric`` names), ``epoch`` and the optimizer step;
+    treerl's names beside them (a ``log_metric`` name that is one of them stays treerl's)."""
     step = int(metrics.get("step", 0))
     out = dict(metrics)
     if "loss/policy" in metrics:
         out["loss"] = _step_loss(metrics, cfg)
     out.update({trl: metrics[ours] for trl, ours in _TRL_NAMES.items() if ours in metrics})
-    out.update({f"rewards/{k[len('reward_fn/'):-len('_mean')]}/mean": v for k, v in metrics.items()
-                if k.startswith("reward_fn/") and k.endswith("_mean")})
+    means, logged = _reward_fn_figures(metrics, reward_names)
+    out.update(means)
+    out.update({name: value for name, value in logged.items() if name not in out})
     out.update(epoch=_epoch(step, cfg, rows), step=step * per_step)
     return out
 
@@ -930,10 +963,10 @@ class _TrainerCallbacks:
     (``control`` is passed but not read). The state counts optimizer steps, as TRL's: a step of N optimizer
     steps (``num_iterations`` x ``num_minibatches``) counts N; ``rows`` is the training dataset's, for ``epoch``."""
 
-    def __init__(self, callbacks: Sequence[Any], cfg: GRPOConfig, rows: int = 1):
+    def __init__(self, callbacks: Sequence[Any], cfg: GRPOConfig, rows: int = 1, reward_names: Sequence[str] = ()):
         from transformers import TrainerControl, TrainerState
 
-        self.callbacks, self.cfg, self.rows = list(callbacks), cfg, rows
+        self.callbacks, self.cfg, self.rows, self.reward_names = list(callbacks), cfg, rows, list(reward_names)
         self.per_step = cfg.optimizer_steps_per_step()
         self.state, self.control = TrainerState(max_steps=cfg.steps * self.per_step), TrainerControl()
 
@@ -946,7 +979,7 @@ class _TrainerCallbacks:
         self.state.global_step = step * self.per_step
         if "num_input_tokens_seen" in metrics:  # include_num_input_tokens_seen: transformers' state counts them
             self.state.num_input_tokens_seen = int(metrics["num_input_tokens_seen"])
-        logs = _trl_log({**metrics, "step": step}, self.cfg, self.per_step, self.rows)
+        logs = _trl_log({**metrics, "step": step}, self.cfg, self.per_step, self.rows, self.reward_names)
         self.state.log_history.append(logs)
         if step > 0:
             self.event("on_step_end")
