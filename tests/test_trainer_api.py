@@ -272,6 +272,39 @@ def test_log_metric_values_and_frac_reward_zero_std_are_logged_under_trls_names(
     assert trainer.evaluate()["eval_custom_accuracy"] == 0.75
 
 
+def test_a_callback_event_that_is_never_called_is_named_in_a_warning(tmp_path):
+    """transformers' on_save, on_epoch_end, on_step_begin, ... have no place here: a callback overriding one is told
+    so when it is added, not left to wait for a call that never comes."""
+    import warnings
+
+    from transformers import TrainerCallback
+
+    class Saves(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            pass
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            pass
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            pass
+
+    class Logs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            pass
+
+    def make(*callbacks):
+        return GRPOTrainer(model="tiny", reward_funcs=len, train_dataset=[{"prompt": "Hi"}], args=small(tmp_path),
+                           callbacks=list(callbacks))
+
+    with pytest.warns(UserWarning, match=r"Saves\.on_step_begin, \.on_save will not be called: .* calls "
+                                         "on_train_begin, on_step_end, on_evaluate, on_log, on_train_end only"):
+        make(Saves)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make(Logs(), lambda step, metrics: None)  # only events that are called, and a step function
+
+
 def test_trl_callbacks_count_optimizer_steps_as_trl_does(tmp_path):
     from transformers import TrainerCallback
 

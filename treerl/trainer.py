@@ -59,7 +59,7 @@ What maps, and how:
 - ``callbacks``: functions ``(step, metrics)``, or TRL ``TrainerCallback`` objects (or classes, made as
   transformers makes them; also :meth:`LearnerTrainer.add_callback`), whose
   ``on_train_begin``, ``on_step_end``, ``on_log``, ``on_evaluate`` and ``on_train_end`` are called
-  (``control`` is not read: a callback cannot stop the run).
+  (``control`` is not read: a callback cannot stop the run); a warning names its other events it overrides.
 
 What does not map is refused with what to do instead: a reward model (a model id or object in
 ``reward_funcs``), ``reward_processing_classes``, ``quantization_config``, an LR scheduler in
@@ -81,6 +81,7 @@ import pickle
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -377,8 +378,15 @@ class LearnerTrainer:
 
     def add_callback(self, callback: Any) -> None:
         """Add a callback: a function ``(step, metrics)``, a ``TrainerCallback`` object, or its class (made with
-        no arguments, as transformers' ``Trainer.add_callback`` makes it)."""
-        self.callbacks.append(callback() if isinstance(callback, type) else callback)
+        no arguments, as transformers' ``Trainer.add_callback`` makes it). A warning names its events that are
+        never called here (:data:`_CALLED_EVENTS` are)."""
+        callback = callback() if isinstance(callback, type) else callback
+        if ignored := _ignored_events(callback):
+            warnings.warn(f"{type(callback).__name__}.{', .'.join(ignored)} will not be called: treerl's "
+                          f"{type(self).__name__} calls {', '.join(_CALLED_EVENTS)} only (after each step, not "
+                          "around its parts; checkpoints are saved every args.save_steps without a callback).",
+                          UserWarning, stacklevel=2)
+        self.callbacks.append(callback)
 
     def pop_callback(self, callback: Any) -> Any:
         """Remove and return ``callback`` (or the first callback of that class); None when there is none."""
@@ -900,6 +908,23 @@ def _step_loss(metrics: Mapping[str, float], cfg: GRPOConfig) -> float:
     weight = getattr(cfg, "distillation_weight", 0.0)
     aux = (cfg.router_aux_loss_coef or 0.0) * metrics.get("loss/aux", 0.0)
     return (1.0 - weight) * loss + weight * metrics.get("loss/distill", 0.0) + aux
+
+
+# The TrainerCallback events LearnerTrainer calls (:class:`_TrainerCallbacks`); a callback's others never run.
+_CALLED_EVENTS = ("on_train_begin", "on_step_end", "on_evaluate", "on_log", "on_train_end")
+
+
+def _ignored_events(callback: Any) -> list[str]:
+    """The events ``callback`` defines that are never called: those a ``TrainerCallback`` subclass overrides (its
+    base's are no-ops), or any of transformers' that a duck-typed callback has; none for a step function."""
+    if not hasattr(callback, "on_log"):  # a function (step, metrics)
+        return []
+    from transformers import TrainerCallback
+
+    events = [name for name in vars(TrainerCallback) if name.startswith("on_") and name not in _CALLED_EVENTS]
+    if isinstance(callback, TrainerCallback):
+        return [name for name in events if getattr(type(callback), name) is not getattr(TrainerCallback, name)]
+    return [name for name in events if hasattr(callback, name)]
 
 
 # treerl's name of what TRL logs under another name.
