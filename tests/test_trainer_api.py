@@ -126,6 +126,30 @@ def test_rows_play_in_the_order_trls_sampler_draws_them(tmp_path):
     assert [list(sampler), list(sampler)] == passes
 
 
+def test_dataset_columns_named_like_treerls_own_arguments_reach_reward_functions_as_written():
+    """TRL passes every column of the row: a HumanEval-like task_id (or termination, env_reward) column is the
+    dataset's value, not treerl's argument of that name, which stays for rows without the column."""
+    from treerl.rollout.rewards import score
+    from treerl.rollout.trajectory import Group
+
+    seen = {}
+
+    def reward(completions, task_id, termination, env_reward, **kwargs):
+        seen.update(task_id=task_id, termination=termination, env_reward=env_reward)
+        return [0.0] * len(completions)
+
+    groups = []
+    for index, row in enumerate([{"task_id": "HumanEval/0", "termination": "none", "env_reward": 5.0}, {}]):
+        group = Group(task_key=str(index), env_id="rows", info={"task_id": str(index), "row": row})
+        root = group.add_segment("prompt", [1, 2])
+        group.add_episode(leaf=group.add_segment("sampled", [3], parent=root, logprobs=[-1.0], policy_version=0),
+                          reward=0.0, termination="final_answer")
+        groups.append(group)
+    score(groups, [reward], {})
+    assert seen == {"task_id": ["HumanEval/0", "1"], "termination": ["none", "final_answer"],
+                    "env_reward": [5.0, 0.0]}
+
+
 def test_text_prompts_under_another_column_give_reward_functions_text():
     from treerl.trainer import _trl_format
 

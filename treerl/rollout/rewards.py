@@ -8,7 +8,8 @@ with ``reward_weights`` (one per column). A reward function takes TRL's argument
 
 ``prompts`` are the opening messages, ``completions`` every message after them,
 ``completion_ids`` the sampled ids; the task's columns come as keyword arguments
-(``answer``, ``task_id``, ``termination``, ``env_reward``), ``trainer_state`` (its ``global_step``
+(``answer``, ``task_id``, ``termination``, ``env_reward``; a dataset column of one of those names gives
+its own value instead, as TRL passes the row's columns), ``trainer_state`` (its ``global_step``
 and ``max_steps``, as TRL's), with ``log_metric(name, value)``
 (logged as ``reward_fn/<name>``) and ``log_extra(name, values)`` callbacks (the values, one per
 completion, go to ``reward_extras.jsonl`` in the run's directory), and the columns of the task's
@@ -216,10 +217,13 @@ def score(groups: Sequence[Group], reward_funcs: Sequence[RewardFunc], metrics: 
             "env_reward": list(columns[0]),
             "trainer_state": trainer_state,
         }
-        # The dataset row's own columns the environment kept (TRL passes extra columns as kwargs).
-        row_keys = {k for g, _ in episodes for k in (g.info.get("row") or {})} - kwargs.keys() - _RESERVED
-        for key in sorted(row_keys):
-            kwargs[key] = [(g.info.get("row") or {}).get(key) for g, _ in episodes]
+        # The dataset row's own columns the environment kept (TRL passes extra columns as kwargs), as written:
+        # a column named task_id, termination, env_reward or answer wins over treerl's value of that name,
+        # which stays for the rows that lack it.
+        rows = [g.info.get("row") or {} for g, _ in episodes]
+        for key in sorted({k for row in rows for k in row} - _RESERVED):
+            ours = kwargs.get(key) or [None] * len(episodes)
+            kwargs[key] = [row[key] if key in row else value for row, value in zip(rows, ours)]
         extras = {} if extras is None else extras
 
         def log_metric(name: str, value: float) -> None:
