@@ -58,8 +58,13 @@ What maps, and how:
   the environment's reward, which is 0).
 - ``callbacks``: functions ``(step, metrics)``, or TRL ``TrainerCallback`` objects (or classes, made as
   transformers makes them; also :meth:`LearnerTrainer.add_callback`), whose
-  ``on_train_begin``, ``on_step_end``, ``on_log``, ``on_evaluate`` and ``on_train_end`` are called
-  (``control`` is not read: a callback cannot stop the run); a warning names its other events it overrides.
+  ``on_train_begin``, ``on_step_end``, ``on_log``, ``on_evaluate`` and ``on_train_end`` are called; the
+  ``control`` they set (or return) is read as transformers' Trainer reads it after a step:
+  ``should_training_stop`` ends the run after the step (as a run ends: the final checkpoint, ``output_dir/model``,
+  the best one with ``load_best_model_at_end``; transformers' ``EarlyStoppingCallback`` works so),
+  ``should_evaluate`` scores the ``eval_dataset`` at the step, ``should_save`` writes its checkpoint;
+  ``should_log`` changes nothing (every step is logged). A function may return a
+  :class:`~treerl.learners.core.StepControl` to the same effect. A warning names its other events it overrides.
 
 What does not map is refused with what to do instead: a reward model (a model id or object in
 ``reward_funcs``), ``reward_processing_classes``, ``quantization_config``, an LR scheduler in
@@ -93,9 +98,9 @@ import torch.distributed as dist
 from treerl.envs.builtin.math_verify import load_rows
 from treerl.envs.prompts import EMPTY_PROMPT, EnvironmentInstances, PromptEnv, environment_tools
 from treerl.learners.checkpoints import checkpoint_step, latest_checkpoint
-from treerl.learners.core import TrainResult, learner_name
+from treerl.learners.core import StepControl, TrainResult, learner_name
 from treerl.learners.async_grpo import AsyncGRPOConfig, train_async
-from treerl.learners.evaluation import metric_key
+from treerl.learners.evaluation import improves, metric_key
 from treerl.learners.grpo import GRPOConfig, train
 from treerl.learners.sdpo import SDPOConfig
 from treerl.learners.sdpo import train as train_sdpo
@@ -323,9 +328,9 @@ class LearnerTrainer:
             callbacks.append(_TrainerCallbacks(trainer_callbacks, cfg, rows=max(len(self.train_dataset), 1),
                                                reward_names=self._reward_names()))
             callbacks[-1].event("on_train_begin")
-        # eval_strategy="steps": the eval_dataset scored as evaluate() scores it, with the policy's weights then.
-        every = cfg.eval_every or "eval_every" in cfg.every_epoch  # eval_strategy "epoch": set by the run's rows
-        evaluate = functools.partial(self._score, self.eval_dataset) if every else None
+        # eval_strategy="steps" (or a callback's should_evaluate): the eval_dataset scored as evaluate() scores it,
+        # with the policy's weights then.
+        evaluate = functools.partial(self._score, self.eval_dataset) if self.eval_dataset is not None else None
         started = time.perf_counter()
         result = self.learn(cfg, model=model, tokenizer=tokenizer,
                                  env_factory=self._env_factory(self.train_dataset),
@@ -980,13 +985,33 @@ def _epoch(step: int, cfg: GRPOConfig, rows: int) -> float:
     return step / per_epoch if per_epoch else step * cfg.tasks_per_step / rows
 
 
+class _CallbackArgs:
+    """The run's config as TrainerCallbacks read their ``args``: its fields, and TRL's ``eval_strategy``, which the
+    config turned into ``eval_every`` (transformers' ``EarlyStoppingCallback`` checks it)."""
+
+    def __init__(self, cfg: GRPOConfig):
+        self._cfg = cfg
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cfg, name)
+
+    @property
+    def eval_strategy(self) -> str:
+        cfg = self._cfg
+        return "epoch" if "eval_every" in cfg.every_epoch else "steps" if cfg.eval_every else "no"
+
+
 class _TrainerCallbacks:
     """TRL ``TrainerCallback`` objects called as a treerl step callback: ``on_step_end``, then ``on_evaluate``
     with the evaluation's figures when the step evaluated (step 0: the evaluation before the first), then
     ``on_log`` with the step's metrics under TRL's names (``loss``, ``grad_norm``, ``learning_rate``,
-    ``reward``, ``rewards/NAME/mean``, ``epoch``: :func:`_trl_log`, treerl's beside them), after each step
-    (``control`` is passed but not read). The state counts optimizer steps, as TRL's: a step of N optimizer
-    steps (``num_iterations`` x ``num_minibatches``) counts N; ``rows`` is the training dataset's, for ``epoch``."""
+    ``reward``, ``rewards/NAME/mean``, ``epoch``: :func:`_trl_log`, treerl's beside them), after each step. The
+    ``control`` is transformers' ``TrainerControl``, reset and read as its Trainer's ``CallbackHandler`` does:
+    what it asks after the step is returned to the run as a :class:`~treerl.learners.core.StepControl`; a second
+    call for the step (the evaluation it asked for) calls ``on_evaluate`` and ``on_log`` only. ``state.best_metric``
+    is set after each ``on_evaluate``, as transformers' ``_determine_best_metric`` sets it (``EarlyStoppingCallback``
+    compares with it). The state counts optimizer steps, as TRL's: a step of N optimizer steps
+    (``num_iterations`` x ``num_minibatches``) counts N; ``rows`` is the training dataset's, for ``epoch``."""
 
     def __init__(self, callbacks: Sequence[Any], cfg: GRPOConfig, rows: int = 1, reward_names: Sequence[str] = ()):
         from transformers import TrainerControl, TrainerState
@@ -994,20 +1019,43 @@ class _TrainerCallbacks:
         self.callbacks, self.cfg, self.rows, self.reward_names = list(callbacks), cfg, rows, list(reward_names)
         self.per_step = cfg.optimizer_steps_per_step()
         self.state, self.control = TrainerState(max_steps=cfg.steps * self.per_step), TrainerControl()
+        self.last_step = -1  # the step of the latest call
 
     def event(self, name: str, **kwargs: Any) -> None:
+        args = _CallbackArgs(self.cfg)
         for callback in self.callbacks:
             if hasattr(callback, name):
-                getattr(callback, name)(self.cfg, self.state, self.control, **kwargs)
+                returned = getattr(callback, name)(args, self.state, self.control, **kwargs)
+                if returned is not None:  # transformers' CallbackHandler takes the control a callback returns
+                    self.control = returned
 
-    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+    def __call__(self, step: int, metrics: dict[str, float]) -> StepControl:
         self.state.global_step = step * self.per_step
         if "num_input_tokens_seen" in metrics:  # include_num_input_tokens_seen: transformers' state counts them
             self.state.num_input_tokens_seen = int(metrics["num_input_tokens_seen"])
         logs = _trl_log({**metrics, "step": step}, self.cfg, self.per_step, self.rows, self.reward_names)
         self.state.log_history.append(logs)
-        if step > 0:
-            self.event("on_step_end")
+        control = self.control
+        if step > self.last_step:  # a new step: on_step_begin's reset, then on_step_end
+            control.should_log = control.should_evaluate = control.should_save = False
+            if step > 0:
+                self.event("on_step_end")
+        self.last_step = step
         if evaluated := {k: v for k, v in metrics.items() if k.startswith(("eval_", "eval/"))}:
             self.event("on_evaluate", metrics=evaluated)
+            self.control.should_evaluate = False
+            self._track_best(step, evaluated)
         self.event("on_log", logs={k: v for k, v in logs.items() if k != "step"})
+        self.control.should_log = False
+        return StepControl(stop=self.control.should_training_stop, evaluate=self.control.should_evaluate,
+                           save=self.control.should_save)
+
+    def _track_best(self, step: int, evaluated: dict[str, float]) -> None:
+        """transformers' ``_determine_best_metric`` after ``on_evaluate`` (none for the evaluation before the first
+        step, as transformers' ``eval_on_start``)."""
+        name = self.cfg.metric_for_best_model
+        if name is None or step == 0:
+            return
+        value = float(evaluated[metric_key(name, evaluated)])
+        if improves(value, self.state.best_metric, self.cfg.greater_is_better):
+            self.state.best_metric, self.state.best_global_step = value, step * self.per_step

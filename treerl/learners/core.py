@@ -80,7 +80,7 @@ from treerl.learners.checkpoints import (
 from treerl.learners.config import LEARNER_CONFIGS, LearnerConfig
 from treerl.learners.diagnostics import RECORDED_ACTIONS, Diagnostics
 from treerl.learners.distributed import Ranks
-from treerl.learners.evaluation import eval_metrics, evaluate_at_start, evaluate_policy, metric_key
+from treerl.learners.evaluation import eval_metrics, evaluate_at_start, evaluate_policy, improves, metric_key
 from treerl.learners.forward import router_aux_loss_coef, router_top_k
 from treerl.learners.hub import HubPusher
 from treerl.learners.losses.base import same_definition
@@ -107,14 +107,35 @@ from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group
 
 __all__ = ["Run", "TrainResult", "build", "finish", "make_optimizer", "make_scheduler", "OptimizerSpec",
-           "StepCallback", "Evaluator", "LearnerSpec", "LEARNERS", "register_learner", "learner_name"]
+           "StepCallback", "StepControl", "Evaluator", "LearnerSpec", "LEARNERS", "register_learner", "learner_name"]
 
 logger = logging.getLogger(__name__)
 
-StepCallback = Callable[[int, dict[str, float]], Any]
+
+@dataclass
+class StepControl:
+    """What a :data:`StepCallback` may return to act on the step it was called after, as transformers'
+    ``TrainerControl`` lets a ``TrainerCallback`` (``should_training_stop``, ``should_evaluate``, ``should_save``).
+
+    >>> StepControl(stop=True)
+    StepControl(stop=True, evaluate=False, save=False)
+    """
+
+    stop: bool = False
+    """End the run after this step, as a run ends (:func:`finish`: the final checkpoint, the model, or the best
+    one with ``load_best_model_at_end``, and the evaluation at the end)."""
+    evaluate: bool = False
+    """Evaluate now, where the step did not: the figures are logged as a second line of the step and passed to
+    the callbacks in a second call with the same step."""
+    save: bool = False
+    """Write a checkpoint of this step (the run's last step writes one anyway)."""
+
+
+StepCallback = Callable[[int, dict[str, float]], StepControl | None]
 """Called after each step on the main process with the step number (from 1) and a copy of the
 metrics it logged (TRL's ``TrainerCallback.on_log``, in one function); with ``eval_every`` and
-``eval_on_start``, also with step 0 and the evaluation before the first step."""
+``eval_on_start``, also with step 0 and the evaluation before the first step. It may return a
+:class:`StepControl` to stop the run, evaluate or save at that step (anything else is ignored)."""
 
 Evaluator = Callable[..., dict[str, float]]
 """What ``eval_every`` measures instead of the held-out episodes: called on the main process with the
@@ -223,8 +244,11 @@ class Run:
     evaluator: Evaluator | None = None
     """What :meth:`evaluate` runs instead of the held-out episodes."""
     eval_end: dict[str, Any] | None = None
-    """The held-out figures of an evaluation at the last step, which :func:`finish` reports instead of
-    evaluating the same weights again."""
+    """The held-out figures of the latest evaluation (at step :attr:`eval_end_step`), which :func:`finish`
+    reports instead of evaluating the same weights again when that step is the run's last."""
+    eval_end_step: int | None = None
+    stop_requested: bool = False
+    """A callback asked the run to end after the step it was called on (:attr:`StepControl.stop`)."""
     hub: HubPusher | None = None
     """Where the model is pushed on rank 0 (``cfg.push_to_hub``; see :mod:`~treerl.learners.hub`)."""
     _step_started: float = 0.0
@@ -239,8 +263,16 @@ class Run:
     # -- the loop ----------------------------------------------------------------------------
 
     def steps(self) -> Iterator[int]:
-        """The steps still to run (from the resumed one), each timed for ``perf/step_s``."""
+        """The steps still to run (from the resumed one), each timed for ``perf/step_s``; none after a
+        callback's request to stop (:attr:`stop_requested`, made on the main process: every rank stops)."""
         for step in range(self.state.step, self.cfg.steps):
+            if self.ranks.enabled:  # the main process's request reaches every rank
+                self.stop_requested = self.ranks.sum([float(self.stop_requested)])[0] > 0
+            if self.stop_requested:
+                if self.ranks.is_main:
+                    print(f"stopping after step {self.state.step} of {self.cfg.steps}: a callback asked to stop",
+                          file=sys.stderr)
+                return
             self._step_started = time.perf_counter()
             yield step
 
@@ -329,16 +361,27 @@ class Run:
             # Also at the last step, as transformers' Trainer evaluates at the end of training (eval_strategy
             # "steps") and of the last epoch, a short one included ("epoch"); its figures are the end's. Not
             # before eval_delay. Before the checkpoint: a resumed run continues after it.
-            improved = False
+            improved, evaluated = False, {}
             if self.cfg.evaluates_after(step + 1):
                 evaluated = self.evaluate(step + 1)
                 metrics.update(evaluated)
                 improved = self.track_best(step + 1, evaluated)
             self.log.log(step + 1, metrics)
-            for callback in self.callbacks:
-                callback(step + 1, dict(metrics))
-            saves = self.cfg.save_every and (step + 1) % self.cfg.save_every == 0
-            if (saves or self.cfg.save_on_best and improved) and step + 1 < self.cfg.steps:  # the last's: finish's
+            control = self.call_back(step + 1, metrics)
+            if control.evaluate and not evaluated:  # transformers' should_evaluate: at this step, if it did not
+                if self.evaluator is None and not self.cfg.eval_episodes:
+                    raise ConfigError(f"a callback asked to evaluate at step {step + 1}, but the run has nothing to "
+                                      "evaluate: give it held-out episodes (--eval-episodes, or an eval_dataset to "
+                                      "treerl.GRPOTrainer).")
+                evaluated = self.evaluate(step + 1)
+                improved = self.track_best(step + 1, evaluated)
+                self.log.log(step + 1, evaluated)
+                asked = self.call_back(step + 1, evaluated)
+                control.stop, control.save = control.stop or asked.stop, control.save or asked.save
+            self.stop_requested |= control.stop
+            saves = self.cfg.save_every and (step + 1) % self.cfg.save_every == 0 or control.save
+            last = step + 1 == self.cfg.steps or control.stop  # the last step's checkpoint is finish's
+            if (saves or self.cfg.save_on_best and improved) and not last:
                 self.save_checkpoint()
         return metrics
 
@@ -355,6 +398,15 @@ class Run:
         self.state.extra[_TOKENS_SEEN] = seen
         return seen
 
+    def call_back(self, step: int, metrics: dict[str, float]) -> StepControl:
+        """Call each callback with ``step`` and a copy of ``metrics``; what they asked for, together."""
+        out = StepControl()
+        for callback in self.callbacks:
+            asked = callback(step, dict(metrics))
+            if isinstance(asked, StepControl):
+                out = StepControl(out.stop or asked.stop, out.evaluate or asked.evaluate, out.save or asked.save)
+        return out
+
     def evaluate(self, step: int) -> dict[str, float]:
         """The evaluation of ``eval_every`` after step ``step`` (0: before the first), as metrics of that step:
         the :attr:`evaluator`'s, or the held-out episodes' figures under ``eval/`` (:func:`eval_metrics`)."""
@@ -369,8 +421,7 @@ class Run:
                                       env_id=self.env_id)
             print(f"eval at step {step}: success rate {figures['success_rate']:.1%} over {figures['episodes']} "
                   "held-out episodes", file=sys.stderr)
-        if step == self.cfg.steps:
-            self.eval_end = figures
+        self.eval_end, self.eval_end_step = figures, step
         return eval_metrics(figures)
 
     def track_best(self, step: int, evaluated: dict[str, float]) -> bool:
@@ -384,10 +435,7 @@ class Run:
         value = float(evaluated[metric_key(name, evaluated)])
         if step == 0:
             return False
-        best = self.state.best_metric
-        if best is None:
-            best = -math.inf if self.cfg.greater_is_better else math.inf
-        if not (value > best if self.cfg.greater_is_better else value < best):  # NaN never improves
+        if not improves(value, self.state.best_metric, self.cfg.greater_is_better):
             return False
         self.state.best_metric, self.state.best_step = value, step
         return True
@@ -761,8 +809,7 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
             start = run.evaluate(0)
             run.track_best(0, start)  # a metric_for_best_model it lacks is said now, not after the first step
             run.log.log(0, start)
-            for callback in run.callbacks:
-                callback(0, dict(start))
+            run.stop_requested = run.call_back(0, start).stop
     return run
 
 
@@ -996,12 +1043,13 @@ def finish(run: Run) -> TrainResult:
         if cfg.save_total_limit == 1 and state.best_model_checkpoint is not None:
             keep_only_best(run.out_dir, state.best_model_checkpoint)  # transformers' end of training
         # eval_every's at the last step, unless the best weights replaced those
-        eval_end = run.eval_end if not loaded or state.best_step == state.step else None
+        eval_end = run.eval_end if run.eval_end_step == state.step and (not loaded or state.best_step == state.step) \
+            else None
         if eval_end is None and cfg.eval_episodes > 0:
             eval_end = evaluate_policy(cfg, run.policy, run.tokenizer, run.eval_env_factory or run.env_factory,
                                        env_id=run.env_id)
         # The settings too: a TRL script may save a model's config.json over the run's (see run_settings).
-        result = {"steps": cfg.steps, "policy_version": run.sync.version, "eval_start": run.eval_start,
+        result = {"steps": state.step, "policy_version": run.sync.version, "eval_start": run.eval_start,
                   "eval_end": eval_end, "model_dir": str(model_dir), "config": _settings(cfg)}
         if cfg.metric_for_best_model is not None:  # transformers' state.best_metric and best_model_checkpoint
             result.update(best_metric=state.best_metric, best_step=state.best_step,
@@ -1014,7 +1062,7 @@ def finish(run: Run) -> TrainResult:
     run.ranks.barrier()
     run.policy.close()
     best = Path(state.best_model_checkpoint) if state.best_model_checkpoint is not None else None
-    return TrainResult(run.out_dir, cfg.steps, run.sync.version, run.eval_start, eval_end, model_dir,
+    return TrainResult(run.out_dir, state.step, run.sync.version, run.eval_start, eval_end, model_dir,
                        best_metric=state.best_metric, best_step=state.best_step, best_model_checkpoint=best)
 
 

@@ -13,6 +13,7 @@ of ``eval_every`` are logged with their step as :func:`eval_metrics`, and :func:
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -23,7 +24,7 @@ from treerl.errors import ConfigError
 from treerl.learners.config import LearnerConfig
 from treerl.rollout.evaluate import evaluate_with
 
-__all__ = ["evaluate_policy", "evaluate_at_start", "eval_metrics", "metric_key"]
+__all__ = ["evaluate_policy", "evaluate_at_start", "eval_metrics", "improves", "metric_key"]
 
 TRL_EVAL_NAMES = {"reward": "reward/mean", "reward_std": "reward/std"}
 """TRL's names of GRPO's evaluation figures (after ``eval_``) and the held-out figures of the same meaning here
@@ -68,6 +69,18 @@ def eval_metrics(figures: dict[str, Any]) -> dict[str, float]:
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             out[f"eval/{key}"] = float(value)
     return out
+
+
+def improves(value: float, best: float | None, greater_is_better: bool) -> bool:
+    """Whether ``value`` of ``metric_for_best_model`` beats ``best`` (None: no evaluation yet), as transformers'
+    ``_determine_best_metric`` compares them; NaN never does.
+
+    >>> improves(0.5, None, True), improves(0.5, 0.5, True), improves(0.4, 0.5, False)
+    (True, False, True)
+    """
+    if best is None:
+        best = -math.inf if greater_is_better else math.inf
+    return value > best if greater_is_better else value < best
 
 
 def metric_key(name: str, available: Iterable[str]) -> str:

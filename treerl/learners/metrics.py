@@ -94,7 +94,7 @@ class MetricsLog:
             backend.init(project=project, config=config, **named)
             self.tracker = (report_to, backend)
         self.file = open(Path(output_dir) / "metrics.jsonl", "a", encoding="utf-8")
-        self.bar = None
+        self.bar, self.last_step = None, start_step
         if progress:
             from tqdm import tqdm
 
@@ -102,7 +102,8 @@ class MetricsLog:
                             dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Write one step's metrics (and advance the progress bar); step 0 is the evaluation before the first."""
+        """Write one step's metrics (and advance the progress bar); step 0 is the evaluation before the first. A
+        second line of a step (an evaluation a callback asked for) leaves the bar where it is."""
         self.file.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
         self.file.flush()
         if self.tracker is not None:
@@ -113,7 +114,8 @@ class MetricsLog:
                     t.add_scalar(k, v, step)
             else:
                 t.log(scalars, step=step)
-        if self.bar is not None and step > 0:
+        advanced, self.last_step = step > self.last_step, max(step, self.last_step)
+        if self.bar is not None and advanced:
             shown = {}
             if "reward/mean" in metrics:
                 shown["reward"] = f"{metrics['reward/mean']:.3f}"
