@@ -31,10 +31,23 @@ def policy_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         for key, value in model.get_base_model().state_dict().items():
             if "lora_" in key:
                 continue
-            out[key.replace(".base_layer.", ".")] = value.detach().clone()
+            out[plain_name(key)] = value.detach().clone()
         return out
     finally:
         model.unmerge_adapter()
+
+
+def plain_name(key: str) -> str:
+    """A LoRA model's state-dict key as the plain model names it: without peft's ``base_layer`` wrappers, which
+    nest when peft adapts several parameters of one module (a Mixture-of-Experts layer's fused experts:
+    ``mlp.experts.base_layer.base_layer.gate_up_proj`` is ``mlp.experts.gate_up_proj``).
+
+    >>> plain_name("model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj")
+    'model.layers.0.mlp.experts.gate_up_proj'
+    >>> plain_name("model.layers.0.self_attn.q_proj.base_layer.weight")
+    'model.layers.0.self_attn.q_proj.weight'
+    """
+    return ".".join(part for part in key.split(".") if part != "base_layer")
 
 
 class WeightSync:

@@ -1,0 +1,48 @@
+"""LoRA on a Mixture-of-Experts model: transformers 5 keeps the experts as fused parameters (``gate_up_proj``,
+``down_proj`` of one experts module), which peft adapts as parameters, nesting its wrappers; what is trained must
+reach the sampler, output_dir/model and the adapter alike."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_router_aux_loss import tiny_moe
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_lora_on_a_moe_trains_the_experts_and_the_sampler_gets_the_merged_weights(tmp_path):
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from treerl import GRPOConfig, GRPOTrainer
+    from treerl.models import load_default_model
+
+    _, tok = load_default_model()
+    base = {k: v.detach().clone() for k, v in tiny_moe(vocab_size=len(tok)).state_dict().items()}
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=2, num_generations=2,
+                      per_device_train_batch_size=2, max_completion_length=8, learning_rate=1e-2, use_cpu=True,
+                      report_to="none", disable_tqdm=True, sample_groups=0, optim="adamw_torch", num_threads=1)
+    trainer = GRPOTrainer(model=tiny_moe(vocab_size=len(tok)), processing_class=tok, args=args,
+                          peft_config=LoraConfig(r=8, target_modules="all-linear", task_type="CAUSAL_LM"),
+                          reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                          train_dataset=[{"prompt": "1 + 1?"}, {"prompt": "2 + 2?"}])
+    trainer.train()
+
+    out = tmp_path / "out"
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["policy/version"] for m in lines] == [1, 2]
+    # Step 2 sampled with step 1's weights: the sampler and the trainer compute the same distribution.
+    assert lines[1]["is/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    # output_dir/model is the sampler's copy: the experts and the routers moved, as peft's all-linear adapts them.
+    saved = AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
+    assert set(saved) == set(base)
+    moved = {k for k in base if not torch.allclose(saved[k], base[k], rtol=0, atol=1e-6)}
+    assert {k for k in base if k.endswith(("experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight"))} <= moved
+    # The adapter merged into the starting weights is what the sampler holds.
+    merged = PeftModel.from_pretrained(tiny_moe(vocab_size=len(tok)), out / "adapter").merge_and_unload().state_dict()
+    assert set(merged) == set(saved)
+    for key, value in merged.items():
+        torch.testing.assert_close(saved[key], value, rtol=0, atol=1e-7, msg=key)
