@@ -46,3 +46,27 @@ def test_lora_on_a_moe_trains_the_experts_and_the_sampler_gets_the_merged_weight
     assert set(merged) == set(saved)
     for key, value in merged.items():
         torch.testing.assert_close(saved[key], value, rtol=0, atol=1e-7, msg=key)
+
+
+def test_all_linear_on_a_moe_adapts_the_fused_experts_and_the_router_as_peft_does(tmp_path):
+    """peft converts all-linear for transformers 5's fused experts: attention, experts (gate_up_proj at rank and
+    alpha 2x, gate_proj and up_proj fused) and router, as the unfused layers were linear; named modules adapt only
+    those. The setup warns of nothing (peft's warning that its own rank pattern matched nothing is false)."""
+    import warnings
+
+    from treerl.learners.core import _apply_lora
+    from treerl.learners.grpo import GRPOConfig
+
+    def adapted(**kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            lora = _apply_lora(tiny_moe(), GRPOConfig(output_dir=str(tmp_path), lora_r=4, **kwargs))
+        ranks = {}
+        for name, module in lora.named_modules():
+            if hasattr(module, "r") and "default" in module.r:
+                ranks[getattr(module, "parameter_name", None) or name.rsplit(".", 1)[-1]] = module.r["default"]
+        return ranks
+
+    expected = {"q_proj": 4, "k_proj": 4, "v_proj": 4, "o_proj": 4, "gate_up_proj": 8, "down_proj": 4, "weight": 4}
+    assert adapted() == adapted(lora_target_modules=["all-linear"]) == expected  # weight: the router's
+    assert adapted(lora_target_modules=["q_proj", "v_proj"]) == {"q_proj": 4, "v_proj": 4}

@@ -956,6 +956,10 @@ def _apply_lora(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Module:
                       target_modules=targets, task_type="CAUSAL_LM")
     with warnings.catch_warnings():  # peft reads an attribute transformers renamed: not the user's to act on
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+        # On a Mixture-of-Experts model peft sets gate_up_proj's rank and alpha by pattern (2r, 2 alpha: gate_proj
+        # and up_proj fused), applies them, then warns they matched no module: it checks modules, not parameters.
+        warnings.filterwarnings("ignore", message=r".*_pattern keys did not match any targeted module.*gate_up_proj",
+                                category=RuntimeWarning)
         return get_peft_model(model, lora)
 
 
