@@ -276,7 +276,7 @@ def test_eval_delay_counts_the_runs_optimizer_steps(tmp_path):
 
     evaluated = []
 
-    def evaluate(policy, tokenizer):
+    def evaluate(policy, tokenizer, trainer_state):
         evaluated.append(None)
         return {"eval_x": float(len(evaluated))}
 
