@@ -142,10 +142,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from treerl.agents.chat_templates import resolve_chat_template, warn_about_template
     from treerl.agents.transformers_policy import TransformersPolicy
     from treerl.rollout.evaluate import EvalConfig, evaluate_with, write_episodes
-    from treerl.rollout.rewards import load_reward_funcs
-
     cfg = config_for_command(EvalConfig, args)
-    reward_funcs = load_reward_funcs(cfg.reward_funcs)
+    reward_funcs = cfg.reward_functions()
     cfg.check_out()
     model, tokenizer = cfg.load_model()
     warn_about_template(tokenizer, cfg.env_factory(), resolve_chat_template(cfg.chat_template, tokenizer))

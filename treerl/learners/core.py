@@ -97,7 +97,7 @@ from treerl.learners.precision import (
     resolve_precision,
     set_tf32,
 )
-from treerl.rollout.rewards import RewardFunc, StepState, check_reward_weights, load_reward_funcs, reward_func_name
+from treerl.rollout.rewards import RewardFunc, StepState, check_reward_weights, reward_func_name
 from treerl.learners.samples import (add_trainer_logprobs, annotate_sample, completion_rows, format_completions,
                                      keeps_sample, sample_path, write_groups)
 from treerl.learners.weight_sync import WeightSync, policy_state_dict
@@ -631,8 +631,8 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
         _refuse_unused_adamw_options(cfg)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    if not reward_funcs and cfg.reward_funcs:  # named on the command line
-        reward_funcs = load_reward_funcs(cfg.reward_funcs)
+    if not reward_funcs and (cfg.reward_funcs or cfg.judge):  # named on the command line
+        reward_funcs = cfg.reward_functions()
     if reward_weights is None and cfg.reward_weights is not None:
         reward_weights = cfg.reward_weights
     weights = check_reward_weights(reward_funcs, reward_weights)

@@ -19,7 +19,8 @@ TRL. An ``async def`` reward function is awaited; several run concurrently.
 
 From the command line, ``--reward-funcs my_rewards:short,pkg.mod:fmt`` names them
 (:func:`load_reward_funcs`: a module on the path or a ``.py`` file, then the function), with
-the flags of :class:`RewardOptions`, which ``treerl learn`` (trains on the weighted sum) and
+the flags of :class:`RewardOptions` (``--judge '{...}'`` adds an LLM judge, :mod:`treerl.envs.judge`), which
+``treerl learn`` (trains on the weighted sum) and
 ``treerl eval`` (reports it) share.
 """
 
@@ -43,7 +44,7 @@ from treerl.errors import ConfigError
 from treerl.rollout.trajectory import Group
 
 __all__ = ["RewardFunc", "RewardOptions", "StepState", "check_reward_weights", "combine_rewards", "load_reward_funcs",
-           "reward_func_name", "score", "write_extras"]
+           "make_judge", "reward_func_name", "score", "write_extras"]
 
 _RESERVED = {"prompts", "completions", "completion_ids", "log_metric", "log_extra", "trainer_state"}
 
@@ -75,11 +76,29 @@ class RewardOptions:
              "repeated), added to the environment's reward.", default_factory=list)
     reward_weights: list[float] | None = field_help(None, "One weight for the environment's reward, then one per "
                                                           "reward function (default: all 1).")
+    judge: dict[str, Any] = field_help(
+        help='An LLM judge as one more reward function, after --reward-funcs (its weight is the last of '
+             '--reward-weights): treerl.envs.judge.JudgeReward\'s keyword arguments, e.g. \'{"base_url": '
+             '"http://127.0.0.1:8001/v1", "model": "Qwen/Qwen3-8B", "api_key_env": "JUDGE_API_KEY"}\' (a mapping in '
+             'YAML; needs the extra treerl[judge]).', default_factory=dict)
+
+    def reward_functions(self) -> list[RewardFunc]:
+        """The functions of ``reward_funcs``, then the ``judge`` when one is given."""
+        funcs = load_reward_funcs(self.reward_funcs)
+        if self.judge:
+            funcs.append(make_judge(self.judge))
+        return funcs
 
     def check_reward_options(self) -> None:
-        """Given weights, there must be one per reward function plus the environment's."""
-        if self.reward_weights is not None and self.reward_funcs:
-            num = len(load_reward_funcs(self.reward_funcs))
+        """A judge must be one :class:`~treerl.envs.judge.JudgeReward` takes; given weights, there must be one per
+        reward function plus the environment's."""
+        if not isinstance(self.judge, dict):
+            raise ConfigError(f"judge must be a mapping of JudgeReward's keyword arguments, got {self.judge!r}; "
+                              'write e.g. --judge \'{"base_url": "http://127.0.0.1:8001/v1", "model": "judge"}\'.')
+        if self.judge:
+            make_judge(self.judge).close()
+        if self.reward_weights is not None and (self.reward_funcs or self.judge):
+            num = len(load_reward_funcs(self.reward_funcs)) + bool(self.judge)
             if len(self.reward_weights) != 1 + num:
                 raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for {num} reward "
                                  f"function(s); give {1 + num}: the environment's reward first, then one per "
@@ -139,6 +158,19 @@ def load_reward_funcs(specs: Sequence[str]) -> list[RewardFunc]:
             raise ConfigError(f"reward_funcs: {module_name} has no function {attr!r}; it has {public[:12]}.")
         funcs.append(func)
     return funcs
+
+
+def make_judge(options: dict[str, Any]) -> RewardFunc:
+    """The :class:`~treerl.envs.judge.JudgeReward` of ``--judge``'s keyword arguments."""
+    from treerl.envs.judge import JudgeReward
+
+    try:
+        return JudgeReward(**options)
+    except TypeError as exc:
+        known = sorted(p for p in inspect.signature(JudgeReward).parameters)
+        raise ConfigError(f"judge: {exc}; JudgeReward takes {known}.") from None
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(f"judge: {exc}") from None
 
 
 _TRL_SHAPE = ("it is called once per batch as f(prompts, completions, completion_ids, **kwargs), each a list with "
