@@ -177,3 +177,65 @@ class FakeHub:
 
         monkeypatch.setattr(huggingface_hub, "HfApi", Api)
         return self
+
+
+class OneParameterModel(torch.nn.Module):
+    """The smallest model transformers' own Trainer trains (``w``, pulled toward each row's ``x``): the oracle of
+    the tests that check when treerl saves, evaluates, keeps the best or stops, against that Trainer."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        return {"loss": ((self.w - x) ** 2).mean()}
+
+
+def one_parameter_rows(n: int, start: float = 0.0) -> list[dict[str, torch.Tensor]]:
+    """``n`` rows for :class:`OneParameterModel`, ``x`` = start, start + 1, ..."""
+    return [{"x": torch.tensor([float(i + start)])} for i in range(n)]
+
+
+def oracle_args(tmp_path, **options):
+    """transformers' TrainingArguments for an oracle run on the CPU, quiet (no report, no progress, no log
+    lines), with ``options``."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True,
+                             logging_strategy="no", **options)
+
+
+def trainer_recorder():
+    """A transformers TrainerCallback that records the global steps of ``on_save`` (``saves``) and
+    ``on_evaluate`` (``evals``), and :class:`OneParameterModel`'s ``w`` at each step's end (``weights``)."""
+    from transformers import TrainerCallback
+
+    class Record(TrainerCallback):
+        def __init__(self):
+            self.saves, self.evals, self.weights = [], [], {}
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if model is not None:
+                self.weights[state.global_step] = model.w.item()
+
+        def on_save(self, args, state, control, **kwargs):
+            self.saves.append(state.global_step)
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            self.evals.append(state.global_step)
+
+    return Record()
+
+
+def scripted_eval_reward(values):
+    """A reward function whose value on the evaluation's rows (split "eval") is the next of ``values``, one per
+    evaluation; on the training rows the completion's length, so that the weights move."""
+    calls = []
+
+    def reward(completions, split, **kwargs):
+        if split[0] == "eval":
+            calls.append(len(calls))
+            return [values[len(calls) - 1]] * len(completions)
+        return [float(len(c)) for c in completions]
+
+    return reward

@@ -8,10 +8,10 @@ which checkpoints are left and which is the best, given the same sequence of eva
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
+from _helpers import OneParameterModel, one_parameter_rows, oracle_args, scripted_eval_reward, trainer_recorder
 
 import treerl
 from treerl.envs.builtin.math_verify import MathVerifyEnv
@@ -27,57 +27,24 @@ def transformers_best(tmp_path, values, **options):
     ``options`` (save_strategy, save_total_limit, load_best_model_at_end, ...): the steps it saved at, the
     checkpoints left at the end, the best checkpoint's step, the best metric, and whether the model ends with the
     best checkpoint's weight."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(1))
-
-        def forward(self, x):
-            return {"loss": ((self.w - x) ** 2).mean()}
-
-    class Record(TrainerCallback):
-        def __init__(self):
-            self.saves, self.weights = [], {}
-
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            self.weights[state.global_step] = model.w.item()
-
-        def on_save(self, args, state, control, **kwargs):
-            self.saves.append(state.global_step)
+    from transformers import Trainer
 
     class Oracle(Trainer):  # the figures given, as an evaluation would return them
         def evaluate(self, *args, **kwargs):
             return {"eval_reward": values[self.state.global_step - 1]}
 
     options = {"metric_for_best_model": "reward", **options}  # treerl's default; transformers' is loss
-    data = [{"x": torch.tensor([float(i + 1)])} for i in range(len(values))]
-    record = Record()
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=len(values), per_device_train_batch_size=1,
-                             eval_strategy="steps", eval_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
-                             logging_strategy="no", learning_rate=0.1, **options)
-    trainer = Oracle(model=Model(), args=args, train_dataset=data, eval_dataset=data[:1], callbacks=[record])
+    data, record = one_parameter_rows(len(values), start=1), trainer_recorder()
+    args = oracle_args(tmp_path, max_steps=len(values), per_device_train_batch_size=1, eval_strategy="steps",
+                       eval_steps=1, learning_rate=0.1, **options)
+    trainer = Oracle(model=OneParameterModel(), args=args, train_dataset=data, eval_dataset=data[:1],
+                     callbacks=[record])
     trainer.train()
     kept = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*"))
     best = trainer.state.best_model_checkpoint
     best_step = int(best.rsplit("-", 1)[1]) if best is not None else None
     loaded = best_step is not None and trainer.model.w.item() == record.weights[best_step]
     return record.saves, kept, best_step, trainer.state.best_metric, loaded
-
-
-def _eval_reward(values):
-    """A reward function whose value on the evaluation's rows (split "eval") is the next of ``values``, one per
-    evaluation; on the training rows the completion's length, so that the weights move."""
-    calls = []
-
-    def reward(completions, split, **kwargs):
-        if split[0] == "eval":
-            calls.append(len(calls))
-            return [values[len(calls) - 1]] * len(completions)
-        return [float(len(c)) for c in completions]
-
-    return reward
 
 
 def _weights(path):
@@ -125,7 +92,7 @@ def test_checkpoints_and_the_best_as_transformers_trainer_keeps_them(case, tmp_p
     args = GRPOConfig(output_dir=str(out), max_steps=last, eval_strategy="steps", eval_steps=1,
                       per_device_train_batch_size=4, num_generations=4, num_generations_eval=1, max_new_tokens=6,
                       progress=False, sample_groups=0, learning_rate=1e-3, **options)
-    trainer = GRPOTrainer(model="tiny", reward_funcs=_eval_reward(values), args=args, train_dataset=rows,
+    trainer = GRPOTrainer(model="tiny", reward_funcs=scripted_eval_reward(values), args=args, train_dataset=rows,
                           eval_dataset=[{"prompt": "What is 1 + 1?", "split": "eval"}])
     result = trainer.train()
     logged = [m["eval_reward"] for m in trainer.state.log_history if "eval_reward" in m]

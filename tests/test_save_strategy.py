@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from _helpers import OneParameterModel, one_parameter_rows, oracle_args, trainer_recorder
 
 from treerl.errors import ConfigError
 from treerl.learners.async_grpo import AsyncGRPOConfig
@@ -19,34 +20,12 @@ def transformers_saves_and_evals(tmp_path, rows, batch, max_steps=-1, epochs=3.0
     """The optimizer steps at which transformers' own Trainer saves and evaluates with save_strategy and
     eval_strategy "epoch": a one-parameter model over ``rows`` rows, ``batch`` a step, the short last batch
     left out as GRPO's sampler does (dataloader_drop_last), so that an epoch is floor(rows / batch) steps."""
-    import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(1))
-
-        def forward(self, x):
-            return {"loss": ((self.w - x) ** 2).mean()}
-
-    class Record(TrainerCallback):
-        def __init__(self):
-            self.saves, self.evals = [], []
-
-        def on_save(self, args, state, control, **kwargs):
-            self.saves.append(state.global_step)
-
-        def on_evaluate(self, args, state, control, **kwargs):
-            self.evals.append(state.global_step)
-
-    data = [{"x": torch.tensor([float(i)])} for i in range(rows)]
-    record = Record()
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=max_steps, num_train_epochs=epochs,
-                             per_device_train_batch_size=batch, dataloader_drop_last=True, save_strategy="epoch",
-                             eval_strategy="epoch", report_to=[], use_cpu=True, disable_tqdm=True,
-                             logging_strategy="no", save_only_model=True)
-    Trainer(model=Model(), args=args, train_dataset=data, eval_dataset=data[:1], callbacks=[record]).train()
+    data, record = one_parameter_rows(rows), trainer_recorder()
+    args = oracle_args(tmp_path, max_steps=max_steps, num_train_epochs=epochs, per_device_train_batch_size=batch,
+                       dataloader_drop_last=True, save_strategy="epoch", eval_strategy="epoch", save_only_model=True)
+    Trainer(model=OneParameterModel(), args=args, train_dataset=data, eval_dataset=data[:1], callbacks=[record]).train()
     return record.saves, record.evals
 
 

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from _helpers import OneParameterModel, one_parameter_rows, oracle_args, scripted_eval_reward, trainer_recorder
 
 from treerl.learners.grpo import GRPOConfig
 
@@ -21,58 +22,24 @@ def transformers_run(tmp_path, values, callbacks, max_steps, **options):
     """transformers' Trainer over ``max_steps`` optimizer steps of a one-parameter model, each evaluation
     returning the next of ``values`` as ``eval_reward``, with ``callbacks`` and ``options``: the steps it ran, the
     steps it evaluated at, the steps it saved at, and its best step and metric."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(1))
-
-        def forward(self, x):
-            return {"loss": ((self.w - x) ** 2).mean()}
-
-    class Record(TrainerCallback):
-        def __init__(self):
-            self.evaluations, self.saves = [], []
-
-        def on_evaluate(self, args, state, control, **kwargs):
-            self.evaluations.append(state.global_step)
-
-        def on_save(self, args, state, control, **kwargs):
-            self.saves.append(state.global_step)
-
-    record = Record()
+    record = trainer_recorder()
 
     class Oracle(Trainer):  # the figures given, as an evaluation would return them
         def evaluate(self, *args, **kwargs):
-            metrics = {"eval_reward": values[len(record.evaluations)]}
+            metrics = {"eval_reward": values[len(record.evals)]}
             self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
             return metrics
 
-    data = [{"x": torch.tensor([float(i + 1)])} for i in range(max_steps)]
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=1,
-                             report_to=[], use_cpu=True, disable_tqdm=True, logging_strategy="no", learning_rate=0.1,
-                             **options)
-    trainer = Oracle(model=Model(), args=args, train_dataset=data, eval_dataset=data[:1],
+    data = one_parameter_rows(max_steps, start=1)
+    args = oracle_args(tmp_path, max_steps=max_steps, per_device_train_batch_size=1, learning_rate=0.1, **options)
+    trainer = Oracle(model=OneParameterModel(), args=args, train_dataset=data, eval_dataset=data[:1],
                      callbacks=[*callbacks, record])
     trainer.train()
     best = trainer.state.best_model_checkpoint
-    return (trainer.state.global_step, record.evaluations, record.saves,
+    return (trainer.state.global_step, record.evals, record.saves,
             int(best.rsplit("-", 1)[1]) if best is not None else None, trainer.state.best_metric)
-
-
-def _eval_reward(values):
-    """A reward function whose value on the evaluation's rows (split "eval") is the next of ``values``, one per
-    evaluation; on the training rows the completion's length, so that the weights move."""
-    calls = []
-
-    def reward(completions, split, **kwargs):
-        if split[0] == "eval":
-            calls.append(len(calls))
-            return [values[len(calls) - 1]] * len(completions)
-        return [float(len(c)) for c in completions]
-
-    return reward
 
 
 def _treerl_run(tmp_path, values, callbacks, max_steps, monkeypatch, **options):
@@ -93,7 +60,7 @@ def _treerl_run(tmp_path, values, callbacks, max_steps, monkeypatch, **options):
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=4, num_generations=4,
                       num_generations_eval=1, max_new_tokens=4, progress=False, sample_groups=0, learning_rate=1e-3,
                       **options)
-    trainer = GRPOTrainer(model="tiny", reward_funcs=_eval_reward(values), args=args, train_dataset=rows,
+    trainer = GRPOTrainer(model="tiny", reward_funcs=scripted_eval_reward(values), args=args, train_dataset=rows,
                           eval_dataset=[{"prompt": "What is 1 + 1?", "split": "eval"}], callbacks=callbacks)
     result = trainer.train()
     evaluations = [m["step"] for m in trainer.state.log_history if "eval_reward" in m]

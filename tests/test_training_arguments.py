@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import OneParameterModel, one_parameter_rows, oracle_args, trainer_recorder
 
 from treerl.learners.grpo import GRPOConfig, train
 
@@ -215,30 +216,12 @@ def test_resume_refuses_a_model_only_checkpoint_while_steps_remain(tmp_path, cap
 def transformers_evals(tmp_path, rows, strategy, delay, max_steps=-1, epochs=3.0, eval_steps=None):
     """The optimizer steps at which transformers' own Trainer evaluates with ``eval_strategy`` and ``eval_delay``:
     a one-parameter model over ``rows`` rows, one a step."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(1))
-
-        def forward(self, x):
-            return {"loss": ((self.w - x) ** 2).mean()}
-
-    class Record(TrainerCallback):
-        evals: list[int] = []
-
-        def on_evaluate(self, args, state, control, **kwargs):
-            self.evals.append(state.global_step)
-
-    data = [{"x": torch.tensor([float(i)])} for i in range(rows)]
-    record = Record()
-    record.evals = []
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=max_steps, num_train_epochs=epochs,
-                             per_device_train_batch_size=1, eval_strategy=strategy, eval_steps=eval_steps,
-                             eval_delay=delay, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
-                             logging_strategy="no")
-    Trainer(model=Model(), args=args, train_dataset=data, eval_dataset=data[:1], callbacks=[record]).train()
+    data, record = one_parameter_rows(rows), trainer_recorder()
+    args = oracle_args(tmp_path, max_steps=max_steps, num_train_epochs=epochs, per_device_train_batch_size=1,
+                       eval_strategy=strategy, eval_steps=eval_steps, eval_delay=delay, save_strategy="no")
+    Trainer(model=OneParameterModel(), args=args, train_dataset=data, eval_dataset=data[:1], callbacks=[record]).train()
     return record.evals
 
 
