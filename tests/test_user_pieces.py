@@ -651,6 +651,25 @@ def test_resuming_with_other_optimizer_settings_says_the_checkpoints_optimizer_k
     assert "config.json will record" not in err
 
 
+def test_a_resumed_runs_config_json_records_the_optimizer_settings_its_checkpoint_kept(tmp_path, capsys):
+    """Optimizer settings changed on --resume change nothing, so config.json keeps those the run trains with: a later
+    resume with them warns of nothing, and `treerl learn --config config.json` repeats the run's learning rate."""
+    from treerl.learners.core import build
+    from treerl.learners.grpo import train
+
+    out = tmp_path / "out"
+    cfg = GRPOConfig(output_dir=str(out), steps=1, tasks_per_step=1, group_size=2, max_new_tokens=8,
+                     eval_episodes=0, progress=False, sample_groups=0, learning_rate=1e-3)
+    train(cfg)
+    build(dataclasses.replace(cfg, resume=True, steps=2, learning_rate=5e-4, adam_beta1=0.8))
+    recorded = json.loads((out / "config.json").read_text())
+    assert (recorded["learning_rate"], recorded["adam_beta1"]) == (1e-3, 0.9)
+    capsys.readouterr()
+    run = build(dataclasses.replace(cfg, resume=True, steps=2))  # the settings the run has trained with all along
+    assert "differ from the run's" not in capsys.readouterr().err
+    assert run.optimizer.param_groups[0]["lr"] == 1e-3
+
+
 def test_optim_takes_trls_names_of_torchs_adamw_and_refuses_other_optimizers_by_name():
     for name in ("adamw_torch", "adamw_torch_fused"):
         assert GRPOConfig(output_dir="x", optim=name).optim == name

@@ -757,7 +757,9 @@ def build(cfg: LearnerConfig, *, model: torch.nn.Module | None = None, tokenizer
         state.best_model_checkpoint = _resumed_best(state, out_dir, ranks.is_main)
         if ranks.is_main:
             print(f"resumed from {ckpt} at step {state.step}", file=sys.stderr)
-            _warn_if_settings_changed(run_settings(out_dir), cfg)
+            # The checkpoint's optimizer keeps its own settings: config.json records those, not the ignored flags.
+            for name, value in _warn_if_settings_changed(run_settings(out_dir), cfg).items():
+                setattr(cfg, name, value)
             for name in ("metrics.jsonl", "diagnostics.jsonl"):  # the steps the resumed run replays
                 truncate_metrics(out_dir / name, state.step)
     elif cfg.resume and ranks.is_main and (found := earlier_run(out_dir)):
@@ -888,10 +890,11 @@ def _settings(cfg: LearnerConfig) -> dict[str, Any]:
     return {"learner": learner_name(cfg), **cfg.recorded()}
 
 
-def _warn_if_settings_changed(before: dict[str, Any] | None, cfg: LearnerConfig) -> None:
-    """Say which settings differ from those the resumed run was started with (``before``: its config.json)."""
+def _warn_if_settings_changed(before: dict[str, Any] | None, cfg: LearnerConfig) -> dict[str, Any]:
+    """Say which settings differ from those the resumed run was started with (``before``: its config.json);
+    return the optimizer's among them with their values in ``before``, which the checkpoint's optimizer keeps."""
     if before is None:
-        return
+        return {}
     now = json.loads(json.dumps(cfg.recorded(), default=str))
     changed = [k for k, v in now.items() if k in before and k not in _RESUMABLE_CHANGES and before[k] != v]
     said = {k: f"{k} {before[k]!r} -> {now[k]!r}" for k in changed}
@@ -906,6 +909,7 @@ def _warn_if_settings_changed(before: dict[str, Any] | None, cfg: LearnerConfig)
         print(f"warning: resuming with optimizer settings that differ from the run's: {'; '.join(held)}: they "
               "change nothing, the checkpoint's optimizer keeps its own (start a new run to change them)",
               file=sys.stderr)
+    return {k: before[k] for k in changed if k in optimizer}
 
 
 def _check_size_defaults(cfg: LearnerConfig, model: torch.nn.Module, is_main: bool) -> None:
