@@ -135,6 +135,8 @@ CASES = [
      "holds trajectories of 'treerl/GuessNumber-v0', not 'treerl/Calculator-v0'"),
     ("rollout-not-a-trajectory-file", ["rollout", "--out", "{readme}", "--repair"], None,
      "is not a treerl trajectory file"),
+    ("rollout-foreign-file", ["rollout", "--out", "{readme}"], None,  # --repair would not help: no advice to pass it
+     "is not a treerl trajectory file (no line of it is a trajectory group); pass another --out."),
     ("eval-num-episodes-0", ["eval", "--num-episodes", "0"], None, "num_episodes=0 must be >= 1"),
     ("envs-import-missing", ["envs", "--import", "{tmp}/none.py"], None, "no such file"),
 ]

@@ -56,6 +56,7 @@ __all__ = [
     "read_all_groups",
     "GroupWriter",
     "repair_trajectory_file",
+    "is_foreign_file",
     "to_flat_records",
     "TRAJECTORIES_DIR",
     "sample_path",
@@ -463,6 +464,23 @@ def _collection_paused() -> Iterator[None]:
             gc.enable()
 
 
+def is_foreign_file(path: str | os.PathLike) -> bool:
+    """True when ``path`` holds lines but neither a header nor one trajectory group: another kind of
+    file (a dataset, notes), which no command may append to, repair or replace. Reads up to its first group.
+    """
+    foreign = False
+    for lineno, line, group in _read_lines(path):
+        if isinstance(group, Group) or (lineno == 1 and _is_header(line)):
+            return False
+        foreign = foreign or isinstance(group, str)
+    return foreign
+
+
+def _not_a_trajectory_file(path: str | os.PathLike) -> ConfigError:
+    return ConfigError(f"{path} is not a treerl trajectory file (no line of it is a trajectory group); pass "
+                       "another --out.")
+
+
 def repair_trajectory_file(path: str | os.PathLike) -> list[int]:
     """Move unreadable lines of a trajectory file to ``PATH.corrupt``; returns their line numbers.
 
@@ -485,8 +503,7 @@ def repair_trajectory_file(path: str | os.PathLike) -> list[int]:
     if not bad:
         return []
     if not readable:
-        raise ConfigError(f"{path} is not a treerl trajectory file (no line of it is a trajectory group); pass "
-                          "another --out.")
+        raise _not_a_trajectory_file(path)
     with open(path.with_name(path.name + ".corrupt"), "a", encoding="utf-8") as quarantine:
         for lineno, line in bad:
             quarantine.write(json.dumps({"file": str(path), "line": lineno, "text": line}) + "\n")
@@ -563,6 +580,8 @@ def _check_resumable(path: Path, header: Mapping[str, Any]) -> None:
             raise ConfigError(f"{path} holds trajectories of another setup ({details}), so resuming into it would mix "
                               "them. Pass another --out, or the file's settings.")
         return
+    if is_foreign_file(path):  # not a file written before headers existed: --repair would not make it one
+        raise _not_a_trajectory_file(path)
     env_id = run.get("env_id")
     others = sorted({g.env_id for g in read_groups(path)} - {env_id}) if env_id is not None else []
     if others:
