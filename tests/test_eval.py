@@ -133,7 +133,11 @@ def test_eval_command_writes_trajectories_with_the_report(tmp_path, capsys):
         "    return [1.0 if len(ids) < 20 else 0.0 for ids in completion_ids]\n")
     out = tmp_path / "runs" / "eval.jsonl"
     out.parent.mkdir()
-    out.write_text("an older file, replaced\n")
+    out.write_text('{"question": "a dataset, not an earlier evaluation"}\n')
+    # Another kind of file at --out is refused before the model loads, and left as it was.
+    assert main(["eval", "--out", str(out)]) == 2
+    assert "not a treerl trajectory file" in capsys.readouterr().err and "a dataset" in out.read_text()
+    out.unlink()
     assert main(["eval", "--num-episodes", "2", "--num-generations", "2", "--max-new-tokens", "8",
                  "--max-episode-tokens", "256", "--reward-funcs", f"{tmp_path / 'my_rewards.py'}:short",
                  "--out", str(out), "--json"]) == 0
@@ -144,6 +148,7 @@ def test_eval_command_writes_trajectories_with_the_report(tmp_path, capsys):
     assert [len(g.episodes) for g in groups] == [2, 2]
     header = read_header(out)
     assert header["report"] == printed and header["run"]["group_size"] == 2
+    EvalConfig(out=str(out)).check_out()  # an earlier evaluation's file may be replaced
     # A path that cannot be written is refused before the model loads, not after the evaluation.
     assert main(["eval", "--out", str(tmp_path)]) == 2
     assert "--out" in capsys.readouterr().err

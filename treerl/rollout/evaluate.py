@@ -47,7 +47,7 @@ from treerl.rollout.options import EpisodeOptions
 from treerl.rollout.record import recorded_model, tokenizer_info
 from treerl.rollout.rewards import RewardFunc, RewardOptions, StepState, check_reward_weights, combine_rewards, score
 from treerl.rollout.summary import summary_table, task_rows, task_table
-from treerl.rollout.trajectory import Group, GroupWriter, make_header
+from treerl.rollout.trajectory import Group, GroupWriter, is_foreign_file, make_header
 
 __all__ = ["EvalConfig", "EvalReport", "evaluate", "aevaluate", "evaluate_with", "pass_at_k", "write_episodes"]
 
@@ -73,7 +73,8 @@ class EvalConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
                                                "--reward-funcs do not count).")
     out: str | None = field_help(None, "Also write the episodes' trajectory trees to this JSON Lines file, in "
                                        "treerl rollout --out's format (treerl view and read_groups read it), the "
-                                       "report in its header line; an existing file is replaced.")
+                                       "report in its header line; an existing trajectory file is replaced "
+                                       "(another kind of file is refused).")
     json: bool = field_help(False, "Print the report as JSON.")
     progress: bool = field_help(True, "Show a progress bar of finished tasks (on stderr).")
     per_task: bool = field_help(False, "Also report each task: answer, reward, success, turns, tokens, tool calls "
@@ -108,10 +109,14 @@ class EvalConfig(RewardOptions, EpisodeOptions, metaclass=AcceptsAliases):
         }
 
     def check_out(self) -> None:
-        """``out`` can be written (checked before the model loads, not after the evaluation)."""
+        """``out`` can be written, and is not another kind of file (checked before the model loads, not after the
+        evaluation)."""
         if not self.out:
             return
         path = Path(self.out)
+        if path.is_file() and is_foreign_file(path):  # a dataset or notes: not an earlier evaluation's to replace
+            raise ConfigError(f"--out {self.out} is not a treerl trajectory file (no line of it is a trajectory "
+                              "group), so it is not replaced; pass another --out, e.g. --out runs/eval.jsonl.")
         try:
             if path.is_dir():
                 raise IsADirectoryError(21, "a directory")
