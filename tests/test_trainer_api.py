@@ -59,9 +59,6 @@ def test_a_trl_script_trains_with_only_its_import_changed(tmp_path):
     assert figures["eval_reward"] <= 0  # -|20 - length|
     trainer.save_model(str(tmp_path / "saved"))
     assert (tmp_path / "saved" / "model.safetensors").is_file()
-    run_config = (tmp_path / "out" / "config.json").read_text()
-    trainer.save_model()  # TRL scripts end with save_model(args.output_dir): the run's config.json stays
-    assert (tmp_path / "out" / "config.json").read_text() == run_config
 
 
 def test_push_to_hub_pushes_what_save_model_writes_with_a_model_card(tmp_path, monkeypatch):
@@ -897,3 +894,58 @@ def test_open_r1s_grpo_script_runs_to_its_end(tmp_path, monkeypatch, capsys):
     assert json.loads((out / "summary.json").read_text())["config"]["env"] == "GRPOTrainer.train_dataset"
     assert hub.uploads[-1]["repo_id"] == "me/tiny-r1" and "- open-r1\n" in hub.uploads[-1]["card"]
     assert "open-r1/OpenR1-Math-220k" in (out / "model" / "README.md").read_text()
+
+
+def _logits(model, tokenizer) -> torch.Tensor:
+    ids = tokenizer("What is 2 + 2?", return_tensors="pt").input_ids
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_save_model_writes_a_model_that_from_pretrained_loads_from_output_dir(tmp_path):
+    """TRL scripts end with trainer.save_model(training_args.output_dir) and load the model from there: the trained
+    weights and the tokenizer, as transformers' Trainer writes them; the run's settings stay readable."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from treerl.learners.checkpoints import run_settings
+
+    trainer = GRPOTrainer(model="tiny", reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                          args=small(tmp_path), train_dataset=[{"prompt": "Say hi"}] * 2)
+    trainer.train()
+    out = tmp_path / "out"
+    trainer.save_model()  # args.output_dir, as save_model(training_args.output_dir)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert changed(out)  # the trained weights, ...
+    trained, trained_tokenizer = load_model(str(out / "model"))
+    assert torch.equal(_logits(model, tokenizer), _logits(trained, tokenizer))  # ... as output_dir/model holds them
+    assert tokenizer.chat_template == trained_tokenizer.chat_template and tokenizer.chat_template
+    assert run_settings(out)["env"] == "GRPOTrainer.train_dataset"  # summary.json keeps the run's settings
+    trainer.save_model(str(tmp_path / "elsewhere"))  # another directory: the same files
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == sorted(
+        p.name for p in (out / "model").iterdir())
+
+
+def test_save_model_with_lora_writes_the_adapter_as_transformers_writes_a_peft_model(tmp_path):
+    """With peft_config, transformers' Trainer.save_model writes the PeftModel's adapter (adapter_config.json,
+    adapter_model.safetensors) and the tokenizer; from_pretrained(output_dir) puts it on the base model."""
+    LoraConfig = pytest.importorskip("peft").LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trainer = GRPOTrainer(model="tiny", reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                          args=small(tmp_path, learning_rate=1e-2), train_dataset=[{"prompt": "Say hi"}] * 2,
+                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    trainer.train()
+    out = tmp_path / "out"
+    trainer.save_model(str(out))
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert not (out / "model.safetensors").exists()
+    from treerl.learners.checkpoints import run_settings
+
+    assert run_settings(out)["lora_r"] == 4  # the run's settings, from summary.json
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    loaded = AutoModelForCausalLM.from_pretrained(out)  # the base model with the trained adapter on it
+    merged, _ = load_model(str(out / "model"))
+    base, _ = load_model(None)
+    assert torch.allclose(_logits(loaded, tokenizer), _logits(merged, tokenizer), atol=1e-5)
+    assert not torch.allclose(_logits(loaded, tokenizer), _logits(base, tokenizer), atol=1e-5)

@@ -272,7 +272,7 @@ class LearnerTrainer:
         self.args = dataclasses.replace(args, **changes)
         self._given_model, self.processing_class = model, processing_class
         self._trained_model: Any = None
-        self._saved_to: Path | None = None  # where save_model() last copied the trained model
+        self._saved_to: Path | None = None  # where save_model() last wrote the trained model
         self.optimizer = optimizer
         self.tools = list(tools or [])
         # Read once (a streamed dataset into a list), shared by every episode's environment.
@@ -481,29 +481,45 @@ class LearnerTrainer:
                               if f"eval_{name}" not in figures}}
 
     def save_model(self, output_dir: str | None = None) -> None:
-        """Copy the trained model (``model/`` of the run, in transformers format) to ``output_dir``, as TRL's
-        ``save_model`` writes it there. The run's own directory (the default, ``args.output_dir``) already
-        holds it in ``model/``: its ``config.json`` is the run's, which the model's would replace, so the
-        model stays there and a line says where it is."""
+        """Write the trained model to ``output_dir`` (default: ``args.output_dir``), as transformers'
+        ``Trainer.save_model`` does, so that ``from_pretrained(output_dir)`` loads it: the model's files
+        (``config.json``, ``model.safetensors``, ...) and its tokenizer (TRL's ``processing_class``); with LoRA
+        (``peft_config``), what transformers writes for a ``PeftModel``: the adapter alone
+        (``adapter_config.json``, ``adapter_model.safetensors``) beside the tokenizer, which
+        ``AutoModelForCausalLM.from_pretrained`` puts on its base model. The main process only.
+
+        In the run's own directory the model's ``config.json`` replaces the run's (with LoRA it is removed: the
+        adapter's directory has none), whose settings stay in ``summary.json`` (which ``--resume`` and ``treerl
+        compare`` then read); ``output_dir/model`` keeps the trained model (LoRA merged) as the run wrote it."""
         if self.result is None:
             raise ValueError("save_model() saves the trained model: call train() first.")
         target = Path(output_dir or self.args.output_dir)
-        if target.resolve() == Path(self.args.output_dir).resolve():
-            print(f"note: the trained model is in {self.result.model_dir} (the run directory keeps the run's "
-                  "config.json, which a model's would replace).", file=sys.stderr)
-            return
-        shutil.copytree(self.result.model_dir, target, dirs_exist_ok=True)
         self._saved_to = target
+        if not self.is_world_process_zero():
+            return
+        target.mkdir(parents=True, exist_ok=True)
+        if self.args.lora_r > 0:  # a PeftModel's save_pretrained: the adapter, then the tokenizer beside it
+            from transformers import AutoTokenizer
+
+            shutil.copytree(Path(self.result.output_dir) / "adapter", target, dirs_exist_ok=True)
+            AutoTokenizer.from_pretrained(self.result.model_dir, local_files_only=True).save_pretrained(target)
+            if target.resolve() == Path(self.result.output_dir).resolve():
+                # Beside a config.json, from_pretrained reads the directory as a whole model with the adapter in
+                # it, not as the adapter of its base: the run's settings (summary.json keeps them) go, as the
+                # model's config.json replaces them without LoRA.
+                (target / "config.json").unlink(missing_ok=True)
+        else:  # model/ holds the model with its tokenizer, as save_pretrained wrote them
+            shutil.copytree(self.result.model_dir, target, dirs_exist_ok=True)
 
     @property
     def model(self) -> Any:
         """TRL's ``trainer.model``. Before :meth:`train`, the ``model`` argument as given: a loaded model, or the
         name or directory (a string: the learner loads it when training starts, not before). After it, the
-        trained model as a transformers causal LM, loaded from ``output_dir/model`` (what :meth:`save_model`
-        copies) on ``args.device`` when first read: ``trainer.model.config`` and ``.generation_config`` are the
-        trained model's. Its ``config.save_pretrained(args.output_dir)`` (open-r1's last lines) replaces the
-        run's ``config.json`` there with the model's; the finished run's settings stay in ``summary.json``, which
-        ``--resume`` and ``treerl compare`` then read (:func:`~treerl.learners.checkpoints.run_settings`)."""
+        trained model as a transformers causal LM, loaded from ``output_dir/model`` (LoRA merged) on
+        ``args.device`` when first read: ``trainer.model.config`` and ``.generation_config`` are the trained model's.
+        Its ``config.save_pretrained(args.output_dir)`` (open-r1's last lines) replaces the run's ``config.json``
+        there with the model's; the finished run's settings stay in ``summary.json``, which ``--resume`` and
+        ``treerl compare`` then read (:func:`~treerl.learners.checkpoints.run_settings`)."""
         if self.result is None:
             return self._given_model
         if self._trained_model is None:
@@ -519,7 +535,7 @@ class LearnerTrainer:
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
                           tags: str | Sequence[str] | None = None) -> None:
         """Write TRL's model card, ``README.md``, beside the trained model: in ``output_dir/model`` and in the
-        directory :meth:`save_model` last copied it to (``model_name``, ``dataset_name`` and ``tags`` go into it,
+        directory :meth:`save_model` last wrote it to (``model_name``, ``dataset_name`` and ``tags`` go into it,
         as :meth:`push_to_hub`'s); the main process only."""
         if self.result is None:
             raise ValueError("create_model_card() describes the trained model: call train() first.")
@@ -541,7 +557,7 @@ class LearnerTrainer:
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
                     token: str | None = None, revision: str | None = None, *, model_name: str | None = None,
                     dataset_name: str | None = None, tags: str | Sequence[str] | None = None) -> Any:
-        """Push the trained model (what :meth:`save_model` copies, ``model/`` of the run) with a model card
+        """Push the trained model (``model/`` of the run, LoRA merged) with a model card
         (``model_name``, ``dataset_name`` and ``tags`` go into it, as TRL's) to ``args.hub_model_id`` (default:
         the output directory's name), as TRL's ``push_to_hub``, on the branch ``revision`` (default:
         ``args.hub_revision``, created if missing); ``args.hub_private_repo`` and ``args.hub_token``
