@@ -949,3 +949,18 @@ def test_save_model_with_lora_writes_the_adapter_as_transformers_writes_a_peft_m
     base, _ = load_model(None)
     assert torch.allclose(_logits(loaded, tokenizer), _logits(merged, tokenizer), atol=1e-5)
     assert not torch.allclose(_logits(loaded, tokenizer), _logits(base, tokenizer), atol=1e-5)
+
+
+def test_evaluate_takes_transformers_arguments_and_names_its_figures_with_the_prefix(tmp_path):
+    """transformers' evaluate(eval_dataset, ignore_keys, metric_key_prefix): scripts that score a test split
+    call evaluate(test_dataset, metric_key_prefix="test") and read test_reward."""
+    def reward_len(completions, **kwargs):
+        return [-abs(20 - len(completion)) for completion in completions]
+
+    rows = [{"prompt": "Say hi"}, {"prompt": "Count to 3."}]
+    trainer = GRPOTrainer(model="tiny", reward_funcs=reward_len, args=small(tmp_path), train_dataset=rows)
+    figures = trainer.evaluate(rows, ignore_keys=["past_key_values"], metric_key_prefix="test")
+    assert set(figures) == {"test_reward", "test_reward_std", "test_rewards/reward_len/mean",
+                            "test_rewards/reward_len/std", "test_frac_reward_zero_std"}
+    assert figures["test_reward"] == pytest.approx(figures["test_rewards/reward_len/mean"])
+    assert figures["test_reward"] <= 0  # -|20 - length|

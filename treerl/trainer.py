@@ -435,10 +435,14 @@ class LearnerTrainer:
         if self.is_world_process_zero():
             self.state.save_to_json(str(Path(self.args.output_dir) / "trainer_state.json"))
 
-    def evaluate(self, eval_dataset: Any = None) -> dict[str, float]:
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
         """Play each row of ``eval_dataset`` (default: the trainer's) ``args.num_generations_eval`` times (default:
         ``num_generations``, as TRL) with the model as it is now (the trained one after :meth:`train`) and score
-        the episodes with the reward functions: TRL's figures (:func:`_trl_eval_figures`)."""
+        the episodes with the reward functions: TRL's figures (:func:`_trl_eval_figures`), named as transformers'
+        ``Trainer.evaluate`` names them, ``{metric_key_prefix}_reward``, ... (``"test"``: ``test_reward``).
+        ``ignore_keys`` (transformers': keys of the model's outputs to leave out of its predictions) is taken and
+        changes nothing: no predictions are gathered here."""
         from treerl.agents.transformers_policy import TransformersPolicy
 
         rows = self.eval_dataset if eval_dataset is None else load_rows(None, eval_dataset, "")
@@ -458,9 +462,10 @@ class LearnerTrainer:
         # The reward functions' trainer_state: TRL's, the finished run's steps (before train(), 0 of the run's).
         state = StepState(global_step=self.state.global_step, max_steps=self.state.max_steps)
         try:
-            return self._score(rows, policy, tokenizer, trainer_state=state)
+            figures = self._score(rows, policy, tokenizer, trainer_state=state)
         finally:
             policy.close()
+        return {f"{metric_key_prefix}_{key.removeprefix('eval_')}": value for key, value in figures.items()}
 
     def _score(self, rows: Any, policy: Any, tokenizer: Any, trainer_state: StepState) -> dict[str, float]:
         """Each of ``rows`` played ``num_generations_eval`` times by ``policy``, as one group sharing the prompt
