@@ -964,3 +964,24 @@ def test_evaluate_takes_transformers_arguments_and_names_its_figures_with_the_pr
                             "test_rewards/reward_len/std", "test_frac_reward_zero_std"}
     assert figures["test_reward"] == pytest.approx(figures["test_rewards/reward_len/mean"])
     assert figures["test_reward"] <= 0  # -|20 - length|
+
+
+def test_reward_functions_get_transformers_trainer_state_with_its_epoch(tmp_path):
+    """TRL passes its Trainer's state as trainer_state: a curriculum by epoch reads trainer_state.epoch (passes over
+    train_dataset, a float), num_train_epochs, log_history and is_world_process_zero, as transformers sets them."""
+    from transformers import TrainerState
+
+    seen = []
+
+    def curriculum(completions, trainer_state, **kwargs):
+        assert isinstance(trainer_state, TrainerState)
+        seen.append((trainer_state.global_step, trainer_state.epoch, trainer_state.num_train_epochs,
+                     len(trainer_state.log_history), trainer_state.is_world_process_zero))
+        return [float(len(c)) * (1.0 if trainer_state.epoch < 1 else 2.0) for c in completions]
+
+    rows = [{"prompt": f"What is {i} + {i}?"} for i in range(4)]  # 2 steps of 2 rows a pass
+    trainer = GRPOTrainer(model="tiny", reward_funcs=curriculum, args=small(tmp_path, max_steps=3), train_dataset=rows)
+    trainer.train()
+    assert seen == [(0, 0.0, 2, 0, True), (1, 0.5, 2, 1, True), (2, 1.0, 2, 2, True)]
+    trainer.evaluate(rows[:1])  # after training: the finished run's state
+    assert seen[-1][:3] == (3, 1.5, 2) and seen[-1][3] == len(trainer.state.log_history)

@@ -26,7 +26,7 @@ What maps, and how:
   ``completions`` (TRL's standard format: the prompt, the reply's text), message prompts and tool
   episodes lists of messages (its conversational format). The reward trained on is their weighted sum
   (``args.reward_weights``: one per function, TRL's meaning); the environment's reward, 0 here, has
-  weight 0.
+  weight 0. Their ``trainer_state`` is transformers' ``TrainerState`` of the run, as TRL's (``epoch`` included).
 - ``environment_factory`` (TRL's: a class, or a function, returning an environment object; or a dict of
   them by name, each row's ``environment`` column picking one) plays one fresh object per episode:
   ``reset(**row)`` is called on it with the row's columns (not ``environment``), the string it returns
@@ -81,6 +81,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import math
 import os
 import pickle
 import shutil
@@ -273,6 +274,7 @@ class LearnerTrainer:
         self._given_model, self.processing_class = model, processing_class
         self._trained_model: Any = None
         self._saved_to: Path | None = None  # where save_model() last wrote the trained model
+        self._live: _TrainerCallbacks | None = None  # during train(): the run's TrainerState, kept step by step
         self.optimizer = optimizer
         self.tools = list(tools or [])
         # Read once (a streamed dataset into a list), shared by every episode's environment.
@@ -324,19 +326,24 @@ class LearnerTrainer:
         model, tokenizer = self._model_and_tokenizer()
         callbacks = [c for c in self.callbacks if not hasattr(c, "on_log")]
         trainer_callbacks = [c for c in self.callbacks if hasattr(c, "on_log")]
+        # Always there: its state (global_step, log_history) is what the reward functions get as trainer_state.
+        self._live = _TrainerCallbacks(trainer_callbacks, cfg, rows=max(len(self.train_dataset), 1),
+                                       reward_names=self._reward_names())
+        callbacks.append(self._live)
         if trainer_callbacks:
-            callbacks.append(_TrainerCallbacks(trainer_callbacks, cfg, rows=max(len(self.train_dataset), 1),
-                                               reward_names=self._reward_names()))
             callbacks[-1].event("on_train_begin")
         # eval_strategy="steps" (or a callback's should_evaluate): the eval_dataset scored as evaluate() scores it,
         # with the policy's weights then.
         evaluate = functools.partial(self._score, self.eval_dataset) if self.eval_dataset is not None else None
         started = time.perf_counter()
-        result = self.learn(cfg, model=model, tokenizer=tokenizer,
-                                 env_factory=self._env_factory(self.train_dataset),
-                                 reward_funcs=self._reward_funcs_for(self.train_dataset),
-                                 reward_weights=self.reward_weights, optimizer=self.optimizer, callbacks=callbacks,
-                                 evaluate=evaluate)
+        try:
+            result = self.learn(cfg, model=model, tokenizer=tokenizer,
+                                env_factory=self._env_factory(self.train_dataset),
+                                reward_funcs=self._reward_funcs_for(self.train_dataset),
+                                reward_weights=self.reward_weights, optimizer=self.optimizer, callbacks=callbacks,
+                                evaluate=evaluate)
+        finally:
+            self._live = None
         runtime = time.perf_counter() - started
         self.accelerator.wait_for_everyone()  # rank 0 has written metrics.jsonl
         self.result = self._trainer_result(result, runtime, first_step, cfg)
@@ -592,11 +599,34 @@ class LearnerTrainer:
 
     def _reward_funcs_for(self, rows: Any) -> list[RewardFunc]:
         """The reward functions, each given the format TRL would give it for ``rows``; with an
-        ``environment_factory``, the conversational one and the episodes' objects as ``environments``."""
+        ``environment_factory``, the conversational one and the episodes' objects as ``environments``; and as
+        ``trainer_state`` transformers' ``TrainerState`` (:meth:`_reward_state`), as TRL gives its own."""
         if self.environment_factory is not None:
-            return [_with_environments(f) for f in self.reward_funcs]
-        prompt_key = self.args.env_kwargs.get("prompt_key", "prompt")
-        return [_trl_format(f, rows, self.tools, prompt_key) for f in self.reward_funcs]
+            funcs = [_with_environments(f) for f in self.reward_funcs]
+        else:
+            prompt_key = self.args.env_kwargs.get("prompt_key", "prompt")
+            funcs = [_trl_format(f, rows, self.tools, prompt_key) for f in self.reward_funcs]
+        return [_with_trainer_state(f, self._reward_state) for f in funcs]
+
+    def _reward_state(self, scored: StepState | None) -> Any:
+        """TRL's ``trainer_state`` while the episodes of ``scored`` (the learner's step count then) are scored:
+        transformers' ``TrainerState`` of the run (during :meth:`train` the one kept step by step, with its
+        ``log_history`` so far; else :attr:`state`), its ``global_step`` and ``epoch`` (passes over
+        ``train_dataset``, a float, as transformers counts them) those before the step scored."""
+        state = self._live.state if self._live is not None else self.state
+        cfg, rows = self.args, max(len(self.train_dataset), 1)
+        per_step = cfg.optimizer_steps_per_step()
+        if scored is not None:
+            state.global_step, state.max_steps = scored.global_step, scored.max_steps
+        state.epoch = _epoch(state.global_step / per_step, cfg, rows)
+        # transformers' num_train_epochs: the epochs asked for, rounded up, else those max_steps spans.
+        per_epoch = cfg.steps_per_epoch(rows)
+        state.num_train_epochs = (math.ceil(cfg.num_train_epochs) if cfg.num_train_epochs is not None else
+                                  math.ceil(cfg.steps / per_epoch) if per_epoch else cfg.steps)
+        state.train_batch_size = cfg.tasks_per_step * cfg.group_size
+        state.is_world_process_zero = self.is_world_process_zero()
+        state.is_local_process_zero = self.accelerator.is_local_main_process
+        return state
 
     def _env_factory(self, rows: Any) -> Callable[[], PromptEnv]:
         return functools.partial(self.env_class, dataset=rows, tools=self.tools,
@@ -754,6 +784,16 @@ def _environment_reward(cls: type) -> RewardFunc:
             return [e.get_reward() if type(e) is cls else None for e in environments]
     reward.__name__ = reward.__qualname__ = cls.__name__
     return reward
+
+
+def _with_trainer_state(func: RewardFunc, state_of: Callable[[StepState | None], Any]) -> RewardFunc:
+    """``func`` given ``state_of(trainer_state)`` as ``trainer_state``: transformers' ``TrainerState``, for the
+    learner's :class:`~treerl.rollout.rewards.StepState` (TRL passes its Trainer's state)."""
+    @functools.wraps(func)  # keeps its name for the metrics and its signature for the argument check
+    def call(*, trainer_state: StepState | None = None, **kwargs: Any) -> Any:
+        return func(trainer_state=state_of(trainer_state), **kwargs)
+
+    return call
 
 
 def _with_environments(func: RewardFunc) -> RewardFunc:
