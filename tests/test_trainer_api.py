@@ -294,8 +294,9 @@ def test_log_metric_values_and_frac_reward_zero_std_are_logged_under_trls_names(
 
 
 def test_a_callback_event_that_is_never_called_is_named_in_a_warning(tmp_path):
-    """transformers' on_save, on_epoch_end, on_step_begin, ... have no place here: a callback overriding one is told
-    so when it is added, not left to wait for a call that never comes."""
+    """transformers' on_substep_end (no gradient accumulation here) and on_prediction_step have no place here: a
+    callback overriding one is told so when it is added, not left to wait for a call that never comes; on_save and
+    on_step_begin are called, and not named."""
     import warnings
 
     from transformers import TrainerCallback
@@ -304,22 +305,29 @@ def test_a_callback_event_that_is_never_called_is_named_in_a_warning(tmp_path):
         def on_save(self, args, state, control, **kwargs):
             pass
 
-        def on_step_begin(self, args, state, control, **kwargs):
+        def on_substep_end(self, args, state, control, **kwargs):
             pass
 
-        def on_log(self, args, state, control, logs=None, **kwargs):
+        def on_prediction_step(self, args, state, control, **kwargs):
             pass
 
     class Logs(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             pass
 
+        def on_step_begin(self, args, state, control, **kwargs):
+            pass
+
+        def on_epoch_end(self, args, state, control, **kwargs):
+            pass
+
     def make(*callbacks):
         return GRPOTrainer(model="tiny", reward_funcs=len, train_dataset=[{"prompt": "Hi"}], args=small(tmp_path),
                            callbacks=list(callbacks))
 
-    with pytest.warns(UserWarning, match=r"Saves\.on_step_begin, \.on_save will not be called: .* calls "
-                                         "on_train_begin, on_step_end, on_evaluate, on_log, on_train_end only"):
+    with pytest.warns(UserWarning, match=r"Saves\.on_substep_end, \.on_prediction_step will not be called: .* "
+                                         "calls on_train_begin, on_epoch_begin, .*, on_save, on_epoch_end, "
+                                         r"on_train_end only \(no substeps"):
         make(Saves)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -58,13 +58,16 @@ What maps, and how:
   the environment's reward, which is 0).
 - ``callbacks``: functions ``(step, metrics)``, or TRL ``TrainerCallback`` objects (or classes, made as
   transformers makes them; also :meth:`LearnerTrainer.add_callback`), whose
-  ``on_train_begin``, ``on_step_end``, ``on_log``, ``on_evaluate`` and ``on_train_end`` are called; the
+  events are called as transformers' Trainer calls them (``on_train_begin``, ``on_epoch_begin``, ``on_step_begin``,
+  ``on_pre_optimizer_step``, ``on_optimizer_step``, ``on_step_end``, ``on_evaluate``, ``on_log``, ``on_save``,
+  ``on_epoch_end``, ``on_train_end``: :data:`_CALLED_EVENTS`); the
   ``control`` they set (or return) is read as transformers' Trainer reads it after a step:
   ``should_training_stop`` ends the run after the step (as a run ends: the final checkpoint, ``output_dir/model``,
   the best one with ``load_best_model_at_end``; transformers' ``EarlyStoppingCallback`` works so),
   ``should_evaluate`` scores the ``eval_dataset`` at the step, ``should_save`` writes its checkpoint;
   ``should_log`` changes nothing (every step is logged). A function may return a
-  :class:`~treerl.learners.core.StepControl` to the same effect. A warning names its other events it overrides.
+  :class:`~treerl.learners.core.StepControl` to the same effect. A warning names its other events it overrides
+  (``on_substep_end``: no gradient accumulation here; ``on_prediction_step``, ...).
 
 What does not map is refused with what to do instead: a reward model (a model id or object in
 ``reward_funcs``), ``reward_processing_classes``, ``quantization_config``, an LR scheduler in
@@ -349,6 +352,7 @@ class LearnerTrainer:
         self.result = self._trainer_result(result, runtime, first_step, cfg)
         self._trained_model = None  # trainer.model: this run's, loaded when read
         if trainer_callbacks:
+            callbacks[-1].end()  # the last pass's on_epoch_end
             callbacks[-1].event("on_train_end")
         return self.result
 
@@ -395,8 +399,8 @@ class LearnerTrainer:
         callback = callback() if isinstance(callback, type) else callback
         if ignored := _ignored_events(callback):
             warnings.warn(f"{type(callback).__name__}.{', .'.join(ignored)} will not be called: treerl's "
-                          f"{type(self).__name__} calls {', '.join(_CALLED_EVENTS)} only (after each step, not "
-                          "around its parts; checkpoints are saved every args.save_steps without a callback).",
+                          f"{type(self).__name__} calls {', '.join(_CALLED_EVENTS)} only (no substeps: a step's "
+                          "micro-batches make one optimizer step; no prediction).",
                           UserWarning, stacklevel=2)
         self.callbacks.append(callback)
 
@@ -976,8 +980,14 @@ def _step_loss(metrics: Mapping[str, float], cfg: GRPOConfig) -> float:
     return (1.0 - weight) * loss + weight * metrics.get("loss/distill", 0.0) + aux
 
 
-# The TrainerCallback events LearnerTrainer calls (:class:`_TrainerCallbacks`); a callback's others never run.
-_CALLED_EVENTS = ("on_train_begin", "on_step_end", "on_evaluate", "on_log", "on_train_end")
+# The TrainerCallback events LearnerTrainer calls (:class:`_TrainerCallbacks`); a callback's others never run:
+# on_substep_end (no gradient accumulation here: a step's micro-batches make one optimizer step), on_prediction_step
+# and on_predict (no predict()), on_init_end and on_push_begin.
+_CALLED_EVENTS = ("on_train_begin", "on_epoch_begin", "on_step_begin", "on_pre_optimizer_step", "on_optimizer_step",
+                  "on_step_end", "on_evaluate", "on_log", "on_save", "on_epoch_end", "on_train_end")
+# treerl's run events (treerl.learners.core.RUN_EVENTS) as TrainerCallback events.
+_RUN_EVENTS = {"step_begin": "on_step_begin", "pre_optimizer_step": "on_pre_optimizer_step",
+               "optimizer_step": "on_optimizer_step", "save": "on_save"}
 
 
 def _ignored_events(callback: Any) -> list[str]:
@@ -1063,7 +1073,12 @@ class _CallbackArgs:
 
 
 class _TrainerCallbacks:
-    """TRL ``TrainerCallback`` objects called as a treerl step callback: ``on_step_end``, then ``on_evaluate``
+    """TRL ``TrainerCallback`` objects called as a treerl step callback, and told the run's events
+    (:meth:`on_event`: ``on_epoch_begin``, ``on_step_begin``, ``on_pre_optimizer_step`` and ``on_optimizer_step``
+    around each optimizer step, ``on_save`` after each checkpoint, ``on_epoch_end``, in transformers' Trainer's
+    order). A step of several optimizer steps (``num_iterations`` x ``num_minibatches``, TRL's several Trainer
+    steps of one generation) has one ``on_step_begin`` and one ``on_step_end``, as it logs once. After each
+    step: ``on_step_end``, then ``on_evaluate``
     with the evaluation's figures when the step evaluated (step 0: the evaluation before the first), then
     ``on_log`` with the step's metrics under TRL's names (``loss``, ``grad_norm``, ``learning_rate``,
     ``reward``, ``rewards/NAME/mean``, ``epoch``: :func:`_trl_log`, treerl's beside them), after each step. The
@@ -1081,8 +1096,19 @@ class _TrainerCallbacks:
         self.per_step = cfg.optimizer_steps_per_step()
         self.state, self.control = TrainerState(max_steps=cfg.steps * self.per_step), TrainerControl()
         self.last_step = -1  # the step of the latest call
+        self.per_epoch = int(cfg.steps_per_epoch(rows))  # 0: the rows are fewer than a step's, the run one epoch
+        self.in_epoch = False  # between on_epoch_begin and on_epoch_end
 
     def event(self, name: str, **kwargs: Any) -> None:
+        """Call ``name`` of each callback that has it, after the reset of ``control`` that transformers'
+        ``CallbackHandler`` makes before it."""
+        control = self.control
+        if name == "on_step_begin":
+            control.should_log = control.should_evaluate = control.should_save = False
+        elif name == "on_epoch_begin":
+            control.should_epoch_stop = False
+        elif name == "on_save":
+            control.should_save = False
         args = _CallbackArgs(self.cfg)
         for callback in self.callbacks:
             if hasattr(callback, name):
@@ -1090,17 +1116,38 @@ class _TrainerCallbacks:
                 if returned is not None:  # transformers' CallbackHandler takes the control a callback returns
                     self.control = returned
 
+    def on_event(self, name: str, global_step: int) -> None:
+        """The run's event ``name`` (:data:`~treerl.learners.core.RUN_EVENTS`) at optimizer step ``global_step``,
+        as its TrainerCallback event (:data:`_RUN_EVENTS`). A step that begins a pass over the rows (every
+        ``steps_per_epoch``-th, and the first of this call, as transformers' Trainer begins the epoch it resumes)
+        calls ``on_epoch_end`` of the pass before (after its last step's ``on_save``) and ``on_epoch_begin``
+        first; :meth:`end` calls the last ``on_epoch_end``."""
+        self.state.global_step = global_step
+        self.state.epoch = _epoch(global_step / self.per_step, self.cfg, self.rows)
+        if name == "step_begin":
+            step = global_step // self.per_step
+            if self.in_epoch and self.per_epoch and step % self.per_epoch == 0:
+                self.end()
+            if not self.in_epoch:
+                self.event("on_epoch_begin")
+                self.in_epoch = True
+        self.event(_RUN_EVENTS[name])
+
+    def end(self) -> None:
+        """``on_epoch_end`` of the pass under way (at the run's end: after its last checkpoint's ``on_save``)."""
+        if self.in_epoch:
+            self.event("on_epoch_end")
+            self.in_epoch = False
+
     def __call__(self, step: int, metrics: dict[str, float]) -> StepControl:
         self.state.global_step = step * self.per_step
         if "num_input_tokens_seen" in metrics:  # include_num_input_tokens_seen: transformers' state counts them
             self.state.num_input_tokens_seen = int(metrics["num_input_tokens_seen"])
         logs = _trl_log({**metrics, "step": step}, self.cfg, self.per_step, self.rows, self.reward_names)
         self.state.log_history.append(logs)
-        control = self.control
-        if step > self.last_step:  # a new step: on_step_begin's reset, then on_step_end
-            control.should_log = control.should_evaluate = control.should_save = False
-            if step > 0:
-                self.event("on_step_end")
+        self.state.epoch = _epoch(step, self.cfg, self.rows)
+        if step > self.last_step and step > 0:  # a new step
+            self.event("on_step_end")
         self.last_step = step
         if evaluated := {k: v for k, v in metrics.items() if k.startswith(("eval_", "eval/"))}:
             self.event("on_evaluate", metrics=evaluated)

@@ -107,7 +107,8 @@ from treerl.rollout.summary import RolloutStats
 from treerl.rollout.trajectory import Group
 
 __all__ = ["Run", "TrainResult", "build", "finish", "make_optimizer", "make_scheduler", "OptimizerSpec",
-           "StepCallback", "StepControl", "Evaluator", "LearnerSpec", "LEARNERS", "register_learner", "learner_name"]
+           "StepCallback", "StepControl", "RUN_EVENTS", "Evaluator", "LearnerSpec", "LEARNERS", "register_learner",
+           "learner_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,16 @@ StepCallback = Callable[[int, dict[str, float]], StepControl | None]
 """Called after each step on the main process with the step number (from 1) and a copy of the
 metrics it logged (TRL's ``TrainerCallback.on_log``, in one function); with ``eval_every`` and
 ``eval_on_start``, also with step 0 and the evaluation before the first step. It may return a
-:class:`StepControl` to stop the run, evaluate or save at that step (anything else is ignored)."""
+:class:`StepControl` to stop the run, evaluate or save at that step (anything else is ignored). One with a method
+``on_event(name, global_step)`` is also told the run's events (:data:`RUN_EVENTS`)."""
+
+RUN_EVENTS = ("step_begin", "pre_optimizer_step", "optimizer_step", "save")
+"""What :meth:`Run.notify` tells a callback that has a method ``on_event(name, global_step)`` (besides being called
+with ``(step, metrics)`` after each step), on the main process: a step begins, the optimizer is about to step and
+has stepped (each of a step's ``num_iterations`` x ``num_minibatches`` optimizer steps), a checkpoint was written.
+``global_step`` counts optimizer steps as TRL's ``state.global_step`` does when transformers' Trainer calls its
+``on_step_begin``, ``on_pre_optimizer_step``, ``on_optimizer_step`` and ``on_save``: those done before (the one
+just taken is counted at the step's end, as transformers counts it), the checkpoint's for ``save``."""
 
 Evaluator = Callable[..., dict[str, float]]
 """What ``eval_every`` measures instead of the held-out episodes: called on the main process with the
@@ -274,6 +284,7 @@ class Run:
                           file=sys.stderr)
                 return
             self._step_started = time.perf_counter()
+            self.notify("step_begin", step * self.cfg.optimizer_steps_per_step())
             yield step
 
     def rollout(self) -> tuple[list[Group], RolloutStats]:
@@ -398,6 +409,15 @@ class Run:
         self.state.extra[_TOKENS_SEEN] = seen
         return seen
 
+    def notify(self, event: str, global_step: int) -> None:
+        """Call ``on_event(event, global_step)`` of each callback that has one, on the main process (see
+        :data:`RUN_EVENTS`)."""
+        if not self.ranks.is_main:
+            return
+        for callback in self.callbacks:
+            if hasattr(callback, "on_event"):
+                callback.on_event(event, global_step)
+
     def call_back(self, step: int, metrics: dict[str, float]) -> StepControl:
         """Call each callback with ``step`` and a copy of ``metrics``; what they asked for, together."""
         out = StepControl()
@@ -455,10 +475,17 @@ class Run:
               f"{self.out_dir / 'model'}", file=sys.stderr)
         return True
 
+    def before_optimizer_step(self, optimizer_step: int) -> None:
+        """What precedes the run's optimizer step ``optimizer_step`` (from 1), its gradients clipped: the
+        callbacks told (``pre_optimizer_step``, :meth:`notify`)."""
+        self.notify("pre_optimizer_step", optimizer_step - 1)
+
     def after_optimizer_step(self, optimizer_step: int, metrics: dict[str, float]) -> None:
-        """What follows the run's optimizer step ``optimizer_step`` (from 1, TRL's ``global_step``):
-        ``sync_ref_model``'s update of the reference (:meth:`sync_reference`), and every
-        ``torch_empty_cache_steps``-th, the accelerator's cache emptied (:func:`empty_device_cache`)."""
+        """What follows the run's optimizer step ``optimizer_step`` (from 1, TRL's ``global_step``): the callbacks
+        told (``optimizer_step``, :meth:`notify`), ``sync_ref_model``'s update of the reference
+        (:meth:`sync_reference`), and every ``torch_empty_cache_steps``-th, the accelerator's cache emptied
+        (:func:`empty_device_cache`)."""
+        self.notify("optimizer_step", optimizer_step - 1)
         self.sync_reference(optimizer_step, metrics)
         every = self.cfg.torch_empty_cache_steps
         if every and optimizer_step % every == 0:
@@ -493,6 +520,7 @@ class Run:
             model_dir = self.out_dir / "model"
             self.hub.push(model_dir, f"Training in progress, step {self.state.step}", steps=self.state.step,
                           write=lambda: _write_model(self, model_dir))
+        self.notify("save", self.state.step * self.cfg.optimizer_steps_per_step())
 
 
 # -- build ---------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ evaluates (:mod:`treerl.learners.distributed`)::
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
@@ -477,7 +478,8 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
              normalizer: LossNormalizer | None = None, policy_coef: float = 1.0,
              extra_loss: ExtraLoss | None = None, precision: Precision | None = None,
              keep_logp: list[torch.Tensor] | None = None, ref_logps: list[torch.Tensor] | None = None,
-             entropy_control: AdaptiveEntropy | None = None) -> None:
+             entropy_control: AdaptiveEntropy | None = None,
+             before_step: Callable[[], None] | None = None) -> None:
     """One optimizer step over all micro-batches of the step (one accumulation window).
 
     With several ranks the window is every rank's micro-batches: the normalizer counts them
@@ -495,6 +497,8 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     with those ``ref_model`` computes, a filled one is read instead (TRL computes them once per generation).
     ``entropy_control`` (``use_adaptive_entropy``) sets the entropy bonus's coefficient of the whole window and
     takes the window's mean entropy afterwards (:mod:`~treerl.learners.entropy_control`).
+    ``before_step()`` is called right before the optimizer steps, the gradients clipped
+    (:meth:`Run.before_optimizer_step`).
     A Mixture-of-Experts model adds ``cfg.router_aux_loss_coef`` (:func:`router_aux_loss_coef`) times its
     router's load-balancing loss, TRL's: each micro-batch's (its forward's tokens, counted as unpacked), a mean
     over the window's micro-batches on every rank, as TRL divides it by its gradient accumulation steps and
@@ -600,6 +604,8 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
     if cfg.max_grad_norm > 0:
         metrics["grad/norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
     metrics["lr"] = scheduler.get_last_lr()[0]  # the rate this update takes (as transformers' Trainer logs it)
+    if before_step is not None:
+        before_step()
     precision.step(optimizer)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -609,11 +615,13 @@ def optimize_minibatches(model: torch.nn.Module, optimizer: torch.optim.Optimize
                          minibatches: Sequence[Minibatch], cfg: GRPOConfig, device: str, metrics: dict[str, float],
                          ranks: Ranks = Ranks(), ref_model: torch.nn.Module | None = None,
                          precision: Precision | None = None,
+                         before_update: Callable[[int], None] | None = None,
                          after_update: Callable[[int], None] | None = None,
                          entropy_control: AdaptiveEntropy | None = None) -> list[PackedBatch]:
     """``cfg.num_iterations`` passes over the step's minibatches, in the same order each time (TRL reuses its
     shuffled chunks so), one :func:`optimize` (optimizer step) on each; returns every micro-batch.
-    ``after_update(n)`` is called after the step's n-th optimizer step (from 1; :meth:`Run.after_optimizer_step`);
+    ``before_update(n)`` and ``after_update(n)`` are called before and after the step's n-th optimizer step (from
+    1; :meth:`Run.before_optimizer_step`, :meth:`Run.after_optimizer_step`);
     ``entropy_control`` (``use_adaptive_entropy``) moves at each of them, as :func:`optimize` says.
 
     The reference's log-probs are each minibatch's first update's for every later one, as TRL's of the
@@ -647,7 +655,8 @@ def optimize_minibatches(model: torch.nn.Module, optimizer: torch.optim.Optimize
             updates.append({})
             optimize(model, optimizer, scheduler, batches, cfg, device, updates[-1], ranks, ref_model=ref_model,
                      normalizer=normalizer, precision=precision, keep_logp=old_logp if keep else None,
-                     ref_logps=ref_logps[i], entropy_control=entropy_control)
+                     ref_logps=ref_logps[i], entropy_control=entropy_control,
+                     before_step=None if before_update is None else functools.partial(before_update, updated + 1))
             if keep:
                 minibatches[0] = ([b.with_old_logp(logp.to(b.term_sampler_logp.device))
                                    for b, logp in zip(batches, old_logp)], normalizer)
@@ -773,6 +782,7 @@ def update(run: Run, step: int, groups: Sequence[Group], stats: RolloutStats, me
     entropy_control = AdaptiveEntropy.of_run(cfg, run.state.extra)
     batches = optimize_minibatches(run.model, run.optimizer, run.scheduler, minibatches, cfg, run.device, metrics,
                                    run.ranks, ref_model=run.reference, precision=run.precision,
+                                   before_update=lambda n: run.before_optimizer_step(first + n),
                                    after_update=lambda n: run.after_optimizer_step(first + n, metrics),
                                    entropy_control=entropy_control)
     if entropy_control is not None:

@@ -462,7 +462,7 @@ def sdpo_step(run: Run, teacher: torch.nn.Module, prompter: TeacherPrompter, ste
     optimize(run.model, run.optimizer, run.scheduler, batches, cfg, run.device, metrics, run.ranks,
              ref_model=run.reference if cfg.beta > 0 else None, normalizer=normalizer,
              policy_coef=1.0 - cfg.distillation_weight, extra_loss=distill, precision=run.precision,
-             entropy_control=entropy_control)
+             entropy_control=entropy_control, before_step=lambda: run.before_optimizer_step(step + 1))
     if entropy_control is not None:
         entropy_control.save(run.state.extra)
     if distill is not None:
