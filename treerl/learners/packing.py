@@ -286,9 +286,10 @@ def _unit(
         piece, where_tree = _tree_piece(group, leaves)
         pieces = [piece]
         where = {key: (0, index) for key, index in where_tree.items()}
+        _count_paths(group, episodes, pieces, where_tree)
     else:
         pieces, where = _flat_pieces(group, leaves, one_per_row=mode == "padded")
-    _count_paths(group, episodes, pieces, where if mode == "tree" else None)
+        _count_paths(group, episodes, pieces, None)
     unit = _Unit(pieces=pieces, targets=[], terms=[], num_path_tokens=0)
     target_of: dict[tuple[int, int], int] = {}
     for i in episodes:
@@ -317,19 +318,22 @@ def _unit(
 
 
 def _count_paths(group: Group, episodes: Sequence[int], pieces: list[_Piece],
-                 where: dict[tuple[int, int], tuple[int, int]] | None) -> None:
+                 where_tree: dict[tuple[int, int], int] | None) -> None:
     """Each piece's ``num_paths``: how many of the episodes' root-to-leaf paths hold each token, i.e. how many
     times the unpacked batch (one row per episode's path, as ``padded`` lays them) holds it. A path of ``flat``
-    and ``padded`` pieces is laid out on its own, so each of their tokens is one path's (``where`` None)."""
+    and ``padded`` pieces is laid out on its own, so each of their tokens is one path's (``where_tree`` None);
+    a ``tree`` piece (:func:`_tree_piece`, ``where_tree`` its token positions) holds each segment once, its
+    tokens side by side, all on the same paths: one count per segment, set on its span."""
     for piece in pieces:
-        piece.num_paths = [1 if where is None else 0] * len(piece.token_ids)
-    if where is None:
+        piece.num_paths = [1 if where_tree is None else 0] * len(piece.token_ids)
+    if where_tree is None:
         return
+    (piece,) = pieces
     paths = Counter(s for i in episodes for leaf in _episode_leaves(group, [i]) for s in group.path_indices(leaf))
     for s, count in paths.items():
-        for off in range(len(group.segments[s].token_ids)):
-            p, index = where[(s, off)]
-            pieces[p].num_paths[index] += count
+        if num_tokens := len(group.segments[s].token_ids):
+            first = where_tree[(s, 0)]
+            piece.num_paths[first:first + num_tokens] = [count] * num_tokens
 
 
 def _head(seg: Segment, off: int) -> SamplerHead | None:
